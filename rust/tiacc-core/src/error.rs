@@ -1,0 +1,89 @@
+//! The one typed error of the engine. Every variant names the file, offset,
+//! line or variable involved so that the message alone locates the problem.
+
+use std::path::PathBuf;
+
+/// Result alias used throughout the engine.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Every failure the engine can report.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The operating system refused an operation on `path`.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A TFRecord whose framing or checksums are wrong.
+    #[error("{}: corrupt record at offset {offset}: {kind}", path.display())]
+    CorruptRecord {
+        path: PathBuf,
+        offset: u64,
+        kind: Corruption,
+    },
+
+    /// A record payload that is not a valid `tf.train.Example`.
+    #[error("malformed tf.train.Example{location}: {reason}")]
+    MalformedExample {
+        /// " in FILE at offset N" when the payload came from a file, else "".
+        location: String,
+        reason: String,
+    },
+
+    /// A malformed line in an index file.
+    #[error("{}:{line}: {reason}", path.display())]
+    BadIndex {
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        reason: String,
+    },
+
+    /// A file that is not a readable image.
+    #[error("{}: not a readable image: {reason}", path.display())]
+    BadImage { path: PathBuf, reason: String },
+
+    /// A caller passed a value the engine cannot use.
+    #[error("{0}")]
+    InvalidArgument(String),
+}
+
+/// What exactly is wrong with a corrupt record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Corruption {
+    /// The file ends inside the 12-byte record header.
+    #[error("truncated header: the file ends {available} bytes after the offset, a header needs 12")]
+    TruncatedHeader { available: u64 },
+    /// The masked CRC32C stored after the length does not match it.
+    #[error("length CRC mismatch (stored {stored:#010x}, computed {computed:#010x})")]
+    LengthCrc { stored: u32, computed: u32 },
+    /// The length field asks for more bytes than the file holds after the header.
+    #[error("length field says {length} payload bytes (+4 CRC bytes) but only {available} bytes remain in the file (truncated or corrupt)")]
+    LengthPastEnd { length: u64, available: u64 },
+    /// The masked CRC32C stored after the payload does not match it.
+    #[error("payload CRC mismatch over {length} bytes (stored {stored:#010x}, computed {computed:#010x})")]
+    PayloadCrc {
+        length: u64,
+        stored: u32,
+        computed: u32,
+    },
+    /// The offset is beyond the end of the file.
+    #[error("offset is past the end of the file ({file_len} bytes)")]
+    OffsetPastEnd { file_len: u64 },
+    /// The offset lies inside a record instead of at its first byte.
+    #[error("offset is not a record boundary (the nearest record before it starts at {previous})")]
+    NotRecordBoundary { previous: u64 },
+}
+
+impl Error {
+    /// Wraps an I/O error with the path it concerns.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! tiacc-training engine core.
+//!
+//! Pure Rust with no Python dependency, so every piece is testable with
+//! `cargo test`. The `tiacc-py` crate wraps it for Python.
+
+pub mod error;
+pub mod tfrecord;
+
+pub use error::{Corruption, Error, Result};
