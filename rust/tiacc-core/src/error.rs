@@ -55,7 +55,9 @@ pub enum Error {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Corruption {
     /// The file ends inside the 12-byte record header.
-    #[error("truncated header: the file ends {available} bytes after the offset, a header needs 12")]
+    #[error(
+        "truncated header: the file ends {available} bytes after the offset, a header needs 12"
+    )]
     TruncatedHeader { available: u64 },
     /// The masked CRC32C stored after the length does not match it.
     #[error("length CRC mismatch (stored {stored:#010x}, computed {computed:#010x})")]

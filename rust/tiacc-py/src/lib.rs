@@ -1,1 +1,31 @@
+//! `tiacc_training._engine`: the Python face of `tiacc-core`.
+//!
+//! Conversion only: every function converts its arguments, releases the GIL
+//! around the engine call, and maps engine errors with `errors::to_pyerr`.
 
+use pyo3::prelude::*;
+
+mod errors;
+mod features;
+mod pack;
+mod records;
+
+#[pymodule]
+fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    m.add_function(wrap_pyfunction!(records::crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(records::masked_crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(records::frame_record, m)?)?;
+    m.add_function(wrap_pyfunction!(records::encode_example, m)?)?;
+    m.add_function(wrap_pyfunction!(records::decode_example, m)?)?;
+    m.add_function(wrap_pyfunction!(records::verify_shard, m)?)?;
+    m.add_function(wrap_pyfunction!(records::verify_index, m)?)?;
+    m.add_function(wrap_pyfunction!(records::read_index, m)?)?;
+    m.add_class::<records::RecordReader>()?;
+    m.add_class::<records::RecordIterator>()?;
+    m.add_class::<records::RecordWriter>()?;
+    m.add_class::<records::ShardedWriter>()?;
+    m.add_class::<pack::ImagePacker>()?;
+    Ok(())
+}

@@ -101,7 +101,9 @@ impl Feature {
 
 impl Example {
     /// Builds an Example from `(name, feature)` pairs.
-    pub fn from_features<K: Into<String>>(features: impl IntoIterator<Item = (K, Feature)>) -> Self {
+    pub fn from_features<K: Into<String>>(
+        features: impl IntoIterator<Item = (K, Feature)>,
+    ) -> Self {
         Example {
             features: Some(Features {
                 feature: features.into_iter().map(|(k, v)| (k.into(), v)).collect(),
@@ -165,7 +167,10 @@ mod tests {
         let back = Example::parse(bytes, "").unwrap();
         assert_eq!(back, ex);
         assert_eq!(back.first_int64("image/class/label"), Some(7));
-        assert_eq!(back.first_bytes("image/encoded").unwrap().as_ref(), b"\xff\xd8jpeg");
+        assert_eq!(
+            back.first_bytes("image/encoded").unwrap().as_ref(),
+            b"\xff\xd8jpeg"
+        );
         assert_eq!(back.first_int64("scores"), None);
     }
 

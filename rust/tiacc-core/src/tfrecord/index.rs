@@ -192,6 +192,9 @@ mod tests {
         fs::write(&p, format_dali_idx(&[(0, 20), (20, 116)])).unwrap();
         assert_eq!(read_dali_idx(&p).unwrap(), vec![(0, 20), (20, 116)]);
         fs::write(&p, "0 20\n20\n").unwrap();
-        assert!(read_dali_idx(&p).unwrap_err().to_string().contains("s.idx:2:"));
+        assert!(read_dali_idx(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("s.idx:2:"));
     }
 }

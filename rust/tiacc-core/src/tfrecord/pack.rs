@@ -130,9 +130,18 @@ pub fn build_record(item: &PackItem, lowercase_format: bool) -> Result<Vec<u8>> 
     let mut features: Vec<(String, Feature)> = vec![
         ("image/encoded".into(), Feature::bytes([Bytes::from(data)])),
         ("image/format".into(), Feature::bytes([format.into_bytes()])),
-        ("image/filename".into(), Feature::bytes([item.filename.clone().into_bytes()])),
-        ("image/height".into(), Feature::int64([i64::from(info.height)])),
-        ("image/width".into(), Feature::int64([i64::from(info.width)])),
+        (
+            "image/filename".into(),
+            Feature::bytes([item.filename.clone().into_bytes()]),
+        ),
+        (
+            "image/height".into(),
+            Feature::int64([i64::from(info.height)]),
+        ),
+        (
+            "image/width".into(),
+            Feature::int64([i64::from(info.width)]),
+        ),
     ];
     features.extend(item.features.iter().cloned());
     Ok(Example::from_features(features).encode_to_vec())
@@ -167,7 +176,9 @@ impl ImagePacker {
                     .num_threads(n)
                     .thread_name(|i| format!("tiacc-pack-{i}"))
                     .build()
-                    .map_err(|e| Error::InvalidArgument(format!("cannot start {n} workers: {e}")))?,
+                    .map_err(|e| {
+                        Error::InvalidArgument(format!("cannot start {n} workers: {e}"))
+                    })?,
             ),
         };
         Ok(ImagePacker {
@@ -193,24 +204,28 @@ impl ImagePacker {
     pub fn add(&mut self, items: &[PackItem]) -> Result<Vec<PackOutcome>> {
         let lower = self.options.lowercase_format;
         let build = |batch: &[PackItem]| -> Vec<Result<Vec<u8>>> {
-            batch.par_iter().map(|item| build_record(item, lower)).collect()
+            batch
+                .par_iter()
+                .map(|item| build_record(item, lower))
+                .collect()
         };
         let writer = &mut self.writer;
         let image_bytes = &mut self.image_bytes;
         let mut outcomes = Vec::with_capacity(items.len());
-        let mut write = |batch: &[PackItem], built: Vec<Result<Vec<u8>>>| -> Result<Vec<PackOutcome>> {
-            batch
-                .iter()
-                .zip(built)
-                .map(|(item, record)| match record {
-                    Ok(payload) => {
-                        *image_bytes += payload.len() as u64;
-                        writer.write(&payload, item.label).map(PackOutcome::Packed)
-                    }
-                    Err(e) => Ok(PackOutcome::Failed(e)),
-                })
-                .collect()
-        };
+        let mut write =
+            |batch: &[PackItem], built: Vec<Result<Vec<u8>>>| -> Result<Vec<PackOutcome>> {
+                batch
+                    .iter()
+                    .zip(built)
+                    .map(|(item, record)| match record {
+                        Ok(payload) => {
+                            *image_bytes += payload.len() as u64;
+                            writer.write(&payload, item.label).map(PackOutcome::Packed)
+                        }
+                        Err(e) => Ok(PackOutcome::Failed(e)),
+                    })
+                    .collect()
+            };
         match &self.pool {
             None => {
                 for item in items {
@@ -276,9 +291,19 @@ mod tests {
     #[test]
     fn probe_reads_header() {
         let info = probe_image(&png(3, 2), Path::new("a.png")).unwrap();
-        assert_eq!(info, ImageInfo { format: ImageFormat::Png, width: 3, height: 2 });
+        assert_eq!(
+            info,
+            ImageInfo {
+                format: ImageFormat::Png,
+                width: 3,
+                height: 2
+            }
+        );
         let err = probe_image(b"not an image at all", Path::new("b.jpg")).unwrap_err();
-        assert!(err.to_string().starts_with("b.jpg: not a readable image"), "{err}");
+        assert!(
+            err.to_string().starts_with("b.jpg: not a readable image"),
+            "{err}"
+        );
         let truncated = &png(3, 2)[..20];
         assert!(probe_image(truncated, Path::new("c.png")).is_err());
     }
@@ -286,7 +311,14 @@ mod tests {
     fn pack(dir: &Path, workers: usize, items: &[PackItem]) -> (Vec<PackOutcome>, Vec<u8>) {
         let out = dir.join(format!("out{workers}"));
         let writer = ShardedWriter::create(&out, "ds", 2).unwrap();
-        let mut packer = ImagePacker::new(writer, PackOptions { workers, lowercase_format: false }).unwrap();
+        let mut packer = ImagePacker::new(
+            writer,
+            PackOptions {
+                workers,
+                lowercase_format: false,
+            },
+        )
+        .unwrap();
         let outcomes = packer.add(items).unwrap();
         packer.finish().unwrap();
         let mut all = fs::read(out.join("ds.index")).unwrap();
@@ -314,7 +346,10 @@ mod tests {
         let (_, bytes2) = pack(dir.path(), 2, &items);
         assert_eq!(bytes0, bytes1);
         assert_eq!(bytes0, bytes2);
-        assert!(matches!(outcomes[5], PackOutcome::Failed(Error::BadImage { .. })));
+        assert!(matches!(
+            outcomes[5],
+            PackOutcome::Failed(Error::BadImage { .. })
+        ));
         let index = read_index(&dir.path().join("out2/ds.index")).unwrap();
         assert_eq!(index.len(), 39);
         let e = &index[5]; // item 6: the failed item took no slot
@@ -324,7 +359,10 @@ mod tests {
         assert_eq!(ex.first_int64("image/width"), Some(10));
         assert_eq!(ex.first_int64("image/height"), Some(3));
         assert_eq!(ex.first_bytes("image/format").unwrap().as_ref(), b"PNG");
-        assert_eq!(ex.first_bytes("image/encoded").unwrap().as_ref(), png(10, 3).as_slice());
+        assert_eq!(
+            ex.first_bytes("image/encoded").unwrap().as_ref(),
+            png(10, 3).as_slice()
+        );
     }
 
     #[test]
@@ -335,6 +373,9 @@ mod tests {
         let mut it = item(p, 0);
         it.expect_size = Some((2, 3));
         let msg = build_record(&it, true).unwrap_err().to_string();
-        assert!(msg.contains("header says 3x2 but the annotations say 2x3"), "{msg}");
+        assert!(
+            msg.contains("header says 3x2 but the annotations say 2x3"),
+            "{msg}"
+        );
     }
 }

@@ -179,7 +179,10 @@ impl<S: Source + ?Sized> RecordReader<S> {
             }
         }
         let remaining = available - HEADER_LEN;
-        if length.checked_add(FOOTER_LEN).is_none_or(|need| need > remaining) {
+        if length
+            .checked_add(FOOTER_LEN)
+            .is_none_or(|need| need > remaining)
+        {
             return Err(self.corrupt(
                 offset,
                 Corruption::LengthPastEnd {
@@ -208,8 +211,7 @@ impl<S: Source + ?Sized> RecordReader<S> {
         self.read(buf, offset + HEADER_LEN)?;
         let payload_len = total - FOOTER_LEN as usize;
         if self.verify {
-            let stored =
-                u32::from_le_bytes(buf[payload_len..].try_into().expect("4-byte footer"));
+            let stored = u32::from_le_bytes(buf[payload_len..].try_into().expect("4-byte footer"));
             let computed = masked_crc32c(&buf[..payload_len]);
             if stored != computed {
                 return Err(self.corrupt(
@@ -311,7 +313,10 @@ mod tests {
         let framed = frame(b"hello");
         assert_eq!(framed.len(), 5 + 16);
         assert_eq!(&framed[..8], &5u64.to_le_bytes());
-        assert_eq!(&framed[8..12], &masked_crc32c(&5u64.to_le_bytes()).to_le_bytes());
+        assert_eq!(
+            &framed[8..12],
+            &masked_crc32c(&5u64.to_le_bytes()).to_le_bytes()
+        );
         assert_eq!(&framed[12..17], b"hello");
         assert_eq!(&framed[17..], &masked_crc32c(b"hello").to_le_bytes());
     }
@@ -364,7 +369,10 @@ mod tests {
         let mut bytes = shard(&[b"x"]);
         bytes.extend_from_slice(&[1, 2, 3]);
         let (offset, k) = kind(reader(bytes).scan().nth(1).unwrap().unwrap_err());
-        assert_eq!((offset, k), (17, Corruption::TruncatedHeader { available: 3 }));
+        assert_eq!(
+            (offset, k),
+            (17, Corruption::TruncatedHeader { available: 3 })
+        );
     }
 
     #[test]
@@ -381,7 +389,10 @@ mod tests {
         bytes[13] ^= 0x80;
         let (offset, k) = kind(reader(bytes).read_at(0).unwrap_err());
         assert_eq!(offset, 0);
-        assert!(matches!(k, Corruption::PayloadCrc { length: 3, .. }), "{k:?}");
+        assert!(
+            matches!(k, Corruption::PayloadCrc { length: 3, .. }),
+            "{k:?}"
+        );
     }
 
     #[test]
@@ -407,7 +418,9 @@ mod tests {
         assert_eq!(r.read_at(0).unwrap(), vec![b'a', b'b' ^ 0x80, b'c']);
         let mut huge = encode_header(1 << 40).to_vec();
         huge[8] ^= 1; // bad length CRC is not checked without verify
-        assert!(RecordReader::from_source(huge, "mem", false).read_at(0).is_err());
+        assert!(RecordReader::from_source(huge, "mem", false)
+            .read_at(0)
+            .is_err());
     }
 
     #[test]

@@ -30,7 +30,10 @@ pub fn scan_shard(path: &Path, check_examples: bool) -> Result<(ShardReport, Vec
     while let Some(at) = scan.next_into(&mut buf)? {
         if check_examples {
             let payload = Bytes::from(std::mem::take(&mut buf));
-            Example::parse(payload.clone(), &format!(" in {} at offset {at}", path.display()))?;
+            Example::parse(
+                payload.clone(),
+                &format!(" in {} at offset {at}", path.display()),
+            )?;
             // Take the allocation back for the next record when nothing else holds it.
             buf = Vec::from(payload);
         }
@@ -45,9 +48,12 @@ pub fn scan_shard(path: &Path, check_examples: bool) -> Result<(ShardReport, Vec
     ))
 }
 
-/// Verifies one shard; see [`scan_shard`].
+/// Verifies one shard (see [`scan_shard`]) and the DALI `.idx` beside it,
+/// if there is one.
 pub fn verify_shard(path: &Path, check_examples: bool) -> Result<ShardReport> {
-    scan_shard(path, check_examples).map(|(report, _)| report)
+    let (report, offsets) = scan_shard(path, check_examples)?;
+    check_dali_idx(path, &offsets)?;
+    Ok(report)
 }
 
 /// What a verified dataset index covers.
@@ -129,7 +135,9 @@ fn check_dali_idx(shard: &Path, offsets: &[u64]) -> Result<()> {
         return Ok(());
     }
     let lines = read_dali_idx(&idx)?;
-    let file_len = std::fs::metadata(shard).map_err(|e| Error::io(shard, e))?.len();
+    let file_len = std::fs::metadata(shard)
+        .map_err(|e| Error::io(shard, e))?
+        .len();
     for (i, (offset, size)) in lines.iter().enumerate() {
         let end = offsets.get(i + 1).copied().unwrap_or(file_len);
         if offsets.get(i) != Some(offset) || end.checked_sub(*offset) != Some(*size) {
@@ -191,10 +199,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let index = dataset(dir.path());
         let text = fs::read_to_string(&index).unwrap();
-        let bad = text.replacen("ds-00000.tfrecord\t0\t0\t0", "ds-00000.tfrecord\t0\t5\t0", 1);
+        let bad = text.replacen(
+            "ds-00000.tfrecord\t0\t0\t0",
+            "ds-00000.tfrecord\t0\t5\t0",
+            1,
+        );
         fs::write(&index, bad).unwrap();
         let msg = verify_index(&index, false).unwrap_err().to_string();
-        assert!(msg.contains("ds.index:1:") && msg.contains("not a record boundary"), "{msg}");
+        assert!(
+            msg.contains("ds.index:1:") && msg.contains("not a record boundary"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -205,7 +220,10 @@ mod tests {
         text.push_str("ds-00001.tfrecord\t1\t99999\t0\n");
         fs::write(&index, text).unwrap();
         let msg = verify_index(&index, false).unwrap_err().to_string();
-        assert!(msg.contains("ds.index:8:") && msg.contains("past the end"), "{msg}");
+        assert!(
+            msg.contains("ds.index:8:") && msg.contains("past the end"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -214,7 +232,10 @@ mod tests {
         let index = dataset(dir.path());
         fs::remove_file(dir.path().join("ds-00002.tfrecord")).unwrap();
         let msg = verify_index(&index, false).unwrap_err().to_string();
-        assert!(msg.contains("ds.index:7:") && msg.contains("does not exist"), "{msg}");
+        assert!(
+            msg.contains("ds.index:7:") && msg.contains("does not exist"),
+            "{msg}"
+        );
     }
 
     #[test]

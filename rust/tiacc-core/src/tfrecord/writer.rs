@@ -97,7 +97,9 @@ impl RecordFileWriter {
         let target: PathBuf = path.into();
         let file_name = target
             .file_name()
-            .ok_or_else(|| Error::InvalidArgument(format!("{}: not a file path", target.display())))?
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("{}: not a file path", target.display()))
+            })?
             .to_string_lossy()
             .into_owned();
         let tmp = parent_dir(&target).join(format!(".{file_name}.tmp-{}", std::process::id()));
@@ -109,7 +111,10 @@ impl RecordFileWriter {
 
     fn open(&mut self) -> Result<&mut OpenFile> {
         self.file.as_mut().ok_or_else(|| {
-            Error::InvalidArgument(format!("{}: writer is already closed", self.target.display()))
+            Error::InvalidArgument(format!(
+                "{}: writer is already closed",
+                self.target.display()
+            ))
         })
     }
 
@@ -127,7 +132,10 @@ impl RecordFileWriter {
     /// every record.
     pub fn finish(&mut self) -> Result<Vec<(u64, u64)>> {
         let file = self.file.take().ok_or_else(|| {
-            Error::InvalidArgument(format!("{}: writer is already closed", self.target.display()))
+            Error::InvalidArgument(format!(
+                "{}: writer is already closed",
+                self.target.display()
+            ))
         })?;
         let (tmp, records) = file.close()?;
         rename(&tmp, &self.target)?;
@@ -222,9 +230,9 @@ fn clear_stale_staging(out_dir: &Path, name: &str) -> Result<()> {
         let Some(pid) = file_name.strip_prefix(&prefix) else {
             continue;
         };
-        let alive = pid
-            .parse::<u32>()
-            .is_ok_and(|pid| pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists());
+        let alive = pid.parse::<u32>().is_ok_and(|pid| {
+            pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists()
+        });
         if alive {
             return Err(Error::InvalidArgument(format!(
                 "{}: another process (pid {pid}) is writing dataset {name:?} here; wait for it or stop it",
@@ -334,7 +342,10 @@ impl ShardedWriter {
         }
         self.close_current()?;
         let index_name = index_file_name(&self.name);
-        write_synced(&self.staging.join(&index_name), &format_index(&self.entries))?;
+        write_synced(
+            &self.staging.join(&index_name),
+            &format_index(&self.entries),
+        )?;
         sync_dir(&self.staging)?;
 
         // The old index goes first: from here until the new index lands, the
@@ -442,7 +453,13 @@ mod tests {
         let locs: Vec<_> = (0..5)
             .map(|i| w.write(format!("rec{i}").as_bytes(), i).unwrap())
             .collect();
-        assert_eq!(locs[2], RecordLocation { shard: 1, offset: 0 });
+        assert_eq!(
+            locs[2],
+            RecordLocation {
+                shard: 1,
+                offset: 0
+            }
+        );
         assert!(!out.join("ds.index").exists());
         let summary = w.finish().unwrap();
         assert_eq!(summary.records, 5);
@@ -524,7 +541,10 @@ mod tests {
     fn bad_names_and_sizes() {
         let dir = tempfile::tempdir().unwrap();
         for name in ["", ".hidden", "a/b", "tab\there"] {
-            assert!(ShardedWriter::create(dir.path(), name, 1).is_err(), "{name:?}");
+            assert!(
+                ShardedWriter::create(dir.path(), name, 1).is_err(),
+                "{name:?}"
+            );
         }
         assert!(ShardedWriter::create(dir.path(), "ok", 0).is_err());
     }

@@ -1,0 +1,74 @@
+# tiacc-training: `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+STAMPS  := .stamps
+# Python packages the build, tests, demo and benchmarks need (all from PyPI).
+PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruff tfrecord
+DEMO_DIR ?= data/demo
+RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
+
+.PHONY: help setup build demo test test-rust test-python bench lint fmt fuzz clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMPS)/apt:
+	@mkdir -p $(STAMPS)
+	@# cmake and nasm build libjpeg-turbo (the image decoder); install if missing.
+	@missing=""; for tool in cmake nasm; do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing with apt"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@touch $@
+
+$(STAMPS)/venv: Makefile | $(STAMPS)/apt
+	@mkdir -p $(STAMPS)
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(PY_DEPS)
+	@touch $@
+
+$(STAMPS)/build: $(STAMPS)/venv $(RUST_SOURCES)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
+	@touch $@
+
+setup: $(STAMPS)/build ## create .venv, install dependencies, build + install the extension (release)
+
+build: setup ## alias of setup
+
+demo: setup ## generate an image folder, pack it, verify it, print a summary
+	$(PY) demo/pack_demo.py --workdir $(DEMO_DIR)
+
+test: setup test-rust test-python ## run every test (cargo test + pytest)
+
+test-rust: ## cargo test of the engine
+	cargo test --workspace --exclude tiacc-py --quiet
+
+test-python: setup ## pytest
+	$(PY) -m pytest tests -q
+
+bench: setup ## benchmarks (write benches/results/*.json)
+	$(PY) benches/bench_pack.py
+
+lint: setup ## rustfmt, clippy -D warnings, ruff
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --quiet -- -D warnings
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: setup ## format Rust and Python sources
+	cargo fmt --all
+	$(VENV)/bin/ruff format .
+
+fuzz: ## run the cargo-fuzz targets (FUZZ_SECONDS per target, default 600)
+	bash fuzz/run.sh $(or $(FUZZ_SECONDS),600)
+
+clean: ## remove build outputs (keeps .venv)
+	cargo clean
+	rm -rf $(STAMPS) tiacc_training/_engine*.so

@@ -1,0 +1,131 @@
+//! The Python exception hierarchy and the one mapping from engine errors.
+//!
+//! ```text
+//! RuntimeError
+//! └── TiaccError
+//!     ├── ConfigError
+//!     ├── CommError
+//!     │   └── CommTimeoutError
+//!     ├── DataError
+//!     │   └── CorruptRecordError
+//!     └── DecodeError
+//! ```
+//!
+//! The orphan rule forbids `impl From<tiacc_core::Error> for PyErr` here, so
+//! the mapping is [`to_pyerr`], reached through [`ResultExt::py`].
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyModule;
+use pyo3::IntoPyObjectExt;
+use tiacc_core::Error;
+
+pyo3::create_exception!(
+    tiacc_training.errors,
+    TiaccError,
+    PyRuntimeError,
+    "Root of every error raised by tiacc-training's engine."
+);
+pyo3::create_exception!(
+    tiacc_training.errors,
+    ConfigError,
+    TiaccError,
+    "A configuration value (argument or environment variable) is invalid."
+);
+pyo3::create_exception!(
+    tiacc_training.errors,
+    CommError,
+    TiaccError,
+    "A collective communication failed."
+);
+pyo3::create_exception!(
+    tiacc_training.errors,
+    CommTimeoutError,
+    CommError,
+    "A peer did not answer within the communication timeout."
+);
+pyo3::create_exception!(
+    tiacc_training.errors,
+    DataError,
+    TiaccError,
+    "A data file (shard, index, list) could not be read or is invalid."
+);
+pyo3::create_exception!(
+    tiacc_training.errors,
+    CorruptRecordError,
+    DataError,
+    "A TFRecord's framing or checksum is wrong; `path` and `offset` locate it."
+);
+pyo3::create_exception!(
+    tiacc_training.errors,
+    DecodeError,
+    TiaccError,
+    "A file is not a readable image."
+);
+
+/// Adds the exception classes to the extension module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("TiaccError", py.get_type::<TiaccError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("CommError", py.get_type::<CommError>())?;
+    m.add("CommTimeoutError", py.get_type::<CommTimeoutError>())?;
+    m.add("DataError", py.get_type::<DataError>())?;
+    m.add("CorruptRecordError", py.get_type::<CorruptRecordError>())?;
+    m.add("DecodeError", py.get_type::<DecodeError>())?;
+    Ok(())
+}
+
+/// Maps an engine error to its Python exception, with attributes that
+/// locate the problem (`path`, `offset`, `line`) where the error has them.
+pub fn to_pyerr(err: Error) -> PyErr {
+    let message = err.to_string();
+    Python::attach(|py| {
+        let (exc, attrs): (PyErr, Vec<(&str, Py<PyAny>)>) = match &err {
+            Error::Io { path, .. } => (
+                DataError::new_err(message),
+                vec![("path", path_obj(py, path))],
+            ),
+            Error::CorruptRecord { path, offset, .. } => (
+                CorruptRecordError::new_err(message),
+                vec![("path", path_obj(py, path)), ("offset", any(py, *offset))],
+            ),
+            Error::MalformedExample { .. } => (DataError::new_err(message), vec![]),
+            Error::BadIndex { path, line, .. } => (
+                DataError::new_err(message),
+                vec![("path", path_obj(py, path)), ("line", any(py, *line))],
+            ),
+            Error::BadImage { path, .. } => (
+                DecodeError::new_err(message),
+                vec![("path", path_obj(py, path))],
+            ),
+            Error::InvalidArgument(_) => (PyValueError::new_err(message), vec![]),
+        };
+        let value = exc.value(py);
+        for (name, obj) in attrs {
+            // Setting an attribute on a fresh exception instance cannot
+            // reasonably fail; if it does the exception is still raised.
+            let _ = value.setattr(name, obj);
+        }
+        exc
+    })
+}
+
+fn path_obj(py: Python<'_>, path: &std::path::Path) -> Py<PyAny> {
+    any(py, path.to_string_lossy())
+}
+
+fn any<'py, T: IntoPyObjectExt<'py>>(py: Python<'py>, value: T) -> Py<PyAny> {
+    value.into_py_any(py).unwrap_or_else(|_| py.None())
+}
+
+/// `.py()` turns an engine result into a Python result.
+pub trait ResultExt<T> {
+    fn py(self) -> PyResult<T>;
+}
+
+impl<T> ResultExt<T> for Result<T, Error> {
+    fn py(self) -> PyResult<T> {
+        self.map_err(to_pyerr)
+    }
+}

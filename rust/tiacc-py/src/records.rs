@@ -1,0 +1,282 @@
+//! TFRecord reading, writing and verification for Python.
+
+use std::path::PathBuf;
+
+use pyo3::exceptions::PyStopIteration;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use tiacc_core::tfrecord::example::Example;
+use tiacc_core::tfrecord::record::{RecordReader as CoreReader, SizedFile};
+use tiacc_core::tfrecord::writer::{
+    DatasetSummary, RecordFileWriter, ShardedWriter as CoreShardedWriter,
+};
+use tiacc_core::tfrecord::{index, record, verify};
+
+use crate::errors::ResultExt;
+use crate::features::{example_to_dict, features_from_dict};
+
+/// CRC32C (Castagnoli) of `data`.
+#[pyfunction]
+pub fn crc32c(data: &[u8]) -> u32 {
+    tiacc_core::tfrecord::crc::crc32c(data)
+}
+
+/// TensorFlow's masked CRC32C of `data`, as stored in TFRecord files.
+#[pyfunction]
+pub fn masked_crc32c(data: &[u8]) -> u32 {
+    tiacc_core::tfrecord::crc::masked_crc32c(data)
+}
+
+/// The complete framed TFRecord for `payload`.
+#[pyfunction]
+pub fn frame_record<'py>(py: Python<'py>, payload: &[u8]) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &record::frame(payload))
+}
+
+/// Serializes a feature dict as a `tf.train.Example`.
+#[pyfunction]
+pub fn encode_example<'py>(
+    py: Python<'py>,
+    features: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    use prost::Message;
+    let example = Example::from_features(features_from_dict(features)?);
+    Ok(PyBytes::new(py, &example.encode_to_vec()))
+}
+
+/// Parses a serialized `tf.train.Example` into `{name: list}`.
+#[pyfunction]
+pub fn decode_example<'py>(py: Python<'py>, payload: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    let example = Example::parse(payload.to_vec(), "").py()?;
+    example_to_dict(py, &example)
+}
+
+/// Random-access reader of one TFRecord file.
+#[pyclass(module = "tiacc_training._engine", frozen)]
+pub struct RecordReader {
+    inner: CoreReader<SizedFile>,
+}
+
+#[pymethods]
+impl RecordReader {
+    #[new]
+    #[pyo3(signature = (path, verify = true))]
+    fn new(py: Python<'_>, path: PathBuf, verify: bool) -> PyResult<Self> {
+        let inner = py.detach(|| CoreReader::open(path, verify)).py()?;
+        Ok(RecordReader { inner })
+    }
+
+    /// The payload of the record whose header starts at `offset`.
+    fn read<'py>(&self, py: Python<'py>, offset: u64) -> PyResult<Bound<'py, PyBytes>> {
+        let payload = py.detach(|| self.inner.read_at(offset)).py()?;
+        Ok(PyBytes::new(py, &payload))
+    }
+
+    /// The record at `offset` decoded as a `tf.train.Example` dict.
+    fn read_example<'py>(&self, py: Python<'py>, offset: u64) -> PyResult<Bound<'py, PyDict>> {
+        let example = py
+            .detach(|| {
+                let payload = self.inner.read_at(offset)?;
+                let location = format!(" in {} at offset {offset}", self.inner.path().display());
+                Example::parse(payload, &location)
+            })
+            .py()?;
+        example_to_dict(py, &example)
+    }
+
+    /// Iterates `(offset, payload)` from `start`.
+    #[pyo3(signature = (start = 0))]
+    fn scan(slf: Py<Self>, start: u64) -> RecordIterator {
+        RecordIterator {
+            reader: slf,
+            offset: std::sync::Mutex::new(Some(start)),
+        }
+    }
+
+    /// File size in bytes.
+    #[getter]
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+
+    /// The file path.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.inner.path().to_path_buf()
+    }
+}
+
+/// Iterator returned by `RecordReader.scan()`.
+#[pyclass(module = "tiacc_training._engine", frozen)]
+pub struct RecordIterator {
+    reader: Py<RecordReader>,
+    /// Next offset; `None` once finished or failed.
+    offset: std::sync::Mutex<Option<u64>>,
+}
+
+#[pymethods]
+impl RecordIterator {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<(u64, Bound<'py, PyBytes>)> {
+        let reader = self.reader.get();
+        let mut guard = self
+            .offset
+            .lock()
+            .map_err(|_| PyStopIteration::new_err(()))?;
+        let Some(at) = *guard else {
+            return Err(PyStopIteration::new_err(()));
+        };
+        if at == reader.inner.size() {
+            *guard = None;
+            return Err(PyStopIteration::new_err(()));
+        }
+        let mut buf = Vec::new();
+        match py.detach(|| reader.inner.read_into(at, &mut buf)) {
+            Ok(next) => {
+                *guard = Some(next);
+                Ok((at, PyBytes::new(py, &buf)))
+            }
+            Err(e) => {
+                *guard = None;
+                Err(crate::errors::to_pyerr(e))
+            }
+        }
+    }
+}
+
+/// Writes one TFRecord file; it appears at `path` only when closed.
+#[pyclass(module = "tiacc_training._engine")]
+pub struct RecordWriter {
+    inner: RecordFileWriter,
+}
+
+#[pymethods]
+impl RecordWriter {
+    #[new]
+    fn new(path: PathBuf) -> PyResult<Self> {
+        Ok(RecordWriter {
+            inner: RecordFileWriter::create(path).py()?,
+        })
+    }
+
+    /// Appends a raw payload; returns its offset.
+    fn write(&mut self, py: Python<'_>, payload: &[u8]) -> PyResult<u64> {
+        py.detach(|| self.inner.write(payload)).py()
+    }
+
+    /// Appends a feature dict as a `tf.train.Example`; returns its offset.
+    fn write_example(&mut self, py: Python<'_>, features: &Bound<'_, PyAny>) -> PyResult<u64> {
+        use prost::Message;
+        let payload = Example::from_features(features_from_dict(features)?).encode_to_vec();
+        py.detach(|| self.inner.write(&payload)).py()
+    }
+
+    /// Fsyncs and renames into place; returns `[(offset, size)]`.
+    fn close(&mut self, py: Python<'_>) -> PyResult<Vec<(u64, u64)>> {
+        py.detach(|| self.inner.finish()).py()
+    }
+
+    /// Discards the file.
+    fn abort(&mut self) {
+        self.inner.abort();
+    }
+
+    /// Whether the writer is still open.
+    #[getter]
+    fn is_open(&self) -> bool {
+        self.inner.is_open()
+    }
+}
+
+pub fn summary_dict<'py>(py: Python<'py>, s: &DatasetSummary) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("out_dir", &s.out_dir)?;
+    d.set_item("index_path", &s.index_path)?;
+    d.set_item("shard_files", &s.shard_files)?;
+    d.set_item("records", s.records)?;
+    d.set_item("bytes", s.bytes)?;
+    Ok(d)
+}
+
+/// Writes a dataset as shards + indexes, published atomically by `finish()`.
+#[pyclass(module = "tiacc_training._engine")]
+pub struct ShardedWriter {
+    inner: CoreShardedWriter,
+}
+
+#[pymethods]
+impl ShardedWriter {
+    #[new]
+    fn new(py: Python<'_>, out_dir: PathBuf, name: &str, records_per_shard: u64) -> PyResult<Self> {
+        let inner = py
+            .detach(|| CoreShardedWriter::create(out_dir, name, records_per_shard))
+            .py()?;
+        Ok(ShardedWriter { inner })
+    }
+
+    /// Appends a payload with its index label; returns `(shard, offset)`.
+    #[pyo3(signature = (payload, label = -1))]
+    fn write(&mut self, py: Python<'_>, payload: &[u8], label: i64) -> PyResult<(u32, u64)> {
+        let loc = py.detach(|| self.inner.write(payload, label)).py()?;
+        Ok((loc.shard, loc.offset))
+    }
+
+    /// Publishes the dataset; returns a summary dict.
+    fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let summary = py.detach(|| self.inner.finish()).py()?;
+        summary_dict(py, &summary)
+    }
+
+    /// Discards everything written.
+    fn abort(&mut self) {
+        self.inner.abort();
+    }
+
+    /// Records written so far.
+    #[getter]
+    fn records(&self) -> u64 {
+        self.inner.records()
+    }
+}
+
+/// Verifies every record of a shard; returns `(records, bytes)`.
+#[pyfunction]
+#[pyo3(signature = (path, check_examples = true))]
+pub fn verify_shard(py: Python<'_>, path: PathBuf, check_examples: bool) -> PyResult<(u64, u64)> {
+    let r = py
+        .detach(|| verify::verify_shard(&path, check_examples))
+        .py()?;
+    Ok((r.records, r.bytes))
+}
+
+/// Verifies an index against its shards; returns a summary dict.
+#[pyfunction]
+#[pyo3(signature = (path, check_examples = true))]
+pub fn verify_index<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    check_examples: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let r = py
+        .detach(|| verify::verify_index(&path, check_examples))
+        .py()?;
+    let d = PyDict::new(py);
+    d.set_item("entries", r.entries)?;
+    d.set_item("shards", r.shards)?;
+    d.set_item("records", r.records)?;
+    d.set_item("bytes", r.bytes)?;
+    Ok(d)
+}
+
+/// Reads a dataset index: a list of `(shard_file, shard_idx, offset, label)`.
+#[pyfunction]
+pub fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<Vec<(String, u32, u64, i64)>> {
+    let entries = py.detach(|| index::read_index(&path)).py()?;
+    Ok(entries
+        .into_iter()
+        .map(|e| (e.shard_file, e.shard, e.offset, e.label))
+        .collect())
+}

@@ -1,0 +1,1 @@
+"""Command-line tools: general_image_list, img2tfrecord, tfrecord_verify."""
