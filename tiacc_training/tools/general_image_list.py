@@ -102,8 +102,8 @@ def list_images(
     for name in classes:
         class_dir = os.path.join(img_dir, name)
         found = 0
-        for root, dirs, files in os.walk(class_dir, followlinks=True):
-            dirs.sort()
+        # The walk order of torchvision's ImageFolder: folders sorted by path.
+        for root, _, files in sorted(os.walk(class_dir, followlinks=True)):
             for file_name in sorted(files):
                 if not is_image_file(file_name):
                     continue

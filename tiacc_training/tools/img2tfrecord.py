@@ -1,4 +1,4 @@
-"""Pack images into TFRecord shards plus an index, for ``IndexTFRDataset``.
+r"""Pack images into TFRecord shards plus an index, for ``IndexTFRDataset``.
 
 Output (under ``./NAME/`` by default, or ``--output_dir``):
 
@@ -106,9 +106,7 @@ def read_image_list(img_dir: str, img_list: str) -> list[Item]:
         path = os.path.join(img_dir, rel)
         if not os.path.isfile(path):
             raise UsageError(f"{where}: image {path!r} does not exist")
-        items.append(
-            Item(path, rel, label, where, features={"image/class/label": [label]})
-        )
+        items.append(Item(path, rel, label, where, features={"image/class/label": [label]}))
     if not items:
         raise UsageError(f"--img_list {img_list!r} lists no images")
     return items
@@ -298,9 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_RECORDS_PER_SHARD,
         help=f"records per shard (default {DEFAULT_RECORDS_PER_SHARD}, ~110 MB of ImageNet JPEGs)",
     )
-    p.add_argument(
-        "--strict", action="store_true", help="fail on an unreadable or non-image file"
-    )
+    p.add_argument("--strict", action="store_true", help="fail on an unreadable or non-image file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -321,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             items = read_image_list(args.img_dir, args.img_list)
         else:
             items, stats = read_coco(args.img_dir, args.img_list)
-            extra = f", {stats.boxes} boxes ({stats.dropped_boxes} empty dropped, "
+            extra = f" with {stats.boxes} boxes ({stats.dropped_boxes} empty dropped, "
             extra += f"{stats.clipped_boxes} clipped)"
         summary = pack(
             items,
@@ -344,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     secs = max(summary["seconds"], 1e-9)
     mb = summary["bytes"] / 1e6
     print(
-        f"packed {summary['records']} images ({summary['skipped']} skipped{extra}) into "
+        f"packed {summary['records']} images ({summary['skipped']} skipped){extra} into "
         f"{len(summary['shard_files'])} shards, {mb:.1f} MB, in {secs:.2f} s "
         f"({summary['records'] / secs:.0f} images/s, {mb / secs:.0f} MB/s) -> "
         f"{summary['index_path']}"

@@ -1,0 +1,101 @@
+"""tfrecord_verify: exit status and the first problem with its file and offset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_tool
+from tiacc_training import tfrecord
+
+
+@pytest.fixture
+def dataset(tmp_path) -> Path:
+    out = tmp_path / "ds"
+    with tfrecord.ShardedWriter(out, "ds", records_per_shard=4) as w:
+        for i in range(10):
+            w.write_example({"image/encoded": bytes([i]) * (100 + i), "label": i}, label=i)
+    return out
+
+
+def verify(path: Path, *extra: str):
+    return run_tool("tfrecord_verify", str(path), *extra)
+
+
+def test_good_dataset_directory_index_and_shard(dataset):
+    for target in [dataset, dataset / "ds.index", dataset / "ds-00001.tfrecord"]:
+        result = verify(target)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("OK: ")
+    assert "10 records in 3 shards" in verify(dataset).stdout
+
+
+def test_payload_corruption_reports_shard_and_offset(dataset):
+    shard = dataset / "ds-00001.tfrecord"
+    offsets = [o for f, _, o, _ in tfrecord.read_index(dataset / "ds.index") if f == shard.name]
+    data = bytearray(shard.read_bytes())
+    data[offsets[2] + 20] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for target in [dataset, dataset / "ds.index", shard]:
+        result = verify(target)
+        assert result.returncode == 1
+        assert f"{shard}: corrupt record at offset {offsets[2]}: payload CRC mismatch" in (
+            result.stderr
+        )
+
+
+def test_truncated_shard(dataset):
+    shard = dataset / "ds-00002.tfrecord"
+    shard.write_bytes(shard.read_bytes()[:-3])
+    result = verify(dataset)
+    assert result.returncode == 1 and "ds-00002.tfrecord: corrupt record at offset" in result.stderr
+
+
+def test_index_line_not_at_record_boundary(dataset):
+    index = dataset / "ds.index"
+    lines = index.read_text().splitlines()
+    name, shard, offset, label = lines[5].split("\t")
+    lines[5] = "\t".join([name, shard, str(int(offset) + 3), label])
+    index.write_text("\n".join(lines) + "\n")
+    result = verify(index)
+    assert result.returncode == 1
+    assert "ds.index:6:" in result.stderr and "not a record boundary" in result.stderr
+
+
+def test_index_line_past_end_of_shard(dataset):
+    index = dataset / "ds.index"
+    index.write_text(index.read_text() + "ds-00000.tfrecord\t0\t999999\t0\n")
+    result = verify(index)
+    assert result.returncode == 1
+    assert "ds.index:11:" in result.stderr and "past the end" in result.stderr
+
+
+def test_malformed_index_line(dataset):
+    index = dataset / "ds.index"
+    index.write_text(index.read_text() + "garbage line\n")
+    result = verify(dataset)
+    assert result.returncode == 1 and "ds.index:11:" in result.stderr
+
+
+def test_bad_dali_idx(dataset):
+    (dataset / "ds-00000.tfrecord.idx").write_text("0 5\n")
+    result = verify(dataset / "ds-00000.tfrecord")
+    assert result.returncode == 1 and "ds-00000.tfrecord.idx:1:" in result.stderr
+
+
+def test_malformed_example_and_opt_out(tmp_path):
+    path = tmp_path / "raw.tfrecord"
+    with tfrecord.TFRecordWriter(path) as w:
+        w.write(b"\x0a\x05\x01")
+    result = verify(path)
+    assert result.returncode == 1 and "malformed tf.train.Example" in result.stderr
+    assert verify(path, "--no-check-examples").returncode == 0
+
+
+def test_missing_path_is_a_usage_error(tmp_path):
+    result = verify(tmp_path / "nope")
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    (tmp_path / "empty").mkdir()
+    result = verify(tmp_path / "empty")
+    assert result.returncode == 2 and "holds no .index or .tfrecord files" in result.stderr
