@@ -158,6 +158,9 @@ pub enum PackOutcome {
 /// Items built in parallel per batch while the previous batch is written.
 const PIPELINE_BATCH: usize = 16;
 
+/// Serialized records (or per-item errors) of one batch, in item order.
+type Built = Vec<Result<Vec<u8>>>;
+
 /// Packs images into a [`ShardedWriter`], preserving item order.
 pub struct ImagePacker {
     writer: ShardedWriter,
@@ -203,7 +206,7 @@ impl ImagePacker {
     /// an error from writing the output stops the packer.
     pub fn add(&mut self, items: &[PackItem]) -> Result<Vec<PackOutcome>> {
         let lower = self.options.lowercase_format;
-        let build = |batch: &[PackItem]| -> Vec<Result<Vec<u8>>> {
+        let build = |batch: &[PackItem]| -> Built {
             batch
                 .par_iter()
                 .map(|item| build_record(item, lower))
@@ -235,7 +238,7 @@ impl ImagePacker {
             }
             Some(pool) => pool.install(|| -> Result<()> {
                 // Build batch i while batch i-1 is written.
-                let mut pending: Option<(&[PackItem], Vec<Result<Vec<u8>>>)> = None;
+                let mut pending: Option<(&[PackItem], Built)> = None;
                 for batch in items.chunks(PIPELINE_BATCH) {
                     let (built, written) = rayon::join(
                         || build(batch),
