@@ -206,7 +206,9 @@ impl<S: Source + ?Sized> RecordReader<S> {
                 self.path.display()
             ))
         })?;
-        buf.clear();
+        // Reuse the buffer: bytes already there are overwritten by the read,
+        // so only growth is zero-filled.
+        buf.truncate(total);
         buf.resize(total, 0);
         self.read(buf, offset + HEADER_LEN)?;
         let payload_len = total - FOOTER_LEN as usize;

@@ -12,13 +12,16 @@
 use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 
 use super::index::{format_dali_idx, format_index, IndexEntry};
 use super::record::write_record;
 use crate::error::{Error, Result};
 
-/// Write buffer per open file: large enough that the kernel sees big writes.
-const WRITE_BUFFER: usize = 4 << 20;
+/// Write buffer per open file. Payloads at least this large bypass it and go
+/// to the kernel straight from the caller's buffer (one copy fewer), small
+/// ones are gathered into writes of this size.
+const WRITE_BUFFER: usize = 64 << 10;
 
 /// An open TFRecord file being appended to.
 struct OpenFile {
@@ -47,17 +50,39 @@ impl OpenFile {
         Ok(at)
     }
 
-    /// Flushes and fsyncs; returns the path and the `(offset, size)` list.
-    fn close(self) -> Result<(PathBuf, Vec<(u64, u64)>)> {
+    /// Flushes; the file is not fsynced yet.
+    fn flush(self) -> Result<FlushedFile> {
         let OpenFile {
             path, out, records, ..
         } = self;
         let file = out
             .into_inner()
             .map_err(|e| Error::io(&path, e.into_error()))?;
+        Ok(FlushedFile {
+            file,
+            path,
+            records,
+        })
+    }
+
+    /// Flushes and fsyncs; returns the path and the `(offset, size)` list.
+    fn close(self) -> Result<(PathBuf, Vec<(u64, u64)>)> {
+        let FlushedFile {
+            file,
+            path,
+            records,
+        } = self.flush()?;
         file.sync_all().map_err(|e| Error::io(&path, e))?;
         Ok((path, records))
     }
+}
+
+/// A written file whose data may still be only in the page cache.
+struct FlushedFile {
+    file: File,
+    path: PathBuf,
+    /// `(offset, framed size)` of every record.
+    records: Vec<(u64, u64)>,
 }
 
 fn write_synced(path: &Path, text: &str) -> Result<()> {
@@ -253,6 +278,9 @@ pub struct ShardedWriter {
     staging: PathBuf,
     current: Option<(u32, OpenFile)>,
     closed_shards: Vec<String>,
+    /// The fsync of the last closed shard (and the write of its `.idx`), run
+    /// in the background while the next shard is written.
+    syncing: Option<JoinHandle<Result<()>>>,
     entries: Vec<IndexEntry>,
     bytes: u64,
     done: bool,
@@ -279,6 +307,7 @@ impl ShardedWriter {
             staging,
             current: None,
             closed_shards: Vec::new(),
+            syncing: None,
             entries: Vec::new(),
             bytes: 0,
             done: false,
@@ -321,15 +350,34 @@ impl ShardedWriter {
     fn close_current(&mut self) -> Result<()> {
         if let Some((idx, file)) = self.current.take() {
             self.bytes += file.offset;
-            let (path, records) = file.close()?;
+            let FlushedFile {
+                file,
+                path,
+                records,
+            } = file.flush()?;
             let shard_file = shard_file_name(&self.name, idx);
-            write_synced(
-                &path.with_file_name(dali_idx_name(&shard_file)),
-                &format_dali_idx(&records),
-            )?;
+            let idx_path = path.with_file_name(dali_idx_name(&shard_file));
+            // At most one shard is being synced at a time.
+            self.wait_for_sync()?;
+            self.syncing = Some(std::thread::spawn(move || {
+                file.sync_all().map_err(|e| Error::io(&path, e))?;
+                write_synced(&idx_path, &format_dali_idx(&records))
+            }));
             self.closed_shards.push(shard_file);
         }
         Ok(())
+    }
+
+    fn wait_for_sync(&mut self) -> Result<()> {
+        match self.syncing.take() {
+            None => Ok(()),
+            Some(handle) => handle.join().unwrap_or_else(|_| {
+                Err(Error::io(
+                    &self.staging,
+                    std::io::Error::other("the thread syncing a shard panicked"),
+                ))
+            }),
+        }
     }
 
     /// Closes the last shard, writes the index and publishes the dataset.
@@ -341,6 +389,7 @@ impl ShardedWriter {
             )));
         }
         self.close_current()?;
+        self.wait_for_sync()?;
         let index_name = index_file_name(&self.name);
         write_synced(
             &self.staging.join(&index_name),
@@ -402,6 +451,7 @@ impl ShardedWriter {
     /// Discards the staging directory; the output directory is untouched.
     pub fn abort(&mut self) {
         self.current = None;
+        let _ = self.wait_for_sync();
         if !self.done {
             self.done = true;
             let _ = fs::remove_dir_all(&self.staging);
