@@ -124,6 +124,7 @@ def test_unreadable_file_is_skipped_or_fatal(image_folder, tmp_path):
     ]
     summary = img2tfrecord.pack(items, str(tmp_path / "o"), "ds", show_progress=False)
     assert (summary["records"], summary["skipped"]) == (1, 1)
+    assert summary["image_bytes"] == good.stat().st_size
     with pytest.raises(img2tfrecord.UsageError, match=r"list:2: .*dir\.jpg.*--strict"):
         img2tfrecord.pack(items, str(tmp_path / "s"), "ds", strict=True, show_progress=False)
 
