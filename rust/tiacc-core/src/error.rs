@@ -46,6 +46,25 @@ pub enum Error {
     #[error("{}: not a readable image: {reason}", path.display())]
     BadImage { path: PathBuf, reason: String },
 
+    /// A record whose image cannot be decoded.
+    #[error("{}: record at offset {offset} (dataset index {index}): image is not decodable: {reason}", path.display())]
+    RecordImage {
+        path: PathBuf,
+        offset: u64,
+        index: usize,
+        reason: String,
+    },
+
+    /// A record that lacks a feature the dataset needs, or has it with the
+    /// wrong type.
+    #[error("{}: record at offset {offset} (dataset index {index}): {reason}", path.display())]
+    RecordFeature {
+        path: PathBuf,
+        offset: u64,
+        index: usize,
+        reason: String,
+    },
+
     /// A caller passed a value the engine cannot use.
     #[error("{0}")]
     InvalidArgument(String),

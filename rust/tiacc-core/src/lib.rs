@@ -3,7 +3,10 @@
 //! Pure Rust with no Python dependency, so every piece is testable with
 //! `cargo test`. The `tiacc-py` crate wraps it for Python.
 
+pub mod dataset;
 pub mod error;
+pub mod image;
+pub mod pool;
 pub mod tfrecord;
 
 pub use error::{Corruption, Error, Result};

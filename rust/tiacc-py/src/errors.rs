@@ -99,6 +99,32 @@ pub fn to_pyerr(err: Error) -> PyErr {
                 DecodeError::new_err(message),
                 vec![("path", path_obj(py, path))],
             ),
+            Error::RecordImage {
+                path,
+                offset,
+                index,
+                ..
+            } => (
+                DecodeError::new_err(message),
+                vec![
+                    ("path", path_obj(py, path)),
+                    ("offset", any(py, *offset)),
+                    ("index", any(py, *index)),
+                ],
+            ),
+            Error::RecordFeature {
+                path,
+                offset,
+                index,
+                ..
+            } => (
+                DataError::new_err(message),
+                vec![
+                    ("path", path_obj(py, path)),
+                    ("offset", any(py, *offset)),
+                    ("index", any(py, *index)),
+                ],
+            ),
             Error::InvalidArgument(_) => (PyValueError::new_err(message), vec![]),
         };
         let value = exc.value(py);

@@ -5,6 +5,7 @@
 
 use pyo3::prelude::*;
 
+mod dataset;
 mod errors;
 mod features;
 mod pack;
@@ -22,10 +23,12 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(records::verify_shard, m)?)?;
     m.add_function(wrap_pyfunction!(records::verify_index, m)?)?;
     m.add_function(wrap_pyfunction!(records::read_index, m)?)?;
+    m.add_function(wrap_pyfunction!(records::build_index, m)?)?;
     m.add_class::<records::RecordReader>()?;
     m.add_class::<records::RecordIterator>()?;
     m.add_class::<records::RecordWriter>()?;
     m.add_class::<records::ShardedWriter>()?;
     m.add_class::<pack::ImagePacker>()?;
+    m.add_class::<dataset::PackedDataset>()?;
     Ok(())
 }

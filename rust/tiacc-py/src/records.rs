@@ -10,7 +10,7 @@ use tiacc_core::tfrecord::record::{RecordReader as CoreReader, SizedFile};
 use tiacc_core::tfrecord::writer::{
     DatasetSummary, RecordFileWriter, ShardedWriter as CoreShardedWriter,
 };
-use tiacc_core::tfrecord::{index, record, verify};
+use tiacc_core::tfrecord::{build_index as build, index, record, verify};
 
 use crate::errors::ResultExt;
 use crate::features::{example_to_dict, features_from_dict};
@@ -279,4 +279,20 @@ pub fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<Vec<(String, u32, u
         .into_iter()
         .map(|e| (e.shard_file, e.shard, e.offset, e.label))
         .collect())
+}
+
+/// Indexes shards written by other tools: `(index_text, unlabelled)`, where
+/// the text has one `shard_file\tshard_idx\toffset\tlabel` line per record.
+#[pyfunction]
+#[pyo3(signature = (shards, index_dir, label_key = "image/class/label"))]
+pub fn build_index(
+    py: Python<'_>,
+    shards: Vec<PathBuf>,
+    index_dir: PathBuf,
+    label_key: &str,
+) -> PyResult<(String, u64)> {
+    let built = py
+        .detach(|| build::build_index(&shards, &index_dir, label_key))
+        .py()?;
+    Ok((index::format_index(&built.entries), built.unlabelled))
 }

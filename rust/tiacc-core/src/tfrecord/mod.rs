@@ -10,6 +10,7 @@
 //! u32 masked CRC32C of the payload
 //! ```
 
+pub mod build_index;
 pub mod crc;
 pub mod example;
 pub mod index;

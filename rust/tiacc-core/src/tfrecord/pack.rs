@@ -2,9 +2,7 @@
 //! output that does not depend on the number of workers.
 
 use std::fs;
-use std::io::Cursor;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use bytes::Bytes;
 use prost::Message;
@@ -13,142 +11,7 @@ use rayon::prelude::*;
 use super::example::{Example, Feature};
 use super::writer::{DatasetSummary, RecordLocation, ShardedWriter};
 use crate::error::{Error, Result};
-
-/// Image formats the packer accepts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ImageFormat {
-    Jpeg,
-    Png,
-    Bmp,
-    WebP,
-}
-
-impl ImageFormat {
-    /// Upper-case name, as TensorFlow's ImageNet scripts write `image/format`.
-    pub fn name(self) -> &'static str {
-        match self {
-            ImageFormat::Jpeg => "JPEG",
-            ImageFormat::Png => "PNG",
-            ImageFormat::Bmp => "BMP",
-            ImageFormat::WebP => "WEBP",
-        }
-    }
-}
-
-/// Format and size read from an image's header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ImageInfo {
-    pub format: ImageFormat,
-    pub width: u32,
-    pub height: u32,
-}
-
-/// Reads format and dimensions from the header of an encoded image, without
-/// decoding the pixels. The format comes from the content, not the name.
-///
-/// JPEG and PNG headers are read here directly (the common case, and without
-/// copying the file); other formats go through the `image` crate's probes.
-pub fn probe_image(data: &[u8], path: &Path) -> Result<ImageInfo> {
-    let bad = |reason: String| Error::BadImage {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let (format, (width, height)) = if data.starts_with(&[0xFF, 0xD8]) {
-        (ImageFormat::Jpeg, jpeg_size(data).map_err(bad)?)
-    } else if data.starts_with(PNG_SIGNATURE) {
-        (ImageFormat::Png, png_size(data).map_err(bad)?)
-    } else {
-        probe_other(data).map_err(bad)?
-    };
-    if width == 0 || height == 0 {
-        return Err(bad(format!("image has zero size {width}x{height}")));
-    }
-    Ok(ImageInfo {
-        format,
-        width,
-        height,
-    })
-}
-
-const PNG_SIGNATURE: &[u8] = b"\x89PNG\r\n\x1a\n";
-
-fn be16(data: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_be_bytes(data.get(at..at + 2)?.try_into().ok()?))
-}
-
-/// Size from the first start-of-frame segment of a JPEG.
-fn jpeg_size(data: &[u8]) -> std::result::Result<(u32, u32), String> {
-    let truncated = || "JPEG header is truncated before its start-of-frame segment".to_string();
-    let mut at = 2; // after SOI
-    loop {
-        if *data.get(at).ok_or_else(truncated)? != 0xFF {
-            return Err(format!("JPEG marker expected at byte {at}"));
-        }
-        while data.get(at) == Some(&0xFF) {
-            at += 1; // fill bytes
-        }
-        let marker = *data.get(at).ok_or_else(truncated)?;
-        at += 1;
-        match marker {
-            // Markers without a length field.
-            0x01 | 0xD0..=0xD8 => continue,
-            0xD9 => return Err("JPEG ends before a start-of-frame segment".into()),
-            0xDA => return Err("JPEG scan data before a start-of-frame segment".into()),
-            _ => {}
-        }
-        let length = usize::from(be16(data, at).ok_or_else(truncated)?);
-        if length < 2 {
-            return Err(format!(
-                "JPEG segment at byte {at} has invalid length {length}"
-            ));
-        }
-        // SOF0..SOF15 except DHT (C4), JPG (C8) and DAC (CC):
-        // length(2) precision(1) height(2) width(2) components(1) ...
-        if (0xC0..=0xCF).contains(&marker) && !matches!(marker, 0xC4 | 0xC8 | 0xCC) {
-            if length < 8 {
-                return Err(format!(
-                    "JPEG start-of-frame segment too short ({length} bytes)"
-                ));
-            }
-            let height = be16(data, at + 3).ok_or_else(truncated)?;
-            let width = be16(data, at + 5).ok_or_else(truncated)?;
-            return Ok((u32::from(width), u32::from(height)));
-        }
-        at += length;
-    }
-}
-
-/// Size from a PNG's IHDR chunk, which must come first.
-fn png_size(data: &[u8]) -> std::result::Result<(u32, u32), String> {
-    let ihdr = data.get(8..24).ok_or("PNG header is truncated")?;
-    if &ihdr[4..8] != b"IHDR" {
-        return Err("PNG does not start with an IHDR chunk".into());
-    }
-    let width = u32::from_be_bytes(ihdr[8..12].try_into().expect("4 bytes"));
-    let height = u32::from_be_bytes(ihdr[12..16].try_into().expect("4 bytes"));
-    Ok((width, height))
-}
-
-/// BMP and WebP (and recognisable but unsupported formats) via `image`.
-fn probe_other(data: &[u8]) -> std::result::Result<(ImageFormat, (u32, u32)), String> {
-    let probe = || -> std::result::Result<(ImageFormat, (u32, u32)), String> {
-        let reader = image::ImageReader::new(Cursor::new(data))
-            .with_guessed_format()
-            .map_err(|e| e.to_string())?;
-        let format = match reader.format() {
-            Some(image::ImageFormat::Bmp) => ImageFormat::Bmp,
-            Some(image::ImageFormat::WebP) => ImageFormat::WebP,
-            Some(other) => return Err(format!("unsupported image format {other:?}")),
-            None => return Err("unrecognised file format (not JPEG, PNG, BMP or WebP)".into()),
-        };
-        let size = reader.into_dimensions().map_err(|e| e.to_string())?;
-        Ok((format, size))
-    };
-    // The probes are third-party code fed untrusted bytes: a panic there must
-    // become an error for this file, not abort the whole run.
-    catch_unwind(AssertUnwindSafe(probe))
-        .unwrap_or_else(|_| Err("the image decoder panicked on this file".into()))
-}
+use crate::image::probe::probe_image;
 
 /// One image to pack.
 #[derive(Debug, Clone)]
@@ -354,6 +217,8 @@ mod tests {
     use super::*;
     use crate::tfrecord::index::read_index;
     use crate::tfrecord::record::RecordReader;
+    use std::io::Cursor;
+    use std::path::Path;
 
     /// A 3x2 PNG made by the `image` crate.
     fn png(w: u32, h: u32) -> Vec<u8> {
@@ -371,88 +236,6 @@ mod tests {
             expect_size: None,
             features: vec![("image/class/label".into(), Feature::int64([label]))],
         }
-    }
-
-    fn encoded(w: u32, h: u32, format: image::ImageFormat) -> Vec<u8> {
-        let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 7]));
-        let mut out = Cursor::new(Vec::new());
-        img.write_to(&mut out, format).unwrap();
-        out.into_inner()
-    }
-
-    #[test]
-    fn probe_every_format() {
-        for (format, expected) in [
-            (image::ImageFormat::Jpeg, ImageFormat::Jpeg),
-            (image::ImageFormat::Png, ImageFormat::Png),
-            (image::ImageFormat::Bmp, ImageFormat::Bmp),
-            (image::ImageFormat::WebP, ImageFormat::WebP),
-        ] {
-            let info = probe_image(&encoded(37, 23, format), Path::new("x")).unwrap();
-            assert_eq!((info.format, info.width, info.height), (expected, 37, 23));
-        }
-    }
-
-    #[test]
-    fn jpeg_header_edge_cases() {
-        // SOI, APP0 (length 4), fill bytes, progressive SOF2 with 640x480.
-        let sof2 = [
-            0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x04, 0xAA, 0xBB, 0xFF, 0xFF, 0xC2, 0x00, 0x0B, 0x08,
-            0x01, 0xE0, 0x02, 0x80, 0x03, 0x01, 0x11, 0x00,
-        ];
-        assert_eq!(jpeg_size(&sof2), Ok((640, 480)));
-        // A DHT (C4) segment is not a frame header and is skipped.
-        let dht_first = [
-            0xFF, 0xD8, 0xFF, 0xC4, 0x00, 0x03, 0x00, 0xFF, 0xC0, 0x00, 0x08, 0x08, 0x00, 0x02,
-            0x00, 0x03, 0x01,
-        ];
-        assert_eq!(jpeg_size(&dht_first), Ok((3, 2)));
-        for bad in [
-            &[0xFF, 0xD8][..],
-            &[0xFF, 0xD8, 0x00],
-            &[0xFF, 0xD8, 0xFF, 0xD9],
-            &[0xFF, 0xD8, 0xFF, 0xDA, 0x00, 0x02],
-            &[0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x01],
-            &[0xFF, 0xD8, 0xFF, 0xC0, 0x00, 0x05, 0x08, 0x00],
-            &[0xFF, 0xD8, 0xFF, 0xE0, 0xFF, 0xFF],
-        ] {
-            assert!(jpeg_size(bad).is_err(), "{bad:?}");
-        }
-        // Zero height (defined later by a DNL marker) is refused.
-        let zero = [
-            0xFF, 0xD8, 0xFF, 0xC0, 0x00, 0x08, 0x08, 0x00, 0x00, 0x00, 0x10, 0x01,
-        ];
-        assert!(probe_image(&zero, Path::new("z.jpg")).is_err());
-    }
-
-    #[test]
-    fn png_header_edge_cases() {
-        let good = encoded(5, 9, image::ImageFormat::Png);
-        assert_eq!(png_size(&good), Ok((5, 9)));
-        assert!(png_size(&good[..20]).is_err());
-        let mut not_ihdr = good.clone();
-        not_ihdr[12..16].copy_from_slice(b"IDAT");
-        assert!(png_size(&not_ihdr).is_err());
-    }
-
-    #[test]
-    fn probe_reads_header() {
-        let info = probe_image(&png(3, 2), Path::new("a.png")).unwrap();
-        assert_eq!(
-            info,
-            ImageInfo {
-                format: ImageFormat::Png,
-                width: 3,
-                height: 2
-            }
-        );
-        let err = probe_image(b"not an image at all", Path::new("b.jpg")).unwrap_err();
-        assert!(
-            err.to_string().starts_with("b.jpg: not a readable image"),
-            "{err}"
-        );
-        let truncated = &png(3, 2)[..20];
-        assert!(probe_image(truncated, Path::new("c.png")).is_err());
     }
 
     fn pack(dir: &Path, workers: usize, items: &[PackItem]) -> (Vec<PackOutcome>, Vec<u8>) {

@@ -1,0 +1,166 @@
+//! Decoding encoded images to 8-bit RGB, with the pixels PIL's
+//! `Image.open(f).convert("RGB")` gives.
+//!
+//! JPEG goes through libjpeg-turbo (PIL's decoder too, with the same default
+//! settings: accurate integer IDCT, smooth chroma upsampling), so the pixels
+//! are identical. CMYK JPEGs are converted the way PIL converts them
+//! (inverted when an Adobe marker says so). Other formats go through the
+//! `image` crate; alpha is dropped, as `convert("RGB")` does.
+
+use std::cell::RefCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use turbojpeg::{Colorspace, Decompressor, Image, PixelFormat};
+
+use super::probe::jpeg_has_adobe_marker;
+
+/// Row-major interleaved RGB pixels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RgbImage {
+    pub width: usize,
+    pub height: usize,
+    /// `height * width * 3` bytes.
+    pub pixels: Vec<u8>,
+}
+
+thread_local! {
+    // One libjpeg-turbo handle per thread, reused across images.
+    static DECOMPRESSOR: RefCell<Option<Decompressor>> = const { RefCell::new(None) };
+}
+
+/// Decodes `data`; the error is the reason, for the caller to locate.
+pub fn decode_rgb(data: &[u8]) -> Result<RgbImage, String> {
+    if data.starts_with(&[0xFF, 0xD8]) {
+        decode_jpeg(data)
+    } else {
+        decode_other(data)
+    }
+}
+
+fn decode_jpeg(data: &[u8]) -> Result<RgbImage, String> {
+    DECOMPRESSOR.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(Decompressor::new().map_err(|e| e.to_string())?);
+        }
+        let dec = slot.as_mut().expect("set above");
+        let header = dec.read_header(data).map_err(|e| e.to_string())?;
+        let (width, height) = (header.width, header.height);
+        if width == 0 || height == 0 {
+            return Err(format!("JPEG has zero size {width}x{height}"));
+        }
+        let cmyk = matches!(header.colorspace, Colorspace::CMYK | Colorspace::YCCK);
+        let (format, channels) = if cmyk {
+            (PixelFormat::CMYK, 4)
+        } else {
+            (PixelFormat::RGB, 3)
+        };
+        let mut pixels = vec![0u8; width * height * channels];
+        let image = Image {
+            pixels: pixels.as_mut_slice(),
+            width,
+            pitch: width * channels,
+            height,
+            format,
+        };
+        dec.decompress(data, image).map_err(|e| e.to_string())?;
+        if cmyk {
+            pixels = cmyk_to_rgb(&pixels, jpeg_has_adobe_marker(data));
+        }
+        Ok(RgbImage {
+            width,
+            height,
+            pixels,
+        })
+    })
+}
+
+/// PIL's CMYK -> RGB: `channel = (255 - k) - (value * (255 - k)) / 255`
+/// with its rounding division; Adobe CMYK is stored inverted.
+fn cmyk_to_rgb(cmyk: &[u8], inverted: bool) -> Vec<u8> {
+    let muldiv255 = |a: u32, b: u32| {
+        let t = a * b + 128;
+        ((t >> 8) + t) >> 8
+    };
+    let mut rgb = Vec::with_capacity(cmyk.len() / 4 * 3);
+    for px in cmyk.chunks_exact(4) {
+        let v = |i: usize| u32::from(if inverted { 255 - px[i] } else { px[i] });
+        let nk = 255 - v(3);
+        for c in 0..3 {
+            rgb.push((nk - muldiv255(v(c), nk)) as u8);
+        }
+    }
+    rgb
+}
+
+fn decode_other(data: &[u8]) -> Result<RgbImage, String> {
+    let decode = || -> Result<RgbImage, String> {
+        let img = image::load_from_memory(data).map_err(|e| e.to_string())?;
+        let rgb = img.into_rgb8();
+        let (width, height) = (rgb.width() as usize, rgb.height() as usize);
+        Ok(RgbImage {
+            width,
+            height,
+            pixels: rgb.into_raw(),
+        })
+    };
+    // Third-party decoders fed untrusted bytes: a panic is this image's error.
+    catch_unwind(AssertUnwindSafe(decode))
+        .unwrap_or_else(|_| Err("the image decoder panicked on this data".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Cursor;
+
+    fn encode(img: &image::RgbImage, format: image::ImageFormat) -> Vec<u8> {
+        let mut out = Cursor::new(Vec::new());
+        img.write_to(&mut out, format).unwrap();
+        out.into_inner()
+    }
+
+    #[test]
+    fn png_is_lossless() {
+        let img =
+            image::RgbImage::from_fn(7, 5, |x, y| image::Rgb([x as u8 * 30, y as u8 * 40, 9]));
+        let out = decode_rgb(&encode(&img, image::ImageFormat::Png)).unwrap();
+        assert_eq!((out.width, out.height), (7, 5));
+        assert_eq!(out.pixels, img.into_raw());
+    }
+
+    #[test]
+    fn jpeg_decodes_close_to_source() {
+        let img =
+            image::RgbImage::from_fn(64, 48, |x, y| image::Rgb([x as u8 * 4, y as u8 * 5, 128]));
+        let out = decode_rgb(&encode(&img, image::ImageFormat::Jpeg)).unwrap();
+        assert_eq!((out.width, out.height), (64, 48));
+        let mean_abs: f64 = out
+            .pixels
+            .iter()
+            .zip(img.as_raw())
+            .map(|(a, b)| f64::from((i16::from(*a) - i16::from(*b)).abs()))
+            .sum::<f64>()
+            / out.pixels.len() as f64;
+        assert!(mean_abs < 3.0, "{mean_abs}");
+    }
+
+    #[test]
+    fn garbage_and_truncated_data_are_errors() {
+        assert!(decode_rgb(b"\xff\xd8garbage").is_err());
+        assert!(decode_rgb(b"not an image").is_err());
+        let img = image::RgbImage::from_fn(32, 32, |x, _| image::Rgb([x as u8, 0, 0]));
+        let jpeg = encode(&img, image::ImageFormat::Jpeg);
+        assert!(decode_rgb(&jpeg[..jpeg.len() / 3]).is_err() || decode_rgb(&jpeg[..40]).is_err());
+    }
+
+    #[test]
+    fn cmyk_conversion_matches_pil_formula() {
+        // c, m, y, k = 0, 255, 128, 0 (not inverted) -> 255, 0, 127
+        assert_eq!(cmyk_to_rgb(&[0, 255, 128, 0], false), vec![255, 0, 127]);
+        // Inverted storage of the same values.
+        assert_eq!(cmyk_to_rgb(&[255, 0, 127, 255], true), vec![255, 0, 127]);
+        // Full black ink.
+        assert_eq!(cmyk_to_rgb(&[0, 0, 0, 255], false), vec![0, 0, 0]);
+    }
+}

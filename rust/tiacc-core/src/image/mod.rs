@@ -1,0 +1,4 @@
+//! Images: header probing, and decoding to RGB pixels.
+
+pub mod decode;
+pub mod probe;

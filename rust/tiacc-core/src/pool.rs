@@ -1,0 +1,78 @@
+//! Lazily started, fork-aware thread pools.
+//!
+//! A process forked after a rayon pool started (as DataLoader workers are)
+//! inherits the pool's bookkeeping but none of its threads: using it would
+//! hang. Pools here are created on first use and remembered with the id of
+//! the process that created them; a forked child sees a different id and
+//! starts its own. The parent's pool is leaked in the child, never dropped:
+//! dropping it would signal threads that do not exist there.
+
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+
+struct Cached {
+    pid: u32,
+    threads: usize,
+    pool: Arc<rayon::ThreadPool>,
+}
+
+static POOL: Mutex<Option<Cached>> = Mutex::new(None);
+
+/// Threads to use when the caller does not say: the available parallelism.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The pool of this process with `threads` threads (0: [`default_threads`]),
+/// created on first use and recreated after a fork or a change of size.
+pub fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
+    let threads = if threads == 0 {
+        default_threads()
+    } else {
+        threads
+    };
+    let pid = std::process::id();
+    // A poisoned lock only means another thread panicked while holding it;
+    // the cached value is still a valid pool or None.
+    let mut slot = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(cached) = slot.as_ref() {
+        if cached.pid == pid && cached.threads == threads {
+            return Ok(Arc::clone(&cached.pool));
+        }
+    }
+    let pool = Arc::new(
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("tiacc-data-{i}"))
+            .build()
+            .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?,
+    );
+    let old = slot.replace(Cached {
+        pid,
+        threads,
+        pool: Arc::clone(&pool),
+    });
+    if let Some(old) = old {
+        if old.pid != pid {
+            std::mem::forget(old); // inherited across fork: its threads are not ours
+        }
+    }
+    Ok(pool)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reused_until_size_changes() {
+        let a = pool(2).unwrap();
+        let b = pool(2).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        let c = pool(3).unwrap();
+        assert!(!Arc::ptr_eq(&a, &c));
+        assert_eq!(c.current_num_threads(), 3);
+        assert_eq!(pool(0).unwrap().current_num_threads(), default_threads());
+    }
+}
