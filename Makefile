@@ -55,6 +55,7 @@ test-python: setup ## pytest
 
 bench: setup ## benchmarks (write benches/results/*.json)
 	$(PY) benches/bench_pack.py
+	$(PY) benches/bench_input.py
 
 lint: setup ## rustfmt, clippy -D warnings, ruff
 	cargo fmt --all --check

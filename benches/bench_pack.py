@@ -51,22 +51,19 @@ It prints a table and writes the JSON (``machine``, ``config``, ``results``, ``v
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
+import _machine
 import crc32c
 from PIL import Image
 from tfrecord.writer import TFRecordWriter
@@ -353,74 +350,11 @@ def time_verify(fn: Callable[[], tuple[int, int]], repeats: int) -> dict[str, An
 # --------------------------------------------------------------------------- machine info
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=30
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip()
-
-
 def machine_info() -> dict[str, Any]:
     """CPU, memory, OS and versions of what is measured."""
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in _read("/proc/cpuinfo").splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or None,
-    )
-    mem_kb = next(
-        (
-            int(line.split()[1])
-            for line in _read("/proc/meminfo").splitlines()
-            if line.startswith("MemTotal:")
-        ),
-        None,
-    )
-    flags = next(
-        (line for line in _read("/proc/cpuinfo").splitlines() if line.startswith("flags")), ""
-    )
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "cpu_model": cpu,
-        "logical_cores": os.cpu_count(),
-        "virtual_machine": " hypervisor" in flags,
-        "memory_gb": round(mem_kb * 1024 / 1e9, 1) if mem_kb else None,
-        "os": platform.platform(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": _version("numpy"),
-        "torch": _version("torch"),
-        "tiacc_training": _version("tiacc-training"),
-        "tfrecord": _version("tfrecord"),
-        "crc32c": _version("crc32c"),
-        "crc32c_hardware_based": bool(getattr(crc32c, "hardware_based", False)),
-        "pillow": _version("pillow"),
-        "protobuf": _version("protobuf"),
-        "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
-        "git_dirty": bool(status) if status is not None else None,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    info = _machine.machine_info(["tfrecord", "crc32c", "pillow", "protobuf"])
+    info["crc32c_hardware_based"] = bool(getattr(crc32c, "hardware_based", False))
+    return info
 
 
 # --------------------------------------------------------------------------- main
@@ -679,8 +613,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "place; the Python baseline does not fsync (its files may still be in the page "
             "cache only when its timer stops). The fsync is kept, not removed.",
             "The Python baseline uses tfrecord.writer.TFRecordWriter (protobuf "
-            f"{_version('protobuf')}; CRCs by the crc32c C extension) and PIL.Image.open(path) "
-            "per image for format and size (header only); it also writes a DALI .idx per "
+            f"{_machine.version('protobuf')}; CRCs by the crc32c C extension) and "
+            "PIL.Image.open(path) per image for format and size (header only); it also "
+            "writes a DALI .idx per "
             "shard and a NAME.index, as ours does.",
             f"Sanity check: in repeat 1 the baseline's and ours-w{HEADLINE_WORKERS}'s outputs "
             f"held the same {compared} decoded Examples, shard for shard, and the same "

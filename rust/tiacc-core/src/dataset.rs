@@ -13,6 +13,8 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::image::decode::{decode_rgb, RgbImage};
+use crate::image::fused::{render, Geometry, Output, OutputSlice};
+use crate::image::probe::probe_image;
 use crate::pool;
 use crate::tfrecord::example::{Example, Kind};
 use crate::tfrecord::index::{read_index_numbered, shard_path};
@@ -155,6 +157,81 @@ impl IndexedDataset {
         pool::pool(threads)?.install(|| indices.par_iter().map(|&i| self.decode(i)).collect())
     }
 
+    fn image_error(&self, index: usize, reason: String) -> Error {
+        match self.location(index) {
+            Ok((path, offset)) => Error::RecordImage {
+                path: path.to_path_buf(),
+                offset,
+                index,
+                reason,
+            },
+            Err(e) => e,
+        }
+    }
+
+    /// `(width, height)` of each image of `indices`, from its header.
+    pub fn image_sizes(&self, indices: &[usize], threads: usize) -> Result<Vec<(u32, u32)>> {
+        let size = |&i: &usize| -> Result<(u32, u32)> {
+            let data = self.image_bytes(i)?;
+            let info = probe_image(&data, Path::new("")).map_err(|e| match e {
+                Error::BadImage { reason, .. } => self.image_error(i, reason),
+                other => other,
+            })?;
+            Ok((info.width, info.height))
+        };
+        if threads == 1 {
+            return indices.iter().map(size).collect();
+        }
+        pool::pool(threads)?.install(|| indices.par_iter().map(size).collect())
+    }
+
+    /// Renders `indices` through the fused path (see
+    /// [`crate::image::fused::render`]) into `out`, one equal slot per image
+    /// in order, in parallel on `threads` threads.
+    pub fn render_batch(
+        &self,
+        indices: &[usize],
+        geometries: &[Geometry],
+        downscale: bool,
+        output: Output,
+        out: BatchOut<'_>,
+        threads: usize,
+    ) -> Result<()> {
+        if indices.len() != geometries.len() || indices.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{} indices but {} geometries",
+                indices.len(),
+                geometries.len()
+            )));
+        }
+        let n = indices.len();
+        let one = |i: usize, g: &Geometry, slot: OutputSlice<'_>| -> Result<()> {
+            let data = self.image_bytes(i)?;
+            render(&data, g, downscale, output, slot).map_err(|reason| self.image_error(i, reason))
+        };
+        let run = || -> Result<()> {
+            match out {
+                BatchOut::Uint8(buf) => {
+                    if buf.len() % n != 0 {
+                        return Err(Error::InvalidArgument("batch buffer size".into()));
+                    }
+                    buf.par_chunks_mut(buf.len() / n)
+                        .zip(indices.par_iter().zip(geometries))
+                        .try_for_each(|(slot, (&i, g))| one(i, g, OutputSlice::Uint8(slot)))
+                }
+                BatchOut::Float(buf) => {
+                    if buf.len() % n != 0 {
+                        return Err(Error::InvalidArgument("batch buffer size".into()));
+                    }
+                    buf.par_chunks_mut(buf.len() / n)
+                        .zip(indices.par_iter().zip(geometries))
+                        .try_for_each(|(slot, (&i, g))| one(i, g, OutputSlice::Float(slot)))
+                }
+            }
+        };
+        pool::pool(threads)?.install(run)
+    }
+
     /// Reads the encoded images of `indices` in parallel.
     pub fn image_bytes_batch(&self, indices: &[usize], threads: usize) -> Result<Vec<Bytes>> {
         if threads == 1 {
@@ -162,6 +239,12 @@ impl IndexedDataset {
         }
         pool::pool(threads)?.install(|| indices.par_iter().map(|&i| self.image_bytes(i)).collect())
     }
+}
+
+/// A whole batch's output buffer (`N` equal slots).
+pub enum BatchOut<'a> {
+    Uint8(&'a mut [u8]),
+    Float(&'a mut [f32]),
 }
 
 /// The default location of a shard list's directory for an index path.

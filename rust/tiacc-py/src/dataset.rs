@@ -2,11 +2,13 @@
 
 use std::path::PathBuf;
 
-use numpy::{PyArray1, PyArray3, PyArrayMethods};
+use numpy::{PyArray1, PyArray3, PyArray4, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tiacc_core::dataset::IndexedDataset;
+use tiacc_core::dataset::{BatchOut, IndexedDataset};
 use tiacc_core::image::decode::RgbImage;
+use tiacc_core::image::fused::{Geometry, Output};
 
 use crate::errors::ResultExt;
 
@@ -83,5 +85,106 @@ impl PackedDataset {
             .detach(|| self.inner.decode_batch(&indices, threads))
             .py()?;
         images.into_iter().map(|img| to_array(py, img)).collect()
+    }
+
+    /// `(width, height)` of the images of `indices`, from their headers.
+    #[pyo3(signature = (indices, threads = 0))]
+    fn image_sizes(
+        &self,
+        py: Python<'_>,
+        indices: Vec<usize>,
+        threads: usize,
+    ) -> PyResult<Vec<(u32, u32)>> {
+        py.detach(|| self.inner.image_sizes(&indices, threads)).py()
+    }
+
+    /// Decodes, crops, resizes, flips and converts `indices` in one pass
+    /// each, in parallel with the GIL released, into `out`: a C-contiguous
+    /// `(N, 3, H, W)` float32 array (normalised with `mean`/`std`) or uint8
+    /// array. Each geometry is `((left, top, width, height) crop,
+    /// (width, height) resize, (left, top, width, height) window, flip)`.
+    #[pyo3(signature = (indices, geometries, out, mean = None, std = None, downscale = true, threads = 0))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn render_batch(
+        &self,
+        py: Python<'_>,
+        indices: Vec<usize>,
+        geometries: Vec<((u32, u32, u32, u32), (u32, u32), (i64, i64, u32, u32), bool)>,
+        out: &Bound<'_, PyAny>,
+        mean: Option<[f32; 3]>,
+        std: Option<[f32; 3]>,
+        downscale: bool,
+        threads: usize,
+    ) -> PyResult<()> {
+        let geometries: Vec<Geometry> = geometries
+            .into_iter()
+            .map(|(crop, resize, window, flip)| Geometry {
+                crop,
+                resize,
+                window,
+                flip,
+            })
+            .collect();
+        let n = indices.len();
+        let (_, _, ww, wh) = geometries
+            .first()
+            .map(|g| g.window)
+            .ok_or_else(|| PyValueError::new_err("render_batch needs at least one index"))?;
+        if geometries
+            .iter()
+            .any(|g| (g.window.2, g.window.3) != (ww, wh))
+        {
+            return Err(PyValueError::new_err(
+                "every geometry must output the same window size",
+            ));
+        }
+        let shape = [n, 3, wh as usize, ww as usize];
+        let check = |got: &[usize]| -> PyResult<()> {
+            if got != shape {
+                return Err(PyValueError::new_err(format!(
+                    "out has shape {got:?}, expected {shape:?}"
+                )));
+            }
+            Ok(())
+        };
+        if let Ok(arr) = out.cast::<PyArray4<f32>>() {
+            check(arr.shape())?;
+            let mut rw = arr.try_readwrite()?;
+            let buf = rw.as_slice_mut()?;
+            let output = Output::Float {
+                mean: mean.unwrap_or([0.0; 3]),
+                std: std.unwrap_or([1.0; 3]),
+            };
+            py.detach(|| {
+                self.inner.render_batch(
+                    &indices,
+                    &geometries,
+                    downscale,
+                    output,
+                    BatchOut::Float(buf),
+                    threads,
+                )
+            })
+            .py()
+        } else if let Ok(arr) = out.cast::<PyArray4<u8>>() {
+            check(arr.shape())?;
+            let mut rw = arr.try_readwrite()?;
+            let buf = rw.as_slice_mut()?;
+            py.detach(|| {
+                self.inner.render_batch(
+                    &indices,
+                    &geometries,
+                    downscale,
+                    Output::Uint8,
+                    BatchOut::Uint8(buf),
+                    threads,
+                )
+            })
+            .py()
+        } else {
+            Err(PyTypeError::new_err(
+                "out must be a C-contiguous 4-D numpy array of float32 or uint8",
+            ))
+        }
     }
 }

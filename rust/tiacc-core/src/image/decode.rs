@@ -10,7 +10,7 @@
 use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use turbojpeg::{Colorspace, Decompressor, Image, PixelFormat};
+use turbojpeg::{Colorspace, Decompressor, Image, PixelFormat, ScalingFactor};
 
 use super::probe::jpeg_has_adobe_marker;
 
@@ -30,14 +30,34 @@ thread_local! {
 
 /// Decodes `data`; the error is the reason, for the caller to locate.
 pub fn decode_rgb(data: &[u8]) -> Result<RgbImage, String> {
-    if data.starts_with(&[0xFF, 0xD8]) {
-        decode_jpeg(data)
+    decode_rgb_scaled(data, 1)
+}
+
+/// Whether `data` is a JPEG (the only format decoded at reduced scale).
+pub fn is_jpeg(data: &[u8]) -> bool {
+    data.starts_with(&[0xFF, 0xD8])
+}
+
+/// Size of a dimension decoded at `1/denom` scale (libjpeg rounds up).
+pub fn scaled_size(size: usize, denom: usize) -> usize {
+    size.div_ceil(denom)
+}
+
+/// Decodes `data`, a JPEG at `1/denom` of its size (`denom` in 1, 2, 4, 8:
+/// libjpeg-turbo scales in the DCT domain, far cheaper than a full decode);
+/// other formats always at full size.
+pub fn decode_rgb_scaled(data: &[u8], denom: usize) -> Result<RgbImage, String> {
+    if is_jpeg(data) {
+        decode_jpeg(data, denom)
     } else {
         decode_other(data)
     }
 }
 
-fn decode_jpeg(data: &[u8]) -> Result<RgbImage, String> {
+fn decode_jpeg(data: &[u8], denom: usize) -> Result<RgbImage, String> {
+    if !matches!(denom, 1 | 2 | 4 | 8) {
+        return Err(format!("unsupported JPEG scale 1/{denom}"));
+    }
     DECOMPRESSOR.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
@@ -45,7 +65,12 @@ fn decode_jpeg(data: &[u8]) -> Result<RgbImage, String> {
         }
         let dec = slot.as_mut().expect("set above");
         let header = dec.read_header(data).map_err(|e| e.to_string())?;
-        let (width, height) = (header.width, header.height);
+        dec.set_scaling_factor(ScalingFactor::new(1, denom))
+            .map_err(|e| e.to_string())?;
+        let (width, height) = (
+            scaled_size(header.width, denom),
+            scaled_size(header.height, denom),
+        );
         if width == 0 || height == 0 {
             return Err(format!("JPEG has zero size {width}x{height}"));
         }
@@ -143,6 +168,25 @@ mod tests {
             .sum::<f64>()
             / out.pixels.len() as f64;
         assert!(mean_abs < 3.0, "{mean_abs}");
+    }
+
+    #[test]
+    fn scaled_jpeg_decode() {
+        let img =
+            image::RgbImage::from_fn(64, 50, |x, y| image::Rgb([x as u8 * 4, y as u8 * 5, 128]));
+        let jpeg = encode(&img, image::ImageFormat::Jpeg);
+        for denom in [1, 2, 4, 8] {
+            let out = decode_rgb_scaled(&jpeg, denom).unwrap();
+            assert_eq!(
+                (out.width, out.height),
+                (64 / denom, 50_usize.div_ceil(denom))
+            );
+            assert_eq!(out.pixels.len(), out.width * out.height * 3);
+        }
+        assert!(decode_rgb_scaled(&jpeg, 3).is_err());
+        // Other formats ignore the scale.
+        let png = encode(&img, image::ImageFormat::Png);
+        assert_eq!(decode_rgb_scaled(&png, 4).unwrap().width, 64);
     }
 
     #[test]

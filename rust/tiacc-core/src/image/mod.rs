@@ -1,4 +1,6 @@
 //! Images: header probing, and decoding to RGB pixels.
 
 pub mod decode;
+pub mod fused;
 pub mod probe;
+pub mod resample;

@@ -1,0 +1,79 @@
+"""What every benchmark records about the machine it ran on."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, or None."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def machine_info(packages: Sequence[str] = ()) -> dict[str, Any]:
+    """CPU, memory, OS, git state, and the versions of ``packages``."""
+    cpuinfo = _read("/proc/cpuinfo").splitlines()
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+        platform.processor() or None,
+    )
+    mem_kb = next(
+        (
+            int(line.split()[1])
+            for line in _read("/proc/meminfo").splitlines()
+            if line.startswith("MemTotal:")
+        ),
+        None,
+    )
+    flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    info: dict[str, Any] = {
+        "cpu_model": cpu,
+        "logical_cores": os.cpu_count(),
+        "virtual_machine": " hypervisor" in flags,
+        "memory_gb": round(mem_kb * 1024 / 1e9, 1) if mem_kb else None,
+        "os": platform.platform(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+    for dist in ("numpy", "torch", "tiacc-training", *packages):
+        info[dist.replace("-", "_")] = version(dist)
+    info.update(
+        {
+            "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+            "git_commit": _git("rev-parse", "--short", "HEAD"),
+            "git_dirty": bool(status) if status is not None else None,
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+    )
+    return info

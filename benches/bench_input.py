@@ -1,0 +1,206 @@
+"""Benchmark: input pipeline throughput, stock torchvision vs IndexTFRDataset.
+
+Every pipeline delivers float32 NCHW batches of 64 at 224x224 through a
+``DataLoader`` with 2 worker processes (shuffled), from the same >= 2000
+ImageNet-sized JPEGs (``tools/make_image_folder.py``: ~500x375, quality 90,
+4:2:0), with the standard training transform::
+
+    RandomResizedCrop(224), RandomHorizontalFlip(), ToTensor(), Normalize(...)
+
+* ``a_imagefolder``: torchvision ``ImageFolder`` + PIL (the stock baseline);
+* ``b_per_item``: ``IndexTFRDataset`` with the same transform on the PIL path
+  (``fused=False``): packed shards, batch decode in Rust, PIL transforms;
+* ``c_fused``: ``IndexTFRDataset`` fused path (decode + crop + resize + flip +
+  normalize in one Rust pass per image);
+* ``c_fused_uint8``: the fused path with ``output="uint8"`` (uint8 NCHW,
+  normalised later on the GPU: a quarter of the bytes through worker IPC);
+* ``decode_bound``: PIL's plain decode (``Image.open().convert("RGB")``),
+  images/s on one core x the number of cores: what a PIL pipeline cannot beat.
+
+Pipelines run alternately, ``--repeats`` times each (median reported); each
+run iterates the whole dataset after one warm-up batch. Files are read once
+first, so every pipeline reads from the page cache. Peak RSS of each worker
+process (VmHWM) is recorded. Results go to ``benches/results/bench_input.json``.
+
+Run: ``make bench`` or ``.venv/bin/python benches/bench_input.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import _machine
+import torch
+import torchvision.transforms as T
+from PIL import Image
+from torch.utils.data import DataLoader
+from torchvision.datasets import ImageFolder
+
+from tiacc_training.tools.general_image_list import list_images
+from tiacc_training.tools.img2tfrecord import Item, pack
+from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
+
+REPO = Path(__file__).resolve().parent.parent
+BATCH = 64
+WORKERS = 2
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def transform() -> T.Compose:
+    """The standard ImageNet training transform."""
+    return T.Compose(
+        [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)]
+    )
+
+
+def prepare(workdir: Path, images: int) -> tuple[Path, Path]:
+    """Generates the images (once) and packs them; returns (image dir, index)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_image_folder import make_image_folder
+
+    img_dir = workdir / "images"
+    make_image_folder(img_dir, classes=10, per_class=-(-images // 10), seed=0)
+    entries, _ = list_images(str(img_dir))
+    out = workdir / "tfrecord"
+    index = out / "train.index"
+    if not index.exists():
+        items = [
+            Item(str(img_dir / rel), rel, label, rel, features={"image/class/label": [label]})
+            for rel, label in entries
+        ]
+        pack(items, str(out), "train", workers=2, show_progress=False)
+    for rel, _ in entries:  # warm the page cache
+        (img_dir / rel).read_bytes()
+    for shard in out.glob("*.tfrecord"):
+        shard.read_bytes()
+    return img_dir, index
+
+
+def worker_peak_rss_mb(iterator: Any) -> list[float]:
+    """VmHWM of each live DataLoader worker process, in MB."""
+    peaks = []
+    for worker in getattr(iterator, "_workers", []):
+        try:
+            with open(f"/proc/{worker.pid}/status", encoding="utf-8") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        peaks.append(int(line.split()[1]) / 1024)
+        except OSError:
+            pass
+    return peaks
+
+
+def run_loader(dataset: Any) -> dict[str, Any]:
+    """Iterates the whole dataset once after a warm-up batch; returns stats."""
+    loader = DataLoader(
+        dataset,
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=WORKERS,
+        drop_last=True,
+        persistent_workers=False,
+    )
+    iterator = iter(loader)
+    first, _ = next(iterator)
+    assert first.shape == (BATCH, 3, 224, 224), first.shape
+    images = 0
+    rss: list[float] = []
+    start = time.perf_counter()
+    for x, _ in iterator:
+        images += x.shape[0]
+        if images == BATCH * 4:  # workers are at their working size by now
+            rss = worker_peak_rss_mb(iterator)
+    seconds = time.perf_counter() - start
+    dtype = str(first.dtype)
+    del iterator
+    return {"images": images, "seconds": seconds, "images_per_s": images / seconds,
+            "worker_peak_rss_mb": rss, "dtype": dtype}  # fmt: skip
+
+
+def decode_bound(img_dir: Path, limit: int = 300) -> dict[str, float]:
+    """PIL decode images/s on one core, and that times the core count."""
+    files = sorted(img_dir.rglob("*.JPEG"))[:limit]
+    start = time.perf_counter()
+    for f in files:
+        with Image.open(f) as im:
+            im.convert("RGB")
+    per_core = len(files) / (time.perf_counter() - start)
+    return {"per_core": per_core, "cores": os.cpu_count() or 1,
+            "bound": per_core * (os.cpu_count() or 1)}  # fmt: skip
+
+
+def main() -> int:
+    """Runs the benchmark; returns the exit status."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--images", type=int, default=2000)
+    p.add_argument("--workdir", default="data/bench_input")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="benches/results/bench_input.json")
+    args = p.parse_args()
+    if args.images < 2000:
+        p.error("--images must be >= 2000")
+    torch.set_num_threads(1)
+    img_dir, index = prepare(Path(args.workdir), args.images)
+    pipelines: dict[str, Callable[[], Any]] = {
+        "a_imagefolder": lambda: ImageFolder(str(img_dir), transform()),
+        "b_per_item": lambda: IndexTFRDataset(str(index.parent), str(index), transform(),
+                                              fused=False),
+        "c_fused": lambda: IndexTFRDataset(str(index.parent), str(index), transform()),
+        "c_fused_uint8": lambda: IndexTFRDataset(str(index.parent), str(index), transform(),
+                                                 output="uint8"),
+    }  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in pipelines}
+    for rep in range(args.repeats):
+        names = list(pipelines)
+        names = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in names:
+            torch.manual_seed(rep)
+            result = run_loader(pipelines[name]())
+            runs[name].append(result)
+            print(f"  repeat {rep + 1}/{args.repeats}  {name:<14} "
+                  f"{result['images_per_s']:7.1f} images/s", flush=True)  # fmt: skip
+    bound = decode_bound(img_dir)
+    base = statistics.median(r["images_per_s"] for r in runs["a_imagefolder"])
+    summary = {}
+    print(f"\n{'pipeline':<16}{'images/s':>10}{'x stock':>9}  worker peak RSS (MB)")
+    for name, rs in runs.items():
+        med = statistics.median(r["images_per_s"] for r in rs)
+        rss = max((max(r["worker_peak_rss_mb"], default=0) for r in rs), default=0)
+        summary[name] = {"median_images_per_s": med, "ratio_vs_stock": med / base,
+                         "min": min(r["images_per_s"] for r in rs),
+                         "max": max(r["images_per_s"] for r in rs),
+                         "worker_peak_rss_mb": rss, "dtype": rs[0]["dtype"]}  # fmt: skip
+        print(f"{name:<16}{med:>10.1f}{med / base:>8.2f}x  {rss:.0f}")
+    print(f"{'decode_bound':<16}{bound['bound']:>10.1f}{bound['bound'] / base:>8.2f}x  "
+          f"(PIL decode {bound['per_core']:.0f}/s per core x {bound['cores']})")  # fmt: skip
+    result = {
+        "benchmark": "bench_input",
+        "machine": _machine.machine_info(["torchvision", "pillow"]),
+        "config": {
+            "images": args.images,
+            "batch": BATCH,
+            "workers": WORKERS,
+            "repeats": args.repeats,
+            "transform": repr(transform()),
+            "page_cache": "warm",
+        },  # fmt: skip
+        "results": summary,
+        "runs": runs,
+        "decode_bound": bound,
+        "goals": {"c_vs_a": 4.0, "b_vs_a": 1.0},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+//! The fused augmentation path: decode, crop, resize, flip and convert one
+//! image in a single pass, writing straight into its slot of a batch.
+//!
+//! The random parameters are drawn by the caller (with torchvision's own
+//! `get_params`, so the distributions and the random stream are PyTorch's);
+//! this module only applies them. The geometry is that of torchvision on PIL
+//! images: crop the source, resample the crop with PIL's bilinear filter
+//! (bit-exact, see [`super::resample`]), cut a window out of the result
+//! (a center crop; zeros where it reaches past the image, as torchvision
+//! pads), and mirror it.
+
+use super::decode::{decode_rgb_scaled, is_jpeg};
+use super::resample::{resample, RgbView};
+
+/// Where the output pixels come from, in the coordinates of each step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Crop of the source image: left, top, width, height (source pixels,
+    /// inside the image).
+    pub crop: (u32, u32, u32, u32),
+    /// The crop is resampled to this width and height.
+    pub resize: (u32, u32),
+    /// The output is this window of the resampled image: left, top, width,
+    /// height; parts outside the resampled image are zero.
+    pub window: (i64, i64, u32, u32),
+    /// Mirror the output left-right.
+    pub flip: bool,
+}
+
+/// How output pixels are written.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Output {
+    /// `uint8` CHW, as `PILToTensor` gives.
+    Uint8,
+    /// `float32` CHW: `(v / 255 - mean[c]) / std[c]`, as `ToTensor` then
+    /// `Normalize` give (mean 0 and std 1 without `Normalize`).
+    Float { mean: [f32; 3], std: [f32; 3] },
+}
+
+/// The largest JPEG scale denominator (1, 2, 4 or 8) whose decode still
+/// holds at least as many pixels as the resampled crop in each direction,
+/// so that the resample never has to upsample what the decoder shrank.
+pub fn choose_denominator(g: &Geometry) -> usize {
+    let (_, _, cw, ch) = g.crop;
+    let (rw, rh) = g.resize;
+    let factor = f64::min(f64::from(cw) / f64::from(rw), f64::from(ch) / f64::from(rh));
+    [8, 4, 2]
+        .into_iter()
+        .find(|&d| factor >= d as f64)
+        .unwrap_or(1)
+}
+
+/// Renders `data` (an encoded image) through `g` into `out`, which holds
+/// `3 * window_height * window_width` values (CHW). With `downscale`, JPEGs
+/// are decoded at the reduced scale [`choose_denominator`] allows.
+pub fn render(
+    data: &[u8],
+    g: &Geometry,
+    downscale: bool,
+    output: Output,
+    out: OutputSlice<'_>,
+) -> Result<(), String> {
+    let denom = if downscale && is_jpeg(data) {
+        choose_denominator(g)
+    } else {
+        1
+    };
+    let img = decode_rgb_scaled(data, denom)?;
+    let (cl, ct, cw, ch) = g.crop;
+    // The crop in decoded pixels: exact at full scale, fractional when scaled.
+    let d = denom as f64;
+    let (x0, y0) = (f64::from(cl) / d, f64::from(ct) / d);
+    let (x1, y1) = (f64::from(cl + cw) / d, f64::from(ct + ch) / d);
+    if cw == 0 || ch == 0 || x1 > img.width as f64 || y1 > img.height as f64 {
+        return Err(format!(
+            "crop {cw}x{ch}+{cl}+{ct} does not fit the image (decoded at 1/{denom}: {}x{})",
+            img.width, img.height
+        ));
+    }
+    // Cut the covering integer region first so the filter stays inside the
+    // crop, as it does when torchvision crops before resizing.
+    let (ix0, iy0) = (x0.floor() as usize, y0.floor() as usize);
+    let ix1 = (x1.ceil() as usize).min(img.width);
+    let iy1 = (y1.ceil() as usize).min(img.height);
+    let region_w = ix1 - ix0;
+    let mut region = Vec::with_capacity(region_w * (iy1 - iy0) * 3);
+    for y in iy0..iy1 {
+        region.extend_from_slice(&img.pixels[(y * img.width + ix0) * 3..(y * img.width + ix1) * 3]);
+    }
+    let view = RgbView {
+        pixels: &region,
+        width: region_w,
+        height: iy1 - iy0,
+    };
+    let box_ = (
+        x0 - ix0 as f64,
+        y0 - iy0 as f64,
+        x1 - ix0 as f64,
+        y1 - iy0 as f64,
+    );
+
+    let (rw, rh) = (g.resize.0 as usize, g.resize.1 as usize);
+    let (wl, wt, ww, wh) = g.window;
+    let (ww, wh) = (ww as usize, wh as usize);
+    // The part of the window inside the resampled image.
+    let cols = (wl.max(0) as usize).min(rw)..((wl + ww as i64).clamp(0, rw as i64) as usize);
+    let rows = (wt.max(0) as usize).min(rh)..((wt + wh as i64).clamp(0, rh as i64) as usize);
+    let pixels = resample(view, box_, rw, rh, cols.clone(), rows.clone());
+    let (ox, oy) = (
+        (cols.start as i64 - wl) as usize,
+        (rows.start as i64 - wt) as usize,
+    );
+    let plane = ww * wh;
+    if out.len() != 3 * plane {
+        return Err(format!(
+            "output slot holds {} values, not 3x{wh}x{ww}",
+            out.len()
+        ));
+    }
+    let ncols = cols.len();
+    match out {
+        OutputSlice::Uint8(out) => {
+            out.fill(0);
+            write_planes(&pixels, ncols, ox, oy, ww, g.flip, plane, |i, _, v| {
+                out[i] = v
+            });
+        }
+        OutputSlice::Float(out) => {
+            let Output::Float { mean, std } = output else {
+                return Err("a float output slot needs Output::Float".into());
+            };
+            // Every 8-bit value's output per channel, computed as ToTensor and
+            // Normalize compute it: (v / 255 - mean) / std in float32.
+            let mut table = [[0f32; 256]; 3];
+            for (c, t) in table.iter_mut().enumerate() {
+                for (v, slot) in t.iter_mut().enumerate() {
+                    *slot = (v as f32 / 255.0 - mean[c]) / std[c];
+                }
+            }
+            for c in 0..3 {
+                // Padding is a zero pixel.
+                out[c * plane..(c + 1) * plane].fill(table[c][0]);
+            }
+            write_planes(&pixels, ncols, ox, oy, ww, g.flip, plane, |i, c, v| {
+                out[i] = table[c][usize::from(v)];
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Scatters interleaved `pixels` (`ncols` wide) into CHW planes at
+/// `(ox, oy)` of a `ww`-wide window, mirrored if `flip`.
+#[allow(clippy::too_many_arguments)]
+fn write_planes(
+    pixels: &[u8],
+    ncols: usize,
+    ox: usize,
+    oy: usize,
+    ww: usize,
+    flip: bool,
+    plane: usize,
+    mut put: impl FnMut(usize, usize, u8),
+) {
+    if ncols == 0 {
+        return;
+    }
+    for (r, row) in pixels.chunks_exact(ncols * 3).enumerate() {
+        let y = oy + r;
+        for (cidx, px) in row.chunks_exact(3).enumerate() {
+            let x = ox + cidx;
+            let x = if flip { ww - 1 - x } else { x };
+            for (c, &v) in px.iter().enumerate() {
+                put(c * plane + y * ww + x, c, v);
+            }
+        }
+    }
+}
+
+/// A batch slot to write one image into.
+pub enum OutputSlice<'a> {
+    Uint8(&'a mut [u8]),
+    Float(&'a mut [f32]),
+}
+
+impl OutputSlice<'_> {
+    fn len(&self) -> usize {
+        match self {
+            OutputSlice::Uint8(s) => s.len(),
+            OutputSlice::Float(s) => s.len(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Cursor;
+
+    fn png(w: u32, h: u32) -> (Vec<u8>, image::RgbImage) {
+        let img = image::RgbImage::from_fn(w, h, |x, y| {
+            image::Rgb([x as u8 * 3, y as u8 * 5, (x + y) as u8])
+        });
+        let mut out = Cursor::new(Vec::new());
+        img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+        (out.into_inner(), img)
+    }
+
+    #[test]
+    fn plain_crop_flip_uint8() {
+        let (data, img) = png(10, 8);
+        let g = Geometry {
+            crop: (2, 1, 4, 3),
+            resize: (4, 3),
+            window: (0, 0, 4, 3),
+            flip: true,
+        };
+        let mut out = vec![0u8; 3 * 4 * 3];
+        render(&data, &g, true, Output::Uint8, OutputSlice::Uint8(&mut out)).unwrap();
+        // Channel 0, row 0 holds source row 1, columns 5, 4, 3, 2 (mirrored).
+        let expect: Vec<u8> = (2..6).rev().map(|x| img.get_pixel(x, 1)[0]).collect();
+        assert_eq!(&out[..4], expect.as_slice());
+        // Channel 1 (green) of the last row is source row 3.
+        assert_eq!(out[12 + 8], img.get_pixel(5, 3)[1]);
+    }
+
+    #[test]
+    fn window_padding_is_zero_then_normalized() {
+        let (data, _) = png(4, 4);
+        let g = Geometry {
+            crop: (0, 0, 4, 4),
+            resize: (4, 4),
+            window: (-1, -1, 6, 6),
+            flip: false,
+        };
+        let mut out = vec![9f32; 3 * 36];
+        let output = Output::Float {
+            mean: [0.5, 0.5, 0.5],
+            std: [0.25, 0.25, 0.25],
+        };
+        render(&data, &g, true, output, OutputSlice::Float(&mut out)).unwrap();
+        assert_eq!(out[0], -2.0); // padding: (0 - 0.5) / 0.25
+        assert_eq!(out[7], (0.0 / 255.0 - 0.5) / 0.25); // pixel (0, 0) is black
+    }
+
+    #[test]
+    fn denominator_choice() {
+        let g = |cw, ch, rw, rh| Geometry {
+            crop: (0, 0, cw, ch),
+            resize: (rw, rh),
+            window: (0, 0, rw, rh),
+            flip: false,
+        };
+        assert_eq!(choose_denominator(&g(500, 375, 224, 224)), 1);
+        assert_eq!(choose_denominator(&g(900, 600, 224, 224)), 2);
+        assert_eq!(choose_denominator(&g(2000, 1800, 224, 224)), 8);
+        assert_eq!(choose_denominator(&g(1000, 300, 224, 224)), 1);
+    }
+
+    #[test]
+    fn bad_crop_and_slot_size_are_errors() {
+        let (data, _) = png(4, 4);
+        let g = Geometry {
+            crop: (2, 2, 4, 4),
+            resize: (4, 4),
+            window: (0, 0, 4, 4),
+            flip: false,
+        };
+        let mut out = vec![0u8; 48];
+        assert!(render(&data, &g, true, Output::Uint8, OutputSlice::Uint8(&mut out)).is_err());
+        let ok = Geometry {
+            crop: (0, 0, 4, 4),
+            ..g
+        };
+        let mut small = vec![0u8; 47];
+        assert!(render(
+            &data,
+            &ok,
+            true,
+            Output::Uint8,
+            OutputSlice::Uint8(&mut small)
+        )
+        .is_err());
+    }
+}
