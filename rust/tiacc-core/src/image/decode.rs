@@ -7,11 +7,9 @@
 //! (inverted when an Adobe marker says so). Other formats go through the
 //! `image` crate; alpha is dropped, as `convert("RGB")` does.
 
-use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use turbojpeg::{Colorspace, Decompressor, Image, PixelFormat, ScalingFactor};
-
+use super::jpeg::{with_decoder, JpegDecoder, JpegHeader};
 use super::probe::jpeg_has_adobe_marker;
 
 /// Row-major interleaved RGB pixels.
@@ -21,11 +19,6 @@ pub struct RgbImage {
     pub height: usize,
     /// `height * width * 3` bytes.
     pub pixels: Vec<u8>,
-}
-
-thread_local! {
-    // One libjpeg-turbo handle per thread, reused across images.
-    static DECOMPRESSOR: RefCell<Option<Decompressor>> = const { RefCell::new(None) };
 }
 
 /// Decodes `data`; the error is the reason, for the caller to locate.
@@ -38,65 +31,41 @@ pub fn is_jpeg(data: &[u8]) -> bool {
     data.starts_with(&[0xFF, 0xD8])
 }
 
-/// Size of a dimension decoded at `1/denom` scale (libjpeg rounds up).
-pub fn scaled_size(size: usize, denom: usize) -> usize {
-    size.div_ceil(denom)
-}
-
 /// Decodes `data`, a JPEG at `1/denom` of its size (`denom` in 1, 2, 4, 8:
 /// libjpeg-turbo scales in the DCT domain, far cheaper than a full decode);
 /// other formats always at full size.
 pub fn decode_rgb_scaled(data: &[u8], denom: usize) -> Result<RgbImage, String> {
     if is_jpeg(data) {
-        decode_jpeg(data, denom)
+        with_decoder(|dec| {
+            let header = dec.read_header(data)?;
+            let (w, h) = (header.width.div_ceil(denom), header.height.div_ceil(denom));
+            decode_jpeg_region(dec, data, &header, denom, (0, 0, w, h))
+        })
     } else {
         decode_other(data)
     }
 }
 
-fn decode_jpeg(data: &[u8], denom: usize) -> Result<RgbImage, String> {
+/// Decodes the region `(x, y, w, h)` of a JPEG at `1/denom` scale to RGB.
+pub fn decode_jpeg_region(
+    dec: &mut JpegDecoder,
+    data: &[u8],
+    header: &JpegHeader,
+    denom: usize,
+    region: (usize, usize, usize, usize),
+) -> Result<RgbImage, String> {
     if !matches!(denom, 1 | 2 | 4 | 8) {
         return Err(format!("unsupported JPEG scale 1/{denom}"));
     }
-    DECOMPRESSOR.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if slot.is_none() {
-            *slot = Some(Decompressor::new().map_err(|e| e.to_string())?);
-        }
-        let dec = slot.as_mut().expect("set above");
-        let header = dec.read_header(data).map_err(|e| e.to_string())?;
-        dec.set_scaling_factor(ScalingFactor::new(1, denom))
-            .map_err(|e| e.to_string())?;
-        let (width, height) = (
-            scaled_size(header.width, denom),
-            scaled_size(header.height, denom),
-        );
-        if width == 0 || height == 0 {
-            return Err(format!("JPEG has zero size {width}x{height}"));
-        }
-        let cmyk = matches!(header.colorspace, Colorspace::CMYK | Colorspace::YCCK);
-        let (format, channels) = if cmyk {
-            (PixelFormat::CMYK, 4)
-        } else {
-            (PixelFormat::RGB, 3)
-        };
-        let mut pixels = vec![0u8; width * height * channels];
-        let image = Image {
-            pixels: pixels.as_mut_slice(),
-            width,
-            pitch: width * channels,
-            height,
-            format,
-        };
-        dec.decompress(data, image).map_err(|e| e.to_string())?;
-        if cmyk {
-            pixels = cmyk_to_rgb(&pixels, jpeg_has_adobe_marker(data));
-        }
-        Ok(RgbImage {
-            width,
-            height,
-            pixels,
-        })
+    let mut pixels = Vec::new();
+    dec.decode(data, header, denom, region, &mut pixels)?;
+    if header.cmyk {
+        pixels = cmyk_to_rgb(&pixels, jpeg_has_adobe_marker(data));
+    }
+    Ok(RgbImage {
+        width: region.2,
+        height: region.3,
+        pixels,
     })
 }
 

@@ -2,5 +2,6 @@
 
 pub mod decode;
 pub mod fused;
+pub mod jpeg;
 pub mod probe;
 pub mod resample;

@@ -151,7 +151,7 @@ fn is_start_of_frame(marker: u8) -> bool {
 }
 
 /// Size from the first start-of-frame segment of a JPEG.
-fn jpeg_size(data: &[u8]) -> std::result::Result<(u32, u32), String> {
+pub(crate) fn jpeg_size(data: &[u8]) -> std::result::Result<(u32, u32), String> {
     for segment in Segments::new(data) {
         let Segment { marker, at, body } = segment?;
         if is_start_of_frame(marker) {

@@ -69,12 +69,14 @@ fn clip8(acc: i32) -> u8 {
     (acc >> PRECISION_BITS).clamp(0, 255) as u8
 }
 
-/// An interleaved 8-bit RGB view: `width * height * 3` bytes.
+/// An interleaved 8-bit RGB view of `width x height` pixels whose rows
+/// start `stride` bytes apart (a sub-rectangle of a larger image).
 #[derive(Debug, Clone, Copy)]
 pub struct RgbView<'a> {
     pub pixels: &'a [u8],
     pub width: usize,
     pub height: usize,
+    pub stride: usize,
 }
 
 /// Resamples the region `box_ = (x0, y0, x1, y1)` of `src` (fractional
@@ -115,7 +117,7 @@ pub fn resample(
     let mid_rows = row_hi - row_lo;
     let mut mid = vec![0u8; mid_rows * ncols * 3];
     for (r, sy) in (row_lo..row_hi).enumerate() {
-        let src_row = &src.pixels[sy * src.width * 3..(sy + 1) * src.width * 3];
+        let src_row = &src.pixels[sy * src.stride..sy * src.stride + src.width * 3];
         let out_row = &mut mid[r * ncols * 3..(r + 1) * ncols * 3];
         match &xtaps {
             Some(taps) => {
@@ -176,6 +178,7 @@ mod tests {
             pixels,
             width,
             height,
+            stride: width * 3,
         }
     }
 
