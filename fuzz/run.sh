@@ -14,10 +14,12 @@ cd "$FUZZ_DIR"
 export RUSTC_BOOTSTRAP=1
 CARGO_FUZZ="${CARGO_FUZZ:-cargo fuzz}"
 SANITIZER="${SANITIZER:-address}"   # `none` also works, and runs faster
-TARGETS=(record_reader example_decode)
+TARGETS=(record_reader example_decode image_decode)
 
 seed() {
-    python3 - "$FUZZ_DIR/corpus" <<'PY'
+    local py=python3
+    [ -x "$FUZZ_DIR/../.venv/bin/python" ] && py="$FUZZ_DIR/../.venv/bin/python"
+    "$py" - "$FUZZ_DIR/corpus" <<'PY'
 import os, struct, sys
 
 def crc32c(data: bytes) -> int:
@@ -83,6 +85,31 @@ corpus = {
         frame(examples[4]) + b"\x01\x02\x03",          # truncated header
     ],
 }
+try:  # small real images, when Pillow is at hand (the project's .venv has it)
+    import io
+    from PIL import Image
+
+    def encoded(mode, fmt, size=(19, 13), **kw):
+        img = Image.new(mode, size)
+        img.putdata([tuple((x * 37 + i * 11) % 256 for i in range(len(mode))) if len(mode) > 1
+                     else (x * 37) % 256 for x in range(size[0] * size[1])])
+        out = io.BytesIO()
+        img.save(out, fmt, **kw)
+        return out.getvalue()
+
+    corpus["image_decode"] = [
+        encoded("RGB", "JPEG", quality=90),
+        encoded("RGB", "JPEG", quality=50, subsampling=0),
+        encoded("RGB", "JPEG", progressive=True),
+        encoded("L", "JPEG"),
+        encoded("CMYK", "JPEG"),
+        encoded("RGB", "PNG"),
+        encoded("RGBA", "PNG"),
+        encoded("RGB", "BMP"),
+        encoded("RGB", "WEBP"),
+    ]
+except ImportError:
+    corpus["image_decode"] = [b"\xff\xd8\xff\xd9", b"\x89PNG\r\n\x1a\n"]
 for target, seeds in corpus.items():
     d = os.path.join(root, target)
     os.makedirs(d, exist_ok=True)

@@ -11,6 +11,11 @@ use turbojpeg_sys as tj;
 
 use super::probe::jpeg_size;
 
+/// The most pixels one decode may produce: Pillow's decompression-bomb error
+/// threshold (2 x `Image.MAX_IMAGE_PIXELS`). A header can claim 65535 x 65535
+/// pixels in a few hundred bytes; this refuses to allocate for it.
+pub const MAX_PIXELS: usize = 178_956_970;
+
 /// What the header says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JpegHeader {
@@ -121,6 +126,11 @@ impl JpegDecoder {
     ) -> Result<(), String> {
         let (x, y, w, h) = region;
         let (sw, sh) = (header.width.div_ceil(denom), header.height.div_ceil(denom));
+        if w.saturating_mul(h) > MAX_PIXELS {
+            return Err(format!(
+                "a {w}x{h} decode exceeds the limit of {MAX_PIXELS} pixels (a decompression bomb?)"
+            ));
+        }
         if w == 0 || h == 0 || x + w > sw || y + h > sh || x % header.scaled_mcu_width(denom) != 0 {
             return Err(format!(
                 "invalid JPEG region {w}x{h}+{x}+{y} of a {sw}x{sh} image at scale 1/{denom}"
