@@ -258,16 +258,14 @@ pub fn index_dir(index_path: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::image::testing::encode;
     use crate::tfrecord::example::Feature;
     use crate::tfrecord::writer::ShardedWriter;
     use prost::Message;
-    use std::io::Cursor;
 
     fn png(seed: u8) -> Vec<u8> {
         let img = image::RgbImage::from_fn(5, 4, |x, y| image::Rgb([seed, x as u8, y as u8]));
-        let mut out = Cursor::new(Vec::new());
-        img.write_to(&mut out, image::ImageFormat::Png).unwrap();
-        out.into_inner()
+        encode(&img, image::ImageFormat::Png)
     }
 
     fn dataset(dir: &Path) -> IndexedDataset {

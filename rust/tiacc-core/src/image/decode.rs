@@ -106,13 +106,7 @@ fn decode_other(data: &[u8]) -> Result<RgbImage, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Cursor;
-
-    fn encode(img: &image::RgbImage, format: image::ImageFormat) -> Vec<u8> {
-        let mut out = Cursor::new(Vec::new());
-        img.write_to(&mut out, format).unwrap();
-        out.into_inner()
-    }
+    use crate::image::testing::encode;
 
     #[test]
     fn png_is_lossless() {

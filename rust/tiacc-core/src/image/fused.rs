@@ -248,15 +248,13 @@ impl OutputSlice<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Cursor;
+    use crate::image::testing::encode;
 
     fn png(w: u32, h: u32) -> (Vec<u8>, image::RgbImage) {
         let img = image::RgbImage::from_fn(w, h, |x, y| {
             image::Rgb([x as u8 * 3, y as u8 * 5, (x + y) as u8])
         });
-        let mut out = Cursor::new(Vec::new());
-        img.write_to(&mut out, image::ImageFormat::Png).unwrap();
-        (out.into_inner(), img)
+        (encode(&img, image::ImageFormat::Png), img)
     }
 
     #[test]

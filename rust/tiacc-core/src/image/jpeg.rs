@@ -225,13 +225,10 @@ pub fn with_decoder<R>(f: impl FnOnce(&mut JpegDecoder) -> Result<R, String>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Cursor;
+    use crate::image::testing::{encode, gradient};
 
     fn jpeg(w: u32, h: u32) -> Vec<u8> {
-        let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 99]));
-        let mut out = Cursor::new(Vec::new());
-        img.write_to(&mut out, image::ImageFormat::Jpeg).unwrap();
-        out.into_inner()
+        encode(&gradient(w, h, 99), image::ImageFormat::Jpeg)
     }
 
     #[test]

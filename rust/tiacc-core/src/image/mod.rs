@@ -5,3 +5,5 @@ pub mod fused;
 pub mod jpeg;
 pub mod probe;
 pub mod resample;
+#[cfg(test)]
+pub(crate) mod testing;

@@ -212,12 +212,10 @@ fn probe_other(data: &[u8]) -> std::result::Result<(ImageFormat, (u32, u32)), St
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::image::testing::{encode, gradient};
 
     fn encoded(w: u32, h: u32, format: image::ImageFormat) -> Vec<u8> {
-        let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 7]));
-        let mut out = Cursor::new(Vec::new());
-        img.write_to(&mut out, format).unwrap();
-        out.into_inner()
+        encode(&gradient(w, h, 7), format)
     }
 
     #[test]

@@ -215,17 +215,14 @@ impl ImagePacker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::image::testing::{encode, gradient};
     use crate::tfrecord::index::read_index;
     use crate::tfrecord::record::RecordReader;
-    use std::io::Cursor;
     use std::path::Path;
 
     /// A 3x2 PNG made by the `image` crate.
     fn png(w: u32, h: u32) -> Vec<u8> {
-        let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 7]));
-        let mut out = Cursor::new(Vec::new());
-        img.write_to(&mut out, image::ImageFormat::Png).unwrap();
-        out.into_inner()
+        encode(&gradient(w, h, 7), image::ImageFormat::Png)
     }
 
     fn item(path: PathBuf, label: i64) -> PackItem {
