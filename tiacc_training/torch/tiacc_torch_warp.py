@@ -157,7 +157,7 @@ class IndexTFRDataset(torch.utils.data.Dataset):
         return i + n if i < 0 else i
 
     def _item(self, pixels: Any, index: int) -> tuple[Any, Any]:
-        image = Image.fromarray(pixels, mode="RGB") if pixels.ndim == 3 else pixels
+        image = Image.fromarray(pixels)  # (H, W, 3) uint8: mode RGB
         if self.transform is not None:
             image = self.transform(image)
         target: Any = self.targets[index]
