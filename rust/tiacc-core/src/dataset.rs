@@ -137,24 +137,13 @@ impl IndexedDataset {
     /// Record `index`'s image decoded to RGB.
     pub fn decode(&self, index: usize) -> Result<RgbImage> {
         let data = self.image_bytes(index)?;
-        decode_rgb(&data).map_err(|reason| {
-            let (path, offset) = self.location(index).expect("read above");
-            Error::RecordImage {
-                path: path.to_path_buf(),
-                offset,
-                index,
-                reason,
-            }
-        })
+        decode_rgb(&data).map_err(|reason| self.image_error(index, reason))
     }
 
     /// Reads and decodes `indices` in parallel on a pool of `threads`
     /// threads (0: all cores); results in the order of `indices`.
     pub fn decode_batch(&self, indices: &[usize], threads: usize) -> Result<Vec<RgbImage>> {
-        if threads == 1 {
-            return indices.iter().map(|&i| self.decode(i)).collect();
-        }
-        pool::pool(threads)?.install(|| indices.par_iter().map(|&i| self.decode(i)).collect())
+        map_batch(indices, threads, |i| self.decode(i))
     }
 
     fn image_error(&self, index: usize, reason: String) -> Error {
@@ -171,18 +160,14 @@ impl IndexedDataset {
 
     /// `(width, height)` of each image of `indices`, from its header.
     pub fn image_sizes(&self, indices: &[usize], threads: usize) -> Result<Vec<(u32, u32)>> {
-        let size = |&i: &usize| -> Result<(u32, u32)> {
+        map_batch(indices, threads, |i| {
             let data = self.image_bytes(i)?;
             let info = probe_image(&data, Path::new("")).map_err(|e| match e {
                 Error::BadImage { reason, .. } => self.image_error(i, reason),
                 other => other,
             })?;
             Ok((info.width, info.height))
-        };
-        if threads == 1 {
-            return indices.iter().map(size).collect();
-        }
-        pool::pool(threads)?.install(|| indices.par_iter().map(size).collect())
+        })
     }
 
     /// Renders `indices` through the fused path (see
@@ -204,29 +189,16 @@ impl IndexedDataset {
                 geometries.len()
             )));
         }
-        let n = indices.len();
         let one = |i: usize, g: &Geometry, slot: OutputSlice<'_>| -> Result<()> {
             let data = self.image_bytes(i)?;
             render(&data, g, downscale, output, slot).map_err(|reason| self.image_error(i, reason))
         };
-        let run = || -> Result<()> {
-            match out {
-                BatchOut::Uint8(buf) => {
-                    if buf.len() % n != 0 {
-                        return Err(Error::InvalidArgument("batch buffer size".into()));
-                    }
-                    buf.par_chunks_mut(buf.len() / n)
-                        .zip(indices.par_iter().zip(geometries))
-                        .try_for_each(|(slot, (&i, g))| one(i, g, OutputSlice::Uint8(slot)))
-                }
-                BatchOut::Float(buf) => {
-                    if buf.len() % n != 0 {
-                        return Err(Error::InvalidArgument("batch buffer size".into()));
-                    }
-                    buf.par_chunks_mut(buf.len() / n)
-                        .zip(indices.par_iter().zip(geometries))
-                        .try_for_each(|(slot, (&i, g))| one(i, g, OutputSlice::Float(slot)))
-                }
+        let run = || match out {
+            BatchOut::Uint8(buf) => {
+                for_each_slot(buf, indices, geometries, |s| OutputSlice::Uint8(s), one)
+            }
+            BatchOut::Float(buf) => {
+                for_each_slot(buf, indices, geometries, |s| OutputSlice::Float(s), one)
             }
         };
         pool::pool(threads)?.install(run)
@@ -234,11 +206,41 @@ impl IndexedDataset {
 
     /// Reads the encoded images of `indices` in parallel.
     pub fn image_bytes_batch(&self, indices: &[usize], threads: usize) -> Result<Vec<Bytes>> {
-        if threads == 1 {
-            return indices.iter().map(|&i| self.image_bytes(i)).collect();
-        }
-        pool::pool(threads)?.install(|| indices.par_iter().map(|&i| self.image_bytes(i)).collect())
+        map_batch(indices, threads, |i| self.image_bytes(i))
     }
+}
+
+/// `f` over `indices`, in order: in the calling thread when `threads` is 1,
+/// else in parallel on this process's pool of `threads` threads.
+fn map_batch<T: Send>(
+    indices: &[usize],
+    threads: usize,
+    f: impl Fn(usize) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    if threads == 1 {
+        return indices.iter().map(|&i| f(i)).collect();
+    }
+    pool::pool(threads)?.install(|| indices.par_iter().map(|&i| f(i)).collect())
+}
+
+/// Splits `buf` into one equal slot per index and renders each in parallel.
+fn for_each_slot<T: Send>(
+    buf: &mut [T],
+    indices: &[usize],
+    geometries: &[Geometry],
+    slot: for<'a> fn(&'a mut [T]) -> OutputSlice<'a>,
+    one: impl Fn(usize, &Geometry, OutputSlice<'_>) -> Result<()> + Sync,
+) -> Result<()> {
+    let n = indices.len();
+    if buf.len() % n != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "a batch buffer of {} values does not split into {n} equal slots",
+            buf.len()
+        )));
+    }
+    buf.par_chunks_mut(buf.len() / n)
+        .zip(indices.par_iter().zip(geometries))
+        .try_for_each(|(s, (&i, g))| one(i, g, slot(s)))
 }
 
 /// A whole batch's output buffer (`N` equal slots).
