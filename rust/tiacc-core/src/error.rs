@@ -68,6 +68,27 @@ pub enum Error {
     /// A caller passed a value the engine cannot use.
     #[error("{0}")]
     InvalidArgument(String),
+
+    /// A configuration value (environment variable or argument) is invalid.
+    #[error("{variable}={value:?} is invalid: expected {expected}")]
+    Config {
+        variable: String,
+        value: String,
+        expected: String,
+    },
+
+    /// A collective failed: a peer closed its connection, sent something
+    /// unexpected, or issued a different collective than this rank.
+    #[error("{message}")]
+    Comm {
+        /// The rank whose connection or data caused the failure, if one did.
+        peer: Option<usize>,
+        message: String,
+    },
+
+    /// A peer did not answer within the communication timeout.
+    #[error("{message}")]
+    CommTimeout { peer: usize, message: String },
 }
 
 /// What exactly is wrong with a corrupt record.

@@ -1,0 +1,221 @@
+//! Element types the engine reduces, and their sums.
+//!
+//! Half types (float16, bfloat16) are added in float32 and rounded once per
+//! addition (round to nearest even), so a ring hop never loses more than one
+//! half-precision rounding.
+
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+
+/// Element type of a communication buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F64,
+    F16,
+    BF16,
+}
+
+impl DType {
+    /// Parses the names torch and numpy use (`float32`, `torch.float16`, `bf16`, ...).
+    pub fn parse(name: &str) -> Result<Self> {
+        let name = name.trim().trim_start_matches("torch.");
+        Ok(match name {
+            "float32" | "float" | "f32" => DType::F32,
+            "float64" | "double" | "f64" => DType::F64,
+            "float16" | "half" | "f16" => DType::F16,
+            "bfloat16" | "bf16" => DType::BF16,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "unsupported dtype {other:?}: the engine reduces float32, float64, float16 and bfloat16"
+                )))
+            }
+        })
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F64 => 8,
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// The torch name of the type.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+        }
+    }
+
+    /// A small stable code, used in the collective headers ranks compare.
+    pub fn code(self) -> u8 {
+        match self {
+            DType::F32 => 1,
+            DType::F64 => 2,
+            DType::F16 => 3,
+            DType::BF16 => 4,
+        }
+    }
+
+    /// `acc[i] += src[i]` element-wise over whole elements of both slices.
+    /// Both are native-endian element bytes of the same length.
+    pub fn add_assign(self, acc: &mut [u8], src: &[u8]) {
+        debug_assert_eq!(acc.len(), src.len());
+        match self {
+            DType::F32 => zip_map::<4>(acc, src, |a, b| {
+                (f32::from_ne_bytes(a) + f32::from_ne_bytes(b)).to_ne_bytes()
+            }),
+            DType::F64 => zip_map::<8>(acc, src, |a, b| {
+                (f64::from_ne_bytes(a) + f64::from_ne_bytes(b)).to_ne_bytes()
+            }),
+            DType::F16 => zip_map::<2>(acc, src, |a, b| {
+                let sum = f16::from_ne_bytes(a).to_f32() + f16::from_ne_bytes(b).to_f32();
+                f16::from_f32(sum).to_ne_bytes()
+            }),
+            DType::BF16 => zip_map::<2>(acc, src, |a, b| {
+                let sum = bf16::from_ne_bytes(a).to_f32() + bf16::from_ne_bytes(b).to_f32();
+                bf16::from_f32(sum).to_ne_bytes()
+            }),
+        }
+    }
+
+    /// `buf[i] /= divisor` element-wise (half types computed in float32).
+    pub fn div_assign(self, buf: &mut [u8], divisor: f64) {
+        match self {
+            DType::F32 => {
+                let d = divisor as f32;
+                map::<4>(buf, |a| (f32::from_ne_bytes(a) / d).to_ne_bytes())
+            }
+            DType::F64 => map::<8>(buf, |a| (f64::from_ne_bytes(a) / divisor).to_ne_bytes()),
+            DType::F16 => {
+                let d = divisor as f32;
+                map::<2>(buf, |a| f16::from_f32(f16::from_ne_bytes(a).to_f32() / d).to_ne_bytes())
+            }
+            DType::BF16 => {
+                let d = divisor as f32;
+                map::<2>(buf, |a| {
+                    bf16::from_f32(bf16::from_ne_bytes(a).to_f32() / d).to_ne_bytes()
+                })
+            }
+        }
+    }
+}
+
+// Byte-array element access keeps the buffers free of alignment
+// requirements (receive staging is a plain Vec<u8>); the loops still
+// vectorise because the arrays are fixed-size.
+#[inline]
+fn zip_map<const N: usize>(acc: &mut [u8], src: &[u8], f: impl Fn([u8; N], [u8; N]) -> [u8; N]) {
+    for (a, b) in acc.chunks_exact_mut(N).zip(src.chunks_exact(N)) {
+        let (Ok(x), Ok(y)) = (<[u8; N]>::try_from(&*a), <[u8; N]>::try_from(b)) else {
+            continue;
+        };
+        a.copy_from_slice(&f(x, y));
+    }
+}
+
+#[inline]
+fn map<const N: usize>(buf: &mut [u8], f: impl Fn([u8; N]) -> [u8; N]) {
+    for a in buf.chunks_exact_mut(N) {
+        let Ok(x) = <[u8; N]>::try_from(&*a) else {
+            continue;
+        };
+        a.copy_from_slice(&f(x));
+    }
+}
+
+/// The element range of shard `index` when `len` elements are split into
+/// `parts` nearly equal contiguous shards (the first `len % parts` shards
+/// get one more element). Every rank computes the same partition.
+pub fn shard_range(len: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
+    let base = len / parts;
+    let extra = len % parts;
+    let start = index * base + index.min(extra);
+    let size = base + usize::from(index < extra);
+    start..start + size
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Encodes f64 values as `dtype` bytes (test helper).
+    pub fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(values.len() * dtype.size());
+        for &v in values {
+            match dtype {
+                DType::F32 => out.extend((v as f32).to_ne_bytes()),
+                DType::F64 => out.extend(v.to_ne_bytes()),
+                DType::F16 => out.extend(f16::from_f64(v).to_ne_bytes()),
+                DType::BF16 => out.extend(bf16::from_f64(v).to_ne_bytes()),
+            }
+        }
+        out
+    }
+
+    /// Decodes `dtype` bytes to f64 (test helper).
+    pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+        bytes
+            .chunks_exact(dtype.size())
+            .map(|c| match dtype {
+                DType::F32 => f32::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::F64 => f64::from_ne_bytes(c.try_into().unwrap()),
+                DType::F16 => f16::from_ne_bytes(c.try_into().unwrap()).to_f64(),
+                DType::BF16 => bf16::from_ne_bytes(c.try_into().unwrap()).to_f64(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn parses_torch_names() {
+        assert_eq!(DType::parse("torch.float32").unwrap(), DType::F32);
+        assert_eq!(DType::parse("bfloat16").unwrap(), DType::BF16);
+        assert_eq!(DType::parse("half").unwrap(), DType::F16);
+        assert!(DType::parse("int64").unwrap_err().to_string().contains("int64"));
+    }
+
+    #[test]
+    fn sums_every_type() {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let mut a = encode(dtype, &[1.0, -2.5, 96.0]);
+            let b = encode(dtype, &[0.5, 2.5, 4.0]);
+            dtype.add_assign(&mut a, &b);
+            assert_eq!(decode(dtype, &a), vec![1.5, 0.0, 100.0], "{dtype:?}");
+            dtype.div_assign(&mut a, 4.0);
+            assert_eq!(decode(dtype, &a), vec![0.375, 0.0, 25.0], "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn half_sums_round_once_from_float32() {
+        // 2048 + 1 is not representable in f16 (spacing 2 there): round to even.
+        let mut a = encode(DType::F16, &[2048.0]);
+        DType::F16.add_assign(&mut a, &encode(DType::F16, &[1.0]));
+        assert_eq!(decode(DType::F16, &a), vec![2048.0]);
+        let mut a = encode(DType::F16, &[2050.0]);
+        DType::F16.add_assign(&mut a, &encode(DType::F16, &[1.0]));
+        assert_eq!(decode(DType::F16, &a), vec![2052.0]);
+    }
+
+    #[test]
+    fn shards_cover_the_buffer_exactly() {
+        for len in [0, 1, 5, 7, 64, 1001] {
+            for parts in 1..6 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let r = shard_range(len, parts, i);
+                    assert_eq!(r.start, next);
+                    assert!(r.len() == len / parts || r.len() == len / parts + 1);
+                    next = r.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+}

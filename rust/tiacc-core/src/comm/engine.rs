@@ -1,0 +1,259 @@
+//! The multi-channel engine: one worker thread per channel, each running its
+//! queue of collectives in order.
+//!
+//! Buckets go to channels round-robin by bucket index. DDP launches buckets
+//! in index order on every rank, so every channel sees the same sequence of
+//! collectives on every rank, which is what lets several channels run
+//! concurrently without deadlock. Each collective first compares a tag
+//! (kind, per-channel sequence number, bucket, dtype, size) across ranks, so
+//! diverging ranks raise instead of mixing unrelated buffers.
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::algo::{Algorithm, Flat, Groups};
+use super::dtype::DType;
+use super::transport::{Deadline, OpKind, OpTag, Transport};
+use crate::error::{Error, Result};
+
+/// A buffer owned elsewhere (a torch tensor's storage) that a channel thread
+/// reads and writes while a collective runs.
+pub struct RawBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a RawBuf is only created through `RawBuf::new`, whose contract
+// makes the memory exclusively the engine's until the job's completion
+// runs; moving that exclusive access to a channel thread is sound.
+unsafe impl Send for RawBuf {}
+
+impl RawBuf {
+    /// Wraps `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// The memory must be valid for reads and writes of `len` bytes, and
+    /// nothing else may access it, until the job's completion has been
+    /// called (the caller keeps the owning object alive in the completion).
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        RawBuf { ptr, len }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: `RawBuf::new`'s contract: valid, exclusive, `len` bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// What a job does with its buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Collective {
+    /// Sum over ranks; divide by the world size first when `average`
+    /// (DDP's gradient averaging, done before the sum so half types
+    /// cannot overflow).
+    Allreduce { average: bool },
+    /// Copy `root`'s buffer to every rank.
+    Broadcast { root: usize },
+    /// Wait for every rank (the buffer is ignored).
+    Barrier,
+}
+
+/// Called exactly once with the job's outcome, on the channel thread.
+pub type Completion = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// One collective on one buffer.
+pub struct Job {
+    pub op: Collective,
+    pub buf: RawBuf,
+    pub dtype: DType,
+    /// Bucket index: picks the channel and is checked across ranks.
+    pub bucket: u64,
+    pub done: Completion,
+}
+
+struct Channel {
+    queue: Option<mpsc::Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The engine of one process: its channels and their threads.
+pub struct Engine {
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    channels: Vec<Channel>,
+}
+
+impl Engine {
+    /// Starts one thread per channel, each owning one world transport.
+    pub fn new(transports: Vec<Box<dyn Transport>>, timeout: Duration) -> Result<Self> {
+        let Some(first) = transports.first() else {
+            return Err(Error::InvalidArgument("an engine needs at least one channel".into()));
+        };
+        let (rank, size) = (first.rank(), first.size());
+        let mut channels = Vec::with_capacity(transports.len());
+        for (index, world) in transports.into_iter().enumerate() {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let groups = Groups { world };
+            let thread = std::thread::Builder::new()
+                .name(format!("tiacc-comm-{index}"))
+                .spawn(move || channel_loop(groups, Box::new(Flat), rx, timeout))
+                .map_err(|e| Error::Comm {
+                    peer: None,
+                    message: format!("rank {rank}: cannot start channel thread {index}: {e}"),
+                })?;
+            channels.push(Channel {
+                queue: Some(tx),
+                thread: Some(thread),
+            });
+        }
+        Ok(Engine {
+            rank,
+            size,
+            timeout,
+            channels,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    pub fn num_channels(&self) -> usize {
+        self.channels.len()
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The channel a bucket runs on.
+    pub fn channel_of(&self, bucket: u64) -> usize {
+        (bucket % self.channels.len() as u64) as usize
+    }
+
+    /// Queues `job` on its bucket's channel. The completion runs on the
+    /// channel thread, or here at once if the engine is shut down.
+    pub fn submit(&self, job: Job) {
+        let channel = self.channel_of(job.bucket);
+        let queue = self.channels[channel].queue.as_ref();
+        let rejected = match queue {
+            Some(q) => q.send(job).err().map(|e| e.0),
+            None => Some(job),
+        };
+        if let Some(job) = rejected {
+            (job.done)(Err(Error::Comm {
+                peer: None,
+                message: format!("rank {}: the communication engine is shut down", self.rank),
+            }));
+        }
+    }
+
+    /// Runs one collective and waits for it.
+    pub fn run(&self, op: Collective, buf: &mut [u8], dtype: DType, bucket: u64) -> Result<()> {
+        let (tx, rx) = mpsc::channel();
+        // SAFETY: `buf` is exclusively borrowed for this whole call, and the
+        // call does not return before the completion has run (recv below).
+        let raw = unsafe { RawBuf::new(buf.as_mut_ptr(), buf.len()) };
+        self.submit(Job {
+            op,
+            buf: raw,
+            dtype,
+            bucket,
+            done: Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+        });
+        // The completion always runs (the channel loop calls it for every
+        // job it takes, and drains its queue when it stops), so this returns.
+        rx.recv().unwrap_or_else(|_| {
+            Err(Error::Comm {
+                peer: None,
+                message: format!("rank {}: a channel thread stopped unexpectedly", self.rank),
+            })
+        })
+    }
+
+    /// Finishes queued jobs and stops the channel threads.
+    pub fn shutdown(&mut self) {
+        for channel in &mut self.channels {
+            channel.queue = None;
+        }
+        for channel in &mut self.channels {
+            if let Some(thread) = channel.thread.take() {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn channel_loop(
+    mut groups: Groups,
+    mut algorithm: Box<dyn Algorithm>,
+    jobs: mpsc::Receiver<Job>,
+    timeout: Duration,
+) {
+    let mut seq: u64 = 0;
+    for mut job in jobs {
+        seq += 1;
+        let deadline = Deadline::after(timeout);
+        let dtype = job.dtype;
+        let buf = job.buf.as_mut_slice();
+        let kind = match job.op {
+            Collective::Allreduce { .. } => OpKind::Allreduce,
+            Collective::Broadcast { .. } => OpKind::Broadcast,
+            Collective::Barrier => OpKind::Barrier,
+        };
+        let tag = OpTag {
+            kind,
+            seq,
+            bucket: job.bucket,
+            dtype: dtype.code(),
+            bytes: buf.len() as u64,
+        };
+        let result = if buf.len() % dtype.size() != 0 {
+            Err(Error::InvalidArgument(format!(
+                "bucket {}: {} bytes is not a whole number of {} elements",
+                job.bucket,
+                buf.len(),
+                dtype.name()
+            )))
+        } else {
+            match job.op {
+                Collective::Allreduce { average } => {
+                    let size = groups.world.size();
+                    if average && size > 1 {
+                        dtype.div_assign(buf, size as f64);
+                    }
+                    algorithm.allreduce(&mut groups, &tag, buf, dtype, deadline)
+                }
+                Collective::Broadcast { root } => groups
+                    .world
+                    .agree(&tag, deadline)
+                    .and_then(|()| groups.world.broadcast(buf, root, deadline)),
+                Collective::Barrier => groups
+                    .world
+                    .agree(&tag, deadline)
+                    .and_then(|()| groups.world.barrier(deadline)),
+            }
+        };
+        if result.is_err() {
+            groups.abort();
+        }
+        (job.done)(result);
+    }
+}

@@ -1,0 +1,501 @@
+//! The TCP transport: a ring of connections, one per channel.
+//!
+//! Each rank sends to `rank + 1` and receives from `rank - 1` over two
+//! non-blocking sockets driven by `poll(2)` from one thread, so sending and
+//! receiving overlap and every wait is bounded by the deadline. Collectives
+//! are sequences of ring steps (see [`Step`]) streamed back to back: a step
+//! forwards what the previous step received, as soon as it is received,
+//! which pipelines the ring without a fixed chunk size.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+
+use crate::comm::dtype::{shard_range, DType};
+use crate::comm::transport::{Deadline, OpTag, Transport};
+use crate::error::{Error, Result};
+
+/// One ring step: send `send` (bytes of the buffer) to the next rank while
+/// receiving `recv` from the previous one, summed into the buffer when
+/// `reduce`, else copied. Step `s + 1` sends what step `s` received, so it
+/// may send each byte as soon as that byte has been received and reduced.
+#[derive(Debug, Clone)]
+struct Step {
+    send: Range<usize>,
+    recv: Range<usize>,
+    reduce: bool,
+}
+
+/// A ring over TCP for one channel of one group.
+#[derive(Debug)]
+pub struct TcpRing {
+    rank: usize,
+    size: usize,
+    channel: usize,
+    /// Connection to `rank + 1` (we only write to it).
+    next: Option<TcpStream>,
+    /// Connection from `rank - 1` (we only read from it).
+    prev: Option<TcpStream>,
+    /// Receive staging for reduce steps.
+    stage: Vec<u8>,
+    /// Set once a collective failed: the ring's streams are out of step.
+    broken: Option<(Option<usize>, String)>,
+}
+
+impl TcpRing {
+    /// A ring from connected, non-blocking sockets (see `rendezvous`).
+    /// `size == 1` needs no sockets.
+    pub(crate) fn new(
+        rank: usize,
+        size: usize,
+        channel: usize,
+        next: Option<TcpStream>,
+        prev: Option<TcpStream>,
+    ) -> Self {
+        TcpRing {
+            rank,
+            size,
+            channel,
+            next,
+            prev,
+            stage: Vec::new(),
+            broken: None,
+        }
+    }
+
+    fn next_rank(&self) -> usize {
+        (self.rank + 1) % self.size
+    }
+
+    fn prev_rank(&self) -> usize {
+        (self.rank + self.size - 1) % self.size
+    }
+
+    /// Byte range of shard `index` of a buffer of `len_elems` elements.
+    fn shard(&self, len_elems: usize, elem: usize, index: usize) -> Range<usize> {
+        let r = shard_range(len_elems, self.size, index % self.size);
+        r.start * elem..r.end * elem
+    }
+
+    fn reduce_scatter_steps(&self, len_elems: usize, elem: usize) -> Vec<Step> {
+        let (p, r) = (self.size, self.rank);
+        (0..p - 1)
+            .map(|s| Step {
+                send: self.shard(len_elems, elem, r + 2 * p - s - 1),
+                recv: self.shard(len_elems, elem, r + 2 * p - s - 2),
+                reduce: true,
+            })
+            .collect()
+    }
+
+    fn allgather_steps(&self, len_elems: usize, elem: usize) -> Vec<Step> {
+        let (p, r) = (self.size, self.rank);
+        (0..p - 1)
+            .map(|s| Step {
+                send: self.shard(len_elems, elem, r + 2 * p - s),
+                recv: self.shard(len_elems, elem, r + 2 * p - s - 1),
+                reduce: false,
+            })
+            .collect()
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some((peer, why)) => Err(Error::Comm {
+                peer: *peer,
+                message: format!(
+                    "rank {} channel {}: the channel is unusable after an earlier failure: {why}",
+                    self.rank, self.channel
+                ),
+            }),
+        }
+    }
+
+    /// Runs `f`, breaking the ring if it fails.
+    fn guarded(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+        self.check_usable()?;
+        let result = f(self);
+        if let Err(err) = &result {
+            let peer = match err {
+                Error::Comm { peer, .. } => *peer,
+                Error::CommTimeout { peer, .. } => Some(*peer),
+                _ => None,
+            };
+            self.broken = Some((peer, err.to_string()));
+            self.abort();
+        }
+        result
+    }
+
+    fn ctx(&self, what: &str) -> String {
+        format!("rank {} channel {}: {what}", self.rank, self.channel)
+    }
+
+    /// Streams `steps` through the ring. `elem` is the element size used to
+    /// reduce whole elements as they arrive.
+    fn run(
+        &mut self,
+        buf: &mut [u8],
+        steps: &[Step],
+        dtype: Option<DType>,
+        what: &str,
+        deadline: Deadline,
+    ) -> Result<()> {
+        let n = steps.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let ctx = self.ctx(what);
+        let (Some(next), Some(prev)) = (self.next.as_ref(), self.prev.as_ref()) else {
+            return Err(Error::Comm {
+                peer: None,
+                message: format!("{ctx}: the ring is not connected"),
+            });
+        };
+        let (next_rank, prev_rank) = (self.next_rank(), self.prev_rank());
+        let elem = dtype.map_or(1, DType::size);
+        let stage_len = steps
+            .iter()
+            .filter(|s| s.reduce)
+            .map(|s| s.recv.len())
+            .max()
+            .unwrap_or(0);
+        if self.stage.len() < stage_len {
+            self.stage.resize(stage_len, 0);
+        }
+        let stage = &mut self.stage;
+
+        // Send cursor: step and bytes of it sent. Receive cursor: step,
+        // bytes received, bytes committed (reduced or copied in place).
+        let (mut s_step, mut s_off) = (0usize, 0usize);
+        let (mut r_step, mut r_got, mut r_done) = (0usize, 0usize, 0usize);
+        loop {
+            // Skip finished and empty steps.
+            while s_step < n && s_off == steps[s_step].send.len() {
+                s_step += 1;
+                s_off = 0;
+            }
+            while r_step < n && r_done == steps[r_step].recv.len() {
+                r_step += 1;
+                r_got = 0;
+                r_done = 0;
+            }
+            if s_step == n && r_step == n {
+                return Ok(());
+            }
+            // Step s may send what step s-1 has committed so far.
+            let send_limit = if s_step == n {
+                0
+            } else if s_step == 0 || r_step > s_step - 1 {
+                steps[s_step].send.len()
+            } else {
+                r_done
+            };
+            let want_send = s_step < n && s_off < send_limit;
+            // Step r may receive into the buffer only once every earlier
+            // step's send is done, since later steps overwrite shards that
+            // earlier steps sent.
+            let want_recv = r_step < n && s_step >= r_step;
+
+            let mut progressed = false;
+            if want_send {
+                let range = &steps[s_step].send;
+                let chunk = &buf[range.start + s_off..range.start + send_limit];
+                match (&*next).write(chunk) {
+                    Ok(0) => {
+                        return Err(closed(&ctx, next_rank, "while sending"));
+                    }
+                    Ok(k) => {
+                        s_off += k;
+                        progressed = true;
+                    }
+                    Err(e) if retryable(&e) => {}
+                    Err(e) => return Err(io_failure(&ctx, next_rank, "send to", &e)),
+                }
+            }
+            if want_recv {
+                let step = &steps[r_step];
+                let want = step.recv.len() - r_got;
+                let got = if step.reduce {
+                    (&*prev).read(&mut stage[r_got..r_got + want])
+                } else {
+                    let at = step.recv.start + r_got;
+                    (&*prev).read(&mut buf[at..at + want])
+                };
+                match got {
+                    Ok(0) => return Err(closed(&ctx, prev_rank, "while receiving")),
+                    Ok(k) => {
+                        r_got += k;
+                        progressed = true;
+                        let ready = if step.reduce {
+                            r_got - r_got % elem
+                        } else {
+                            r_got
+                        };
+                        if step.reduce && ready > r_done {
+                            let at = step.recv.start;
+                            let d = dtype.unwrap_or(DType::F32);
+                            d.add_assign(&mut buf[at + r_done..at + ready], &stage[r_done..ready]);
+                        }
+                        r_done = ready;
+                    }
+                    Err(e) if retryable(&e) => {}
+                    Err(e) => {
+                        return Err(io_failure(&ctx, prev_rank, "receive from", &e))
+                    }
+                }
+            }
+            if progressed {
+                continue;
+            }
+            // Nothing moved: wait until a socket is ready or time runs out.
+            let waiting_on = if want_recv { prev_rank } else { next_rank };
+            let remaining = deadline.remaining();
+            if remaining.is_zero() {
+                let detail = if want_recv {
+                    format!(
+                        "received {r_got} of {} bytes of step {}/{n} from rank {prev_rank}",
+                        steps[r_step].recv.len(),
+                        r_step + 1
+                    )
+                } else {
+                    format!("rank {next_rank} stopped accepting data")
+                };
+                return Err(Error::CommTimeout {
+                    peer: waiting_on,
+                    message: format!(
+                        "{ctx}: timed out after {:.1}s waiting for rank {waiting_on} ({detail})",
+                        deadline.timeout.as_secs_f64()
+                    ),
+                });
+            }
+            wait_ready(
+                want_send.then(|| next.as_raw_fd()),
+                want_recv.then(|| prev.as_raw_fd()),
+                remaining,
+            )
+            .map_err(|e| io_failure(&ctx, waiting_on, "wait for", &e))?;
+        }
+    }
+}
+
+fn retryable(e: &std::io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted)
+}
+
+fn closed(ctx: &str, peer: usize, when: &str) -> Error {
+    Error::Comm {
+        peer: Some(peer),
+        message: format!(
+            "{ctx}: rank {peer} closed its connection {when} (it exited or failed; see its own error)"
+        ),
+    }
+}
+
+fn io_failure(ctx: &str, peer: usize, verb: &str, e: &std::io::Error) -> Error {
+    let cause = match e.kind() {
+        ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted => {
+            " (it exited or failed; see its own error)"
+        }
+        _ => "",
+    };
+    Error::Comm {
+        peer: Some(peer),
+        message: format!("{ctx}: cannot {verb} rank {peer}: {e}{cause}"),
+    }
+}
+
+/// Blocks until `write_fd` is writable or `read_fd` readable (or either has
+/// an error or hang-up pending, which the next read/write then reports), or
+/// until `timeout` passes.
+fn wait_ready(
+    write_fd: Option<i32>,
+    read_fd: Option<i32>,
+    timeout: std::time::Duration,
+) -> std::io::Result<()> {
+    let mut fds = Vec::with_capacity(2);
+    if let Some(fd) = write_fd {
+        fds.push(libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        });
+    }
+    if let Some(fd) = read_fd {
+        fds.push(libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        });
+    }
+    // Round up so a sub-millisecond remainder still waits instead of spinning.
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+    // SAFETY: `fds` is a valid, exclusively borrowed array of `fds.len()`
+    // initialised pollfd structs that outlives the call; the descriptors are
+    // owned by live TcpStreams.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if rc < 0 {
+        let err = std::io::Error::last_os_error();
+        if err.kind() != ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+impl Transport for TcpRing {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()> {
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        let mut all = vec![0u8; OpTag::LEN * self.size];
+        all[self.rank * OpTag::LEN..(self.rank + 1) * OpTag::LEN].copy_from_slice(&tag.encode());
+        self.guarded(|ring| {
+            let steps = ring.allgather_steps(ring.size, OpTag::LEN);
+            ring.run(&mut all, &steps, None, "exchanging collective headers", deadline)?;
+            let tags: Vec<Option<OpTag>> = all.chunks_exact(OpTag::LEN).map(OpTag::decode).collect();
+            if tags.iter().all(|t| *t == Some(*tag)) {
+                return Ok(());
+            }
+            // Group ranks by what they issued; the largest group (rank 0's on
+            // a tie) is taken as the intended collective, the rest named.
+            let mut groups: Vec<(Option<OpTag>, Vec<usize>)> = Vec::new();
+            for (r, t) in tags.iter().enumerate() {
+                match groups.iter_mut().find(|(g, _)| g == t) {
+                    Some((_, ranks)) => ranks.push(r),
+                    None => groups.push((*t, vec![r])),
+                }
+            }
+            let majority = (0..groups.len())
+                .max_by_key(|&i| (groups[i].1.len(), std::cmp::Reverse(i)))
+                .unwrap_or(0);
+            let odd = groups
+                .iter()
+                .enumerate()
+                .find(|(i, _)| *i != majority)
+                .and_then(|(_, (_, ranks))| ranks.first().copied());
+            let described: Vec<String> = groups
+                .iter()
+                .map(|(t, ranks)| {
+                    let what = t.map_or("an unreadable header".to_string(), |t| t.describe());
+                    let names: Vec<String> = ranks.iter().map(usize::to_string).collect();
+                    let noun = if ranks.len() == 1 { "rank" } else { "ranks" };
+                    format!("{noun} {} issued {what}", names.join(", "))
+                })
+                .collect();
+            Err(Error::Comm {
+                peer: odd,
+                message: ring.ctx(&format!(
+                    "ranks disagree on the next collective (different bucket layouts or a \
+                     different order of calls): {}",
+                    described.join("; ")
+                )),
+            })
+        })
+    }
+
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.guarded(|ring| {
+            let elems = buf.len() / dtype.size();
+            let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
+            steps.extend(ring.allgather_steps(elems, dtype.size()));
+            ring.run(buf, &steps, Some(dtype), "allreduce", deadline)
+        })
+    }
+
+    fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.guarded(|ring| {
+            let steps = ring.reduce_scatter_steps(buf.len() / dtype.size(), dtype.size());
+            ring.run(buf, &steps, Some(dtype), "reduce-scatter", deadline)
+        })
+    }
+
+    fn allgather(&mut self, buf: &mut [u8], elem_size: usize, deadline: Deadline) -> Result<()> {
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.guarded(|ring| {
+            let steps = ring.allgather_steps(buf.len() / elem_size.max(1), elem_size.max(1));
+            ring.run(buf, &steps, None, "allgather", deadline)
+        })
+    }
+
+    fn broadcast(&mut self, buf: &mut [u8], root: usize, deadline: Deadline) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "broadcast root {root} is not a rank of a group of {}",
+                self.size
+            )));
+        }
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.guarded(|ring| {
+            let all = 0..buf.len();
+            let none = 0..0;
+            // The root sends; every other rank receives and, unless the
+            // next rank is the root, forwards while receiving.
+            let steps = if ring.rank == root {
+                vec![Step {
+                    send: all,
+                    recv: none,
+                    reduce: false,
+                }]
+            } else {
+                let forward = if ring.next_rank() == root { none.clone() } else { all.clone() };
+                vec![
+                    Step {
+                        send: none.clone(),
+                        recv: all,
+                        reduce: false,
+                    },
+                    Step {
+                        send: forward,
+                        recv: none,
+                        reduce: false,
+                    },
+                ]
+            };
+            ring.run(buf, &steps, None, "broadcast", deadline)
+        })
+    }
+
+    fn barrier(&mut self, deadline: Deadline) -> Result<()> {
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        // An allgather of one byte per rank: nobody finishes before every
+        // rank has contributed its byte.
+        let mut bytes = vec![1u8; self.size];
+        self.guarded(|ring| {
+            let steps = ring.allgather_steps(ring.size, 1);
+            ring.run(&mut bytes, &steps, None, "barrier", deadline)
+        })
+    }
+
+    fn abort(&mut self) {
+        for stream in [self.next.as_ref(), self.prev.as_ref()].into_iter().flatten() {
+            // Best effort: peers then see end-of-stream at once.
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        if self.broken.is_none() {
+            self.broken = Some((None, "the channel was aborted".to_string()));
+        }
+    }
+}

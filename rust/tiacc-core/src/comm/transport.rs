@@ -1,0 +1,170 @@
+//! The primitives every transport provides, on contiguous byte buffers.
+//!
+//! Algorithms (flat ring, 2D, sparse) are written against [`Transport`], so
+//! they run unchanged over TCP and NCCL. Buffers hold native-endian
+//! elements; reductions are sums. Every call carries a [`Deadline`]: a peer
+//! that stops answering is an error naming it, never a hang.
+
+use std::time::{Duration, Instant};
+
+use super::dtype::DType;
+use crate::error::Result;
+
+/// When a collective must have finished, and the timeout it came from (for
+/// error messages).
+#[derive(Debug, Clone, Copy)]
+pub struct Deadline {
+    pub at: Instant,
+    pub timeout: Duration,
+}
+
+impl Deadline {
+    /// A deadline `timeout` from now.
+    pub fn after(timeout: Duration) -> Self {
+        Deadline {
+            at: Instant::now() + timeout,
+            timeout,
+        }
+    }
+
+    /// Time left, zero once passed.
+    pub fn remaining(&self) -> Duration {
+        self.at.saturating_duration_since(Instant::now())
+    }
+}
+
+/// Which collective a rank is about to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum OpKind {
+    Allreduce = 1,
+    ReduceScatter = 2,
+    Allgather = 3,
+    Broadcast = 4,
+    Barrier = 5,
+}
+
+impl OpKind {
+    fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            1 => OpKind::Allreduce,
+            2 => OpKind::ReduceScatter,
+            3 => OpKind::Allgather,
+            4 => OpKind::Broadcast,
+            5 => OpKind::Barrier,
+            _ => return None,
+        })
+    }
+}
+
+/// What a rank says it is about to do. Ranks exchange tags before moving
+/// data so that a rank with a different bucket layout raises instead of
+/// mixing unrelated gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpTag {
+    pub kind: OpKind,
+    /// Per-channel sequence number of the collective.
+    pub seq: u64,
+    /// DDP bucket index (or any caller-chosen id).
+    pub bucket: u64,
+    /// Element type code ([`DType::code`]), 0 for untyped operations.
+    pub dtype: u8,
+    /// Buffer length in bytes.
+    pub bytes: u64,
+}
+
+impl OpTag {
+    /// Encoded size of a tag.
+    pub const LEN: usize = 32;
+
+    /// Fixed little-endian encoding.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut out = [0u8; Self::LEN];
+        out[0] = self.kind as u8;
+        out[1] = self.dtype;
+        out[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        out[16..24].copy_from_slice(&self.bucket.to_le_bytes());
+        out[24..32].copy_from_slice(&self.bytes.to_le_bytes());
+        out
+    }
+
+    /// Decodes [`OpTag::encode`]'s bytes; `None` if they are not a tag.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != Self::LEN {
+            return None;
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().unwrap_or([0; 8]));
+        Some(OpTag {
+            kind: OpKind::from_code(bytes[0])?,
+            dtype: bytes[1],
+            seq: u64_at(8),
+            bucket: u64_at(16),
+            bytes: u64_at(24),
+        })
+    }
+
+    /// Human-readable description used in mismatch errors.
+    pub fn describe(&self) -> String {
+        let dtype = [DType::F32, DType::F64, DType::F16, DType::BF16]
+            .into_iter()
+            .find(|d| d.code() == self.dtype)
+            .map_or("untyped", DType::name);
+        format!(
+            "{:?} #{} of bucket {} ({} bytes, {dtype})",
+            self.kind, self.seq, self.bucket, self.bytes
+        )
+    }
+}
+
+/// Collective primitives over one group of ranks on one channel.
+pub trait Transport: Send {
+    /// This process's rank in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+
+    /// Checks that every rank is about to run the same collective; the
+    /// error names the ranks whose tag differs.
+    fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()>;
+
+    /// Sums `buf` over all ranks; every rank ends with bitwise-identical bytes.
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()>;
+
+    /// Sums `buf` over all ranks into this rank's shard
+    /// (`dtype::shard_range(len, size, rank)`); the rest of `buf` is scratch.
+    fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()>;
+
+    /// Each rank's shard of `buf` (elements of `elem_size` bytes, partitioned
+    /// by `dtype::shard_range`) is copied to every rank.
+    fn allgather(&mut self, buf: &mut [u8], elem_size: usize, deadline: Deadline) -> Result<()>;
+
+    /// Copies `root`'s `buf` to every rank.
+    fn broadcast(&mut self, buf: &mut [u8], root: usize, deadline: Deadline) -> Result<()>;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&mut self, deadline: Deadline) -> Result<()>;
+
+    /// Breaks the transport after a failure so that peers fail at once
+    /// instead of waiting for their timeout. Later calls fail.
+    fn abort(&mut self);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_round_trip() {
+        let tag = OpTag {
+            kind: OpKind::Allreduce,
+            seq: 7,
+            bucket: 3,
+            dtype: DType::BF16.code(),
+            bytes: 1 << 40,
+        };
+        assert_eq!(OpTag::decode(&tag.encode()), Some(tag));
+        assert!(tag.describe().contains("bucket 3"));
+        assert!(tag.describe().contains("bfloat16"));
+        assert_eq!(OpTag::decode(&[0u8; 32]), None);
+    }
+}

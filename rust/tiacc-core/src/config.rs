@@ -1,0 +1,373 @@
+//! Every environment variable the engine reads: name, default, parser, doc.
+//!
+//! This is the only module that reads the environment. Precedence is
+//! explicit Python argument > environment variable > default; the Python
+//! shim applies its arguments on top of what [`CommConfig::from_env`]
+//! returns. A value that does not parse is an error naming the variable,
+//! never a silent default.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Largest fused bucket in bytes (DDP's `bucket_cap_mb`, in bytes, as the
+/// TI-ACC documents give it).
+pub const FUSION_THRESHOLD: &str = "TIACC_TRAINING_FUSION_THRESHOLD";
+/// Number of communication channels (one NCCL stream or one set of TCP
+/// connections and a worker thread each).
+pub const NUM_STREAMS: &str = "TIACC_TRAINING_NUM_NCCL_STREAMS";
+/// Seconds a collective may wait on a peer before it fails.
+pub const TIMEOUT: &str = "TIACC_TRAINING_TIMEOUT";
+/// `1` turns the engine off: DDP then communicates natively.
+pub const DISABLE: &str = "TIACC_TRAINING_DISABLE";
+/// Address this rank's TCP transport listens on and advertises.
+pub const SOCKET_ADDR: &str = "TIACC_TRAINING_SOCKET_ADDR";
+
+/// DDP's own default bucket size (25 MiB), used when nothing is set.
+pub const DEFAULT_FUSION_THRESHOLD: u64 = 25 * 1024 * 1024;
+/// Default number of channels.
+pub const DEFAULT_NUM_STREAMS: usize = 2;
+/// Default collective timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Most channels we accept; each costs connections and a thread.
+pub const MAX_NUM_STREAMS: usize = 64;
+
+/// The communication engine's configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommConfig {
+    /// Whether DDP should use the engine at all.
+    pub enabled: bool,
+    /// Bucket cap in bytes.
+    pub fusion_threshold: u64,
+    /// Whether `fusion_threshold` came from the environment (else default).
+    pub fusion_threshold_set: bool,
+    /// Number of channels.
+    pub num_streams: usize,
+    /// Per-collective timeout.
+    pub timeout: Duration,
+    /// Listen/advertise address override (IP literal), if any.
+    pub socket_addr: Option<std::net::IpAddr>,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            enabled: true,
+            fusion_threshold: DEFAULT_FUSION_THRESHOLD,
+            fusion_threshold_set: false,
+            num_streams: DEFAULT_NUM_STREAMS,
+            timeout: DEFAULT_TIMEOUT,
+            socket_addr: None,
+        }
+    }
+}
+
+impl CommConfig {
+    /// Reads the configuration from the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|name| std::env::var_os(name))
+    }
+
+    /// Reads the configuration through `lookup` (the environment, or a map
+    /// in tests).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<std::ffi::OsString>) -> Result<Self> {
+        let get = |name: &str| read(&lookup, name);
+        let mut config = CommConfig::default();
+        if let Some(v) = get(DISABLE)? {
+            config.enabled = !parse_bool(DISABLE, &v)?;
+        }
+        if let Some(v) = get(FUSION_THRESHOLD)? {
+            config.fusion_threshold = parse_positive_u64(FUSION_THRESHOLD, &v)?;
+            config.fusion_threshold_set = true;
+        }
+        if let Some(v) = get(NUM_STREAMS)? {
+            config.num_streams = parse_num_streams(NUM_STREAMS, &v)?;
+        }
+        if let Some(v) = get(TIMEOUT)? {
+            config.timeout = parse_seconds(TIMEOUT, &v)?;
+        }
+        if let Some(v) = get(SOCKET_ADDR)? {
+            let ip = v.trim().parse().map_err(|_| bad(SOCKET_ADDR, &v, "an IP address"))?;
+            config.socket_addr = Some(ip);
+        }
+        Ok(config)
+    }
+}
+
+/// How the processes of this job were launched and where they rendezvous.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// `torchrun`, `mpirun` or `slurm`.
+    pub launcher: &'static str,
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    /// Ranks on this node, when the launcher says.
+    pub local_size: Option<usize>,
+    /// Rendezvous host (`MASTER_ADDR`), when known.
+    pub master_addr: Option<String>,
+    /// Rendezvous port (`MASTER_PORT`), when set.
+    pub master_port: Option<u16>,
+}
+
+/// Detects the launcher from the environment: torchrun (`RANK`,
+/// `WORLD_SIZE`, `LOCAL_RANK`), Open MPI (`OMPI_COMM_WORLD_*`) or SLURM
+/// (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`). `Ok(None)` when none
+/// of them set this process up.
+pub fn launch_env() -> Result<Option<LaunchEnv>> {
+    launch_env_from(|name| std::env::var_os(name))
+}
+
+/// [`launch_env`] reading through `lookup`.
+pub fn launch_env_from(
+    lookup: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Result<Option<LaunchEnv>> {
+    let get = |name: &str| read(&lookup, name);
+    let count = |name: &str| -> Result<Option<usize>> {
+        get(name)?.map(|v| parse_usize(name, &v)).transpose()
+    };
+    let master_addr = get("MASTER_ADDR")?.map(|v| v.trim().to_string());
+    let master_port = get("MASTER_PORT")?
+        .map(|v| {
+            v.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| bad("MASTER_PORT", &v, "a TCP port number (1-65535)"))
+        })
+        .transpose()?;
+
+    let found = if let (Some(rank), Some(world)) = (count("RANK")?, count("WORLD_SIZE")?) {
+        let local_rank = count("LOCAL_RANK")?.unwrap_or(0);
+        Some(("torchrun", "RANK", rank, world, local_rank, count("LOCAL_WORLD_SIZE")?))
+    } else if let (Some(rank), Some(world)) = (
+        count("OMPI_COMM_WORLD_RANK")?,
+        count("OMPI_COMM_WORLD_SIZE")?,
+    ) {
+        let local_rank = count("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0);
+        let local_size = count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
+        Some(("mpirun", "OMPI_COMM_WORLD_RANK", rank, world, local_rank, local_size))
+    } else if let (Some(rank), Some(world)) = (count("SLURM_PROCID")?, count("SLURM_NTASKS")?) {
+        let local_rank = count("SLURM_LOCALID")?.unwrap_or(0);
+        let local_size = match get("SLURM_TASKS_PER_NODE")? {
+            Some(v) => first_tasks_per_node(&v),
+            None => None,
+        };
+        Some(("slurm", "SLURM_PROCID", rank, world, local_rank, local_size))
+    } else {
+        None
+    };
+    let Some((launcher, rank_var, rank, world_size, local_rank, local_size)) = found else {
+        return Ok(None);
+    };
+    if world_size == 0 || rank >= world_size {
+        return Err(Error::Config {
+            variable: rank_var.to_string(),
+            value: rank.to_string(),
+            expected: format!("a rank below the world size {world_size}"),
+        });
+    }
+    let master_addr = master_addr.or_else(|| {
+        if launcher == "slurm" {
+            get("SLURM_LAUNCH_NODE_IPADDR").ok().flatten()
+        } else {
+            None
+        }
+    });
+    Ok(Some(LaunchEnv {
+        launcher,
+        rank,
+        world_size,
+        local_rank,
+        local_size,
+        master_addr,
+        master_port,
+    }))
+}
+
+/// SLURM writes `2(x3),1` style task counts; the first node's count is
+/// enough for a homogeneous job.
+fn first_tasks_per_node(value: &str) -> Option<usize> {
+    let first = value.split(',').next()?;
+    first.split('(').next()?.trim().parse().ok()
+}
+
+fn read(
+    lookup: &impl Fn(&str) -> Option<std::ffi::OsString>,
+    name: &str,
+) -> Result<Option<String>> {
+    match lookup(name) {
+        None => Ok(None),
+        Some(v) => match v.into_string() {
+            Ok(s) if s.trim().is_empty() => Ok(None),
+            Ok(s) => Ok(Some(s)),
+            Err(raw) => Err(Error::Config {
+                variable: name.to_string(),
+                value: raw.to_string_lossy().into_owned(),
+                expected: "valid UTF-8".to_string(),
+            }),
+        },
+    }
+}
+
+fn bad(variable: &str, value: &str, expected: &str) -> Error {
+    Error::Config {
+        variable: variable.to_string(),
+        value: value.to_string(),
+        expected: expected.to_string(),
+    }
+}
+
+/// Parses `1/0`, `true/false`, `yes/no`, `on/off` (any case).
+pub fn parse_bool(variable: &str, value: &str) -> Result<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(bad(variable, value, "one of 1/0, true/false, yes/no, on/off")),
+    }
+}
+
+fn parse_usize(variable: &str, value: &str) -> Result<usize> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| bad(variable, value, "a non-negative integer"))
+}
+
+fn parse_positive_u64(variable: &str, value: &str) -> Result<u64> {
+    match value.trim().parse::<u64>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(bad(variable, value, "a positive integer number of bytes")),
+    }
+}
+
+/// Parses a channel count in `1..=MAX_NUM_STREAMS`.
+pub fn parse_num_streams(variable: &str, value: &str) -> Result<usize> {
+    match value.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_NUM_STREAMS).contains(&n) => Ok(n),
+        _ => Err(bad(
+            variable,
+            value,
+            &format!("an integer from 1 to {MAX_NUM_STREAMS}"),
+        )),
+    }
+}
+
+/// Parses a positive number of seconds (fractions allowed).
+pub fn parse_seconds(variable: &str, value: &str) -> Result<Duration> {
+    match value.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(bad(variable, value, "a positive number of seconds")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::ffi::OsString;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
+        let map: HashMap<String, OsString> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), OsString::from(v)))
+            .collect();
+        move |name| map.get(name).cloned()
+    }
+
+    #[test]
+    fn defaults_when_nothing_is_set() {
+        let c = CommConfig::from_lookup(env(&[])).unwrap();
+        assert_eq!(c, CommConfig::default());
+        assert!(c.enabled);
+    }
+
+    #[test]
+    fn reads_every_variable() {
+        let c = CommConfig::from_lookup(env(&[
+            (FUSION_THRESHOLD, "25217728"),
+            (NUM_STREAMS, "3"),
+            (TIMEOUT, "2.5"),
+            (DISABLE, "yes"),
+            (SOCKET_ADDR, "10.0.0.2"),
+        ]))
+        .unwrap();
+        assert_eq!(c.fusion_threshold, 25217728);
+        assert!(c.fusion_threshold_set);
+        assert_eq!(c.num_streams, 3);
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert!(!c.enabled);
+        assert_eq!(c.socket_addr, Some("10.0.0.2".parse().unwrap()));
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for (var, value) in [
+            (NUM_STREAMS, "abc"),
+            (NUM_STREAMS, "0"),
+            (NUM_STREAMS, "1000"),
+            (FUSION_THRESHOLD, "-5"),
+            (FUSION_THRESHOLD, "0"),
+            (TIMEOUT, "soon"),
+            (TIMEOUT, "-1"),
+            (DISABLE, "maybe"),
+            (SOCKET_ADDR, "eth0"),
+        ] {
+            let err = CommConfig::from_lookup(env(&[(var, value)])).unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains(var), "{msg}");
+            assert!(msg.contains(value), "{msg}");
+        }
+    }
+
+    #[test]
+    fn launchers_are_detected() {
+        let t = launch_env_from(env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((t.launcher, t.rank, t.world_size, t.local_rank), ("torchrun", 3, 4, 1));
+        assert_eq!(t.master_port, Some(29500));
+
+        let m = launch_env_from(env(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "16"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "5"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "8"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((m.launcher, m.rank, m.world_size, m.local_rank), ("mpirun", 5, 16, 5));
+        assert_eq!(m.local_size, Some(8));
+        assert_eq!(m.master_addr, None);
+
+        let s = launch_env_from(env(&[
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_TASKS_PER_NODE", "4(x2)"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "10.1.1.1"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((s.launcher, s.rank, s.local_size), ("slurm", 2, Some(4)));
+        assert_eq!(s.master_addr.as_deref(), Some("10.1.1.1"));
+
+        assert_eq!(launch_env_from(env(&[])).unwrap(), None);
+    }
+
+    #[test]
+    fn bad_launcher_values_are_errors() {
+        let err = launch_env_from(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(err.to_string().contains("RANK"));
+        let err = launch_env_from(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(err.to_string().contains("RANK"));
+        let err = launch_env_from(env(&[("MASTER_PORT", "99999")])).unwrap_err();
+        assert!(err.to_string().contains("MASTER_PORT"));
+    }
+}
