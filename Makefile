@@ -18,8 +18,10 @@ help: ## list the targets
 
 $(STAMPS)/apt:
 	@mkdir -p $(STAMPS)
-	@# cmake and nasm build libjpeg-turbo (the image decoder); install if missing.
-	@missing=""; for tool in cmake nasm; do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	@# cmake and nasm build libjpeg-turbo (the image decoder); mpirun (openmpi-bin)
+	@# launches the mpirun test; ip and tc (iproute2) build the benchmark cluster.
+	@missing=""; for pair in cmake:cmake nasm:nasm mpirun:openmpi-bin ip:iproute2 tc:iproute2; do \
+	  command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair##*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing with apt"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -51,7 +53,7 @@ test-rust: ## cargo test of the engine
 	cargo test --workspace --exclude tiacc-py --quiet
 
 test-python: setup ## pytest
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=10
 
 bench: setup ## benchmarks (write benches/results/*.json)
 	$(PY) benches/bench_pack.py

@@ -87,7 +87,10 @@ impl CommConfig {
             config.timeout = parse_seconds(TIMEOUT, &v)?;
         }
         if let Some(v) = get(SOCKET_ADDR)? {
-            let ip = v.trim().parse().map_err(|_| bad(SOCKET_ADDR, &v, "an IP address"))?;
+            let ip = v
+                .trim()
+                .parse()
+                .map_err(|_| bad(SOCKET_ADDR, &v, "an IP address"))?;
             config.socket_addr = Some(ip);
         }
         Ok(config)
@@ -139,14 +142,28 @@ pub fn launch_env_from(
 
     let found = if let (Some(rank), Some(world)) = (count("RANK")?, count("WORLD_SIZE")?) {
         let local_rank = count("LOCAL_RANK")?.unwrap_or(0);
-        Some(("torchrun", "RANK", rank, world, local_rank, count("LOCAL_WORLD_SIZE")?))
+        Some((
+            "torchrun",
+            "RANK",
+            rank,
+            world,
+            local_rank,
+            count("LOCAL_WORLD_SIZE")?,
+        ))
     } else if let (Some(rank), Some(world)) = (
         count("OMPI_COMM_WORLD_RANK")?,
         count("OMPI_COMM_WORLD_SIZE")?,
     ) {
         let local_rank = count("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0);
         let local_size = count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
-        Some(("mpirun", "OMPI_COMM_WORLD_RANK", rank, world, local_rank, local_size))
+        Some((
+            "mpirun",
+            "OMPI_COMM_WORLD_RANK",
+            rank,
+            world,
+            local_rank,
+            local_size,
+        ))
     } else if let (Some(rank), Some(world)) = (count("SLURM_PROCID")?, count("SLURM_NTASKS")?) {
         let local_rank = count("SLURM_LOCALID")?.unwrap_or(0);
         let local_size = match get("SLURM_TASKS_PER_NODE")? {
@@ -223,7 +240,11 @@ pub fn parse_bool(variable: &str, value: &str) -> Result<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(bad(variable, value, "one of 1/0, true/false, yes/no, on/off")),
+        _ => Err(bad(
+            variable,
+            value,
+            "one of 1/0, true/false, yes/no, on/off",
+        )),
     }
 }
 
@@ -331,7 +352,10 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
-        assert_eq!((t.launcher, t.rank, t.world_size, t.local_rank), ("torchrun", 3, 4, 1));
+        assert_eq!(
+            (t.launcher, t.rank, t.world_size, t.local_rank),
+            ("torchrun", 3, 4, 1)
+        );
         assert_eq!(t.master_port, Some(29500));
 
         let m = launch_env_from(env(&[
@@ -342,7 +366,10 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
-        assert_eq!((m.launcher, m.rank, m.world_size, m.local_rank), ("mpirun", 5, 16, 5));
+        assert_eq!(
+            (m.launcher, m.rank, m.world_size, m.local_rank),
+            ("mpirun", 5, 16, 5)
+        );
         assert_eq!(m.local_size, Some(8));
         assert_eq!(m.master_addr, None);
 

@@ -126,6 +126,17 @@ pub fn to_pyerr(err: Error) -> PyErr {
                 ],
             ),
             Error::InvalidArgument(_) => (PyValueError::new_err(message), vec![]),
+            Error::Config { variable, .. } => (
+                ConfigError::new_err(message),
+                vec![("variable", any(py, variable.as_str()))],
+            ),
+            Error::Comm { peer, .. } => {
+                (CommError::new_err(message), vec![("peer", any(py, *peer))])
+            }
+            Error::CommTimeout { peer, .. } => (
+                CommTimeoutError::new_err(message),
+                vec![("peer", any(py, *peer))],
+            ),
         };
         let value = exc.value(py);
         for (name, obj) in attrs {

@@ -5,6 +5,7 @@
 
 use pyo3::prelude::*;
 
+mod comm;
 mod dataset;
 mod errors;
 mod features;
@@ -30,5 +31,11 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<records::ShardedWriter>()?;
     m.add_class::<pack::ImagePacker>()?;
     m.add_class::<dataset::PackedDataset>()?;
+    m.add_function(wrap_pyfunction!(comm::comm_config, m)?)?;
+    m.add_function(wrap_pyfunction!(comm::launch_env, m)?)?;
+    m.add_function(wrap_pyfunction!(comm::check_num_streams, m)?)?;
+    m.add_function(wrap_pyfunction!(comm::random_token, m)?)?;
+    m.add_function(wrap_pyfunction!(comm::local_addr_towards, m)?)?;
+    m.add_class::<comm::CommEngine>()?;
     Ok(())
 }

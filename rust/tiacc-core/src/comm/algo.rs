@@ -6,7 +6,7 @@
 //! algorithms add groups (intra-node, inter-node) to [`Groups`].
 
 use super::dtype::DType;
-use super::transport::{Deadline, OpTag, Transport};
+use super::transport::{Aborter, Deadline, OpTag, Transport};
 use crate::error::Result;
 
 /// The groups one channel communicates over.
@@ -19,6 +19,11 @@ impl Groups {
     /// Breaks every transport after a failure.
     pub fn abort(&mut self) {
         self.world.abort();
+    }
+
+    /// Handles that break every transport of these groups from elsewhere.
+    pub fn aborters(&self) -> Vec<Aborter> {
+        vec![self.world.aborter()]
     }
 }
 

@@ -95,7 +95,9 @@ impl DType {
             DType::F64 => map::<8>(buf, |a| (f64::from_ne_bytes(a) / divisor).to_ne_bytes()),
             DType::F16 => {
                 let d = divisor as f32;
-                map::<2>(buf, |a| f16::from_f32(f16::from_ne_bytes(a).to_f32() / d).to_ne_bytes())
+                map::<2>(buf, |a| {
+                    f16::from_f32(f16::from_ne_bytes(a).to_f32() / d).to_ne_bytes()
+                })
             }
             DType::BF16 => {
                 let d = divisor as f32;
@@ -177,7 +179,10 @@ pub(crate) mod tests {
         assert_eq!(DType::parse("torch.float32").unwrap(), DType::F32);
         assert_eq!(DType::parse("bfloat16").unwrap(), DType::BF16);
         assert_eq!(DType::parse("half").unwrap(), DType::F16);
-        assert!(DType::parse("int64").unwrap_err().to_string().contains("int64"));
+        assert!(DType::parse("int64")
+            .unwrap_err()
+            .to_string()
+            .contains("int64"));
     }
 
     #[test]

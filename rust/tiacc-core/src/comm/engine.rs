@@ -8,13 +8,13 @@
 //! (kind, per-channel sequence number, bucket, dtype, size) across ranks, so
 //! diverging ranks raise instead of mixing unrelated buffers.
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::algo::{Algorithm, Flat, Groups};
 use super::dtype::DType;
-use super::transport::{Deadline, OpKind, OpTag, Transport};
+use super::transport::{Aborter, Deadline, OpKind, OpTag, Transport};
 use crate::error::{Error, Result};
 
 /// A buffer owned elsewhere (a torch tensor's storage) that a channel thread
@@ -65,6 +65,12 @@ pub enum Collective {
 /// Called exactly once with the job's outcome, on the channel thread.
 pub type Completion = Box<dyn FnOnce(Result<()>) + Send>;
 
+/// Called with a failure before the channel breaks its connections (so
+/// before peers see the failure). It may publish the error and return the
+/// first failure another rank published, which is appended to the error:
+/// ranks that only saw a neighbour hang up then still name the root cause.
+pub type FailureHook = Arc<dyn Fn(&Error) -> Option<String> + Send + Sync>;
+
 /// One collective on one buffer.
 pub struct Job {
     pub op: Collective,
@@ -90,18 +96,36 @@ pub struct Engine {
 
 impl Engine {
     /// Starts one thread per channel, each owning one world transport.
-    pub fn new(transports: Vec<Box<dyn Transport>>, timeout: Duration) -> Result<Self> {
+    pub fn new(
+        transports: Vec<Box<dyn Transport>>,
+        timeout: Duration,
+        on_failure: Option<FailureHook>,
+    ) -> Result<Self> {
         let Some(first) = transports.first() else {
-            return Err(Error::InvalidArgument("an engine needs at least one channel".into()));
+            return Err(Error::InvalidArgument(
+                "an engine needs at least one channel".into(),
+            ));
         };
         let (rank, size) = (first.rank(), first.size());
-        let mut channels = Vec::with_capacity(transports.len());
-        for (index, world) in transports.into_iter().enumerate() {
+        let groups: Vec<Groups> = transports
+            .into_iter()
+            .map(|world| Groups { world })
+            .collect();
+        // A failure on one channel breaks them all: DDP waits on every
+        // bucket, so a sibling blocked on a dead job would otherwise only end
+        // at its timeout.
+        let abort_all: Arc<Vec<Aborter>> =
+            Arc::new(groups.iter().flat_map(Groups::aborters).collect());
+        let mut channels = Vec::with_capacity(groups.len());
+        for (index, groups) in groups.into_iter().enumerate() {
             let (tx, rx) = mpsc::channel::<Job>();
-            let groups = Groups { world };
+            let abort_all = Arc::clone(&abort_all);
+            let on_failure = on_failure.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("tiacc-comm-{index}"))
-                .spawn(move || channel_loop(groups, Box::new(Flat), rx, timeout))
+                .spawn(move || {
+                    channel_loop(groups, Box::new(Flat), rx, timeout, &abort_all, on_failure)
+                })
                 .map_err(|e| Error::Comm {
                     peer: None,
                     message: format!("rank {rank}: cannot start channel thread {index}: {e}"),
@@ -157,7 +181,8 @@ impl Engine {
         }
     }
 
-    /// Runs one collective and waits for it.
+    /// Runs one collective and waits for it (`dtype` only matters for
+    /// allreduce).
     pub fn run(&self, op: Collective, buf: &mut [u8], dtype: DType, bucket: u64) -> Result<()> {
         let (tx, rx) = mpsc::channel();
         // SAFETY: `buf` is exclusively borrowed for this whole call, and the
@@ -206,10 +231,10 @@ fn channel_loop(
     mut algorithm: Box<dyn Algorithm>,
     jobs: mpsc::Receiver<Job>,
     timeout: Duration,
+    abort_all: &[Aborter],
+    on_failure: Option<FailureHook>,
 ) {
-    let mut seq: u64 = 0;
-    for mut job in jobs {
-        seq += 1;
+    for (seq, mut job) in (1u64..).zip(jobs) {
         let deadline = Deadline::after(timeout);
         let dtype = job.dtype;
         let buf = job.buf.as_mut_slice();
@@ -218,14 +243,15 @@ fn channel_loop(
             Collective::Broadcast { .. } => OpKind::Broadcast,
             Collective::Barrier => OpKind::Barrier,
         };
+        let typed = matches!(job.op, Collective::Allreduce { .. });
         let tag = OpTag {
             kind,
             seq,
             bucket: job.bucket,
-            dtype: dtype.code(),
+            dtype: if typed { dtype.code() } else { 0 },
             bytes: buf.len() as u64,
         };
-        let result = if buf.len() % dtype.size() != 0 {
+        let result = if typed && buf.len() % dtype.size() != 0 {
             Err(Error::InvalidArgument(format!(
                 "bucket {}: {} bytes is not a whole number of {} elements",
                 job.bucket,
@@ -251,9 +277,38 @@ fn channel_loop(
                     .and_then(|()| groups.world.barrier(deadline)),
             }
         };
+        let result = result.map_err(|err| match &on_failure {
+            Some(hook) => with_root_cause(err, hook.as_ref()),
+            None => err,
+        });
         if result.is_err() {
             groups.abort();
+            for abort in abort_all {
+                abort();
+            }
         }
         (job.done)(result);
+    }
+}
+
+/// Appends the first failure reported by any rank, when it is not this one.
+fn with_root_cause(err: Error, hook: &(dyn Fn(&Error) -> Option<String> + Send + Sync)) -> Error {
+    let Some(first) = hook(&err) else {
+        return err;
+    };
+    if first == err.to_string() {
+        return err;
+    }
+    let note = format!(" [first failure reported in this job: {first}]");
+    match err {
+        Error::Comm { peer, message } => Error::Comm {
+            peer,
+            message: message + &note,
+        },
+        Error::CommTimeout { peer, message } => Error::CommTimeout {
+            peer,
+            message: message + &note,
+        },
+        other => other,
     }
 }

@@ -13,7 +13,7 @@ pub mod tcp;
 pub mod transport;
 
 pub use dtype::DType;
-pub use engine::{Collective, Completion, Engine, Job, RawBuf};
+pub use engine::{Collective, Completion, Engine, FailureHook, Job, RawBuf};
 pub use transport::{Deadline, OpKind, OpTag, Transport};
 
 #[cfg(test)]

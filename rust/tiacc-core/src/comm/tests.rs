@@ -14,7 +14,9 @@ use crate::error::Error;
 const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
 fn listeners(p: usize) -> (Vec<RingListener>, Vec<SocketAddr>) {
-    let ls: Vec<RingListener> = (0..p).map(|_| RingListener::bind(LOCALHOST).unwrap()).collect();
+    let ls: Vec<RingListener> = (0..p)
+        .map(|_| RingListener::bind(LOCALHOST).unwrap())
+        .collect();
     let addrs = ls.iter().map(RingListener::addr).collect();
     (ls, addrs)
 }
@@ -29,8 +31,14 @@ fn rings(p: usize, channels: usize) -> Vec<Vec<TcpRing>> {
         .map(|(rank, l)| {
             let addrs = addrs.clone();
             std::thread::spawn(move || {
-                l.connect(&addrs, rank, &token, channels, Deadline::after(Duration::from_secs(20)))
-                    .unwrap()
+                l.connect(
+                    &addrs,
+                    rank,
+                    &token,
+                    channels,
+                    Deadline::after(Duration::from_secs(20)),
+                )
+                .unwrap()
             })
         })
         .collect();
@@ -60,7 +68,9 @@ fn deadline() -> Deadline {
 /// Small integers sum exactly in every type, so results can be compared
 /// with `==`.
 fn rank_values(rank: usize, len: usize) -> Vec<f64> {
-    (0..len).map(|i| ((i * 7 + rank * 3) % 11) as f64 - 5.0).collect()
+    (0..len)
+        .map(|i| ((i * 7 + rank * 3) % 11) as f64 - 5.0)
+        .collect()
 }
 
 #[test]
@@ -74,11 +84,19 @@ fn allreduce_sums_every_dtype_and_size_identically_on_every_rank() {
                     buf
                 });
                 let inputs: Vec<Vec<f64>> = (0..p).map(|r| rank_values(r, len)).collect();
-                let expected: Vec<f64> =
-                    (0..len).map(|i| inputs.iter().map(|v| v[i]).sum()).collect();
-                assert_eq!(decode(dtype, &results[0]), expected, "p={p} {dtype:?} len={len}");
+                let expected: Vec<f64> = (0..len)
+                    .map(|i| inputs.iter().map(|v| v[i]).sum())
+                    .collect();
+                assert_eq!(
+                    decode(dtype, &results[0]),
+                    expected,
+                    "p={p} {dtype:?} len={len}"
+                );
                 for other in &results[1..] {
-                    assert_eq!(other, &results[0], "ranks differ: p={p} {dtype:?} len={len}");
+                    assert_eq!(
+                        other, &results[0],
+                        "ranks differ: p={p} {dtype:?} len={len}"
+                    );
                 }
             }
         }
@@ -89,7 +107,9 @@ fn allreduce_sums_every_dtype_and_size_identically_on_every_rank() {
 fn float_sums_are_bitwise_identical_across_ranks() {
     // Values whose sum depends on the order of additions.
     let results = on_every_rank(4, |rank, ring| {
-        let values: Vec<f64> = (0..10_001).map(|i| ((i * 31 + rank) as f64).sin() * 1e3).collect();
+        let values: Vec<f64> = (0..10_001)
+            .map(|i| ((i * 31 + rank) as f64).sin() * 1e3)
+            .collect();
         let mut buf = encode(DType::F32, &values);
         ring.allreduce(&mut buf, DType::F32, deadline()).unwrap();
         buf
@@ -103,7 +123,8 @@ fn reduce_scatter_allgather_broadcast_barrier() {
     let len = 10;
     let results = on_every_rank(p, move |rank, ring| {
         let mut rs = encode(DType::F64, &rank_values(rank, len));
-        ring.reduce_scatter(&mut rs, DType::F64, deadline()).unwrap();
+        ring.reduce_scatter(&mut rs, DType::F64, deadline())
+            .unwrap();
         let mine = shard_range(len, p, rank);
         let rs_shard = decode(DType::F64, &rs[mine.start * 8..mine.end * 8]);
 
@@ -113,7 +134,11 @@ fn reduce_scatter_allgather_broadcast_barrier() {
         }
         ring.allgather(&mut ag, 1, deadline()).unwrap();
 
-        let mut bc = if rank == 1 { vec![42u8; 100_000] } else { vec![0u8; 100_000] };
+        let mut bc = if rank == 1 {
+            vec![42u8; 100_000]
+        } else {
+            vec![0u8; 100_000]
+        };
         ring.broadcast(&mut bc, 1, deadline()).unwrap();
         ring.barrier(deadline()).unwrap();
         (rs_shard, ag, bc)
@@ -143,15 +168,22 @@ fn several_channels_carry_independent_collectives() {
         .enumerate()
         .map(|(rank, chans)| {
             std::thread::spawn(move || {
-                let transports: Vec<Box<dyn Transport>> =
-                    chans.into_iter().map(|c| Box::new(c) as Box<dyn Transport>).collect();
-                let engine = Engine::new(transports, Duration::from_secs(20)).unwrap();
+                let transports: Vec<Box<dyn Transport>> = chans
+                    .into_iter()
+                    .map(|c| Box::new(c) as Box<dyn Transport>)
+                    .collect();
+                let engine = Engine::new(transports, Duration::from_secs(20), None).unwrap();
                 let mut out = Vec::new();
                 for bucket in 0..7u64 {
                     let len = 1000 + bucket as usize * 517;
                     let mut buf = encode(DType::F32, &rank_values(rank + bucket as usize, len));
                     engine
-                        .run(Collective::Allreduce { average: true }, &mut buf, DType::F32, bucket)
+                        .run(
+                            Collective::Allreduce { average: true },
+                            &mut buf,
+                            DType::F32,
+                            bucket,
+                        )
                         .unwrap();
                     out.push(decode(DType::F32, &buf));
                 }
@@ -165,7 +197,10 @@ fn several_channels_carry_independent_collectives() {
         let inputs: Vec<Vec<f64>> = (0..p).map(|r| rank_values(r + bucket, len)).collect();
         for (i, v) in got.iter().enumerate() {
             let sum: f64 = inputs.iter().map(|x| x[i] / p as f64).sum();
-            assert!((v - sum).abs() < 1e-5, "bucket {bucket} element {i}: {v} vs {sum}");
+            assert!(
+                (v - sum).abs() < 1e-5,
+                "bucket {bucket} element {i}: {v} vs {sum}"
+            );
         }
         for other in &results[1..] {
             assert_eq!(&other[bucket], got);
@@ -200,7 +235,11 @@ fn a_silent_peer_times_out_naming_it() {
     let start = Instant::now();
     let mut buf = vec![0u8; 4096];
     let err = ring
-        .allreduce(&mut buf, DType::F32, Deadline::after(Duration::from_millis(300)))
+        .allreduce(
+            &mut buf,
+            DType::F32,
+            Deadline::after(Duration::from_millis(300)),
+        )
         .unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(5));
     match &err {
@@ -211,7 +250,9 @@ fn a_silent_peer_times_out_naming_it() {
         other => panic!("expected a timeout, got {other}"),
     }
     // The ring is now broken for good, and says why.
-    let again = ring.allreduce(&mut buf, DType::F32, deadline()).unwrap_err();
+    let again = ring
+        .allreduce(&mut buf, DType::F32, deadline())
+        .unwrap_err();
     assert!(again.to_string().contains("earlier failure"), "{again}");
     drop(silent.pop());
 }
@@ -229,11 +270,16 @@ fn a_dead_peer_fails_the_others_quickly() {
             }
             let mut buf = vec![0u8; 1 << 20];
             let start = Instant::now();
-            let err = ring.allreduce(&mut buf, DType::F32, deadline()).unwrap_err();
+            let err = ring
+                .allreduce(&mut buf, DType::F32, deadline())
+                .unwrap_err();
             Some((err.to_string(), start.elapsed()))
         }));
     }
-    let results: Vec<_> = handles.into_iter().filter_map(|h| h.join().unwrap()).collect();
+    let results: Vec<_> = handles
+        .into_iter()
+        .filter_map(|h| h.join().unwrap())
+        .collect();
     assert_eq!(results.len(), 2);
     for (msg, took) in results {
         assert!(took < Duration::from_secs(10), "{msg}");
@@ -261,7 +307,9 @@ fn a_connection_with_the_wrong_token_is_dropped_and_rendezvous_goes_on() {
             std::thread::spawn(move || {
                 let mut rings = l.connect(&addrs, rank, &token, 1, deadline()).unwrap();
                 let mut buf = encode(DType::F32, &[rank as f64 + 1.0]);
-                rings[0].allreduce(&mut buf, DType::F32, deadline()).unwrap();
+                rings[0]
+                    .allreduce(&mut buf, DType::F32, deadline())
+                    .unwrap();
                 decode(DType::F32, &buf)
             })
         })
@@ -269,7 +317,9 @@ fn a_connection_with_the_wrong_token_is_dropped_and_rendezvous_goes_on() {
     for h in handles {
         assert_eq!(h.join().unwrap(), vec![3.0]);
     }
-    stranger.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    stranger
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
     let mut byte = [0u8; 1];
     let n = stranger.read(&mut byte).unwrap_or(0);
     assert_eq!(n, 0, "the stranger's connection must be closed");
@@ -282,7 +332,13 @@ fn rendezvous_times_out_when_a_rank_never_shows_up() {
     let _absent = ls.pop().unwrap(); // listens, never connects
     let l = ls.pop().unwrap();
     let err = l
-        .connect(&addrs, 0, &token, 1, Deadline::after(Duration::from_millis(300)))
+        .connect(
+            &addrs,
+            0,
+            &token,
+            1,
+            Deadline::after(Duration::from_millis(300)),
+        )
         .unwrap_err();
     assert!(matches!(err, Error::CommTimeout { peer: 1, .. }), "{err}");
 }

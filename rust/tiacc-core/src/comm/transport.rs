@@ -147,7 +147,14 @@ pub trait Transport: Send {
     /// Breaks the transport after a failure so that peers fail at once
     /// instead of waiting for their timeout. Later calls fail.
     fn abort(&mut self);
+
+    /// A handle that breaks this transport from another thread (used when a
+    /// sibling channel fails, so a collective blocked here ends too).
+    fn aborter(&self) -> Aborter;
 }
+
+/// Breaks a transport from any thread; see [`Transport::aborter`].
+pub type Aborter = Box<dyn Fn() + Send + Sync>;
 
 #[cfg(test)]
 mod tests {

@@ -111,9 +111,13 @@ impl RingListener {
             hello.extend_from_slice(&(rank as u32).to_le_bytes());
             hello.extend_from_slice(&(size as u32).to_le_bytes());
             hello.extend_from_slice(&(channel as u32).to_le_bytes());
-            (&stream)
-                .write_all(&hello)
-                .map_err(|e| comm(rank, Some(next_rank), format!("cannot greet rank {next_rank} at {}: {e}", addrs[next_rank])))?;
+            (&stream).write_all(&hello).map_err(|e| {
+                comm(
+                    rank,
+                    Some(next_rank),
+                    format!("cannot greet rank {next_rank} at {}: {e}", addrs[next_rank]),
+                )
+            })?;
             outgoing.push(stream);
         }
 
@@ -141,12 +145,22 @@ impl RingListener {
                     std::thread::sleep(Duration::from_millis(2));
                     continue;
                 }
-                Err(e) => return Err(comm(rank, None, format!("accept failed on {}: {e}", self.addr))),
+                Err(e) => {
+                    return Err(comm(
+                        rank,
+                        None,
+                        format!("accept failed on {}: {e}", self.addr),
+                    ))
+                }
             };
             match read_hello(&stream, token, size, deadline) {
                 Ok((peer, channel)) if peer == prev_rank && channel < channels => {
                     if incoming[channel].is_some() {
-                        log_rejected(rank, from, &format!("a second connection for channel {channel}"));
+                        log_rejected(
+                            rank,
+                            from,
+                            &format!("a second connection for channel {channel}"),
+                        );
                         continue;
                     }
                     incoming[channel] = Some(stream);
@@ -155,7 +169,9 @@ impl RingListener {
                 Ok((peer, channel)) => log_rejected(
                     rank,
                     from,
-                    &format!("it says it is rank {peer} channel {channel}, expected rank {prev_rank}"),
+                    &format!(
+                        "it says it is rank {peer} channel {channel}, expected rank {prev_rank}"
+                    ),
                 ),
                 Err(reason) => log_rejected(rank, from, &reason),
             }
@@ -164,13 +180,23 @@ impl RingListener {
         let mut rings = Vec::with_capacity(channels);
         for (channel, (next, prev)) in outgoing.into_iter().zip(incoming).enumerate() {
             let Some(prev) = prev else {
-                return Err(comm(rank, Some(prev_rank), format!("channel {channel} has no connection")));
+                return Err(comm(
+                    rank,
+                    Some(prev_rank),
+                    format!("channel {channel} has no connection"),
+                ));
             };
             for (stream, peer) in [(&next, next_rank), (&prev, prev_rank)] {
                 stream
                     .set_nonblocking(true)
                     .and_then(|()| stream.set_nodelay(true))
-                    .map_err(|e| comm(rank, Some(peer), format!("cannot configure the connection to rank {peer}: {e}")))?;
+                    .map_err(|e| {
+                        comm(
+                            rank,
+                            Some(peer),
+                            format!("cannot configure the connection to rank {peer}: {e}"),
+                        )
+                    })?;
             }
             rings.push(TcpRing::new(rank, size, channel, Some(next), Some(prev)));
         }
@@ -223,7 +249,10 @@ fn read_hello(
     size: usize,
     deadline: Deadline,
 ) -> std::result::Result<(usize, usize), String> {
-    let wait = deadline.remaining().min(HELLO_TIMEOUT).max(Duration::from_millis(1));
+    let wait = deadline
+        .remaining()
+        .min(HELLO_TIMEOUT)
+        .max(Duration::from_millis(1));
     stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_read_timeout(Some(wait)))
@@ -241,10 +270,14 @@ fn read_hello(
     if hello[8..8 + TOKEN_LEN] != token[..] {
         return Err("wrong job token".to_string());
     }
-    let u32_at = |i: usize| u32::from_le_bytes([hello[i], hello[i + 1], hello[i + 2], hello[i + 3]]) as usize;
+    let u32_at = |i: usize| {
+        u32::from_le_bytes([hello[i], hello[i + 1], hello[i + 2], hello[i + 3]]) as usize
+    };
     let (peer, peer_size, channel) = (u32_at(24), u32_at(28), u32_at(32));
     if peer_size != size {
-        return Err(format!("it belongs to a group of {peer_size} ranks, this one has {size}"));
+        return Err(format!(
+            "it belongs to a group of {peer_size} ranks, this one has {size}"
+        ));
     }
     Ok((peer, channel))
 }

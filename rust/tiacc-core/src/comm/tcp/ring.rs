@@ -13,7 +13,7 @@ use std::ops::Range;
 use std::os::fd::AsRawFd;
 
 use crate::comm::dtype::{shard_range, DType};
-use crate::comm::transport::{Deadline, OpTag, Transport};
+use crate::comm::transport::{Aborter, Deadline, OpTag, Transport};
 use crate::error::{Error, Result};
 
 /// One ring step: send `send` (bytes of the buffer) to the next rank while
@@ -242,9 +242,7 @@ impl TcpRing {
                         r_done = ready;
                     }
                     Err(e) if retryable(&e) => {}
-                    Err(e) => {
-                        return Err(io_failure(&ctx, prev_rank, "receive from", &e))
-                    }
+                    Err(e) => return Err(io_failure(&ctx, prev_rank, "receive from", &e)),
                 }
             }
             if progressed {
@@ -362,8 +360,15 @@ impl Transport for TcpRing {
         all[self.rank * OpTag::LEN..(self.rank + 1) * OpTag::LEN].copy_from_slice(&tag.encode());
         self.guarded(|ring| {
             let steps = ring.allgather_steps(ring.size, OpTag::LEN);
-            ring.run(&mut all, &steps, None, "exchanging collective headers", deadline)?;
-            let tags: Vec<Option<OpTag>> = all.chunks_exact(OpTag::LEN).map(OpTag::decode).collect();
+            ring.run(
+                &mut all,
+                &steps,
+                None,
+                "exchanging collective headers",
+                deadline,
+            )?;
+            let tags: Vec<Option<OpTag>> =
+                all.chunks_exact(OpTag::LEN).map(OpTag::decode).collect();
             if tags.iter().all(|t| *t == Some(*tag)) {
                 return Ok(());
             }
@@ -458,7 +463,11 @@ impl Transport for TcpRing {
                     reduce: false,
                 }]
             } else {
-                let forward = if ring.next_rank() == root { none.clone() } else { all.clone() };
+                let forward = if ring.next_rank() == root {
+                    none.clone()
+                } else {
+                    all.clone()
+                };
                 vec![
                     Step {
                         send: none.clone(),
@@ -490,12 +499,28 @@ impl Transport for TcpRing {
     }
 
     fn abort(&mut self) {
-        for stream in [self.next.as_ref(), self.prev.as_ref()].into_iter().flatten() {
+        for stream in [self.next.as_ref(), self.prev.as_ref()]
+            .into_iter()
+            .flatten()
+        {
             // Best effort: peers then see end-of-stream at once.
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
         if self.broken.is_none() {
             self.broken = Some((None, "the channel was aborted".to_string()));
         }
+    }
+
+    fn aborter(&self) -> Aborter {
+        let streams: Vec<TcpStream> = [self.next.as_ref(), self.prev.as_ref()]
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s.try_clone().ok())
+            .collect();
+        Box::new(move || {
+            for stream in &streams {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+        })
     }
 }

@@ -1,0 +1,409 @@
+//! The communication engine's Python face: configuration, rendezvous
+//! helpers and `CommEngine`.
+//!
+//! The Python shim (`tiacc_training/torch/distributed.py`) owns the torch
+//! objects: it exchanges addresses and the job token through the c10d
+//! store and passes tensors here as (object, data pointer, byte length,
+//! dtype). The object is kept alive until the collective completes.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use tiacc_core::comm::tcp::{self, RingListener, TOKEN_LEN};
+use tiacc_core::comm::{
+    Collective, Completion, DType, Deadline, Engine, FailureHook, Job, RawBuf, Transport,
+};
+use tiacc_core::config::{self, CommConfig};
+
+use crate::errors::{to_pyerr, ResultExt};
+
+/// The engine configuration from the environment, as a dict. Raises
+/// `ConfigError` naming the variable when a value does not parse.
+#[pyfunction]
+pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = CommConfig::from_env().py()?;
+    let d = PyDict::new(py);
+    d.set_item("enabled", c.enabled)?;
+    d.set_item("fusion_threshold", c.fusion_threshold)?;
+    d.set_item("fusion_threshold_set", c.fusion_threshold_set)?;
+    d.set_item("num_streams", c.num_streams)?;
+    d.set_item("timeout", c.timeout.as_secs_f64())?;
+    d.set_item("socket_addr", c.socket_addr.map(|ip| ip.to_string()))?;
+    Ok(d)
+}
+
+/// How this process was launched (torchrun, mpirun, SLURM) as a dict, or
+/// `None` when no launcher set it up. Raises `ConfigError` on bad values.
+#[pyfunction]
+pub fn launch_env(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
+    let Some(l) = config::launch_env().py()? else {
+        return Ok(None);
+    };
+    let d = PyDict::new(py);
+    d.set_item("launcher", l.launcher)?;
+    d.set_item("rank", l.rank)?;
+    d.set_item("world_size", l.world_size)?;
+    d.set_item("local_rank", l.local_rank)?;
+    d.set_item("local_size", l.local_size)?;
+    d.set_item("master_addr", l.master_addr)?;
+    d.set_item("master_port", l.master_port)?;
+    Ok(Some(d))
+}
+
+/// Validates a `num_streams` value given as a Python argument.
+#[pyfunction]
+pub fn check_num_streams(value: &str) -> PyResult<usize> {
+    config::parse_num_streams("num_streams", value).py()
+}
+
+/// A fresh random job token.
+#[pyfunction]
+pub fn random_token(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
+    let token = tcp::random_token().py()?;
+    Ok(PyBytes::new(py, &token))
+}
+
+/// The local IP address that routes to `host` (for advertising).
+#[pyfunction]
+pub fn local_addr_towards(host: &str, port: u16) -> String {
+    tcp::local_addr_towards(host, port).to_string()
+}
+
+/// One process's communication engine over TCP.
+///
+/// Created with the rank, world size, channel count and timeout; it listens
+/// at once (`address`). After every rank's address and the job token have
+/// been exchanged, `connect` forms the rings and starts the channel threads.
+#[pyclass(module = "tiacc_training._engine")]
+pub struct CommEngine {
+    rank: usize,
+    size: usize,
+    num_channels: usize,
+    timeout: Duration,
+    listener: Option<RingListener>,
+    address: String,
+    engine: Option<Engine>,
+}
+
+#[pymethods]
+impl CommEngine {
+    #[new]
+    #[pyo3(signature = (rank, size, num_channels, timeout, host))]
+    fn new(
+        rank: usize,
+        size: usize,
+        num_channels: usize,
+        timeout: f64,
+        host: &str,
+    ) -> PyResult<Self> {
+        if size == 0 || rank >= size {
+            return Err(PyValueError::new_err(format!(
+                "rank {rank} is not a rank of a group of {size}"
+            )));
+        }
+        if !(1..=config::MAX_NUM_STREAMS).contains(&num_channels) {
+            return Err(PyValueError::new_err(format!(
+                "num_channels must be from 1 to {}, got {num_channels}",
+                config::MAX_NUM_STREAMS
+            )));
+        }
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "timeout must be a positive number of seconds, got {timeout}"
+            )));
+        }
+        let ip: IpAddr = host.parse().map_err(|_| {
+            PyValueError::new_err(format!("host must be an IP address, got {host:?}"))
+        })?;
+        let listener = RingListener::bind(ip).py()?;
+        let address = listener.addr().to_string();
+        Ok(CommEngine {
+            rank,
+            size,
+            num_channels,
+            timeout: Duration::from_secs_f64(timeout),
+            listener: Some(listener),
+            address,
+            engine: None,
+        })
+    }
+
+    /// `ip:port` this rank listens on.
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    #[getter]
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    #[getter]
+    fn num_channels(&self) -> usize {
+        self.num_channels
+    }
+
+    #[getter]
+    fn timeout(&self) -> f64 {
+        self.timeout.as_secs_f64()
+    }
+
+    /// Whether `connect` has completed and `shutdown` has not run.
+    #[getter]
+    fn connected(&self) -> bool {
+        self.engine.is_some()
+    }
+
+    /// Forms the rings with every rank's `addresses` (indexed by rank) and
+    /// the job `token`, then starts the channel threads. Blocks (without the
+    /// GIL) until every connection is up or the timeout passes.
+    ///
+    /// `on_failure(message) -> str | None`, if given, is called when a
+    /// collective fails, before peers can notice; it may publish the message
+    /// and return the job's first published failure (appended to errors).
+    #[pyo3(signature = (addresses, token, on_failure=None))]
+    fn connect(
+        &mut self,
+        py: Python<'_>,
+        addresses: Vec<String>,
+        token: &[u8],
+        on_failure: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        if addresses.len() != self.size {
+            return Err(PyValueError::new_err(format!(
+                "expected {} addresses (one per rank), got {}",
+                self.size,
+                addresses.len()
+            )));
+        }
+        let token: [u8; TOKEN_LEN] = token.try_into().map_err(|_| {
+            PyValueError::new_err(format!(
+                "the job token must be {TOKEN_LEN} bytes, got {}",
+                token.len()
+            ))
+        })?;
+        let addrs = addresses
+            .iter()
+            .enumerate()
+            .map(|(r, a)| {
+                a.parse::<SocketAddr>().map_err(|_| {
+                    PyValueError::new_err(format!("rank {r}'s address {a:?} is not ip:port"))
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let listener = self
+            .listener
+            .take()
+            .ok_or_else(|| PyValueError::new_err("connect() was already called on this engine"))?;
+        let (rank, channels, timeout) = (self.rank, self.num_channels, self.timeout);
+        let hook: Option<FailureHook> = on_failure.map(|callback| {
+            Arc::new(move |err: &tiacc_core::Error| {
+                let message = err.to_string();
+                Python::try_attach(|py| match callback.call1(py, (message,)) {
+                    Ok(first) => first.extract::<Option<String>>(py).ok().flatten(),
+                    Err(e) => {
+                        e.write_unraisable(py, None);
+                        None
+                    }
+                })
+                .flatten()
+            }) as FailureHook
+        });
+        let engine = py
+            .detach(move || {
+                let rings =
+                    listener.connect(&addrs, rank, &token, channels, Deadline::after(timeout))?;
+                let transports: Vec<Box<dyn Transport>> = rings
+                    .into_iter()
+                    .map(|r| Box::new(r) as Box<dyn Transport>)
+                    .collect();
+                Engine::new(transports, timeout, hook)
+            })
+            .py()?;
+        self.engine = Some(engine);
+        Ok(())
+    }
+
+    /// Queues an allreduce of a tensor's `nbytes` bytes at `ptr` and returns
+    /// at once; `future.set_result(tensor)` (or `set_exception`) is called
+    /// from the channel thread when it finishes. The caller must not touch
+    /// the tensor's memory until then; this object keeps it alive.
+    #[pyo3(signature = (tensor, ptr, nbytes, dtype, bucket, average, future))]
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce_async(
+        &self,
+        tensor: Py<PyAny>,
+        ptr: usize,
+        nbytes: usize,
+        dtype: &str,
+        bucket: u64,
+        average: bool,
+        future: Py<PyAny>,
+    ) -> PyResult<()> {
+        let engine = self.engine()?;
+        let dtype = DType::parse(dtype).py()?;
+        check_buffer(ptr, nbytes, Some(dtype))?;
+        let done: Completion = Box::new(move |result| {
+            // No attach while the interpreter shuts down: the future has no
+            // one left to wait on it.
+            Python::try_attach(|py| {
+                let outcome = match result {
+                    Ok(()) => future.call_method1(py, "set_result", (tensor,)),
+                    Err(err) => {
+                        let exc = to_pyerr(err).into_value(py);
+                        future.call_method1(py, "set_exception", (exc,))
+                    }
+                };
+                if let Err(err) = outcome {
+                    err.write_unraisable(py, None);
+                }
+            });
+        });
+        // SAFETY: the Python shim passes a live tensor's data pointer and byte
+        // size; `tensor` is moved into the completion, so its storage lives
+        // until the job is done, and DDP does not touch a bucket's buffer
+        // before the returned future completes.
+        let buf = unsafe { RawBuf::new(ptr as *mut u8, nbytes) };
+        engine.submit(Job {
+            op: Collective::Allreduce { average },
+            buf,
+            dtype,
+            bucket,
+            done,
+        });
+        Ok(())
+    }
+
+    /// Allreduces `nbytes` bytes at `ptr` in place and waits (GIL released).
+    #[pyo3(signature = (ptr, nbytes, dtype, bucket=0, average=false))]
+    fn allreduce(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        dtype: &str,
+        bucket: u64,
+        average: bool,
+    ) -> PyResult<()> {
+        let dtype = DType::parse(dtype).py()?;
+        self.run_blocking(
+            py,
+            Collective::Allreduce { average },
+            ptr,
+            nbytes,
+            Some(dtype),
+            bucket,
+        )
+    }
+
+    /// Copies `root`'s `nbytes` bytes at `ptr` to every rank and waits.
+    #[pyo3(signature = (ptr, nbytes, root, bucket=0))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        root: usize,
+        bucket: u64,
+    ) -> PyResult<()> {
+        if root >= self.size {
+            return Err(PyValueError::new_err(format!(
+                "root {root} is not a rank of a group of {}",
+                self.size
+            )));
+        }
+        // Bytes travel as-is; the dtype is not used.
+        self.run_blocking(
+            py,
+            Collective::Broadcast { root },
+            ptr,
+            nbytes,
+            None,
+            bucket,
+        )
+    }
+
+    /// Waits until every rank has entered the barrier.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.run_blocking(py, Collective::Barrier, 0, 0, None, 0)
+    }
+
+    /// Finishes queued collectives and stops the channel threads. Safe to
+    /// call twice.
+    fn shutdown(&mut self, py: Python<'_>) {
+        self.listener = None;
+        if let Some(mut engine) = self.engine.take() {
+            py.detach(move || engine.shutdown());
+        }
+    }
+}
+
+impl CommEngine {
+    fn engine(&self) -> PyResult<&Engine> {
+        self.engine.as_ref().ok_or_else(|| {
+            to_pyerr(tiacc_core::Error::Comm {
+                peer: None,
+                message: format!(
+                    "rank {}: the communication engine is not connected (call connect() first) or was shut down",
+                    self.rank
+                ),
+            })
+        })
+    }
+
+    fn run_blocking(
+        &self,
+        py: Python<'_>,
+        op: Collective,
+        ptr: usize,
+        nbytes: usize,
+        dtype: Option<DType>,
+        bucket: u64,
+    ) -> PyResult<()> {
+        let engine = self.engine()?;
+        check_buffer(ptr, nbytes, dtype)?;
+        let addr = ptr;
+        py.detach(move || {
+            let buf: &mut [u8] = if nbytes == 0 {
+                &mut []
+            } else {
+                // SAFETY: the caller passes a live buffer of `nbytes` bytes
+                // (non-null, checked above) that it keeps alive and untouched
+                // for the duration of this blocking call (the Python shim
+                // holds the tensor in its frame).
+                unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, nbytes) }
+            };
+            engine.run(op, buf, dtype.unwrap_or(DType::F32), bucket)
+        })
+        .py()
+    }
+}
+
+fn check_buffer(ptr: usize, nbytes: usize, dtype: Option<DType>) -> PyResult<()> {
+    if nbytes > 0 && ptr == 0 {
+        return Err(PyValueError::new_err(
+            "null data pointer for a non-empty buffer",
+        ));
+    }
+    let Some(dtype) = dtype else {
+        return Ok(());
+    };
+    if nbytes % dtype.size() != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{nbytes} bytes is not a whole number of {} elements",
+            dtype.name()
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,89 @@
+"""Launch helpers for the multi-process tests: plain processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIACC_TRAINING_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Rank:
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def run_ranks(
+    world: int,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 240.0,
+    local_size: int | None = None,
+) -> list[Rank]:
+    """Starts `world` worker processes with torchrun-style variables and
+    waits for all of them (killing any still running at `timeout`)."""
+    port = free_port()
+    procs = []
+    start = time.monotonic()
+    for rank in range(world):
+        rank_env = base_env(env)
+        rank_env.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank % (local_size or world)),
+                "LOCAL_WORLD_SIZE": str(local_size or world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for rank, proc in enumerate(procs):
+        left = max(1.0, timeout - (time.monotonic() - start))
+        try:
+            out, err = proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results.append(Rank(rank, proc.returncode, out, err, time.monotonic() - start))
+    return results
+
+
+def describe(ranks: list[Rank]) -> str:
+    return "\n".join(
+        f"--- rank {r.rank} rc={r.returncode} after {r.seconds:.1f}s\n"
+        f"{r.stdout}\n{r.stderr[-3000:]}"
+        for r in ranks
+    )

@@ -1,0 +1,118 @@
+"""One rank of a small DDP training run, for the multi-process tests.
+
+Launched by the tests (plain processes with torchrun-style variables), by
+torchrun and by mpirun. Trains a small MLP for a few steps natively and/or
+through the tiacc engine and saves the final parameters per rank.
+
+Fault injection (``--fault``): ``kill`` and ``stop`` make ``--fault-rank``
+SIGKILL or SIGSTOP itself at ``--fault-step``; ``layout`` makes that rank
+allreduce a shorter buffer than the others; ``token`` makes rank 0 knock on rank 1's engine port
+with a wrong job token before the engine connects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tiacc_training.torch.distributed as tdist
+
+
+def build_model(width: int = 96) -> nn.Module:
+    torch.manual_seed(1234)
+    layers: list[nn.Module] = [nn.Linear(32, width), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def knock_with_wrong_token() -> None:
+    """Rank 0 only: connect to rank 1's engine port with a bad hello."""
+    store = dist.distributed_c10d._get_default_store()
+    key = "tiacc_training/engine1/addr/1"
+    store.wait([key], datetime.timedelta(seconds=60))
+    host, port = store.get(key).decode().rsplit(":", 1)
+    stranger = socket.create_connection((host, int(port)))
+    stranger.sendall(b"TIACCv1\0" + b"\x00" * 16 + b"\x00" * 12)
+    stranger.settimeout(30)
+    closed = stranger.recv(1) == b""
+    print(f"STRANGER_CLOSED={closed}", flush=True)
+
+
+def train(args: argparse.Namespace, mode: str) -> nn.Module:
+    rank = dist.get_rank()
+    model = build_model()
+    bucket_cap_mb = args.bucket_cap_mb
+    if mode == "tiacc" and args.fault == "token" and rank == 0:
+        import threading
+
+        threading.Thread(target=knock_with_wrong_token, daemon=True).start()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    if mode == "tiacc" and args.fault == "layout":
+        # DDP syncs rank 0's bucket layout to every rank, so a diverging
+        # layout is sent straight to the engine: one rank's "bucket" is
+        # shorter than the others'.
+        n = 1000 if rank == args.fault_rank else 1024
+        grad = torch.ones(n)
+        tdist.get_engine().allreduce(grad.data_ptr(), n * 4, "float32", 0, True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(args.steps):
+        x = torch.randn(16, 32, generator=gen)
+        y = torch.randint(0, 10, (16,), generator=gen)
+        if mode == "tiacc" and step == args.fault_step and rank == args.fault_rank:
+            if args.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.fault == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--modes", default="native,tiacc")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.02)
+    parser.add_argument(
+        "--fault", choices=["none", "kill", "stop", "layout", "token"], default="none"
+    )
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-step", type=int, default=3)
+    args = parser.parse_args()
+    try:
+        for mode in args.modes.split(","):
+            tdist.init_tiacc_training(enable=(mode == "tiacc"))
+            model = train(args, mode)
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            args.out.mkdir(parents=True, exist_ok=True)
+            torch.save(state, args.out / f"{mode}_rank{dist.get_rank()}.pt")
+        engine = tdist.get_engine()
+        print(f"ENGINE_CHANNELS={engine.num_channels if engine else 0}", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except Exception as exc:  # report the type and message for the test to check
+        traceback.print_exc()
+        print(f"WORKER_ERROR {type(exc).__name__}: {exc}", flush=True)
+        sys.stdout.flush()
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Checks of init_tiacc_training and the DDP patch in a world of one.
+
+No postponed annotations here: DDP checks a hook's annotations as objects.
+Run as a script by test_init.py (a process group cannot be torn down and
+rebuilt cleanly inside the pytest process). Prints CHECK <name> per check
+that passed; any failure raises.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tiacc_training.torch.distributed as tdist
+
+
+def check(name: str) -> None:
+    print(f"CHECK {name}", flush=True)
+
+
+def main(scenario: str) -> None:
+    if scenario == "user_group":
+        dist.init_process_group(
+            "gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1
+        )
+    tdist.init_tiacc_training()
+    tdist.init_tiacc_training()  # idempotent
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert tdist.is_initialized()
+    check("initialised")
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    expected = int(os.environ.get("TIACC_TRAINING_FUSION_THRESHOLD", 25 * 1024 * 1024))
+    assert ddp.bucket_bytes_cap == expected, (ddp.bucket_bytes_cap, expected)
+    check("fusion_threshold")
+
+    explicit = nn.parallel.DistributedDataParallel(nn.Linear(4, 4), bucket_cap_mb=2)
+    assert explicit.bucket_bytes_cap == 2 * 1024 * 1024
+    check("explicit_bucket_cap")
+
+    if scenario == "disabled":
+        assert not hasattr(ddp, "_tiacc_hook_state") and tdist.get_engine() is None
+        check("disabled")
+        return
+
+    ddp(torch.randn(4, 8)).sum().backward()
+    assert tdist.get_engine() is not None and tdist.get_engine().connected
+    check("engine_hook")
+
+    calls = []
+
+    def user_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        calls.append(bucket.index())
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    mine = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
+    mine.register_comm_hook(None, user_hook)
+    mine(torch.randn(4, 8)).sum().backward()
+    assert calls, "the user's hook was not called"
+    check("user_hook_wins")
+    try:
+        mine.register_comm_hook(None, user_hook)
+    except RuntimeError as e:
+        assert "only be called once" in str(e)
+        check("second_user_hook_refused")
+
+    builtin = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
+    builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    builtin(torch.randn(4, 8)).sum().backward()
+    assert builtin._tiacc_hook_state.user_hook is not None
+    check("builtin_hook_wins")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    print("ALL_OK", flush=True)

@@ -1,0 +1,161 @@
+"""DDP through the tiacc engine, with real processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _launch import WORKER, base_env, describe, free_port, run_ranks
+
+
+def load(out: Path, mode: str, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"{mode}_rank{rank}.pt")
+
+
+def assert_bitwise_identical_across_ranks(out: Path, world: int) -> None:
+    first = load(out, "tiacc", 0)
+    for rank in range(1, world):
+        other = load(out, "tiacc", rank)
+        for name, value in first.items():
+            assert torch.equal(value, other[name]), f"rank {rank} differs from rank 0 in {name}"
+
+
+@pytest.mark.parametrize(("world", "channels"), [(2, 1), (2, 3), (4, 1), (4, 3)])
+def test_training_matches_native_ddp(tmp_path: Path, world: int, channels: int) -> None:
+    ranks = run_ranks(
+        world,
+        ["--out", str(tmp_path), "--steps", "20"],
+        env={"TIACC_TRAINING_NUM_NCCL_STREAMS": str(channels), "TIACC_TRAINING_TIMEOUT": "60"},
+    )
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    assert f"ENGINE_CHANNELS={channels}" in ranks[0].stdout
+    assert_bitwise_identical_across_ranks(tmp_path, world)
+    native, ours = load(tmp_path, "native", 0), load(tmp_path, "tiacc", 0)
+    for name, value in native.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    # The two runs really trained (parameters moved from their start).
+    torch.manual_seed(1234)
+    assert not torch.equal(ours["0.weight"], torch.nn.Linear(32, 96).weight)
+
+
+def test_torchrun_launch(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(WORKER),
+        "--out",
+        str(tmp_path),
+        "--modes",
+        "tiacc",
+        "--steps",
+        "5",
+    ]
+    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "tiacc engine (tcp)" in proc.stderr and "launcher=torchrun" in proc.stderr
+    assert_bitwise_identical_across_ranks(tmp_path, 2)
+
+
+def test_mpirun_launch(tmp_path: Path) -> None:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        if os.environ.get("TIACC_TEST_REQUIRE_MPIRUN") == "1":
+            pytest.fail("mpirun is required here (install openmpi-bin: make setup)")
+        pytest.skip("mpirun not installed (make setup installs openmpi-bin)")
+    env = base_env({"MASTER_PORT": str(free_port()), "OMPI_MCA_plm_rsh_agent": ""})
+    cmd = [
+        mpirun,
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        "-x",
+        "MASTER_PORT",
+        "-x",
+        "PYTHONPATH",
+        "-x",
+        "OMP_NUM_THREADS",
+        sys.executable,
+        str(WORKER),
+        "--out",
+        str(tmp_path),
+        "--modes",
+        "tiacc",
+        "--steps",
+        "5",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "launcher=mpirun" in proc.stderr
+    assert_bitwise_identical_across_ranks(tmp_path, 2)
+
+
+def test_a_killed_rank_makes_the_others_raise_naming_it(tmp_path: Path) -> None:
+    ranks = run_ranks(
+        3,
+        ["--out", str(tmp_path), "--modes", "tiacc", "--fault", "kill", "--fault-rank", "2"],
+        env={"TIACC_TRAINING_TIMEOUT": "60"},
+        timeout=120,
+    )
+    assert ranks[2].returncode == -signal.SIGKILL, describe(ranks)
+    for r in ranks[:2]:
+        assert r.returncode == 3, describe(ranks)
+        assert "WORKER_ERROR" in r.stdout and "CommError" in r.stdout + r.stderr, describe(ranks)
+        assert "rank 2" in r.stdout, describe(ranks)
+        assert r.seconds < 60, describe(ranks)
+
+
+def test_a_stopped_rank_times_out_naming_it(tmp_path: Path) -> None:
+    port_env = {"TIACC_TRAINING_TIMEOUT": "3"}
+    ranks = []
+    try:
+        ranks = run_ranks(
+            2,
+            ["--out", str(tmp_path), "--modes", "tiacc", "--fault", "stop", "--fault-rank", "1"],
+            env=port_env,
+            timeout=25,
+        )
+    finally:
+        pass
+    # Rank 1 stopped itself and was killed at the launcher's timeout.
+    assert ranks[0].returncode == 3, describe(ranks)
+    assert "CommTimeoutError" in ranks[0].stdout + ranks[0].stderr, describe(ranks)
+    assert "waiting for rank 1" in ranks[0].stdout, describe(ranks)
+    assert ranks[0].seconds < 25, describe(ranks)
+
+
+def test_mismatched_bucket_layouts_raise_instead_of_mixing_gradients(tmp_path: Path) -> None:
+    ranks = run_ranks(
+        2,
+        ["--out", str(tmp_path), "--modes", "tiacc", "--fault", "layout", "--fault-rank", "1"],
+        env={"TIACC_TRAINING_TIMEOUT": "60"},
+        timeout=120,
+    )
+    for r in ranks:
+        assert r.returncode == 3, describe(ranks)
+        assert "ranks disagree on the next collective" in r.stdout, describe(ranks)
+        assert r.seconds < 60, describe(ranks)
+
+
+def test_a_connection_with_a_wrong_token_is_dropped_and_logged(tmp_path: Path) -> None:
+    ranks = run_ranks(
+        2,
+        ["--out", str(tmp_path), "--modes", "tiacc", "--steps", "3", "--fault", "token"],
+        env={"TIACC_TRAINING_TIMEOUT": "60"},
+    )
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    assert "STRANGER_CLOSED=True" in ranks[0].stdout, describe(ranks)
+    assert "dropped a connection" in ranks[1].stderr, describe(ranks)
+    assert "wrong job token" in ranks[1].stderr, describe(ranks)
+    assert_bitwise_identical_across_ranks(tmp_path, 2)

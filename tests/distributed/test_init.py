@@ -1,0 +1,95 @@
+"""init_tiacc_training: configuration, launch detection, the DDP patch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import base_env, free_port
+
+import tiacc_training.torch.distributed as tdist
+from tiacc_training.errors import ConfigError
+
+SCRIPT = Path(__file__).resolve().parent / "single_process_checks.py"
+
+
+def run_checks(scenario: str, env: dict[str, str] | None = None) -> str:
+    full_env = base_env(env)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(var, None)
+    full_env["PORT"] = str(free_port())
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), scenario],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0 and "ALL_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_plain_python_gets_a_world_of_one_and_the_patch() -> None:
+    out = run_checks("plain", {"TIACC_TRAINING_FUSION_THRESHOLD": "1048576"})
+    for name in [
+        "initialised",
+        "fusion_threshold",
+        "explicit_bucket_cap",
+        "engine_hook",
+        "user_hook_wins",
+        "second_user_hook_refused",
+        "builtin_hook_wins",
+    ]:
+        assert f"CHECK {name}" in out
+    assert "channels=2 fusion_threshold=1048576" in out
+    assert "steps aside" in out
+
+
+def test_works_after_the_user_initialised_the_group() -> None:
+    out = run_checks("user_group")
+    assert "CHECK engine_hook" in out
+    assert "launcher=user" in out or "launcher=none" in out
+
+
+def test_disable_switch_leaves_ddp_native() -> None:
+    out = run_checks("disabled", {"TIACC_TRAINING_DISABLE": "1"})
+    assert "CHECK disabled" in out
+    assert "tiacc engine disabled" in out
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("TIACC_TRAINING_NUM_NCCL_STREAMS", "abc"),
+        ("TIACC_TRAINING_NUM_NCCL_STREAMS", "0"),
+        ("TIACC_TRAINING_FUSION_THRESHOLD", "-1"),
+        ("TIACC_TRAINING_TIMEOUT", "never"),
+        ("TIACC_TRAINING_DISABLE", "perhaps"),
+    ],
+)
+def test_a_bad_env_value_raises_config_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=var) as info:
+        tdist.init_tiacc_training()
+    assert info.value.variable == var
+    assert value in str(info.value)
+
+
+def test_a_bad_launcher_value_raises_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "first")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="RANK"):
+        tdist.init_tiacc_training()
+
+
+def test_bad_arguments_raise_before_anything_starts() -> None:
+    with pytest.raises(ValueError):
+        tdist.init_tiacc_training(fusion_threshold=0)
+    with pytest.raises(ConfigError, match="num_streams"):
+        tdist.init_tiacc_training(num_streams=0)
+    with pytest.raises(ValueError):
+        tdist.init_tiacc_training(timeout=-1)

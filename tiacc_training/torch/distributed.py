@@ -1,0 +1,487 @@
+"""DDP communication through the tiacc-training engine.
+
+Add two lines at the top of an ordinary DistributedDataParallel script::
+
+    import tiacc_training.torch.distributed as tdist
+    tdist.init_tiacc_training()
+
+``init_tiacc_training`` initialises the default process group when the
+script has not (from torchrun, Open MPI's mpirun or SLURM), then patches
+``torch.nn.parallel.DistributedDataParallel`` so that every model wrapped
+afterwards takes its bucket size from ``TIACC_TRAINING_FUSION_THRESHOLD``
+and sends its gradient buckets through the engine: several channels
+(``TIACC_TRAINING_NUM_NCCL_STREAMS``) running ring allreduces concurrently,
+with the GIL released, while backward goes on.
+
+Environment variables (parsed by the engine; a bad value raises
+``ConfigError`` naming it):
+
+* ``TIACC_TRAINING_FUSION_THRESHOLD``: largest bucket in bytes (default
+  26214400, DDP's 25 MiB).
+* ``TIACC_TRAINING_NUM_NCCL_STREAMS``: number of channels (default 2).
+* ``TIACC_TRAINING_TIMEOUT``: seconds a collective may wait for a peer
+  before raising ``CommTimeoutError`` (default 300).
+* ``TIACC_TRAINING_DISABLE``: ``1`` leaves DDP's communication native.
+* ``TIACC_TRAINING_SOCKET_ADDR``: the IP address this rank listens on
+  (default: the local address that routes to ``MASTER_ADDR``).
+
+A comm hook the user registers on a model (``register_comm_hook`` or a
+built-in hook) replaces the engine for that model.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import inspect
+import logging
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from tiacc_training import _engine
+from tiacc_training.errors import CommError, ConfigError
+
+__all__ = [
+    "CommError",
+    "ConfigError",
+    "comm_config",
+    "get_engine",
+    "init_tiacc_training",
+    "is_initialized",
+    "shutdown",
+]
+
+_MIB = 1024 * 1024
+_DEFAULT_MASTER_PORT = 29500
+_SUPPORTED_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+
+logger = logging.getLogger("tiacc_training")
+
+
+@dataclass
+class _Config:
+    """The effective engine configuration (arguments over environment)."""
+
+    enabled: bool
+    fusion_threshold: int
+    num_streams: int
+    timeout: float
+    socket_addr: str | None
+
+
+@dataclass
+class _State:
+    """Process-wide state of the integration."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    initialized: bool = False
+    config: _Config | None = None
+    launch: dict[str, Any] | None = None
+    engine: Any = None
+    generation: int = 0
+    patched: bool = False
+    logged: bool = False
+
+
+_state = _State()
+
+
+def comm_config() -> dict[str, Any]:
+    """The engine configuration from the environment.
+
+    Returns:
+        A dict with ``enabled``, ``fusion_threshold``, ``num_streams``,
+        ``timeout`` and ``socket_addr``.
+
+    Raises:
+        ConfigError: an environment variable has a value that does not parse.
+    """
+    return dict(_engine.comm_config())
+
+
+def init_tiacc_training(
+    *,
+    backend: str | None = None,
+    fusion_threshold: int | None = None,
+    num_streams: int | None = None,
+    timeout: float | None = None,
+    enable: bool | None = None,
+) -> None:
+    """Initialise distributed training and route DDP through the engine.
+
+    Safe to call more than once; later calls update the configuration used
+    by DDP models built afterwards. Works whether or not the script already
+    called ``torch.distributed.init_process_group``.
+
+    Args:
+        backend: process-group backend when this call creates the group
+            (default ``nccl`` when CUDA is available, else ``gloo``).
+        fusion_threshold: largest gradient bucket in bytes; overrides
+            ``TIACC_TRAINING_FUSION_THRESHOLD``.
+        num_streams: number of communication channels; overrides
+            ``TIACC_TRAINING_NUM_NCCL_STREAMS``.
+        timeout: seconds a collective may wait for a peer; overrides
+            ``TIACC_TRAINING_TIMEOUT``.
+        enable: ``False`` leaves DDP's communication native; overrides
+            ``TIACC_TRAINING_DISABLE``.
+
+    Raises:
+        ConfigError: an environment variable or the launcher's variables
+            are invalid.
+        ValueError: an argument is out of range.
+    """
+    config = _effective_config(fusion_threshold, num_streams, timeout, enable)
+    with _state.lock:
+        _state.config = config
+        if not dist.is_available():
+            raise RuntimeError("torch.distributed is not available in this PyTorch build")
+        if not dist.is_initialized():
+            _state.launch = _init_process_group(backend, config.timeout)
+        elif _state.launch is None:
+            _state.launch = _engine.launch_env()
+        local_rank = (_state.launch or {}).get("local_rank")
+        if torch.cuda.is_available() and local_rank is not None:
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        _patch_ddp()
+        _state.initialized = True
+        if not _state.logged and dist.get_rank() == 0:
+            _state.logged = True
+            _log_config(config)
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_tiacc_training` has run in this process."""
+    return _state.initialized
+
+
+def get_engine() -> Any:
+    """The connected engine of the default group.
+
+    Returns:
+        The engine, or ``None`` before the first DDP model was built (or when
+        the engine is disabled).
+    """
+    return _state.engine
+
+
+def shutdown() -> None:
+    """Stops the engine's channel threads (also run at interpreter exit)."""
+    engine, _state.engine = _state.engine, None
+    if engine is not None:
+        engine.shutdown()
+
+
+atexit.register(shutdown)
+
+
+def _effective_config(
+    fusion_threshold: int | None,
+    num_streams: int | None,
+    timeout: float | None,
+    enable: bool | None,
+) -> _Config:
+    env = _engine.comm_config()
+    if fusion_threshold is not None:
+        if isinstance(fusion_threshold, bool) or not isinstance(fusion_threshold, int):
+            raise TypeError(f"fusion_threshold must be an int (bytes), got {fusion_threshold!r}")
+        if fusion_threshold <= 0:
+            raise ValueError(f"fusion_threshold must be positive, got {fusion_threshold}")
+    if num_streams is not None:
+        _engine.check_num_streams(str(num_streams))
+    if timeout is not None and not (float(timeout) > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return _Config(
+        enabled=env["enabled"] if enable is None else bool(enable),
+        fusion_threshold=fusion_threshold or env["fusion_threshold"],
+        num_streams=int(num_streams) if num_streams is not None else env["num_streams"],
+        timeout=float(timeout) if timeout is not None else env["timeout"],
+        socket_addr=env["socket_addr"],
+    )
+
+
+def _init_process_group(backend: str | None, timeout: float) -> dict[str, Any]:
+    """Creates the default group from the launcher's environment."""
+    launch = _engine.launch_env()
+    if launch is None:
+        # A plain `python train.py`: a world of one.
+        launch = {
+            "launcher": "none",
+            "rank": 0,
+            "world_size": 1,
+            "local_rank": 0,
+            "local_size": 1,
+            "master_addr": None,
+            "master_port": None,
+        }
+    addr = launch["master_addr"]
+    if addr is None:
+        local_size = launch["local_size"]
+        if launch["world_size"] == 1 or local_size == launch["world_size"]:
+            addr = "127.0.0.1"
+        else:
+            raise ConfigError(
+                f"MASTER_ADDR is not set and the {launch['launcher']} job spans several "
+                "nodes: set it to rank 0's host (with mpirun: -x MASTER_ADDR=<host>)"
+            )
+    port = launch["master_port"]
+    if port is None:
+        port = _free_port() if launch["world_size"] == 1 else _DEFAULT_MASTER_PORT
+    launch = {**launch, "master_addr": addr, "master_port": port}
+    # Launchers other than torchrun leave these unset; code that reads them
+    # after init (user scripts, libraries) then finds the usual names.
+    os.environ.setdefault("RANK", str(launch["rank"]))
+    os.environ.setdefault("WORLD_SIZE", str(launch["world_size"]))
+    os.environ.setdefault("LOCAL_RANK", str(launch["local_rank"]))
+    if launch["local_size"] is not None:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(launch["local_size"]))
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    host = f"[{addr}]" if ":" in addr else addr
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{host}:{port}",
+        rank=launch["rank"],
+        world_size=launch["world_size"],
+        timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
+    )
+    return launch
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_config(config: _Config) -> None:
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    launcher = (_state.launch or {}).get("launcher", "user")
+    if config.enabled:
+        logger.info(
+            "DDP communication through the tiacc engine (tcp): world_size=%d launcher=%s "
+            "channels=%d fusion_threshold=%d bytes (bucket_cap_mb=%.2f) timeout=%gs",
+            dist.get_world_size(),
+            launcher,
+            config.num_streams,
+            config.fusion_threshold,
+            config.fusion_threshold / _MIB,
+            config.timeout,
+        )
+    else:
+        logger.info(
+            "tiacc engine disabled: DDP communicates natively (fusion_threshold=%d bytes)",
+            config.fusion_threshold,
+        )
+
+
+# ----------------------------------------------------------------------------
+# The DDP patch
+
+_original_init = DistributedDataParallel.__init__
+_original_register_comm_hook = DistributedDataParallel.register_comm_hook
+_original_register_builtin = DistributedDataParallel._register_builtin_comm_hook
+_init_signature = inspect.signature(_original_init)
+
+
+class _HookState:
+    """State of the engine's comm hook on one DDP model."""
+
+    def __init__(self, engine: Any, process_group: Any) -> None:
+        self.engine = engine
+        self.process_group = process_group
+        self.user_hook: Callable[..., torch.futures.Future] | None = None
+        self.user_state: Any = None
+
+
+def _patch_ddp() -> None:
+    if _state.patched:
+        return
+    DistributedDataParallel.__init__ = _patched_init  # type: ignore[method-assign]
+    DistributedDataParallel.register_comm_hook = _patched_register_comm_hook  # type: ignore[method-assign]
+    DistributedDataParallel._register_builtin_comm_hook = _patched_register_builtin  # type: ignore[method-assign]
+    _state.patched = True
+
+
+def _patched_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+    config = _state.config
+    if config is not None:
+        bound = _init_signature.bind(self, *args, **kwargs)
+        if "bucket_cap_mb" not in bound.arguments:
+            kwargs["bucket_cap_mb"] = config.fusion_threshold / _MIB
+    _original_init(self, *args, **kwargs)
+    if config is not None and config.enabled:
+        _attach(self, config)
+
+
+def _attach(ddp: DistributedDataParallel, config: _Config) -> None:
+    """Registers the engine's hook on a freshly built DDP model."""
+    group = ddp.process_group
+    if (
+        group is not None
+        and group != dist.group.WORLD
+        and (dist.get_world_size(group) != dist.get_world_size())
+    ):
+        logger.info("a DDP model on a sub-group communicates natively (the engine spans the world)")
+        return
+    if any(p.device.type != "cpu" for p in ddp.module.parameters()):
+        # CUDA buckets need the NCCL transport; until it lands they stay native.
+        logger.info("CUDA parameters: this model's gradients use native DDP communication")
+        return
+    engine = _world_engine(config)
+    state = _HookState(engine, group)
+    ddp._tiacc_hook_state = state  # type: ignore[attr-defined]
+    _original_register_comm_hook(ddp, state, _tiacc_comm_hook)
+
+
+def _world_engine(config: _Config) -> Any:
+    """The engine of the default group, connected on first use.
+
+    DDP construction is collective, so every rank reaches this point in the
+    same order and the rendezvous below pairs up.
+    """
+    engine = _state.engine
+    if engine is not None and engine.connected:
+        if engine.num_channels == config.num_streams and engine.timeout == config.timeout:
+            return engine
+        engine.shutdown()
+    _state.generation += 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = _engine.CommEngine(
+        rank, world, config.num_streams, config.timeout, _advertised_host(config)
+    )
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"tiacc_training/engine{_state.generation}"
+    store.set(f"{prefix}/addr/{rank}", engine.address)
+    if rank == 0:
+        store.set(f"{prefix}/token", _engine.random_token())
+    keys = [f"{prefix}/addr/{r}" for r in range(world)] + [f"{prefix}/token"]
+    store.wait(keys, datetime.timedelta(seconds=config.timeout))
+    addresses = [store.get(f"{prefix}/addr/{r}").decode() for r in range(world)]
+    engine.connect(
+        addresses, store.get(f"{prefix}/token"), _failure_board(store, f"{prefix}/first_failure")
+    )
+    _state.engine = engine
+    return engine
+
+
+def _failure_board(store: Any, key: str) -> Callable[[str], str | None]:
+    """The engine's failure hook, publishing the job's first failure.
+
+    Ranks that only saw a neighbour hang up then name the rank that failed.
+    """
+
+    def on_failure(message: str) -> str | None:
+        try:
+            first = store.compare_set(key, "", message)
+        except Exception:  # the store itself may be gone with rank 0
+            return None
+        return first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+
+    return on_failure
+
+
+def _advertised_host(config: _Config) -> str:
+    """The IP peers reach this rank on.
+
+    The configured one, else the local address that routes to the
+    rendezvous host.
+    """
+    if config.socket_addr:
+        return config.socket_addr
+    launch = _state.launch or {}
+    host, port = launch.get("master_addr"), launch.get("master_port")
+    if host is None:
+        store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if host is None:
+        return "127.0.0.1"
+    return _engine.local_addr_towards(host, int(port or _DEFAULT_MASTER_PORT))
+
+
+def _tiacc_comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP comm hook: hands the bucket to the engine, returns its future."""
+    if state.user_hook is not None:
+        return state.user_hook(state.user_state, bucket)
+    buf = bucket.buffer()
+    if buf.device.type != "cpu" or buf.dtype not in _SUPPORTED_DTYPES or not buf.is_contiguous():
+        return default_hooks.allreduce_hook(state.process_group, bucket)
+    future: torch.futures.Future = torch.futures.Future()
+    state.engine.allreduce_async(
+        buf,
+        buf.data_ptr(),
+        buf.numel() * buf.element_size(),
+        str(buf.dtype),
+        bucket.index(),
+        True,
+        future,
+    )
+    # DDP reads the future from C++, where a Python-level set_exception is
+    # just a value; unwrapping in a callback turns it into a real error, so
+    # backward raises with the engine's message.
+    return future.then(_unwrap)
+
+
+def _unwrap(future: torch.futures.Future) -> torch.Tensor:
+    return future.wait()
+
+
+# DDP checks a hook's annotations as objects; this module's postponed
+# (string) annotations would fail that check.
+_tiacc_comm_hook.__annotations__ = {
+    "state": _HookState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _patched_register_comm_hook(
+    self: DistributedDataParallel, state: object, hook: Callable[..., Any]
+) -> None:
+    hook_state = getattr(self, "_tiacc_hook_state", None)
+    if not isinstance(hook_state, _HookState):
+        _original_register_comm_hook(self, state, hook)
+        return
+    if hook_state.user_hook is not None:
+        raise RuntimeError(
+            "register_comm_hook or register_builtin_comm_hook can only be called once."
+        )
+    self._check_comm_hook(hook)
+    hook_state.user_hook, hook_state.user_state = hook, state
+    if self.logger is not None:
+        self.logger._set_comm_hook_name(hook.__qualname__)
+    self._comm_hooks.append((hook, state))
+    logger.info(
+        "user comm hook %s registered: the tiacc engine steps aside for this model",
+        getattr(hook, "__qualname__", hook),
+    )
+
+
+def _patched_register_builtin(self: DistributedDataParallel, comm_hook_type: Any) -> None:
+    if not isinstance(getattr(self, "_tiacc_hook_state", None), _HookState):
+        _original_register_builtin(self, comm_hook_type)
+        return
+    hooks = {
+        dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+        dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+    }
+    if comm_hook_type not in hooks:
+        raise ValueError(f"unknown built-in comm hook {comm_hook_type!r}")
+    _patched_register_comm_hook(self, self.process_group, hooks[comm_hook_type])
