@@ -83,6 +83,17 @@ def train(args: argparse.Namespace, mode: str) -> nn.Module:
     return model
 
 
+def check_dtypes(engine: object) -> None:
+    """Every dtype DDP may hand the engine sums exactly (small integers)."""
+    world = dist.get_world_size()
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.float32):
+        t = torch.full((1001,), float(dist.get_rank() + 1), dtype=dtype)
+        engine.allreduce(t.data_ptr(), t.numel() * t.element_size(), str(dtype), 7, False)
+        expected = world * (world + 1) / 2
+        assert torch.all(t == expected), (dtype, t[:4])
+    print("DTYPES_OK", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -104,6 +115,8 @@ def main() -> int:
             torch.save(state, args.out / f"{mode}_rank{dist.get_rank()}.pt")
         engine = tdist.get_engine()
         print(f"ENGINE_CHANNELS={engine.num_channels if engine else 0}", flush=True)
+        if engine is not None:
+            check_dtypes(engine)
         dist.barrier()
         dist.destroy_process_group()
         return 0

@@ -35,6 +35,7 @@ def test_training_matches_native_ddp(tmp_path: Path, world: int, channels: int) 
     )
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     assert f"ENGINE_CHANNELS={channels}" in ranks[0].stdout
+    assert all("DTYPES_OK" in r.stdout for r in ranks), describe(ranks)
     assert_bitwise_identical_across_ranks(tmp_path, world)
     native, ours = load(tmp_path, "native", 0), load(tmp_path, "tiacc", 0)
     for name, value in native.items():
@@ -42,6 +43,48 @@ def test_training_matches_native_ddp(tmp_path: Path, world: int, channels: int) 
     # The two runs really trained (parameters moved from their start).
     torch.manual_seed(1234)
     assert not torch.equal(ours["0.weight"], torch.nn.Linear(32, 96).weight)
+
+
+def test_two_emulated_nodes_over_network_namespaces(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks in two network namespaces: ranks advertise their
+    node's address and the ring crosses a real (veth) link."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("needs root and iproute2 (ip, tc) for network namespaces")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from netns_cluster import cluster
+
+    port = free_port()
+    with cluster(rate_mbit=1000) as nodes:
+        procs = []
+        for rank in range(4):
+            node = nodes[rank // 2]
+            env = base_env(
+                {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": "4",
+                    "LOCAL_RANK": str(rank % 2),
+                    "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": nodes[0].address,
+                    "MASTER_PORT": str(port),
+                    "GLOO_SOCKET_IFNAME": node.veth,
+                    "TIACC_TRAINING_TIMEOUT": "60",
+                }
+            )
+            cmd = node.command(
+                [sys.executable, str(WORKER), "--out", str(tmp_path), "--steps", "5"]
+            )
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
+        outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err[-3000:]
+    assert_bitwise_identical_across_ranks(tmp_path, 4)
+    native, ours = load(tmp_path, "native", 0), load(tmp_path, "tiacc", 0)
+    for name, value in native.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_torchrun_launch(tmp_path: Path) -> None:
@@ -117,18 +160,13 @@ def test_a_killed_rank_makes_the_others_raise_naming_it(tmp_path: Path) -> None:
 
 
 def test_a_stopped_rank_times_out_naming_it(tmp_path: Path) -> None:
-    port_env = {"TIACC_TRAINING_TIMEOUT": "3"}
-    ranks = []
-    try:
-        ranks = run_ranks(
-            2,
-            ["--out", str(tmp_path), "--modes", "tiacc", "--fault", "stop", "--fault-rank", "1"],
-            env=port_env,
-            timeout=25,
-        )
-    finally:
-        pass
-    # Rank 1 stopped itself and was killed at the launcher's timeout.
+    # Rank 1 SIGSTOPs itself; the launcher kills it at its own timeout.
+    ranks = run_ranks(
+        2,
+        ["--out", str(tmp_path), "--modes", "tiacc", "--fault", "stop", "--fault-rank", "1"],
+        env={"TIACC_TRAINING_TIMEOUT": "3"},
+        timeout=25,
+    )
     assert ranks[0].returncode == 3, describe(ranks)
     assert "CommTimeoutError" in ranks[0].stdout + ranks[0].stderr, describe(ranks)
     assert "waiting for rank 1" in ranks[0].stdout, describe(ranks)
@@ -144,7 +182,9 @@ def test_mismatched_bucket_layouts_raise_instead_of_mixing_gradients(tmp_path: P
     )
     for r in ranks:
         assert r.returncode == 3, describe(ranks)
+        assert "WORKER_ERROR CommError" in r.stdout, describe(ranks)
         assert "ranks disagree on the next collective" in r.stdout, describe(ranks)
+        assert "rank 1 issued" in r.stdout, describe(ranks)
         assert r.seconds < 60, describe(ranks)
 
 
