@@ -58,7 +58,6 @@ impl Algorithm for Flat {
         dtype: DType,
         deadline: Deadline,
     ) -> Result<()> {
-        groups.world.agree(tag, deadline)?;
-        groups.world.allreduce(buf, dtype, deadline)
+        groups.world.allreduce_checked(tag, buf, dtype, deadline)
     }
 }

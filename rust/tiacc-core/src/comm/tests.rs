@@ -228,6 +228,39 @@ fn mismatched_collectives_raise_on_every_rank_naming_the_odd_rank() {
 }
 
 #[test]
+fn checked_allreduce_sums_and_catches_a_diverging_rank_without_an_extra_round() {
+    let tag = |bytes: u64| OpTag {
+        kind: OpKind::Allreduce,
+        seq: 1,
+        bucket: 4,
+        dtype: DType::F32.code(),
+        bytes,
+    };
+    let sums = on_every_rank(3, move |rank, ring| {
+        let mut buf = encode(DType::F32, &rank_values(rank, 100));
+        ring.allreduce_checked(&tag(400), &mut buf, DType::F32, deadline())
+            .unwrap();
+        decode(DType::F32, &buf)
+    });
+    assert!(sums.iter().all(|s| s == &sums[0]));
+
+    let errors = on_every_rank(3, move |rank, ring| {
+        let len = if rank == 1 { 90 } else { 100 };
+        let mut buf = encode(DType::F32, &rank_values(rank, len));
+        ring.allreduce_checked(&tag(len as u64 * 4), &mut buf, DType::F32, deadline())
+            .unwrap_err()
+            .to_string()
+    });
+    // Rank 2 reads rank 1's header and names it; the others fail because
+    // the ring was aborted.
+    assert!(errors[2].contains("rank 1 issued"), "{}", errors[2]);
+    assert!(errors[2].contains("360 bytes"), "{}", errors[2]);
+    for msg in &errors {
+        assert!(msg.contains("rank"), "{msg}");
+    }
+}
+
+#[test]
 fn a_silent_peer_times_out_naming_it() {
     let mut per_rank = rings(2, 1);
     let mut silent = per_rank.pop().unwrap();

@@ -130,6 +130,20 @@ pub trait Transport: Send {
     /// Sums `buf` over all ranks; every rank ends with bitwise-identical bytes.
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()>;
 
+    /// [`Transport::agree`] on `tag`, then [`Transport::allreduce`].
+    /// Transports that can check the tag on the way (TCP sends it ahead of
+    /// the data) override this to save the extra round.
+    fn allreduce_checked(
+        &mut self,
+        tag: &OpTag,
+        buf: &mut [u8],
+        dtype: DType,
+        deadline: Deadline,
+    ) -> Result<()> {
+        self.agree(tag, deadline)?;
+        self.allreduce(buf, dtype, deadline)
+    }
+
     /// Sums `buf` over all ranks into this rank's shard
     /// (`dtype::shard_range(len, size, rank)`); the rest of `buf` is scratch.
     fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()>;

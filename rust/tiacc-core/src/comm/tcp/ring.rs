@@ -135,16 +135,23 @@ impl TcpRing {
 
     /// Streams `steps` through the ring. `elem` is the element size used to
     /// reduce whole elements as they arrive.
+    ///
+    /// With `header`, each rank first sends its tag to the next rank, ahead
+    /// of its data on the same stream, and checks the previous rank's tag
+    /// before reading any data: the check costs no extra round trip. A
+    /// mismatch anywhere in the ring is seen by at least one rank, which
+    /// aborts, so every rank fails.
     fn run(
         &mut self,
         buf: &mut [u8],
         steps: &[Step],
         dtype: Option<DType>,
+        header: Option<&OpTag>,
         what: &str,
         deadline: Deadline,
     ) -> Result<()> {
         let n = steps.len();
-        if n == 0 {
+        if n == 0 && header.is_none() {
             return Ok(());
         }
         let ctx = self.ctx(what);
@@ -171,6 +178,11 @@ impl TcpRing {
         // bytes received, bytes committed (reduced or copied in place).
         let (mut s_step, mut s_off) = (0usize, 0usize);
         let (mut r_step, mut r_got, mut r_done) = (0usize, 0usize, 0usize);
+        // Header cursors: bytes of our tag sent, of the previous rank's read.
+        let hdr_len = header.map_or(0, |_| OpTag::LEN);
+        let send_hdr = header.map(OpTag::encode).unwrap_or([0u8; OpTag::LEN]);
+        let mut recv_hdr = [0u8; OpTag::LEN];
+        let (mut s_hdr, mut r_hdr) = (0usize, 0usize);
         loop {
             // Skip finished and empty steps.
             while s_step < n && s_off == steps[s_step].send.len() {
@@ -182,7 +194,7 @@ impl TcpRing {
                 r_got = 0;
                 r_done = 0;
             }
-            if s_step == n && r_step == n {
+            if s_step == n && r_step == n && s_hdr == hdr_len && r_hdr == hdr_len {
                 return Ok(());
             }
             // Step s may send what step s-1 has committed so far.
@@ -193,14 +205,24 @@ impl TcpRing {
             } else {
                 r_done
             };
-            let want_send = s_step < n && s_off < send_limit;
+            let want_send = s_hdr < hdr_len || (s_step < n && s_off < send_limit);
             // Step r may receive into the buffer only once every earlier
             // step's send is done, since later steps overwrite shards that
             // earlier steps sent.
-            let want_recv = r_step < n && s_step >= r_step;
+            let want_recv = r_hdr < hdr_len || (r_step < n && s_step >= r_step);
 
             let mut progressed = false;
-            if want_send {
+            if s_hdr < hdr_len {
+                match (&*next).write(&send_hdr[s_hdr..]) {
+                    Ok(0) => return Err(closed(&ctx, next_rank, "while sending")),
+                    Ok(k) => {
+                        s_hdr += k;
+                        progressed = true;
+                    }
+                    Err(e) if retryable(&e) => {}
+                    Err(e) => return Err(io_failure(&ctx, next_rank, "send to", &e)),
+                }
+            } else if want_send {
                 let range = &steps[s_step].send;
                 let chunk = &buf[range.start + s_off..range.start + send_limit];
                 match (&*next).write(chunk) {
@@ -215,7 +237,22 @@ impl TcpRing {
                     Err(e) => return Err(io_failure(&ctx, next_rank, "send to", &e)),
                 }
             }
-            if want_recv {
+            if r_hdr < hdr_len {
+                match (&*prev).read(&mut recv_hdr[r_hdr..]) {
+                    Ok(0) => return Err(closed(&ctx, prev_rank, "while receiving")),
+                    Ok(k) => {
+                        r_hdr += k;
+                        progressed = true;
+                        if r_hdr == hdr_len {
+                            if let Some(mine) = header {
+                                check_neighbour_tag(&ctx, mine, &recv_hdr, self.rank, prev_rank)?;
+                            }
+                        }
+                    }
+                    Err(e) if retryable(&e) => {}
+                    Err(e) => return Err(io_failure(&ctx, prev_rank, "receive from", &e)),
+                }
+            } else if want_recv {
                 let step = &steps[r_step];
                 let want = step.recv.len() - r_got;
                 let got = if step.reduce {
@@ -252,7 +289,9 @@ impl TcpRing {
             let waiting_on = if want_recv { prev_rank } else { next_rank };
             let remaining = deadline.remaining();
             if remaining.is_zero() {
-                let detail = if want_recv {
+                let detail = if r_hdr < hdr_len {
+                    format!("the header of rank {prev_rank}'s collective has not arrived")
+                } else if want_recv {
                     format!(
                         "received {r_got} of {} bytes of step {}/{n} from rank {prev_rank}",
                         steps[r_step].recv.len(),
@@ -277,6 +316,29 @@ impl TcpRing {
             .map_err(|e| io_failure(&ctx, waiting_on, "wait for", &e))?;
         }
     }
+}
+
+/// Compares the previous rank's tag with ours.
+fn check_neighbour_tag(
+    ctx: &str,
+    mine: &OpTag,
+    theirs: &[u8],
+    rank: usize,
+    prev: usize,
+) -> Result<()> {
+    let theirs = OpTag::decode(theirs);
+    if theirs == Some(*mine) {
+        return Ok(());
+    }
+    let what = theirs.map_or("an unreadable header".to_string(), |t| t.describe());
+    Err(Error::Comm {
+        peer: Some(prev),
+        message: format!(
+            "{ctx}: ranks disagree on the next collective (different bucket layouts or a \
+             different order of calls): rank {prev} issued {what}; rank {rank} issued {}",
+            mine.describe()
+        ),
+    })
 }
 
 fn retryable(e: &std::io::Error) -> bool {
@@ -364,6 +426,7 @@ impl Transport for TcpRing {
                 &mut all,
                 &steps,
                 None,
+                None,
                 "exchanging collective headers",
                 deadline,
             )?;
@@ -417,7 +480,25 @@ impl Transport for TcpRing {
             let elems = buf.len() / dtype.size();
             let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
             steps.extend(ring.allgather_steps(elems, dtype.size()));
-            ring.run(buf, &steps, Some(dtype), "allreduce", deadline)
+            ring.run(buf, &steps, Some(dtype), None, "allreduce", deadline)
+        })
+    }
+
+    fn allreduce_checked(
+        &mut self,
+        tag: &OpTag,
+        buf: &mut [u8],
+        dtype: DType,
+        deadline: Deadline,
+    ) -> Result<()> {
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.guarded(|ring| {
+            let elems = buf.len() / dtype.size();
+            let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
+            steps.extend(ring.allgather_steps(elems, dtype.size()));
+            ring.run(buf, &steps, Some(dtype), Some(tag), "allreduce", deadline)
         })
     }
 
@@ -427,7 +508,7 @@ impl Transport for TcpRing {
         }
         self.guarded(|ring| {
             let steps = ring.reduce_scatter_steps(buf.len() / dtype.size(), dtype.size());
-            ring.run(buf, &steps, Some(dtype), "reduce-scatter", deadline)
+            ring.run(buf, &steps, Some(dtype), None, "reduce-scatter", deadline)
         })
     }
 
@@ -437,7 +518,7 @@ impl Transport for TcpRing {
         }
         self.guarded(|ring| {
             let steps = ring.allgather_steps(buf.len() / elem_size.max(1), elem_size.max(1));
-            ring.run(buf, &steps, None, "allgather", deadline)
+            ring.run(buf, &steps, None, None, "allgather", deadline)
         })
     }
 
@@ -481,7 +562,7 @@ impl Transport for TcpRing {
                     },
                 ]
             };
-            ring.run(buf, &steps, None, "broadcast", deadline)
+            ring.run(buf, &steps, None, None, "broadcast", deadline)
         })
     }
 
@@ -494,7 +575,7 @@ impl Transport for TcpRing {
         let mut bytes = vec![1u8; self.size];
         self.guarded(|ring| {
             let steps = ring.allgather_steps(ring.size, 1);
-            ring.run(&mut bytes, &steps, None, "barrier", deadline)
+            ring.run(&mut bytes, &steps, None, None, "barrier", deadline)
         })
     }
 
