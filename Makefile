@@ -11,7 +11,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build demo test test-rust test-python bench lint fmt fuzz clean
+.PHONY: help setup build demo test test-rust test-python bench bench-ddp lint fmt fuzz clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -58,6 +58,9 @@ test-python: setup ## pytest
 bench: setup ## benchmarks (write benches/results/*.json)
 	$(PY) benches/bench_pack.py
 	$(PY) benches/bench_input.py
+
+bench-ddp: setup ## DDP step time on an emulated 2-node cluster, native vs tiacc (needs root)
+	$(PY) benches/bench_ddp.py
 
 lint: setup ## rustfmt, clippy -D warnings, ruff
 	cargo fmt --all --check

@@ -1,5 +1,6 @@
 """PyTorch integration of tiacc-training.
 
-``tiacc_training.torch.tiacc_torch_warp`` holds ``IndexTFRDataset`` (the
+``tiacc_training.torch.tiacc_torch_warp`` holds ``IndexTFRDataset`` and
+``tiacc_training.torch.distributed`` holds ``init_tiacc_training`` (the
 names follow the TI-ACC documents).
 """
