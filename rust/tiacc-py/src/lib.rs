@@ -30,5 +30,6 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<records::ShardedWriter>()?;
     m.add_class::<pack::ImagePacker>()?;
     m.add_class::<dataset::PackedDataset>()?;
+    m.add_class::<dataset::EncodedImages>()?;
     Ok(())
 }
