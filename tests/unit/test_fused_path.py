@@ -175,3 +175,22 @@ def test_fused_batches_through_dataloader_are_reproducible(packed):
     for (a, la), (b, lb) in zip(run(ds, 0), run(plain, 0)):
         assert torch.equal(la, lb)
         assert float((a - b).abs().mean()) < 0.05
+
+
+def test_images_read_once_render_as_render_batch(packed):
+    ds = IndexTFRDataset(str(packed.parent), str(packed), train_transform(32))
+    data, idx = ds._data, [4, 0, 6]
+    images = data.read_images(idx, 2)
+    assert len(images) == 3 and images.indices == idx
+    assert images.sizes == data.image_sizes(idx)
+    geometries = [((0, 0, 60, 50), (32, 32), (0, 0, 32, 32), k == 1) for k in range(3)]
+    a = np.zeros((3, 3, 32, 32), np.float32)
+    b = np.ones((3, 3, 32, 32), np.float32)
+    data.render_batch(idx, geometries, a, MEAN, STD)
+    data.render_images(images, geometries, b, MEAN, STD, threads=1)
+    assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="3 images but 2 geometries"):
+        data.render_images(images, geometries[:2], b)
+    other = IndexTFRDataset(str(packed.parent), str(packed), train_transform(32))
+    with pytest.raises(ValueError, match="another dataset"):
+        other._data.render_images(images, geometries, b)

@@ -9,10 +9,11 @@ A ``transforms.Compose`` qualifies when it is, in order:
 2. ``ToTensor`` or ``PILToTensor`` [+ ``ConvertImageDtype(torch.float32)``];
 3. optionally ``Normalize``.
 
-The random parameters are drawn with torchvision's own ``get_params`` and
-``torch.rand`` in the same order the transforms draw them, so the fused path
-consumes PyTorch's random stream exactly as the PIL path does: with the same
-seed both produce the same crops and flips. Only exact classes qualify (a
+The random parameters are drawn with the same torch random calls, in the same
+order, as ``RandomResizedCrop.get_params`` and ``RandomHorizontalFlip`` make
+(see ``_random_params``), so the fused path consumes PyTorch's random stream
+exactly as the PIL path does: with the same seed both produce the same crops
+and flips. Only exact classes qualify (a
 subclass may change behaviour); anything else runs the ordinary PIL path.
 """
 
@@ -24,6 +25,8 @@ from typing import Any, Optional, Union
 import torch
 import torchvision.transforms as T
 from torchvision.transforms import InterpolationMode
+
+from tiacc_training.torch._random_params import ResizedCropParams, flip_draw
 
 Geometry = tuple[tuple[int, int, int, int], tuple[int, int], tuple[int, int, int, int], bool]
 
@@ -84,6 +87,8 @@ class FusedPlan:
     std: Optional[tuple[float, float, float]]
     output_size: tuple[int, int]
     """(height, width) of every output."""
+    crop_params: Optional[ResizedCropParams] = None
+    """The crop draw of a ``"rrc"`` plan (its scale and ratio as planned)."""
 
     @classmethod
     def from_transform(cls, transform: Any) -> Optional[FusedPlan]:
@@ -136,14 +141,14 @@ class FusedPlan:
             std = tuple(float(v) for v in torch.as_tensor(norm.std).expand(3))
         if steps:
             return None
-        return cls(kind, first, center, flip_p, to_float, mean, std, out)
+        crop_params = ResizedCropParams(first.scale, first.ratio) if kind == "rrc" else None
+        return cls(kind, first, center, flip_p, to_float, mean, std, out, crop_params)
 
     def sample(self, width: int, height: int) -> Geometry:
         """Draws this image's parameters (torch's RNG, torchvision's order)."""
         step = self.geometry_step
-        if self.kind == "rrc":
-            stand_in = torch.empty(1, 1, 1).expand(3, height, width)
-            top, left, h, w = T.RandomResizedCrop.get_params(stand_in, step.scale, step.ratio)
+        if self.crop_params is not None:
+            top, left, h, w = self.crop_params(width, height)
             oh, ow = self.output_size
             crop, resize, window = (left, top, w, h), (ow, oh), (0, 0, ow, oh)
         else:
@@ -157,5 +162,5 @@ class FusedPlan:
                 window = (0, 0, rw, rh)
         flip = False
         if self.flip_p is not None:
-            flip = bool(torch.rand(1) < self.flip_p)
+            flip = flip_draw(self.flip_p)
         return crop, resize, window, flip

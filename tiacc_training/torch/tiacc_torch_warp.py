@@ -47,10 +47,11 @@ class IndexTFRDataset(torch.utils.data.Dataset):
     optionally ``RandomHorizontalFlip``, then ``ToTensor`` or ``PILToTensor``
     [+ ``ConvertImageDtype(float32)``] and optionally ``Normalize``, the whole
     chain runs in Rust in one pass per image: the random parameters are drawn
-    with torchvision's ``get_params`` from PyTorch's generator (same seed,
-    same crops and flips), the resize is Pillow's bilinear filter computed
-    identically, and JPEGs are decoded at 1/2, 1/4 or 1/8 scale when the crop
-    is shrunk at least that much. Any other transform runs the PIL path.
+    from PyTorch's generator with the same torch calls as torchvision's
+    ``get_params`` (same seed, same crops and flips), the resize is Pillow's
+    bilinear filter computed identically, and JPEGs are decoded at 1/2, 1/4
+    or 1/8 scale when the crop is shrunk at least that much. Each record is
+    read once. Any other transform runs the PIL path.
 
     Args:
         tfrecored_dir: Folder of the shards (the TI-ACC spelling; the
@@ -191,22 +192,24 @@ class IndexTFRDataset(torch.utils.data.Dataset):
     def _fused(self, idx: list[int], threads: int) -> list[tuple[Any, Any]]:
         plan = self._plan
         assert plan is not None
-        sizes = self._data.image_sizes(idx, threads)
-        geometries = [plan.sample(w, h) for w, h in sizes]
+        # One read per record: the sizes, to draw the parameters, come with
+        # the bytes that are then rendered.
+        images = self._data.read_images(idx, threads)
+        geometries = [plan.sample(w, h) for w, h in images.sizes]
         height, width = plan.output_size
         out = np.empty(
             (len(idx), 3, height, width), dtype=np.float32 if plan.to_float else np.uint8
         )
-        self._data.render_batch(
-            idx, geometries, out, plan.mean, plan.std, self.decode_downscale, threads
+        self._data.render_images(
+            images, geometries, out, plan.mean, plan.std, self.decode_downscale, threads
         )
-        images = torch.from_numpy(out)
+        batch = torch.from_numpy(out)
         items = []
         for k, i in enumerate(idx):
             target: Any = self.targets[i]
             if self.target_transform is not None:
                 target = self.target_transform(target)
-            items.append((images[k], target))
+            items.append((batch[k], target))
         return items
 
     def _threads(self) -> int:

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use rayon::prelude::*;
@@ -29,7 +30,12 @@ pub struct IndexedDataset {
     /// `(shard slot, offset)` per record, in index order.
     records: Vec<(u32, u64)>,
     labels: Vec<i64>,
+    /// Unique per opened dataset (see [`EncodedImages`]).
+    id: u64,
 }
+
+/// The next [`IndexedDataset`]'s id.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 impl IndexedDataset {
     /// Loads `index_path`, resolving shard names against `dir`.
@@ -66,6 +72,7 @@ impl IndexedDataset {
             shards,
             records,
             labels,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -161,12 +168,35 @@ impl IndexedDataset {
     /// `(width, height)` of each image of `indices`, from its header.
     pub fn image_sizes(&self, indices: &[usize], threads: usize) -> Result<Vec<(u32, u32)>> {
         map_batch(indices, threads, |i| {
+            self.image_size(i, &self.image_bytes(i)?)
+        })
+    }
+
+    /// `(width, height)` of record `index`'s image `data`, from its header.
+    fn image_size(&self, index: usize, data: &[u8]) -> Result<(u32, u32)> {
+        let info = probe_image(data, Path::new("")).map_err(|e| match e {
+            Error::BadImage { reason, .. } => self.image_error(index, reason),
+            other => other,
+        })?;
+        Ok((info.width, info.height))
+    }
+
+    /// Reads the encoded images of `indices` and their sizes (from the
+    /// headers) in parallel, for [`Self::render_images`]: the fused path
+    /// needs the sizes to draw each image's parameters, then the bytes, and
+    /// this way reads each record once.
+    pub fn read_images(&self, indices: &[usize], threads: usize) -> Result<EncodedImages> {
+        let read = map_batch(indices, threads, |i| {
             let data = self.image_bytes(i)?;
-            let info = probe_image(&data, Path::new("")).map_err(|e| match e {
-                Error::BadImage { reason, .. } => self.image_error(i, reason),
-                other => other,
-            })?;
-            Ok((info.width, info.height))
+            let size = self.image_size(i, &data)?;
+            Ok((data, size))
+        })?;
+        let (data, sizes) = read.into_iter().unzip();
+        Ok(EncodedImages {
+            dataset: self.id,
+            indices: indices.to_vec(),
+            data,
+            sizes,
         })
     }
 
@@ -182,25 +212,74 @@ impl IndexedDataset {
         out: BatchOut<'_>,
         threads: usize,
     ) -> Result<()> {
-        if indices.len() != geometries.len() || indices.is_empty() {
+        let job = RenderJob {
+            indices,
+            geometries,
+            downscale,
+            output,
+        };
+        self.render(&job, out, threads, |k| self.image_bytes(indices[k]))
+    }
+
+    /// [`Self::render_batch`] of images read by [`Self::read_images`] (of
+    /// this dataset), without reading them again.
+    pub fn render_images(
+        &self,
+        images: &EncodedImages,
+        geometries: &[Geometry],
+        downscale: bool,
+        output: Output,
+        out: BatchOut<'_>,
+        threads: usize,
+    ) -> Result<()> {
+        if images.dataset != self.id {
+            return Err(Error::InvalidArgument(
+                "these images were read from another dataset".into(),
+            ));
+        }
+        let job = RenderJob {
+            indices: &images.indices,
+            geometries,
+            downscale,
+            output,
+        };
+        self.render(&job, out, threads, |k| Ok(images.data[k].clone()))
+    }
+
+    /// Renders image `k` of `job` (its bytes from `data(k)`) into slot `k`
+    /// of `out`, in parallel (in this thread when `threads` is 1).
+    fn render(
+        &self,
+        job: &RenderJob<'_>,
+        out: BatchOut<'_>,
+        threads: usize,
+        data: impl Fn(usize) -> Result<Bytes> + Sync,
+    ) -> Result<()> {
+        let n = job.indices.len();
+        if n != job.geometries.len() || n == 0 {
             return Err(Error::InvalidArgument(format!(
-                "{} indices but {} geometries",
-                indices.len(),
-                geometries.len()
+                "{n} indices but {} geometries",
+                job.geometries.len()
             )));
         }
-        let one = |i: usize, g: &Geometry, slot: OutputSlice<'_>| -> Result<()> {
-            let data = self.image_bytes(i)?;
-            render(&data, g, downscale, output, slot).map_err(|reason| self.image_error(i, reason))
+        let one = |k: usize, slot: OutputSlice<'_>| -> Result<()> {
+            let i = job.indices[k];
+            render(
+                &data(k)?,
+                &job.geometries[k],
+                job.downscale,
+                job.output,
+                slot,
+            )
+            .map_err(|reason| self.image_error(i, reason))
         };
         let run = || match out {
-            BatchOut::Uint8(buf) => {
-                for_each_slot(buf, indices, geometries, |s| OutputSlice::Uint8(s), one)
-            }
-            BatchOut::Float(buf) => {
-                for_each_slot(buf, indices, geometries, |s| OutputSlice::Float(s), one)
-            }
+            BatchOut::Uint8(buf) => for_each_slot(buf, n, threads, |s| OutputSlice::Uint8(s), one),
+            BatchOut::Float(buf) => for_each_slot(buf, n, threads, |s| OutputSlice::Float(s), one),
         };
+        if threads == 1 {
+            return run();
+        }
         pool::pool(threads)?.install(run)
     }
 
@@ -223,24 +302,58 @@ fn map_batch<T: Send>(
     pool::pool(threads)?.install(|| indices.par_iter().map(|&i| f(i)).collect())
 }
 
-/// Splits `buf` into one equal slot per index and renders each in parallel.
+/// Splits `buf` into `n` equal slots and renders slot `k` with `one(k, _)`,
+/// in parallel unless `threads` is 1.
 fn for_each_slot<T: Send>(
     buf: &mut [T],
-    indices: &[usize],
-    geometries: &[Geometry],
+    n: usize,
+    threads: usize,
     slot: for<'a> fn(&'a mut [T]) -> OutputSlice<'a>,
-    one: impl Fn(usize, &Geometry, OutputSlice<'_>) -> Result<()> + Sync,
+    one: impl Fn(usize, OutputSlice<'_>) -> Result<()> + Sync,
 ) -> Result<()> {
-    let n = indices.len();
     if buf.len() % n != 0 {
         return Err(Error::InvalidArgument(format!(
             "a batch buffer of {} values does not split into {n} equal slots",
             buf.len()
         )));
     }
-    buf.par_chunks_mut(buf.len() / n)
-        .zip(indices.par_iter().zip(geometries))
-        .try_for_each(|(s, (&i, g))| one(i, g, slot(s)))
+    let size = buf.len() / n;
+    if threads == 1 || size == 0 {
+        return (0..n).try_for_each(|k| one(k, slot(&mut buf[k * size..(k + 1) * size])));
+    }
+    buf.par_chunks_mut(size)
+        .enumerate()
+        .try_for_each(|(k, s)| one(k, slot(s)))
+}
+
+/// What [`IndexedDataset::render`] renders: image `k` is record
+/// `indices[k]` through `geometries[k]`.
+struct RenderJob<'a> {
+    indices: &'a [usize],
+    geometries: &'a [Geometry],
+    downscale: bool,
+    output: Output,
+}
+
+/// Encoded images read by [`IndexedDataset::read_images`], with their sizes.
+pub struct EncodedImages {
+    /// The id of the dataset that read them.
+    dataset: u64,
+    indices: Vec<usize>,
+    data: Vec<Bytes>,
+    sizes: Vec<(u32, u32)>,
+}
+
+impl EncodedImages {
+    /// The record numbers, in order.
+    pub fn indices(&self) -> &[usize] {
+        &self.indices
+    }
+
+    /// `(width, height)` of each image, in order.
+    pub fn sizes(&self) -> &[(u32, u32)] {
+        &self.sizes
+    }
 }
 
 /// A whole batch's output buffer (`N` equal slots).
@@ -334,5 +447,62 @@ mod tests {
             msg.contains("ds.index:4:") && msg.contains("ds-00001.tfrecord"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn images_read_once_render_like_a_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let ds = dataset(dir.path());
+        let indices = [3, 0, 6];
+        let images = ds.read_images(&indices, 2).unwrap();
+        assert_eq!(images.indices(), &indices);
+        assert_eq!(images.sizes(), &[(5, 4); 3]);
+        assert_eq!(ds.image_sizes(&indices, 1).unwrap(), images.sizes());
+        let g = Geometry {
+            crop: (1, 0, 4, 4),
+            resize: (3, 2),
+            window: (0, 0, 3, 2),
+            flip: true,
+        };
+        let geometries = [g; 3];
+        for threads in [1, 2] {
+            let mut a = vec![0u8; 3 * 18];
+            let mut b = vec![1u8; 3 * 18];
+            ds.render_batch(
+                &indices,
+                &geometries,
+                true,
+                Output::Uint8,
+                BatchOut::Uint8(&mut a),
+                threads,
+            )
+            .unwrap();
+            ds.render_images(
+                &images,
+                &geometries,
+                true,
+                Output::Uint8,
+                BatchOut::Uint8(&mut b),
+                threads,
+            )
+            .unwrap();
+            assert_eq!(a, b);
+            assert_eq!(a[36], 6); // red of image 6 (its seed)
+        }
+        let other = IndexedDataset::open(dir.path(), &dir.path().join("ds.index")).unwrap();
+        let mut buf = vec![0u8; 3 * 18];
+        let err = other
+            .render_images(
+                &images,
+                &geometries,
+                true,
+                Output::Uint8,
+                BatchOut::Uint8(&mut buf),
+                1,
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        let msg = ds.read_images(&[0, 7], 1).err().unwrap().to_string();
+        assert!(msg.contains("(dataset index 7)"), "{msg}");
     }
 }

@@ -31,6 +31,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<records::ShardedWriter>()?;
     m.add_class::<pack::ImagePacker>()?;
     m.add_class::<dataset::PackedDataset>()?;
+    m.add_class::<dataset::EncodedImages>()?;
     m.add_function(wrap_pyfunction!(comm::comm_config, m)?)?;
     m.add_function(wrap_pyfunction!(comm::launch_env, m)?)?;
     m.add_function(wrap_pyfunction!(comm::check_num_streams, m)?)?;

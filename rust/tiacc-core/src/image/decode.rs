@@ -9,7 +9,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use super::jpeg::{with_decoder, JpegDecoder, JpegHeader};
+use super::jpeg::{with_decoder, JpegDecoder, JpegHeader, Layout};
 use super::probe::jpeg_has_adobe_marker;
 
 /// Row-major interleaved RGB pixels.
@@ -58,7 +58,9 @@ pub fn decode_jpeg_region(
         return Err(format!("unsupported JPEG scale 1/{denom}"));
     }
     let mut pixels = Vec::new();
-    dec.decode(data, header, denom, region, &mut pixels)?;
+    dec.decode(data, header, denom, region, Layout::Rgb, &mut pixels)?;
+    let channels = if header.cmyk { 4 } else { 3 };
+    pixels.truncate(region.2 * region.3 * channels);
     if header.cmyk {
         pixels = cmyk_to_rgb(&pixels, jpeg_has_adobe_marker(data));
     }
@@ -69,22 +71,58 @@ pub fn decode_jpeg_region(
     })
 }
 
+/// Like [`decode_jpeg_region`], but into the first `w * h * 4` bytes of
+/// `out` (reused, see [`JpegDecoder::decode`]), 4 bytes per pixel: R, G, B
+/// and an unused fourth byte.
+pub fn decode_jpeg_region_rgbx(
+    dec: &mut JpegDecoder,
+    data: &[u8],
+    header: &JpegHeader,
+    denom: usize,
+    region: (usize, usize, usize, usize),
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    if !matches!(denom, 1 | 2 | 4 | 8) {
+        return Err(format!("unsupported JPEG scale 1/{denom}"));
+    }
+    dec.decode(data, header, denom, region, Layout::Rgbx, out)?;
+    if header.cmyk {
+        // CMYK and RGBX are both 4 bytes per pixel: convert in place.
+        let inverted = jpeg_has_adobe_marker(data);
+        for px in out[..region.2 * region.3 * 4].chunks_exact_mut(4) {
+            let [c, m, y, k] = [px[0], px[1], px[2], px[3]];
+            let rgb = cmyk_pixel_to_rgb([c, m, y, k], inverted);
+            px[..3].copy_from_slice(&rgb);
+        }
+    }
+    Ok(())
+}
+
+/// Interleaved RGB to RGBX (4 bytes per pixel) into `out` (reused).
+pub fn rgb_to_rgbx(rgb: &[u8], out: &mut Vec<u8>) {
+    out.clear();
+    out.extend(rgb.chunks_exact(3).flat_map(|p| [p[0], p[1], p[2], 0xFF]));
+}
+
 /// PIL's CMYK -> RGB: `channel = (255 - k) - (value * (255 - k)) / 255`
 /// with its rounding division; Adobe CMYK is stored inverted.
 fn cmyk_to_rgb(cmyk: &[u8], inverted: bool) -> Vec<u8> {
+    let mut rgb = Vec::with_capacity(cmyk.len() / 4 * 3);
+    for px in cmyk.chunks_exact(4) {
+        rgb.extend(cmyk_pixel_to_rgb([px[0], px[1], px[2], px[3]], inverted));
+    }
+    rgb
+}
+
+/// One pixel of [`cmyk_to_rgb`].
+fn cmyk_pixel_to_rgb(px: [u8; 4], inverted: bool) -> [u8; 3] {
     let muldiv255 = |a: u32, b: u32| {
         let t = a * b + 128;
         ((t >> 8) + t) >> 8
     };
-    let mut rgb = Vec::with_capacity(cmyk.len() / 4 * 3);
-    for px in cmyk.chunks_exact(4) {
-        let v = |i: usize| u32::from(if inverted { 255 - px[i] } else { px[i] });
-        let nk = 255 - v(3);
-        for c in 0..3 {
-            rgb.push((nk - muldiv255(v(c), nk)) as u8);
-        }
-    }
-    rgb
+    let v = |i: usize| u32::from(if inverted { 255 - px[i] } else { px[i] });
+    let nk = 255 - v(3);
+    [0, 1, 2].map(|c| (nk - muldiv255(v(c), nk)) as u8)
 }
 
 fn decode_other(data: &[u8]) -> Result<RgbImage, String> {

@@ -9,9 +9,11 @@
 //! (a center crop; zeros where it reaches past the image, as torchvision
 //! pads), and mirror it.
 
-use super::decode::{decode_jpeg_region, decode_rgb_scaled, is_jpeg, RgbImage};
+use std::cell::RefCell;
+
+use super::decode::{decode_jpeg_region_rgbx, decode_rgb_scaled, is_jpeg, rgb_to_rgbx};
 use super::jpeg::with_decoder;
-use super::resample::{resample, RgbView};
+use super::resample::{self, resample, Request, RgbxView, SOURCE_BPP};
 
 /// Where the output pixels come from, in the coordinates of each step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,35 +63,98 @@ pub fn render(
     output: Output,
     out: OutputSlice<'_>,
 ) -> Result<(), String> {
-    let denom = if downscale && is_jpeg(data) {
-        choose_denominator(g)
-    } else {
-        1
-    };
-    if is_jpeg(data) {
-        with_decoder(|dec| {
-            let header = dec.read_header(data)?;
-            let (sw, sh) = (header.width.div_ceil(denom), header.height.div_ceil(denom));
-            let crop = CropInDecoded::new(g, denom, sw, sh)?;
-            // Decode only the rows and columns the crop needs, plus a margin:
-            // smooth chroma upsampling reads one sample beyond each edge, so
-            // without it the border pixels of a region differ from a full
-            // decode. The left edge is rounded down to an iMCU boundary, as
-            // libjpeg-turbo requires.
-            let mcu = header.scaled_mcu_width(denom);
-            let x0 = crop.ix0.saturating_sub(REGION_MARGIN);
-            let x0 = x0 - x0 % mcu;
-            let y0 = crop.iy0.saturating_sub(REGION_MARGIN);
-            let x1 = (crop.ix1 + REGION_MARGIN).min(sw);
-            let y1 = (crop.iy1 + REGION_MARGIN).min(sh);
-            let img = decode_jpeg_region(dec, data, &header, denom, (x0, y0, x1 - x0, y1 - y0))?;
-            finish(&img, x0, y0, &crop, g, output, out)
-        })
-    } else {
-        let img = decode_rgb_scaled(data, 1)?;
-        let crop = CropInDecoded::new(g, 1, img.width, img.height)?;
-        finish(&img, 0, 0, &crop, g, output, out)
+    let (_, _, ww, wh) = g.window;
+    let want = (ww as usize)
+        .checked_mul(wh as usize)
+        .and_then(|n| n.checked_mul(3));
+    if want != Some(out.len()) {
+        return Err(format!(
+            "output slot holds {} values, not 3x{wh}x{ww}",
+            out.len()
+        ));
     }
+    with_scratch(|scratch| {
+        let Scratch { pixels, resample } = scratch;
+        if is_jpeg(data) {
+            let denom = if downscale { choose_denominator(g) } else { 1 };
+            with_decoder(|dec| {
+                let header = dec.read_header(data)?;
+                let (sw, sh) = (header.width.div_ceil(denom), header.height.div_ceil(denom));
+                let crop = CropInDecoded::new(g, denom, sw, sh)?;
+                // Decode only the rows and columns the crop needs, plus a
+                // margin: smooth chroma upsampling reads one sample beyond
+                // each edge, so without it the border pixels of a region
+                // differ from a full decode. The left edge is rounded down to
+                // an iMCU boundary, as libjpeg-turbo requires.
+                let mcu = header.scaled_mcu_width(denom);
+                let x0 = crop.ix0.saturating_sub(REGION_MARGIN);
+                let x0 = x0 - x0 % mcu;
+                let y0 = crop.iy0.saturating_sub(REGION_MARGIN);
+                let x1 = (crop.ix1 + REGION_MARGIN).min(sw);
+                let y1 = (crop.iy1 + REGION_MARGIN).min(sh);
+                let region = (x0, y0, x1 - x0, y1 - y0);
+                decode_jpeg_region_rgbx(dec, data, &header, denom, region, pixels)?;
+                let img = Decoded {
+                    pixels,
+                    width: x1 - x0,
+                    x: x0,
+                    y: y0,
+                };
+                finish(img, &crop, g, output, out, resample)
+            })
+        } else {
+            let img = decode_rgb_scaled(data, 1)?;
+            rgb_to_rgbx(&img.pixels, pixels);
+            let crop = CropInDecoded::new(g, 1, img.width, img.height)?;
+            let img = Decoded {
+                pixels,
+                width: img.width,
+                x: 0,
+                y: 0,
+            };
+            finish(img, &crop, g, output, out, resample)
+        }
+    })
+}
+
+/// Buffers one thread reuses from image to image.
+#[derive(Default)]
+struct Scratch {
+    /// Decoded pixels, 4 bytes each.
+    pixels: Vec<u8>,
+    resample: resample::Scratch,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+/// A thread keeps at most this much scratch memory between images: a huge
+/// image's buffers are freed after use.
+const KEEP_SCRATCH_BYTES: usize = 64 << 20;
+
+/// Runs `f` with this thread's scratch buffers.
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => {
+            let result = f(&mut scratch);
+            if scratch.pixels.capacity() + scratch.resample.capacity_bytes() > KEEP_SCRATCH_BYTES {
+                *scratch = Scratch::default();
+            }
+            result
+        }
+        // Only reachable by re-entering from inside `f`: use fresh buffers.
+        Err(_) => f(&mut Scratch::default()),
+    })
+}
+
+/// Decoded pixels ([`SOURCE_BPP`] bytes each), `width` wide, whose pixel
+/// (0, 0) is pixel `(x, y)` of the (scaled) image.
+struct Decoded<'a> {
+    pixels: &'a [u8],
+    width: usize,
+    x: usize,
+    y: usize,
 }
 
 /// Decoded pixels kept around a JPEG region so that its pixels equal those
@@ -111,7 +176,10 @@ impl CropInDecoded {
         let (cl, ct, cw, ch) = g.crop;
         let d = denom as f64;
         let (x0, y0) = (f64::from(cl) / d, f64::from(ct) / d);
-        let (x1, y1) = (f64::from(cl + cw) / d, f64::from(ct + ch) / d);
+        let (x1, y1) = (
+            (f64::from(cl) + f64::from(cw)) / d,
+            (f64::from(ct) + f64::from(ch)) / d,
+        );
         if cw == 0 || ch == 0 || x1 > width as f64 || y1 > height as f64 {
             return Err(format!(
                 "crop {cw}x{ch}+{cl}+{ct} does not fit the image (decoded at 1/{denom}: {width}x{height})"
@@ -127,23 +195,22 @@ impl CropInDecoded {
     }
 }
 
-/// Resamples the crop out of `img` (whose pixel (0, 0) is decoded pixel
-/// `(img_x, img_y)`) and writes the output slot.
+/// Resamples the crop out of `img` and writes the output slot (whose size
+/// the caller checked).
 fn finish(
-    img: &RgbImage,
-    img_x: usize,
-    img_y: usize,
+    img: Decoded<'_>,
     crop: &CropInDecoded,
     g: &Geometry,
     output: Output,
     out: OutputSlice<'_>,
+    scratch: &mut resample::Scratch,
 ) -> Result<(), String> {
     // View exactly the covering region so that the filter stays inside the
     // crop, as it does when torchvision crops before resizing.
-    let (vx, vy) = (crop.ix0 - img_x, crop.iy0 - img_y);
-    let stride = img.width * 3;
-    let view = RgbView {
-        pixels: &img.pixels[vy * stride + vx * 3..],
+    let (vx, vy) = (crop.ix0 - img.x, crop.iy0 - img.y);
+    let stride = img.width * SOURCE_BPP;
+    let view = RgbxView {
+        pixels: &img.pixels[vy * stride + vx * SOURCE_BPP..],
         width: crop.ix1 - crop.ix0,
         height: crop.iy1 - crop.iy0,
         stride,
@@ -155,79 +222,88 @@ fn finish(
     let (rw, rh) = (g.resize.0 as usize, g.resize.1 as usize);
     let (wl, wt, ww, wh) = g.window;
     let (ww, wh) = (ww as usize, wh as usize);
+    let plane = ww * wh;
     // The part of the window inside the resampled image.
-    let cols = (wl.max(0) as usize).min(rw)..((wl + ww as i64).clamp(0, rw as i64) as usize);
-    let rows = (wt.max(0) as usize).min(rh)..((wt + wh as i64).clamp(0, rh as i64) as usize);
-    let pixels = resample(view, box_, rw, rh, cols.clone(), rows.clone());
+    let inside = |start: i64, len: usize, size: usize| {
+        let lo = start.clamp(0, size as i64) as usize;
+        let hi = start.saturating_add(len as i64).clamp(0, size as i64) as usize;
+        lo..hi.max(lo)
+    };
+    let cols = inside(wl, ww, rw);
+    let rows = inside(wt, wh, rh);
+    if plane == 0 {
+        return Ok(());
+    }
+    if cols.is_empty() || rows.is_empty() {
+        // Nothing of the image shows: all padding.
+        match out {
+            OutputSlice::Uint8(out) => out.fill(0),
+            OutputSlice::Float(out) => {
+                let table = float_table(output)?;
+                for (c, channel) in out.chunks_exact_mut(plane).enumerate() {
+                    channel.fill(table[c][0]);
+                }
+            }
+        }
+        return Ok(());
+    }
+    let covered = cols.len() == ww && rows.len() == wh;
+    // Where the first value of each resampled row goes in its output row
+    // (rows arrive mirrored when flipping).
     let (ox, oy) = (
         (cols.start as i64 - wl) as usize,
         (rows.start as i64 - wt) as usize,
     );
-    let plane = ww * wh;
-    if out.len() != 3 * plane {
-        return Err(format!(
-            "output slot holds {} values, not 3x{wh}x{ww}",
-            out.len()
-        ));
-    }
-    let ncols = cols.len();
+    let x_start = if g.flip { ww - ox - cols.len() } else { ox };
+    let req = Request {
+        box_,
+        out_w: rw,
+        out_h: rh,
+        cols,
+        rows,
+        flip: g.flip,
+    };
+    let at = move |c: usize, r: usize| c * plane + (oy + r) * ww + x_start;
     match out {
         OutputSlice::Uint8(out) => {
-            out.fill(0);
-            write_planes(&pixels, ncols, ox, oy, ww, g.flip, plane, |i, _, v| {
-                out[i] = v
+            if !covered {
+                out.fill(0); // padding is a zero pixel
+            }
+            resample(view, &req, scratch, |c, r, values| {
+                out[at(c, r)..][..values.len()].copy_from_slice(values);
             });
         }
         OutputSlice::Float(out) => {
-            let Output::Float { mean, std } = output else {
-                return Err("a float output slot needs Output::Float".into());
-            };
-            // Every 8-bit value's output per channel, computed as ToTensor and
-            // Normalize compute it: (v / 255 - mean) / std in float32.
-            let mut table = [[0f32; 256]; 3];
-            for (c, t) in table.iter_mut().enumerate() {
-                for (v, slot) in t.iter_mut().enumerate() {
-                    *slot = (v as f32 / 255.0 - mean[c]) / std[c];
+            let table = float_table(output)?;
+            if !covered {
+                for (c, channel) in out.chunks_exact_mut(plane).enumerate() {
+                    channel.fill(table[c][0]); // padding is a zero pixel
                 }
             }
-            for c in 0..3 {
-                // Padding is a zero pixel.
-                out[c * plane..(c + 1) * plane].fill(table[c][0]);
-            }
-            write_planes(&pixels, ncols, ox, oy, ww, g.flip, plane, |i, c, v| {
-                out[i] = table[c][usize::from(v)];
+            resample(view, &req, scratch, |c, r, values| {
+                let t = &table[c];
+                for (o, &v) in out[at(c, r)..][..values.len()].iter_mut().zip(values) {
+                    *o = t[usize::from(v)];
+                }
             });
         }
     }
     Ok(())
 }
 
-/// Scatters interleaved `pixels` (`ncols` wide) into CHW planes at
-/// `(ox, oy)` of a `ww`-wide window, mirrored if `flip`.
-#[allow(clippy::too_many_arguments)]
-fn write_planes(
-    pixels: &[u8],
-    ncols: usize,
-    ox: usize,
-    oy: usize,
-    ww: usize,
-    flip: bool,
-    plane: usize,
-    mut put: impl FnMut(usize, usize, u8),
-) {
-    if ncols == 0 {
-        return;
-    }
-    for (r, row) in pixels.chunks_exact(ncols * 3).enumerate() {
-        let y = oy + r;
-        for (cidx, px) in row.chunks_exact(3).enumerate() {
-            let x = ox + cidx;
-            let x = if flip { ww - 1 - x } else { x };
-            for (c, &v) in px.iter().enumerate() {
-                put(c * plane + y * ww + x, c, v);
-            }
+/// Every 8-bit value's output per channel, computed as `ToTensor` and
+/// `Normalize` compute it: `(v / 255 - mean) / std` in float32.
+fn float_table(output: Output) -> Result<[[f32; 256]; 3], String> {
+    let Output::Float { mean, std } = output else {
+        return Err("a float output slot needs Output::Float".into());
+    };
+    let mut table = [[0f32; 256]; 3];
+    for (c, t) in table.iter_mut().enumerate() {
+        for (v, slot) in t.iter_mut().enumerate() {
+            *slot = (v as f32 / 255.0 - mean[c]) / std[c];
         }
     }
+    Ok(table)
 }
 
 /// A batch slot to write one image into.

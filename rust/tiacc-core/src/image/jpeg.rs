@@ -41,6 +41,15 @@ impl JpegHeader {
     }
 }
 
+/// The pixel layout of a decode (CMYK images always decode to CMYK).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// 3 bytes per pixel.
+    Rgb,
+    /// 4 bytes per pixel, the fourth unused: what the resampler reads.
+    Rgbx,
+}
+
 /// An owned TurboJPEG decompressor handle.
 pub struct JpegDecoder {
     handle: NonNull<std::ffi::c_void>,
@@ -114,14 +123,17 @@ impl JpegDecoder {
 
     /// Decodes `data` (whose header was just read into `header`) at
     /// `1/denom` scale, only the region `(x, y, w, h)` of the scaled image
-    /// (`x` a multiple of [`JpegHeader::scaled_mcu_width`]), into `out`
-    /// (resized to `w * h * channels`, 3 for RGB, 4 for CMYK).
+    /// (`x` a multiple of [`JpegHeader::scaled_mcu_width`]), into the first
+    /// `w * h * channels` bytes of `out` (3 channels for [`Layout::Rgb`], 4
+    /// for [`Layout::Rgbx`] and for CMYK), which is grown to hold them but
+    /// never shrunk.
     pub fn decode(
         &mut self,
         data: &[u8],
         header: &JpegHeader,
         denom: usize,
         region: (usize, usize, usize, usize),
+        layout: Layout,
         out: &mut Vec<u8>,
     ) -> Result<(), String> {
         let (x, y, w, h) = region;
@@ -136,10 +148,10 @@ impl JpegDecoder {
                 "invalid JPEG region {w}x{h}+{x}+{y} of a {sw}x{sh} image at scale 1/{denom}"
             ));
         }
-        let (format, channels) = if header.cmyk {
-            (tj::TJPF_TJPF_CMYK, 4)
-        } else {
-            (tj::TJPF_TJPF_RGB, 3)
+        let (format, channels) = match (header.cmyk, layout) {
+            (true, _) => (tj::TJPF_TJPF_CMYK, 4),
+            (false, Layout::Rgb) => (tj::TJPF_TJPF_RGB, 3),
+            (false, Layout::Rgbx) => (tj::TJPF_TJPF_RGBX, 4),
         };
         let int = |v: usize| i32::try_from(v).map_err(|_| format!("JPEG dimension {v} too large"));
         let scaling = tj::tjscalingfactor {
@@ -163,10 +175,15 @@ impl JpegDecoder {
                 h: int(h)?,
             }
         };
-        out.resize(w * h * channels, 0);
+        // Callers reuse `out` across images: keeping its length saves
+        // zero-filling its tail again whenever the next image is larger.
+        let len = w * h * channels;
+        if out.len() < len {
+            out.resize(len, 0);
+        }
         let pitch = int(w * channels)?;
         // SAFETY: the handle is valid and its header was read from `data`
-        // (checked region against it above). `out` holds exactly
+        // (checked region against it above). `out` holds at least
         // `pitch * h` bytes, the size TurboJPEG writes for a `w x h` region
         // of this pixel format; `data` is only read during the call.
         let rc = unsafe {
@@ -239,23 +256,23 @@ mod tests {
             assert_eq!((header.width, header.height), (96, 80));
             let mcu = header.scaled_mcu_width(1);
             let mut full = Vec::new();
-            d.decode(&data, &header, 1, (0, 0, 96, 80), &mut full)?;
+            d.decode(&data, &header, 1, (0, 0, 96, 80), Layout::Rgb, &mut full)?;
             let mut part = Vec::new();
             let (x, y, w, h) = (mcu * 2, 13, 40, 30);
-            d.decode(&data, &header, 1, (x, y, w, h), &mut part)?;
+            d.decode(&data, &header, 1, (x, y, w, h), Layout::Rgb, &mut part)?;
             for row in 0..h {
                 let a = &part[row * w * 3..(row + 1) * w * 3];
                 let start = ((y + row) * 96 + x) * 3;
                 assert_eq!(a, &full[start..start + w * 3], "row {row}");
             }
             let mut half = Vec::new();
-            d.decode(&data, &header, 2, (0, 0, 48, 40), &mut half)?;
+            d.decode(&data, &header, 2, (0, 0, 48, 40), Layout::Rgb, &mut half)?;
             assert_eq!(half.len(), 48 * 40 * 3);
             assert!(d
-                .decode(&data, &header, 1, (3, 0, 8, 8), &mut part)
+                .decode(&data, &header, 1, (3, 0, 8, 8), Layout::Rgb, &mut part)
                 .is_err());
             assert!(d
-                .decode(&data, &header, 1, (0, 0, 97, 8), &mut part)
+                .decode(&data, &header, 1, (0, 0, 97, 8), Layout::Rgb, &mut part)
                 .is_err());
             Ok(())
         })
