@@ -92,6 +92,9 @@ pub struct Engine {
     size: usize,
     timeout: Duration,
     channels: Vec<Channel>,
+    /// The process that started the channel threads: a forked child (a
+    /// DataLoader worker) has a copy of this struct but not the threads.
+    owner_pid: u32,
 }
 
 impl Engine {
@@ -140,6 +143,7 @@ impl Engine {
             size,
             timeout,
             channels,
+            owner_pid: std::process::id(),
         })
     }
 
@@ -165,8 +169,20 @@ impl Engine {
     }
 
     /// Queues `job` on its bucket's channel. The completion runs on the
-    /// channel thread, or here at once if the engine is shut down.
+    /// channel thread, or here at once if the engine is shut down (or this
+    /// is a forked child, which has no channel threads).
     pub fn submit(&self, job: Job) {
+        if std::process::id() != self.owner_pid {
+            (job.done)(Err(Error::Comm {
+                peer: None,
+                message: format!(
+                    "rank {}: the communication engine belongs to the parent process; a forked \
+                     child cannot use it",
+                    self.rank
+                ),
+            }));
+            return;
+        }
         let channel = self.channel_of(job.bucket);
         let queue = self.channels[channel].queue.as_ref();
         let rejected = match queue {
@@ -211,6 +227,13 @@ impl Engine {
     pub fn shutdown(&mut self) {
         for channel in &mut self.channels {
             channel.queue = None;
+        }
+        if std::process::id() != self.owner_pid {
+            // The threads live in the parent; there is nothing to join here.
+            for channel in &mut self.channels {
+                std::mem::forget(channel.thread.take());
+            }
+            return;
         }
         for channel in &mut self.channels {
             if let Some(thread) = channel.thread.take() {

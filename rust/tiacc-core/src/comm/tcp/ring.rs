@@ -113,7 +113,9 @@ impl TcpRing {
         }
     }
 
-    /// Runs `f`, breaking the ring if it fails.
+    /// Runs `f`; if it fails, the ring is marked unusable. The sockets stay
+    /// open until the owner calls [`Transport::abort`], so that the engine
+    /// can publish the failure before peers see the ring break.
     fn guarded(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
         self.check_usable()?;
         let result = f(self);
@@ -124,7 +126,6 @@ impl TcpRing {
                 _ => None,
             };
             self.broken = Some((peer, err.to_string()));
-            self.abort();
         }
         result
     }
