@@ -39,7 +39,15 @@ def local_addr_towards(host: str, port: int) -> str: ...
 
 class CommEngine:
     def __init__(
-        self, rank: int, size: int, num_channels: int, timeout: float, host: str
+        self,
+        rank: int,
+        size: int,
+        num_channels: int,
+        timeout: float,
+        host: str,
+        compression: str = "none",
+        compression_scale: float = 1.0,
+        nan_check: bool = False,
     ) -> None: ...
     @property
     def address(self) -> str: ...
@@ -51,6 +59,10 @@ class CommEngine:
     def num_channels(self) -> int: ...
     @property
     def timeout(self) -> float: ...
+    @property
+    def compression(self) -> str: ...
+    @property
+    def nan_check(self) -> bool: ...
     @property
     def connected(self) -> bool: ...
     def connect(

@@ -7,7 +7,8 @@ through the tiacc engine and saves the final parameters per rank.
 Fault injection (``--fault``): ``kill`` and ``stop`` make ``--fault-rank``
 SIGKILL or SIGSTOP itself at ``--fault-step``; ``layout`` makes that rank
 allreduce a shorter buffer than the others; ``token`` makes rank 0 knock on rank 1's engine port
-with a wrong job token before the engine connects.
+with a wrong job token before the engine connects; ``nan`` puts a NaN into
+that rank's input.
 """
 
 from __future__ import annotations
@@ -68,9 +69,18 @@ def train(args: argparse.Namespace, mode: str) -> nn.Module:
         tdist.get_engine().allreduce(grad.data_ptr(), n * 4, "float32", 0, True)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
+    # A learnable task: labels from a fixed random linear map of the input.
+    teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
+    batch = 64 if args.learnable else 16
     for step in range(args.steps):
-        x = torch.randn(16, 32, generator=gen)
-        y = torch.randint(0, 10, (16,), generator=gen)
+        x = torch.randn(batch, 32, generator=gen)
+        if args.learnable:
+            y = (x @ teacher).argmax(dim=1)
+        else:
+            y = torch.randint(0, 10, (16,), generator=gen)
+        if mode == "tiacc" and args.fault == "nan" and rank == args.fault_rank:
+            if step == args.fault_step:
+                x[0, 0] = float("nan")
         if mode == "tiacc" and step == args.fault_step and rank == args.fault_rank:
             if args.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -80,6 +90,13 @@ def train(args: argparse.Namespace, mode: str) -> nn.Module:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    if args.learnable:
+        # Held-out loss of the final model: the same 4096 samples everywhere.
+        held_out = torch.Generator().manual_seed(999)
+        x = torch.randn(4096, 32, generator=held_out)
+        with torch.no_grad():
+            loss = nn.functional.cross_entropy(model(x), (x @ teacher).argmax(dim=1))
+        print(f"FINAL_LOSS {mode} {loss.item():.6f}", flush=True)
     return model
 
 
@@ -100,8 +117,9 @@ def main() -> int:
     parser.add_argument("--modes", default="native,tiacc")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--bucket-cap-mb", type=float, default=0.02)
+    parser.add_argument("--learnable", action="store_true")
     parser.add_argument(
-        "--fault", choices=["none", "kill", "stop", "layout", "token"], default="none"
+        "--fault", choices=["none", "kill", "stop", "layout", "token", "nan"], default="none"
     )
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=3)
@@ -115,6 +133,7 @@ def main() -> int:
             torch.save(state, args.out / f"{mode}_rank{dist.get_rank()}.pt")
         engine = tdist.get_engine()
         print(f"ENGINE_CHANNELS={engine.num_channels if engine else 0}", flush=True)
+        print(f"ENGINE_COMPRESSION={engine.compression if engine else None}", flush=True)
         if engine is not None:
             check_dtypes(engine)
         dist.barrier()

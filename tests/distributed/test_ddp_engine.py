@@ -199,3 +199,39 @@ def test_a_connection_with_a_wrong_token_is_dropped_and_logged(tmp_path: Path) -
     assert "dropped a connection" in ranks[1].stderr, describe(ranks)
     assert "wrong job token" in ranks[1].stderr, describe(ranks)
     assert_bitwise_identical_across_ranks(tmp_path, 2)
+
+
+def final_losses(stdout: str) -> dict[str, float]:
+    return {
+        line.split()[1]: float(line.split()[2])
+        for line in stdout.splitlines()
+        if line.startswith("FINAL_LOSS ")
+    }
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_half_precision_compression_converges_like_native(tmp_path: Path, compression: str) -> None:
+    ranks = run_ranks(
+        4,
+        ["--out", str(tmp_path), "--steps", "300", "--learnable"],
+        env={"TIACC_TRAINING_COMPRESSION": compression, "TIACC_TRAINING_TIMEOUT": "60"},
+    )
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    assert f"ENGINE_COMPRESSION={compression}" in ranks[0].stdout
+    assert_bitwise_identical_across_ranks(tmp_path, 4)
+    losses = final_losses(ranks[0].stdout)
+    assert losses["native"] < 1.0, losses  # the task was learned
+    assert abs(losses["tiacc"] - losses["native"]) <= 0.02 * losses["native"], losses
+
+
+def test_the_nan_check_names_the_rank_and_bucket(tmp_path: Path) -> None:
+    ranks = run_ranks(
+        2,
+        ["--out", str(tmp_path), "--modes", "tiacc", "--fault", "nan", "--fault-rank", "1"],
+        env={"TIACC_TRAINING_NAN_CHECK": "1", "TIACC_TRAINING_TIMEOUT": "60"},
+        timeout=120,
+    )
+    for r in ranks:
+        assert r.returncode == 3, describe(ranks)
+        assert "rank 1: bucket" in r.stdout, describe(ranks)
+        assert "non-finite gradient" in r.stdout, describe(ranks)

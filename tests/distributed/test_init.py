@@ -67,6 +67,10 @@ def test_disable_switch_leaves_ddp_native() -> None:
         ("TIACC_TRAINING_FUSION_THRESHOLD", "-1"),
         ("TIACC_TRAINING_TIMEOUT", "never"),
         ("TIACC_TRAINING_DISABLE", "perhaps"),
+        ("TIACC_TRAINING_COMPRESSION", "int8"),
+        ("TIACC_TRAINING_COMPRESSION_SCOPE", "intra"),
+        ("PERSEUS_ALLREDUCE_DTYPE", "7"),
+        ("TIACC_TRAINING_NAN_CHECK", "maybe"),
     ],
 )
 def test_a_bad_env_value_raises_config_error_naming_it(
@@ -93,3 +97,5 @@ def test_bad_arguments_raise_before_anything_starts() -> None:
         tdist.init_tiacc_training(num_streams=0)
     with pytest.raises(ValueError):
         tdist.init_tiacc_training(timeout=-1)
+    with pytest.raises(ValueError, match="compression"):
+        tdist.init_tiacc_training(compression="int8")

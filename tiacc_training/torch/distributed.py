@@ -63,6 +63,7 @@ __all__ = [
 _MIB = 1024 * 1024
 _DEFAULT_MASTER_PORT = 29500
 _SUPPORTED_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+_COMPRESSIONS = {"none", "fp16", "bf16"}
 
 logger = logging.getLogger("tiacc_training")
 
@@ -76,6 +77,10 @@ class _Config:
     num_streams: int
     timeout: float
     socket_addr: str | None
+    compression: str
+    compression_inter_only: bool
+    compression_scale: float
+    nan_check: bool
 
 
 @dataclass
@@ -115,6 +120,8 @@ def init_tiacc_training(
     num_streams: int | None = None,
     timeout: float | None = None,
     enable: bool | None = None,
+    compression: str | None = None,
+    nan_check: bool | None = None,
 ) -> None:
     """Initialise distributed training and route DDP through the engine.
 
@@ -133,13 +140,19 @@ def init_tiacc_training(
             ``TIACC_TRAINING_TIMEOUT``.
         enable: ``False`` leaves DDP's communication native; overrides
             ``TIACC_TRAINING_DISABLE``.
+        compression: ``"none"``, ``"fp16"`` or ``"bf16"`` on the wire for
+            float32/float64 gradients; overrides ``TIACC_TRAINING_COMPRESSION``.
+        nan_check: raise before sending a bucket that holds NaN or infinity;
+            overrides ``TIACC_TRAINING_NAN_CHECK``.
 
     Raises:
         ConfigError: an environment variable or the launcher's variables
             are invalid.
         ValueError: an argument is out of range.
     """
-    config = _effective_config(fusion_threshold, num_streams, timeout, enable)
+    config = _effective_config(
+        fusion_threshold, num_streams, timeout, enable, compression, nan_check
+    )
     with _state.lock:
         _state.config = config
         if not dist.is_available():
@@ -188,6 +201,8 @@ def _effective_config(
     num_streams: int | None,
     timeout: float | None,
     enable: bool | None,
+    compression: str | None = None,
+    nan_check: bool | None = None,
 ) -> _Config:
     env = _engine.comm_config()
     if fusion_threshold is not None:
@@ -199,12 +214,18 @@ def _effective_config(
         _engine.check_num_streams(str(num_streams))
     if timeout is not None and not (float(timeout) > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if compression is not None and str(compression).lower() not in _COMPRESSIONS:
+        raise ValueError(f"compression must be one of {sorted(_COMPRESSIONS)}, got {compression!r}")
     return _Config(
         enabled=env["enabled"] if enable is None else bool(enable),
         fusion_threshold=fusion_threshold or env["fusion_threshold"],
         num_streams=int(num_streams) if num_streams is not None else env["num_streams"],
         timeout=float(timeout) if timeout is not None else env["timeout"],
         socket_addr=env["socket_addr"],
+        compression=env["compression"] if compression is None else str(compression),
+        compression_inter_only=env["compression_inter_only"],
+        compression_scale=env["compression_scale"],
+        nan_check=env["nan_check"] if nan_check is None else bool(nan_check),
     )
 
 
@@ -275,13 +296,17 @@ def _log_config(config: _Config) -> None:
     if config.enabled:
         logger.info(
             "DDP communication through the tiacc engine (tcp): world_size=%d launcher=%s "
-            "channels=%d fusion_threshold=%d bytes (bucket_cap_mb=%.2f) timeout=%gs",
+            "channels=%d fusion_threshold=%d bytes (bucket_cap_mb=%.2f) timeout=%gs "
+            "compression=%s%s nan_check=%s",
             dist.get_world_size(),
             launcher,
             config.num_streams,
             config.fusion_threshold,
             config.fusion_threshold / _MIB,
             config.timeout,
+            config.compression,
+            " (between nodes only)" if config.compression_inter_only else "",
+            "on" if config.nan_check else "off",
         )
     else:
         logger.info(
@@ -357,13 +382,26 @@ def _world_engine(config: _Config) -> Any:
     """
     engine = _state.engine
     if engine is not None and engine.connected:
-        if engine.num_channels == config.num_streams and engine.timeout == config.timeout:
+        same = (
+            engine.num_channels == config.num_streams
+            and engine.timeout == config.timeout
+            and engine.compression == _wire_compression(config, dist.get_world_size())
+            and engine.nan_check == config.nan_check
+        )
+        if same:
             return engine
         engine.shutdown()
     _state.generation += 1
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = _engine.CommEngine(
-        rank, world, config.num_streams, config.timeout, _advertised_host(config)
+        rank,
+        world,
+        config.num_streams,
+        config.timeout,
+        _advertised_host(config),
+        compression=_wire_compression(config, world),
+        compression_scale=config.compression_scale,
+        nan_check=config.nan_check,
     )
     store = dist.distributed_c10d._get_default_store()
     prefix = f"tiacc_training/engine{_state.generation}"
@@ -394,6 +432,19 @@ def _failure_board(store: Any, key: str) -> Callable[[str], str | None]:
         return first.decode(errors="replace") if isinstance(first, bytes) else str(first)
 
     return on_failure
+
+
+def _wire_compression(config: _Config, world: int) -> str:
+    """The compression the flat ring applies.
+
+    With scope ``inter`` it compresses only when the job spans several
+    nodes, since the ring then carries traffic between them.
+    """
+    if not config.compression_inter_only:
+        return config.compression
+    local_size = (_state.launch or {}).get("local_size")
+    spans_nodes = local_size is None or local_size < world
+    return config.compression if spans_nodes else "none"
 
 
 def _advertised_host(config: _Config) -> str:

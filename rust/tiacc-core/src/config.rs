@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use crate::comm::codec::Compression;
 use crate::error::{Error, Result};
 
 /// Largest fused bucket in bytes (DDP's `bucket_cap_mb`, in bytes, as the
@@ -22,6 +23,23 @@ pub const TIMEOUT: &str = "TIACC_TRAINING_TIMEOUT";
 pub const DISABLE: &str = "TIACC_TRAINING_DISABLE";
 /// Address this rank's TCP transport listens on and advertises.
 pub const SOCKET_ADDR: &str = "TIACC_TRAINING_SOCKET_ADDR";
+
+/// Gradient compression on the wire: `none`, `fp16` or `bf16`.
+pub const COMPRESSION: &str = "TIACC_TRAINING_COMPRESSION";
+/// AIACC's name: `0` fp16, `1` none, `2` fp16 between nodes only.
+pub const PERSEUS_DTYPE: &str = "PERSEUS_ALLREDUCE_DTYPE";
+/// Which traffic is compressed: `all`, or `inter` (between nodes only).
+pub const COMPRESSION_SCOPE: &str = "TIACC_TRAINING_COMPRESSION_SCOPE";
+/// Gradients are multiplied by this before the half-precision cast and
+/// divided by it after (after the division by the world size).
+pub const COMPRESSION_SCALE: &str = "TIACC_TRAINING_COMPRESSION_SCALE";
+/// AIACC's name for the compression scale.
+pub const PERSEUS_SCALE: &str = "PERSEUS_ALLREDUCE_GRADIENT_SCALE";
+/// `1`: a bucket holding NaN or infinity raises before it is sent.
+pub const NAN_CHECK: &str = "TIACC_TRAINING_NAN_CHECK";
+/// AIACC's names for the NaN check (its documents spell it both ways).
+pub const PERSEUS_NAN_CHECK: [&str; 2] =
+    ["PERSEUS_ALLREDUCE_NANCHECK", "PERSEUS_ALLREDUCE_NANHECK"];
 
 /// DDP's own default bucket size (25 MiB), used when nothing is set.
 pub const DEFAULT_FUSION_THRESHOLD: u64 = 25 * 1024 * 1024;
@@ -47,6 +65,14 @@ pub struct CommConfig {
     pub timeout: Duration,
     /// Listen/advertise address override (IP literal), if any.
     pub socket_addr: Option<std::net::IpAddr>,
+    /// Wire type for float32/float64 buckets.
+    pub compression: Compression,
+    /// Compress only traffic between nodes.
+    pub compression_inter_only: bool,
+    /// Multiplier applied before the half-precision cast.
+    pub compression_scale: f64,
+    /// Refuse to send non-finite gradients.
+    pub nan_check: bool,
 }
 
 impl Default for CommConfig {
@@ -58,6 +84,10 @@ impl Default for CommConfig {
             num_streams: DEFAULT_NUM_STREAMS,
             timeout: DEFAULT_TIMEOUT,
             socket_addr: None,
+            compression: Compression::None,
+            compression_inter_only: false,
+            compression_scale: 1.0,
+            nan_check: false,
         }
     }
 }
@@ -92,6 +122,43 @@ impl CommConfig {
                 .parse()
                 .map_err(|_| bad(SOCKET_ADDR, &v, "an IP address"))?;
             config.socket_addr = Some(ip);
+        }
+        if let Some(v) = get(PERSEUS_DTYPE)? {
+            (config.compression, config.compression_inter_only) = match v.trim() {
+                "0" => (Compression::Fp16, false),
+                "1" => (Compression::None, false),
+                "2" => (Compression::Fp16, true),
+                _ => {
+                    return Err(bad(
+                        PERSEUS_DTYPE,
+                        &v,
+                        "0 (fp16), 1 (none) or 2 (fp16 between nodes)",
+                    ))
+                }
+            };
+        }
+        if let Some(v) = get(COMPRESSION)? {
+            config.compression = Compression::parse(COMPRESSION, &v)?;
+        }
+        if let Some(v) = get(COMPRESSION_SCOPE)? {
+            config.compression_inter_only = match v.trim().to_ascii_lowercase().as_str() {
+                "all" => false,
+                "inter" => true,
+                _ => return Err(bad(COMPRESSION_SCOPE, &v, "all or inter")),
+            };
+        }
+        for name in [PERSEUS_SCALE, COMPRESSION_SCALE] {
+            if let Some(v) = get(name)? {
+                config.compression_scale = match v.trim().parse::<f64>() {
+                    Ok(x) if x.is_finite() && x > 0.0 => x,
+                    _ => return Err(bad(name, &v, "a positive number")),
+                };
+            }
+        }
+        for name in PERSEUS_NAN_CHECK.into_iter().chain([NAN_CHECK]) {
+            if let Some(v) = get(name)? {
+                config.nan_check = parse_bool(name, &v)?;
+            }
         }
         Ok(config)
     }
@@ -338,6 +405,46 @@ mod tests {
             let msg = err.to_string();
             assert!(msg.contains(var), "{msg}");
             assert!(msg.contains(value), "{msg}");
+        }
+    }
+
+    #[test]
+    fn compression_and_nan_check_with_aiacc_aliases() {
+        let c = CommConfig::from_lookup(env(&[
+            (COMPRESSION, "bf16"),
+            (COMPRESSION_SCOPE, "inter"),
+            (COMPRESSION_SCALE, "8"),
+            (NAN_CHECK, "1"),
+        ]))
+        .unwrap();
+        assert_eq!(c.compression, Compression::Bf16);
+        assert!(c.compression_inter_only && c.nan_check);
+        assert_eq!(c.compression_scale, 8.0);
+
+        let c = CommConfig::from_lookup(env(&[
+            (PERSEUS_DTYPE, "2"),
+            (PERSEUS_SCALE, "5"),
+            ("PERSEUS_ALLREDUCE_NANHECK", "1"),
+        ]))
+        .unwrap();
+        assert_eq!(c.compression, Compression::Fp16);
+        assert!(c.compression_inter_only && c.nan_check);
+        assert_eq!(c.compression_scale, 5.0);
+
+        // Our own names win over the aliases.
+        let c =
+            CommConfig::from_lookup(env(&[(PERSEUS_DTYPE, "0"), (COMPRESSION, "none")])).unwrap();
+        assert_eq!(c.compression, Compression::None);
+
+        for (var, value) in [
+            (COMPRESSION, "int8"),
+            (COMPRESSION_SCOPE, "intra"),
+            (COMPRESSION_SCALE, "0"),
+            (PERSEUS_DTYPE, "3"),
+            (NAN_CHECK, "sometimes"),
+        ] {
+            let err = CommConfig::from_lookup(env(&[(var, value)])).unwrap_err();
+            assert!(err.to_string().contains(var), "{err}");
         }
     }
 

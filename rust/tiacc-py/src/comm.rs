@@ -14,9 +14,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use tiacc_core::comm::codec::Compression;
 use tiacc_core::comm::tcp::{self, RingListener, TOKEN_LEN};
 use tiacc_core::comm::{
-    Collective, Completion, DType, Deadline, Engine, FailureHook, Job, RawBuf, Transport,
+    Collective, Completion, DType, Deadline, Engine, EngineOptions, FailureHook, Job, RawBuf,
+    Transport,
 };
 use tiacc_core::config::{self, CommConfig};
 
@@ -34,6 +36,10 @@ pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("num_streams", c.num_streams)?;
     d.set_item("timeout", c.timeout.as_secs_f64())?;
     d.set_item("socket_addr", c.socket_addr.map(|ip| ip.to_string()))?;
+    d.set_item("compression", c.compression.name())?;
+    d.set_item("compression_inter_only", c.compression_inter_only)?;
+    d.set_item("compression_scale", c.compression_scale)?;
+    d.set_item("nan_check", c.nan_check)?;
     Ok(d)
 }
 
@@ -87,20 +93,34 @@ pub struct CommEngine {
     timeout: Duration,
     listener: Option<RingListener>,
     address: String,
+    options: EngineOptions,
     engine: Option<Engine>,
 }
 
 #[pymethods]
 impl CommEngine {
     #[new]
-    #[pyo3(signature = (rank, size, num_channels, timeout, host))]
+    #[pyo3(signature = (
+        rank, size, num_channels, timeout, host,
+        compression="none", compression_scale=1.0, nan_check=false
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         rank: usize,
         size: usize,
         num_channels: usize,
         timeout: f64,
         host: &str,
+        compression: &str,
+        compression_scale: f64,
+        nan_check: bool,
     ) -> PyResult<Self> {
+        let compression = Compression::parse("compression", compression).py()?;
+        if !(compression_scale.is_finite() && compression_scale > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "compression_scale must be a positive number, got {compression_scale}"
+            )));
+        }
         if size == 0 || rank >= size {
             return Err(PyValueError::new_err(format!(
                 "rank {rank} is not a rank of a group of {size}"
@@ -129,6 +149,11 @@ impl CommEngine {
             timeout: Duration::from_secs_f64(timeout),
             listener: Some(listener),
             address,
+            options: EngineOptions {
+                compression,
+                compression_scale,
+                nan_check,
+            },
             engine: None,
         })
     }
@@ -157,6 +182,18 @@ impl CommEngine {
     #[getter]
     fn timeout(&self) -> f64 {
         self.timeout.as_secs_f64()
+    }
+
+    /// The wire compression (`none`, `fp16`, `bf16`).
+    #[getter]
+    fn compression(&self) -> &'static str {
+        self.options.compression.name()
+    }
+
+    /// Whether buckets are checked for NaN/infinity before sending.
+    #[getter]
+    fn nan_check(&self) -> bool {
+        self.options.nan_check
     }
 
     /// Whether `connect` has completed and `shutdown` has not run.
@@ -206,7 +243,8 @@ impl CommEngine {
             .listener
             .take()
             .ok_or_else(|| PyValueError::new_err("connect() was already called on this engine"))?;
-        let (rank, channels, timeout) = (self.rank, self.num_channels, self.timeout);
+        let (rank, channels, timeout, options) =
+            (self.rank, self.num_channels, self.timeout, self.options);
         let hook: Option<FailureHook> = on_failure.map(|callback| {
             Arc::new(move |err: &tiacc_core::Error| {
                 let message = err.to_string();
@@ -228,7 +266,7 @@ impl CommEngine {
                     .into_iter()
                     .map(|r| Box::new(r) as Box<dyn Transport>)
                     .collect();
-                Engine::new(transports, timeout, hook)
+                Engine::new(transports, timeout, options, hook)
             })
             .py()?;
         self.engine = Some(engine);

@@ -13,6 +13,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::algo::{Algorithm, Flat, Groups};
+use super::codec::{self, Compression};
 use super::dtype::DType;
 use super::transport::{Aborter, Deadline, OpKind, OpTag, Transport};
 use crate::error::{Error, Result};
@@ -81,6 +82,27 @@ pub struct Job {
     pub done: Completion,
 }
 
+/// How allreduces treat their buckets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineOptions {
+    /// Wire type for float32/float64 buckets.
+    pub compression: Compression,
+    /// Multiplier applied before the half-precision cast (divided out after).
+    pub compression_scale: f64,
+    /// Refuse to send a bucket holding NaN or infinity.
+    pub nan_check: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            compression: Compression::None,
+            compression_scale: 1.0,
+            nan_check: false,
+        }
+    }
+}
+
 struct Channel {
     queue: Option<mpsc::Sender<Job>>,
     thread: Option<JoinHandle<()>>,
@@ -102,6 +124,7 @@ impl Engine {
     pub fn new(
         transports: Vec<Box<dyn Transport>>,
         timeout: Duration,
+        options: EngineOptions,
         on_failure: Option<FailureHook>,
     ) -> Result<Self> {
         let Some(first) = transports.first() else {
@@ -127,7 +150,15 @@ impl Engine {
             let thread = std::thread::Builder::new()
                 .name(format!("tiacc-comm-{index}"))
                 .spawn(move || {
-                    channel_loop(groups, Box::new(Flat), rx, timeout, &abort_all, on_failure)
+                    let algorithm = Box::new(Flat);
+                    let ctx = ChannelContext {
+                        timeout,
+                        options,
+                        abort_all: &abort_all,
+                        on_failure,
+                        scratch: Vec::new(),
+                    };
+                    channel_loop(groups, algorithm, rx, ctx)
                 })
                 .map_err(|e| Error::Comm {
                     peer: None,
@@ -249,14 +280,23 @@ impl Drop for Engine {
     }
 }
 
+/// What a channel thread needs besides its groups and jobs.
+struct ChannelContext<'a> {
+    timeout: Duration,
+    options: EngineOptions,
+    abort_all: &'a [Aborter],
+    on_failure: Option<FailureHook>,
+    /// Wire buffer for compressed buckets, reused.
+    scratch: Vec<u8>,
+}
+
 fn channel_loop(
     mut groups: Groups,
     mut algorithm: Box<dyn Algorithm>,
     jobs: mpsc::Receiver<Job>,
-    timeout: Duration,
-    abort_all: &[Aborter],
-    on_failure: Option<FailureHook>,
+    mut ctx: ChannelContext<'_>,
 ) {
+    let timeout = ctx.timeout;
     for (seq, mut job) in (1u64..).zip(jobs) {
         let deadline = Deadline::after(timeout);
         let dtype = job.dtype;
@@ -283,13 +323,16 @@ fn channel_loop(
             )))
         } else {
             match job.op {
-                Collective::Allreduce { average } => {
-                    let size = groups.world.size();
-                    if average && size > 1 {
-                        dtype.div_assign(buf, size as f64);
-                    }
-                    algorithm.allreduce(&mut groups, &tag, buf, dtype, deadline)
-                }
+                Collective::Allreduce { average } => allreduce(
+                    &mut groups,
+                    algorithm.as_mut(),
+                    &mut ctx,
+                    &tag,
+                    buf,
+                    dtype,
+                    average,
+                    deadline,
+                ),
                 Collective::Broadcast { root } => groups
                     .world
                     .agree(&tag, deadline)
@@ -300,18 +343,74 @@ fn channel_loop(
                     .and_then(|()| groups.world.barrier(deadline)),
             }
         };
-        let result = result.map_err(|err| match &on_failure {
+        let result = result.map_err(|err| match &ctx.on_failure {
             Some(hook) => with_root_cause(err, hook.as_ref()),
             None => err,
         });
         if result.is_err() {
             groups.abort();
-            for abort in abort_all {
+            for abort in ctx.abort_all {
                 abort();
             }
         }
         (job.done)(result);
     }
+}
+
+/// One allreduce job: NaN check, averaging, optional compression.
+#[allow(clippy::too_many_arguments)]
+fn allreduce(
+    groups: &mut Groups,
+    algorithm: &mut dyn Algorithm,
+    ctx: &mut ChannelContext<'_>,
+    tag: &OpTag,
+    buf: &mut [u8],
+    dtype: DType,
+    average: bool,
+    deadline: Deadline,
+) -> Result<()> {
+    let (rank, size) = (groups.world.rank(), groups.world.size());
+    if ctx.options.nan_check {
+        if let Some((index, value)) = codec::first_non_finite(buf, dtype) {
+            return Err(Error::Comm {
+                peer: Some(rank),
+                message: format!(
+                    "rank {rank}: bucket {} holds a non-finite gradient ({value} at element \
+                     {index} of {}); it was not sent to the other ranks (NaN check is on)",
+                    tag.bucket,
+                    buf.len() / dtype.size()
+                ),
+            });
+        }
+    }
+    let divisor = if average && size > 1 {
+        size as f64
+    } else {
+        1.0
+    };
+    let wire = ctx
+        .options
+        .compression
+        .wire_dtype(dtype)
+        .filter(|_| size > 1);
+    let Some(wire) = wire else {
+        if divisor != 1.0 {
+            dtype.div_assign(buf, divisor);
+        }
+        return algorithm.allreduce(groups, tag, buf, dtype, deadline);
+    };
+    let elems = buf.len() / dtype.size();
+    let scale = ctx.options.compression_scale;
+    ctx.scratch.resize(elems * wire.size(), 0);
+    codec::encode(buf, dtype, scale / divisor, &mut ctx.scratch, wire);
+    let wire_tag = OpTag {
+        dtype: wire.code(),
+        bytes: ctx.scratch.len() as u64,
+        ..*tag
+    };
+    algorithm.allreduce(groups, &wire_tag, &mut ctx.scratch, wire, deadline)?;
+    codec::decode(&ctx.scratch, wire, 1.0 / scale, buf, dtype);
+    Ok(())
 }
 
 /// Appends the first failure reported by any rank, when it is not this one.

@@ -7,13 +7,14 @@
 //! ```
 
 pub mod algo;
+pub mod codec;
 pub mod dtype;
 pub mod engine;
 pub mod tcp;
 pub mod transport;
 
 pub use dtype::DType;
-pub use engine::{Collective, Completion, Engine, FailureHook, Job, RawBuf};
+pub use engine::{Collective, Completion, Engine, EngineOptions, FailureHook, Job, RawBuf};
 pub use transport::{Deadline, OpKind, OpTag, Transport};
 
 #[cfg(test)]

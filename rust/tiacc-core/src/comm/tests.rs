@@ -172,7 +172,13 @@ fn several_channels_carry_independent_collectives() {
                     .into_iter()
                     .map(|c| Box::new(c) as Box<dyn Transport>)
                     .collect();
-                let engine = Engine::new(transports, Duration::from_secs(20), None).unwrap();
+                let engine = Engine::new(
+                    transports,
+                    Duration::from_secs(20),
+                    Default::default(),
+                    None,
+                )
+                .unwrap();
                 let mut out = Vec::new();
                 for bucket in 0..7u64 {
                     let len = 1000 + bucket as usize * 517;
@@ -377,4 +383,114 @@ fn rendezvous_times_out_when_a_rank_never_shows_up() {
         )
         .unwrap_err();
     assert!(matches!(err, Error::CommTimeout { peer: 1, .. }), "{err}");
+}
+
+/// Runs `f(rank, engine)` on every rank with engines of `options`.
+fn with_engines<T: Send + 'static>(
+    p: usize,
+    options: super::engine::EngineOptions,
+    f: impl Fn(usize, &Engine) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let handles: Vec<_> = rings(p, 2)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, chans)| {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                let transports: Vec<Box<dyn Transport>> = chans
+                    .into_iter()
+                    .map(|c| Box::new(c) as Box<dyn Transport>)
+                    .collect();
+                let engine =
+                    Engine::new(transports, Duration::from_secs(20), options, None).unwrap();
+                f(rank, &engine)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn half_precision_compression_averages_within_its_precision() {
+    use super::codec::Compression;
+    for compression in [Compression::Fp16, Compression::Bf16] {
+        let options = super::engine::EngineOptions {
+            compression,
+            compression_scale: 4.0,
+            nan_check: false,
+        };
+        let p = 3;
+        let results = with_engines(p, options, |rank, engine| {
+            let values: Vec<f64> = (0..5000)
+                .map(|i| ((i + rank * 7) as f64).sin() * 100.0)
+                .collect();
+            let mut buf = encode(DType::F32, &values);
+            engine
+                .run(
+                    Collective::Allreduce { average: true },
+                    &mut buf,
+                    DType::F32,
+                    3,
+                )
+                .unwrap();
+            decode(DType::F32, &buf)
+        });
+        for (i, got) in results[0].iter().enumerate() {
+            let mean: f64 = (0..p)
+                .map(|r| ((i + r * 7) as f64).sin() * 100.0)
+                .sum::<f64>()
+                / p as f64;
+            let tolerance = if compression == Compression::Bf16 {
+                2.0
+            } else {
+                0.2
+            };
+            assert!(
+                (got - mean).abs() < tolerance,
+                "{compression:?} {i}: {got} vs {mean}"
+            );
+        }
+        assert!(results.iter().all(|r| r == &results[0]), "ranks differ");
+    }
+}
+
+#[test]
+fn the_nan_check_stops_a_bucket_before_it_is_sent_and_names_the_rank() {
+    let options = super::engine::EngineOptions {
+        nan_check: true,
+        ..Default::default()
+    };
+    let errors = with_engines(3, options, |rank, engine| {
+        let mut values = vec![1.0; 100];
+        if rank == 1 {
+            values[42] = f64::NAN;
+        }
+        let mut buf = encode(DType::F32, &values);
+        let err = engine
+            .run(
+                Collective::Allreduce { average: false },
+                &mut buf,
+                DType::F32,
+                5,
+            )
+            .unwrap_err();
+        (err.to_string(), decode(DType::F32, &buf))
+    });
+    let (msg, buf) = &errors[1];
+    assert!(
+        msg.contains("rank 1: bucket 5 holds a non-finite gradient"),
+        "{msg}"
+    );
+    assert!(msg.contains("element 42"), "{msg}");
+    // The other ranks fail too and their buffers never saw the NaN.
+    for (rank, (msg, buf)) in errors.iter().enumerate() {
+        if rank != 1 {
+            assert!(msg.contains("rank"), "{msg}");
+            assert!(
+                buf.iter().all(|v| v.is_finite()),
+                "rank {rank} received the NaN"
+            );
+        }
+    }
+    assert!(buf[42].is_nan());
 }
