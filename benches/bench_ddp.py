@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _machine import REPO, machine_info  # noqa: E402
-from netns_cluster import cluster  # noqa: E402
+from netns_cluster import cluster, link_stats  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
 
@@ -71,12 +71,17 @@ def run_job(nodes, mode: str, env_extra: dict[str, str], args: argparse.Namespac
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
+    before = link_stats()
     outputs = [p.communicate(timeout=900) for p in procs]
+    after = link_stats()
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
         if p.returncode != 0:
             raise RuntimeError(f"{mode} rank {rank} failed ({p.returncode}):\n{out}\n{err[-3000:]}")
     line = next(x for x in outputs[0][0].splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    result = json.loads(line[len("RESULT ") :])
+    result["link_dropped_packets"] = after["dropped_packets"] - before["dropped_packets"]
+    result["link_sent_bytes"] = after["sent_bytes"] - before["sent_bytes"]
+    return result
 
 
 def main() -> None:
@@ -111,8 +116,11 @@ def main() -> None:
         f"gradients {grad_bytes / 1e6:.1f} MB, link {args.rate_mbit:g} Mbit/s each way, "
         f"ring bound {bound_s * 1000:.0f} ms"
     )
-    header = ("pipeline", "channels", "median ms", "native/tiacc", "vs bound")
-    print(f"{header[0]:<20} {header[1]:>8} {header[2]:>10} {header[3]:>13} {header[4]:>9}")
+    header = ("pipeline", "channels", "median ms", "native/tiacc", "vs bound", "drops")
+    print(
+        f"{header[0]:<20} {header[1]:>8} {header[2]:>10} {header[3]:>13} {header[4]:>9} "
+        f"{header[5]:>7}"
+    )
     for row in rows:
         median = statistics.median(row["step_s"])
         row["median_ms"] = round(median * 1000, 1)
@@ -121,7 +129,8 @@ def main() -> None:
         ch = "-" if row["channels"] is None else str(row["channels"])
         print(
             f"{row['pipeline']:<20} {ch:>8} {row['median_ms']:>10.1f} "
-            f"{row['native_over_this']:>12.2f}x {row['over_ring_bound']:>8.2f}x"
+            f"{row['native_over_this']:>12.2f}x {row['over_ring_bound']:>8.2f}x "
+            f"{row['link_dropped_packets']:>7}"
         )
     result = {
         "benchmark": "bench_ddp",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -100,6 +101,18 @@ def up(rate_mbit: float = 200.0) -> None:
                 ]
             )
         )
+
+
+def link_stats() -> dict[str, int]:
+    """Bytes sent and packets dropped by both shapers so far (summed)."""
+    totals = {"sent_bytes": 0, "dropped_packets": 0}
+    for node in NODES:
+        out = _run(node.command(["tc", "-s", "qdisc", "show", "dev", node.veth])).stdout
+        match = re.search(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+)", out)
+        if match:
+            totals["sent_bytes"] += int(match.group(1))
+            totals["dropped_packets"] += int(match.group(2))
+    return totals
 
 
 def down() -> None:
