@@ -48,7 +48,14 @@ class CommEngine:
         compression: str = "none",
         compression_scale: float = 1.0,
         nan_check: bool = False,
+        intra_size: Optional[int] = None,
+        hierarchical_threshold: int = 1073741824,
+        compression_inter_only: bool = False,
     ) -> None: ...
+    @property
+    def two_d_addresses(self) -> Optional[tuple[str, str]]: ...
+    @property
+    def two_d_members(self) -> Optional[tuple[list[int], list[int]]]: ...
     @property
     def address(self) -> str: ...
     @property
@@ -70,6 +77,8 @@ class CommEngine:
         addresses: list[str],
         token: bytes,
         on_failure: Optional[Callable[[str], Optional[str]]] = None,
+        intra_addresses: Optional[list[str]] = None,
+        inter_addresses: Optional[list[str]] = None,
     ) -> None: ...
     def allreduce_async(
         self,

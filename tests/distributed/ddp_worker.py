@@ -134,6 +134,7 @@ def main() -> int:
         engine = tdist.get_engine()
         print(f"ENGINE_CHANNELS={engine.num_channels if engine else 0}", flush=True)
         print(f"ENGINE_COMPRESSION={engine.compression if engine else None}", flush=True)
+        print(f"ENGINE_2D={engine.two_d_members if engine else None}", flush=True)
         if engine is not None:
             check_dtypes(engine)
         dist.barrier()

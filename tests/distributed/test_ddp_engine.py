@@ -235,3 +235,42 @@ def test_the_nan_check_names_the_rank_and_bucket(tmp_path: Path) -> None:
         assert r.returncode == 3, describe(ranks)
         assert "rank 1: bucket" in r.stdout, describe(ranks)
         assert "non-finite gradient" in r.stdout, describe(ranks)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"TIACC_TRAINING_COMPRESSION": "fp16", "TIACC_TRAINING_COMPRESSION_SCOPE": "inter"}],
+    ids=["full-precision", "fp16-between-nodes"],
+)
+def test_two_d_allreduce_on_two_emulated_nodes(tmp_path: Path, extra: dict[str, str]) -> None:
+    """2 nodes x 2 ranks by local rank/size; buckets of several sizes, some
+    above the hierarchical threshold (flat ring), some below (2D)."""
+    env = {
+        "LIGHT_2D_ALLREDUCE": "1",
+        "LIGHT_HIERARCHICAL_THRESHOLD": "30000",
+        "TIACC_TRAINING_NUM_NCCL_STREAMS": "2",
+        "TIACC_TRAINING_TIMEOUT": "60",
+        **extra,
+    }
+    ranks = run_ranks(4, ["--out", str(tmp_path), "--steps", "20"], env=env, local_size=2)
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    assert "ENGINE_2D=([0, 1], [0, 2])" in ranks[0].stdout, describe(ranks)
+    assert "ENGINE_2D=([2, 3], [1, 3])" in ranks[3].stdout, describe(ranks)
+    assert_bitwise_identical_across_ranks(tmp_path, 4)
+    native, ours = load(tmp_path, "native", 0), load(tmp_path, "tiacc", 0)
+    tolerance = {"rtol": 1e-2, "atol": 1e-3} if extra else {"rtol": 1e-4, "atol": 1e-5}
+    for name, value in native.items():
+        torch.testing.assert_close(ours[name], value, msg=name, **tolerance)
+
+
+def test_two_d_refuses_a_world_that_does_not_split_into_nodes(tmp_path: Path) -> None:
+    ranks = run_ranks(
+        3,
+        ["--out", str(tmp_path), "--modes", "tiacc", "--steps", "2"],
+        env={"LIGHT_2D_ALLREDUCE": "1", "LIGHT_INTRA_SIZE": "2"},
+        timeout=120,
+    )
+    for r in ranks:
+        assert r.returncode == 3, describe(ranks)
+        assert "WORKER_ERROR ConfigError" in r.stdout, describe(ranks)
+        assert "LIGHT_INTRA_SIZE" in r.stdout, describe(ranks)

@@ -81,6 +81,9 @@ class _Config:
     compression_inter_only: bool
     compression_scale: float
     nan_check: bool
+    two_d: bool
+    intra_size: int | None
+    hierarchical_threshold: int
 
 
 @dataclass
@@ -226,6 +229,9 @@ def _effective_config(
         compression_inter_only=env["compression_inter_only"],
         compression_scale=env["compression_scale"],
         nan_check=env["nan_check"] if nan_check is None else bool(nan_check),
+        two_d=env["two_d"],
+        intra_size=env["intra_size"],
+        hierarchical_threshold=env["hierarchical_threshold"],
     )
 
 
@@ -297,7 +303,7 @@ def _log_config(config: _Config) -> None:
         logger.info(
             "DDP communication through the tiacc engine (tcp): world_size=%d launcher=%s "
             "channels=%d fusion_threshold=%d bytes (bucket_cap_mb=%.2f) timeout=%gs "
-            "compression=%s%s nan_check=%s",
+            "compression=%s%s nan_check=%s algorithm=%s",
             dist.get_world_size(),
             launcher,
             config.num_streams,
@@ -307,6 +313,7 @@ def _log_config(config: _Config) -> None:
             config.compression,
             " (between nodes only)" if config.compression_inter_only else "",
             "on" if config.nan_check else "off",
+            f"2d (threshold {config.hierarchical_threshold} bytes)" if config.two_d else "flat",
         )
     else:
         logger.info(
@@ -383,7 +390,9 @@ def _world_engine(config: _Config) -> Any:
     engine = _state.engine
     if engine is not None and engine.connected:
         same = (
-            engine.num_channels == config.num_streams
+            not config.two_d
+            and engine.two_d_members is None
+            and engine.num_channels == config.num_streams
             and engine.timeout == config.timeout
             and engine.compression == _wire_compression(config, dist.get_world_size())
             and engine.nan_check == config.nan_check
@@ -393,29 +402,90 @@ def _world_engine(config: _Config) -> Any:
         engine.shutdown()
     _state.generation += 1
     rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"tiacc_training/engine{_state.generation}"
+    intra_size = _intra_size(config, store, prefix, rank, world) if config.two_d else None
+    inter_only = config.compression_inter_only and intra_size is not None
     engine = _engine.CommEngine(
         rank,
         world,
         config.num_streams,
         config.timeout,
         _advertised_host(config),
-        compression=_wire_compression(config, world),
+        compression=config.compression if inter_only else _wire_compression(config, world),
         compression_scale=config.compression_scale,
         nan_check=config.nan_check,
+        intra_size=intra_size,
+        hierarchical_threshold=config.hierarchical_threshold,
+        compression_inter_only=inter_only,
     )
-    store = dist.distributed_c10d._get_default_store()
-    prefix = f"tiacc_training/engine{_state.generation}"
     store.set(f"{prefix}/addr/{rank}", engine.address)
+    if engine.two_d_addresses is not None:
+        intra_addr, inter_addr = engine.two_d_addresses
+        store.set(f"{prefix}/intra/{rank}", intra_addr)
+        store.set(f"{prefix}/inter/{rank}", inter_addr)
     if rank == 0:
         store.set(f"{prefix}/token", _engine.random_token())
     keys = [f"{prefix}/addr/{r}" for r in range(world)] + [f"{prefix}/token"]
+    if engine.two_d_addresses is not None:
+        keys += [f"{prefix}/{g}/{r}" for g in ("intra", "inter") for r in range(world)]
     store.wait(keys, datetime.timedelta(seconds=config.timeout))
     addresses = [store.get(f"{prefix}/addr/{r}").decode() for r in range(world)]
+    intra_addresses = inter_addresses = None
+    if engine.two_d_members is not None:
+        intra_members, inter_members = engine.two_d_members
+        intra_addresses = [store.get(f"{prefix}/intra/{r}").decode() for r in intra_members]
+        inter_addresses = [store.get(f"{prefix}/inter/{r}").decode() for r in inter_members]
     engine.connect(
-        addresses, store.get(f"{prefix}/token"), _failure_board(store, f"{prefix}/first_failure")
+        addresses,
+        store.get(f"{prefix}/token"),
+        _failure_board(store, f"{prefix}/first_failure"),
+        intra_addresses,
+        inter_addresses,
     )
     _state.engine = engine
     return engine
+
+
+def _intra_size(config: _Config, store: Any, prefix: str, rank: int, world: int) -> int:
+    """Ranks per node for the 2D allreduce, checked against every rank's host.
+
+    ``LIGHT_INTRA_SIZE`` if set, else the launcher's local world size. Ranks
+    ``n * size .. (n + 1) * size`` form node ``n``; each rank publishes its
+    host name and local rank, and a node whose ranks are on different hosts
+    (or whose local ranks do not match that numbering) is a ``ConfigError``.
+    """
+    launch = _state.launch or {}
+    size = config.intra_size or launch.get("local_size")
+    if size is None:
+        raise ConfigError(
+            "LIGHT_2D_ALLREDUCE=1 needs the number of ranks per node: set LIGHT_INTRA_SIZE "
+            "(the launcher did not say)"
+        )
+    if world % size != 0:
+        raise ConfigError(
+            f"LIGHT_2D_ALLREDUCE=1: the world of {world} ranks does not split into nodes of "
+            f"{size} ranks (LIGHT_INTRA_SIZE or the launcher's local world size)"
+        )
+    local_rank = launch.get("local_rank")
+    store.set(f"{prefix}/host/{rank}", f"{socket.gethostname()} {local_rank}")
+    keys = [f"{prefix}/host/{r}" for r in range(world)]
+    store.wait(keys, datetime.timedelta(seconds=config.timeout))
+    hosts = [store.get(k).decode().split(" ") for k in keys]
+    for r, (host, local) in enumerate(hosts):
+        first = (r // size) * size
+        if host != hosts[first][0]:
+            raise ConfigError(
+                f"LIGHT_2D_ALLREDUCE=1: rank {r} is on host {host} but rank {first} of the same "
+                f"node group (ranks {first}..{first + size - 1}) is on {hosts[first][0]}; "
+                "set LIGHT_INTRA_SIZE to the ranks per host and launch ranks node by node"
+            )
+        if local != "None" and int(local) != r % size:
+            raise ConfigError(
+                f"LIGHT_2D_ALLREDUCE=1: rank {r} has local rank {local}, expected {r % size} "
+                f"with {size} ranks per node"
+            )
+    return size
 
 
 def _failure_board(store: Any, key: str) -> Callable[[str], str | None]:

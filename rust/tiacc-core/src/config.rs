@@ -41,6 +41,15 @@ pub const NAN_CHECK: &str = "TIACC_TRAINING_NAN_CHECK";
 pub const PERSEUS_NAN_CHECK: [&str; 2] =
     ["PERSEUS_ALLREDUCE_NANCHECK", "PERSEUS_ALLREDUCE_NANHECK"];
 
+/// `1`: hierarchical (2D) allreduce (LightCC's name).
+pub const TWO_D: &str = "LIGHT_2D_ALLREDUCE";
+/// Ranks per node for the 2D allreduce (default: the launcher's local size).
+pub const INTRA_SIZE: &str = "LIGHT_INTRA_SIZE";
+/// Only buckets of at most this many bytes use the 2D allreduce.
+pub const HIERARCHICAL_THRESHOLD: &str = "LIGHT_HIERARCHICAL_THRESHOLD";
+/// LightCC's default hierarchical threshold (1 GiB).
+pub const DEFAULT_HIERARCHICAL_THRESHOLD: u64 = 1 << 30;
+
 /// DDP's own default bucket size (25 MiB), used when nothing is set.
 pub const DEFAULT_FUSION_THRESHOLD: u64 = 25 * 1024 * 1024;
 /// Default number of channels.
@@ -73,6 +82,12 @@ pub struct CommConfig {
     pub compression_scale: f64,
     /// Refuse to send non-finite gradients.
     pub nan_check: bool,
+    /// Use the 2D allreduce.
+    pub two_d: bool,
+    /// Ranks per node for the 2D allreduce, when set.
+    pub intra_size: Option<usize>,
+    /// Largest bucket (bytes) that uses the 2D allreduce.
+    pub hierarchical_threshold: u64,
 }
 
 impl Default for CommConfig {
@@ -88,6 +103,9 @@ impl Default for CommConfig {
             compression_inter_only: false,
             compression_scale: 1.0,
             nan_check: false,
+            two_d: false,
+            intra_size: None,
+            hierarchical_threshold: DEFAULT_HIERARCHICAL_THRESHOLD,
         }
     }
 }
@@ -154,6 +172,18 @@ impl CommConfig {
                     _ => return Err(bad(name, &v, "a positive number")),
                 };
             }
+        }
+        if let Some(v) = get(TWO_D)? {
+            config.two_d = parse_bool(TWO_D, &v)?;
+        }
+        if let Some(v) = get(INTRA_SIZE)? {
+            config.intra_size = Some(match v.trim().parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => return Err(bad(INTRA_SIZE, &v, "a positive number of ranks per node")),
+            });
+        }
+        if let Some(v) = get(HIERARCHICAL_THRESHOLD)? {
+            config.hierarchical_threshold = parse_positive_u64(HIERARCHICAL_THRESHOLD, &v)?;
         }
         for name in PERSEUS_NAN_CHECK.into_iter().chain([NAN_CHECK]) {
             if let Some(v) = get(name)? {
@@ -436,7 +466,19 @@ mod tests {
             CommConfig::from_lookup(env(&[(PERSEUS_DTYPE, "0"), (COMPRESSION, "none")])).unwrap();
         assert_eq!(c.compression, Compression::None);
 
+        let c = CommConfig::from_lookup(env(&[
+            (TWO_D, "1"),
+            (INTRA_SIZE, "4"),
+            (HIERARCHICAL_THRESHOLD, "2097152"),
+        ]))
+        .unwrap();
+        assert!(c.two_d);
+        assert_eq!((c.intra_size, c.hierarchical_threshold), (Some(4), 2097152));
+
         for (var, value) in [
+            (TWO_D, "yes please"),
+            (INTRA_SIZE, "0"),
+            (HIERARCHICAL_THRESHOLD, "big"),
             (COMPRESSION, "int8"),
             (COMPRESSION_SCOPE, "intra"),
             (COMPRESSION_SCALE, "0"),

@@ -14,6 +14,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use tiacc_core::comm::algo::{Algorithm, Groups, Hierarchy, Layout, TwoD};
 use tiacc_core::comm::codec::Compression;
 use tiacc_core::comm::tcp::{self, RingListener, TOKEN_LEN};
 use tiacc_core::comm::{
@@ -40,6 +41,9 @@ pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("compression_inter_only", c.compression_inter_only)?;
     d.set_item("compression_scale", c.compression_scale)?;
     d.set_item("nan_check", c.nan_check)?;
+    d.set_item("two_d", c.two_d)?;
+    d.set_item("intra_size", c.intra_size)?;
+    d.set_item("hierarchical_threshold", c.hierarchical_threshold)?;
     Ok(d)
 }
 
@@ -94,7 +98,20 @@ pub struct CommEngine {
     listener: Option<RingListener>,
     address: String,
     options: EngineOptions,
+    /// The 2D allreduce's groups, when it is on.
+    two_d: Option<TwoDSetup>,
     engine: Option<Engine>,
+}
+
+/// Listeners and settings of the 2D allreduce's two groups.
+struct TwoDSetup {
+    layout: Layout,
+    threshold: u64,
+    inter_compression: Compression,
+    intra: Option<RingListener>,
+    inter: Option<RingListener>,
+    intra_address: String,
+    inter_address: String,
 }
 
 #[pymethods]
@@ -102,7 +119,8 @@ impl CommEngine {
     #[new]
     #[pyo3(signature = (
         rank, size, num_channels, timeout, host,
-        compression="none", compression_scale=1.0, nan_check=false
+        compression="none", compression_scale=1.0, nan_check=false,
+        intra_size=None, hierarchical_threshold=1073741824, compression_inter_only=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -114,8 +132,11 @@ impl CommEngine {
         compression: &str,
         compression_scale: f64,
         nan_check: bool,
+        intra_size: Option<usize>,
+        hierarchical_threshold: u64,
+        compression_inter_only: bool,
     ) -> PyResult<Self> {
-        let compression = Compression::parse("compression", compression).py()?;
+        let mut compression = Compression::parse("compression", compression).py()?;
         if !(compression_scale.is_finite() && compression_scale > 0.0) {
             return Err(PyValueError::new_err(format!(
                 "compression_scale must be a positive number, got {compression_scale}"
@@ -142,6 +163,30 @@ impl CommEngine {
         })?;
         let listener = RingListener::bind(ip).py()?;
         let address = listener.addr().to_string();
+        let two_d = match intra_size {
+            None => None,
+            Some(intra_size) => {
+                let layout = Layout::new(rank, size, intra_size).py()?;
+                let intra = RingListener::bind(ip).py()?;
+                let inter = RingListener::bind(ip).py()?;
+                // With the 2D allreduce, "between nodes only" is exactly its
+                // inter-node step; the intra-node steps stay full precision.
+                let inter_compression = if compression_inter_only {
+                    std::mem::replace(&mut compression, Compression::None)
+                } else {
+                    Compression::None
+                };
+                Some(TwoDSetup {
+                    layout,
+                    threshold: hierarchical_threshold,
+                    inter_compression,
+                    intra_address: intra.addr().to_string(),
+                    inter_address: inter.addr().to_string(),
+                    intra: Some(intra),
+                    inter: Some(inter),
+                })
+            }
+        };
         Ok(CommEngine {
             rank,
             size,
@@ -154,6 +199,7 @@ impl CommEngine {
                 compression_scale,
                 nan_check,
             },
+            two_d,
             engine: None,
         })
     }
@@ -184,6 +230,24 @@ impl CommEngine {
         self.timeout.as_secs_f64()
     }
 
+    /// `ip:port` of this rank's intra-node and inter-node listeners, when
+    /// the 2D allreduce is on.
+    #[getter]
+    fn two_d_addresses(&self) -> Option<(String, String)> {
+        self.two_d
+            .as_ref()
+            .map(|t| (t.intra_address.clone(), t.inter_address.clone()))
+    }
+
+    /// World ranks of this rank's node and of its inter-node group, when the
+    /// 2D allreduce is on.
+    #[getter]
+    fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
+        self.two_d
+            .as_ref()
+            .map(|t| (t.layout.intra_members(), t.layout.inter_members()))
+    }
+
     /// The wire compression (`none`, `fp16`, `bf16`).
     #[getter]
     fn compression(&self) -> &'static str {
@@ -209,13 +273,18 @@ impl CommEngine {
     /// `on_failure(message) -> str | None`, if given, is called when a
     /// collective fails, before peers can notice; it may publish the message
     /// and return the job's first published failure (appended to errors).
-    #[pyo3(signature = (addresses, token, on_failure=None))]
+    ///
+    /// With the 2D allreduce on, `intra_addresses` and `inter_addresses` are
+    /// the members' `two_d_addresses` (in `two_d_members` order).
+    #[pyo3(signature = (addresses, token, on_failure=None, intra_addresses=None, inter_addresses=None))]
     fn connect(
         &mut self,
         py: Python<'_>,
         addresses: Vec<String>,
         token: &[u8],
         on_failure: Option<Py<PyAny>>,
+        intra_addresses: Option<Vec<String>>,
+        inter_addresses: Option<Vec<String>>,
     ) -> PyResult<()> {
         if addresses.len() != self.size {
             return Err(PyValueError::new_err(format!(
@@ -230,15 +299,35 @@ impl CommEngine {
                 token.len()
             ))
         })?;
-        let addrs = addresses
-            .iter()
-            .enumerate()
-            .map(|(r, a)| {
-                a.parse::<SocketAddr>().map_err(|_| {
-                    PyValueError::new_err(format!("rank {r}'s address {a:?} is not ip:port"))
-                })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let addrs = parse_addresses(&addresses)?;
+        // The 2D groups: (listener, member addresses, index in the group).
+        let mut groups_2d = None;
+        if let Some(t) = self.two_d.as_mut() {
+            let (Some(intra_list), Some(inter_list)) = (intra_addresses, inter_addresses) else {
+                return Err(PyValueError::new_err(
+                    "the 2D allreduce is on: connect() needs intra_addresses and inter_addresses",
+                ));
+            };
+            let (intra_n, inter_n) = (t.layout.intra_size, t.layout.nodes());
+            if intra_list.len() != intra_n || inter_list.len() != inter_n {
+                return Err(PyValueError::new_err(format!(
+                    "expected {intra_n} intra-node and {inter_n} inter-node addresses, got {} and {}",
+                    intra_list.len(),
+                    inter_list.len()
+                )));
+            }
+            let (Some(intra), Some(inter)) = (t.intra.take(), t.inter.take()) else {
+                return Err(PyValueError::new_err(
+                    "connect() was already called on this engine",
+                ));
+            };
+            groups_2d = Some((
+                (intra, parse_addresses(&intra_list)?, t.layout.local_rank()),
+                (inter, parse_addresses(&inter_list)?, t.layout.node()),
+                t.threshold,
+                t.inter_compression,
+            ));
+        }
         let listener = self
             .listener
             .take()
@@ -260,13 +349,41 @@ impl CommEngine {
         });
         let engine = py
             .detach(move || {
-                let rings =
-                    listener.connect(&addrs, rank, &token, channels, Deadline::after(timeout))?;
-                let transports: Vec<Box<dyn Transport>> = rings
+                let deadline = Deadline::after(timeout);
+                let world = listener.connect(&addrs, rank, &token, channels, deadline)?;
+                let Some((intra, inter, threshold, inter_compression)) = groups_2d else {
+                    let transports: Vec<Box<dyn Transport>> = world
+                        .into_iter()
+                        .map(|r| Box::new(r) as Box<dyn Transport>)
+                        .collect();
+                    return Engine::new(transports, timeout, options, hook);
+                };
+                let intra_rings = intra
+                    .0
+                    .connect(&intra.1, intra.2, &token, channels, deadline)?;
+                let inter_rings = inter
+                    .0
+                    .connect(&inter.1, inter.2, &token, channels, deadline)?;
+                let spec = world
                     .into_iter()
-                    .map(|r| Box::new(r) as Box<dyn Transport>)
+                    .zip(intra_rings.into_iter().zip(inter_rings))
+                    .map(|(w, (a, e))| {
+                        let groups = Groups {
+                            world: Box::new(w),
+                            hierarchy: Some(Hierarchy {
+                                intra: Box::new(a),
+                                inter: Box::new(e),
+                            }),
+                        };
+                        let algorithm: Box<dyn Algorithm> = Box::new(TwoD {
+                            threshold,
+                            inter_compression,
+                            scale: options.compression_scale,
+                        });
+                        (groups, algorithm)
+                    })
                     .collect();
-                Engine::new(transports, timeout, options, hook)
+                Engine::with_channels(spec, timeout, options, hook)
             })
             .py()?;
         self.engine = Some(engine);
@@ -426,6 +543,17 @@ impl CommEngine {
         })
         .py()
     }
+}
+
+fn parse_addresses(addresses: &[String]) -> PyResult<Vec<SocketAddr>> {
+    addresses
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            a.parse::<SocketAddr>()
+                .map_err(|_| PyValueError::new_err(format!("address #{i} {a:?} is not ip:port")))
+        })
+        .collect()
 }
 
 fn check_buffer(ptr: usize, nbytes: usize, dtype: Option<DType>) -> PyResult<()> {

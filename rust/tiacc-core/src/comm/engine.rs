@@ -120,37 +120,49 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts one thread per channel, each owning one world transport.
+    /// Starts one thread per channel, each owning one world transport and
+    /// running the flat ring.
     pub fn new(
         transports: Vec<Box<dyn Transport>>,
         timeout: Duration,
         options: EngineOptions,
         on_failure: Option<FailureHook>,
     ) -> Result<Self> {
-        let Some(first) = transports.first() else {
+        let channels = transports
+            .into_iter()
+            .map(|world| (Groups::flat(world), Box::new(Flat) as Box<dyn Algorithm>))
+            .collect();
+        Self::with_channels(channels, timeout, options, on_failure)
+    }
+
+    /// Starts one thread per channel with its own groups and algorithm.
+    pub fn with_channels(
+        channels_spec: Vec<(Groups, Box<dyn Algorithm>)>,
+        timeout: Duration,
+        options: EngineOptions,
+        on_failure: Option<FailureHook>,
+    ) -> Result<Self> {
+        let Some((first, _)) = channels_spec.first() else {
             return Err(Error::InvalidArgument(
                 "an engine needs at least one channel".into(),
             ));
         };
-        let (rank, size) = (first.rank(), first.size());
-        let groups: Vec<Groups> = transports
-            .into_iter()
-            .map(|world| Groups { world })
-            .collect();
+        let (rank, size) = (first.world.rank(), first.world.size());
+        let (groups, algorithms): (Vec<Groups>, Vec<Box<dyn Algorithm>>) =
+            channels_spec.into_iter().unzip();
         // A failure on one channel breaks them all: DDP waits on every
         // bucket, so a sibling blocked on a dead job would otherwise only end
         // at its timeout.
         let abort_all: Arc<Vec<Aborter>> =
             Arc::new(groups.iter().flat_map(Groups::aborters).collect());
         let mut channels = Vec::with_capacity(groups.len());
-        for (index, groups) in groups.into_iter().enumerate() {
+        for (index, (groups, algorithm)) in groups.into_iter().zip(algorithms).enumerate() {
             let (tx, rx) = mpsc::channel::<Job>();
             let abort_all = Arc::clone(&abort_all);
             let on_failure = on_failure.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("tiacc-comm-{index}"))
                 .spawn(move || {
-                    let algorithm = Box::new(Flat);
                     let ctx = ChannelContext {
                         timeout,
                         options,

@@ -494,3 +494,113 @@ fn the_nan_check_stops_a_bucket_before_it_is_sent_and_names_the_rank() {
     }
     assert!(buf[42].is_nan());
 }
+
+/// 2 nodes x 2 ranks: groups per world rank, each with a 2D hierarchy.
+fn two_by_two_groups() -> Vec<super::algo::Groups> {
+    use super::algo::{Groups, Hierarchy, Layout};
+    let mut world: Vec<Option<TcpRing>> = rings(4, 1).into_iter().map(|mut c| c.pop()).collect();
+    let mut intra: Vec<Vec<Option<TcpRing>>> = (0..2)
+        .map(|_| rings(2, 1).into_iter().map(|mut c| c.pop()).collect())
+        .collect();
+    let mut inter: Vec<Vec<Option<TcpRing>>> = (0..2)
+        .map(|_| rings(2, 1).into_iter().map(|mut c| c.pop()).collect())
+        .collect();
+    (0..4)
+        .map(|rank| {
+            let layout = Layout::new(rank, 4, 2).unwrap();
+            let (node, local) = (layout.node(), layout.local_rank());
+            Groups {
+                world: Box::new(world[rank].take().unwrap()),
+                hierarchy: Some(Hierarchy {
+                    intra: Box::new(intra[node][local].take().unwrap()),
+                    inter: Box::new(inter[local][node].take().unwrap()),
+                }),
+            }
+        })
+        .collect()
+}
+
+fn run_two_d(
+    threshold: u64,
+    inter_compression: super::codec::Compression,
+    len: usize,
+) -> Vec<Vec<f64>> {
+    use super::algo::{Algorithm, TwoD};
+    let handles: Vec<_> = two_by_two_groups()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, groups)| {
+            std::thread::spawn(move || {
+                let algorithm: Box<dyn Algorithm> = Box::new(TwoD {
+                    threshold,
+                    inter_compression,
+                    scale: 1.0,
+                });
+                let engine = Engine::with_channels(
+                    vec![(groups, algorithm)],
+                    Duration::from_secs(20),
+                    Default::default(),
+                    None,
+                )
+                .unwrap();
+                let mut buf = encode(DType::F32, &rank_values(rank, len));
+                engine
+                    .run(
+                        Collective::Allreduce { average: false },
+                        &mut buf,
+                        DType::F32,
+                        0,
+                    )
+                    .unwrap();
+                decode(DType::F32, &buf)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn two_d_allreduce_equals_the_flat_sum_on_every_rank() {
+    use super::codec::Compression;
+    // Uneven lengths: not divisible by the intra size, smaller than it.
+    for len in [0usize, 1, 3, 1001, 40_000] {
+        for threshold in [u64::MAX, 0] {
+            let results = run_two_d(threshold, Compression::None, len);
+            let inputs: Vec<Vec<f64>> = (0..4).map(|r| rank_values(r, len)).collect();
+            let expected: Vec<f64> = (0..len)
+                .map(|i| inputs.iter().map(|v| v[i]).sum())
+                .collect();
+            for (rank, got) in results.iter().enumerate() {
+                assert_eq!(
+                    got, &expected,
+                    "len {len} threshold {threshold} rank {rank}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn two_d_can_compress_only_between_nodes() {
+    use super::codec::Compression;
+    let results = run_two_d(u64::MAX, Compression::Fp16, 999);
+    let inputs: Vec<Vec<f64>> = (0..4).map(|r| rank_values(r, 999)).collect();
+    for (i, got) in results[0].iter().enumerate() {
+        let want: f64 = inputs.iter().map(|v| v[i]).sum();
+        assert!((got - want).abs() < 1e-2, "{i}: {got} vs {want}");
+    }
+    assert!(results.iter().all(|r| r == &results[0]));
+}
+
+#[test]
+fn layouts_split_the_world_into_nodes() {
+    use super::algo::Layout;
+    let l = Layout::new(5, 8, 4).unwrap();
+    assert_eq!((l.node(), l.local_rank(), l.nodes()), (1, 1, 2));
+    assert_eq!(l.intra_members(), vec![4, 5, 6, 7]);
+    assert_eq!(l.inter_members(), vec![1, 5]);
+    assert!(Layout::new(0, 6, 4)
+        .unwrap_err()
+        .to_string()
+        .contains("LIGHT_INTRA_SIZE"));
+}
