@@ -7,7 +7,10 @@ defaults; tiacc uses the engine with 1, 2 and 4 channels and
 TIACC_TRAINING_FUSION_THRESHOLD=--fusion-bytes. Reports the median step time
 and native/tiacc, and the ring allreduce bound: a ring crosses the link once
 each way, carrying 2(p-1)/p of the gradients, so
-bound = 1.5 x gradient bytes / link bytes per second. Needs root.
+bound = 1.5 x gradient bytes / link bytes per second. A last run uses the 2D
+allreduce (LIGHT_2D_ALLREDUCE=1, 2 channels), whose inter-node step carries
+each gradient byte across the link once each way: bound = 1.0 x gradient
+bytes / link rate. Needs root.
 
 Writes benches/results/bench_ddp.json.
 """
@@ -90,6 +93,9 @@ def main() -> None:
     parser.add_argument("--channels", default="1,2,4")
     parser.add_argument("--fusion-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--no-2d", dest="two_d", action="store_false", help="skip the LIGHT_2D_ALLREDUCE=1 run"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "benches/results/bench_ddp.json")
     args = parser.parse_args()
@@ -107,6 +113,14 @@ def main() -> None:
             }
             result = run_job(nodes, "tiacc", env, args)
             rows.append({"pipeline": "tiacc", "channels": channels, **result})
+        if args.two_d:
+            env = {
+                "TIACC_TRAINING_NUM_NCCL_STREAMS": "2",
+                "TIACC_TRAINING_FUSION_THRESHOLD": str(args.fusion_bytes),
+                "LIGHT_2D_ALLREDUCE": "1",
+            }
+            result = run_job(nodes, "tiacc", env, args)
+            rows.append({"pipeline": "tiacc 2D", "channels": 2, **result})
 
     link_bytes_per_s = args.rate_mbit * 1e6 / 8
     grad_bytes = rows[0]["grad_bytes"]
