@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import torch
@@ -41,13 +42,19 @@ def main() -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x = torch.randn(args.batch, args.width)
     times = []
+    cpu_start = 0.0
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_start = usage.ru_utime + usage.ru_stime
         start = time.perf_counter()
         opt.zero_grad()
         ddp(x).square().mean().backward()
         opt.step()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_per_step = (usage.ru_utime + usage.ru_stime - cpu_start) / args.steps
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     checksum = float(sum(p.double().sum() for p in model.parameters()))
     if dist.get_rank() == 0:
@@ -59,6 +66,7 @@ def main() -> None:
                     "grad_bytes": grad_bytes,
                     "bucket_bytes_cap": ddp.bucket_bytes_cap,
                     "checksum": checksum,
+                    "rank0_cpu_s_per_step": cpu_per_step,
                 }
             ),
             flush=True,
