@@ -51,6 +51,9 @@ class CommEngine:
         intra_size: Optional[int] = None,
         hierarchical_threshold: int = 1073741824,
         compression_inter_only: bool = False,
+        topk_ratio: Optional[float] = None,
+        topk_threshold: int = 1048576,
+        topk_fp16: bool = False,
     ) -> None: ...
     @property
     def two_d_addresses(self) -> Optional[tuple[str, str]]: ...

@@ -84,6 +84,10 @@ class _Config:
     two_d: bool
     intra_size: int | None
     hierarchical_threshold: int
+    topk: bool
+    topk_ratio: float
+    topk_threshold: int
+    topk_fp16: bool
 
 
 @dataclass
@@ -232,6 +236,10 @@ def _effective_config(
         two_d=env["two_d"],
         intra_size=env["intra_size"],
         hierarchical_threshold=env["hierarchical_threshold"],
+        topk=env["topk"],
+        topk_ratio=env["topk_ratio"],
+        topk_threshold=env["topk_threshold"],
+        topk_fp16=env["topk_fp16"],
     )
 
 
@@ -313,7 +321,13 @@ def _log_config(config: _Config) -> None:
             config.compression,
             " (between nodes only)" if config.compression_inter_only else "",
             "on" if config.nan_check else "off",
-            f"2d (threshold {config.hierarchical_threshold} bytes)" if config.two_d else "flat",
+            (f"2d (threshold {config.hierarchical_threshold} bytes)" if config.two_d else "flat")
+            + (
+                f" + top-k {config.topk_ratio:g} (buckets >= {config.topk_threshold} bytes"
+                f"{', fp16 values' if config.topk_fp16 else ''})"
+                if config.topk
+                else ""
+            ),
         )
     else:
         logger.info(
@@ -391,6 +405,7 @@ def _world_engine(config: _Config) -> Any:
     if engine is not None and engine.connected:
         same = (
             not config.two_d
+            and not config.topk
             and engine.two_d_members is None
             and engine.num_channels == config.num_streams
             and engine.timeout == config.timeout
@@ -418,6 +433,9 @@ def _world_engine(config: _Config) -> Any:
         intra_size=intra_size,
         hierarchical_threshold=config.hierarchical_threshold,
         compression_inter_only=inter_only,
+        topk_ratio=config.topk_ratio if config.topk else None,
+        topk_threshold=config.topk_threshold,
+        topk_fp16=config.topk_fp16,
     )
     store.set(f"{prefix}/addr/{rank}", engine.address)
     if engine.two_d_addresses is not None:

@@ -47,6 +47,15 @@ pub const TWO_D: &str = "LIGHT_2D_ALLREDUCE";
 pub const INTRA_SIZE: &str = "LIGHT_INTRA_SIZE";
 /// Only buckets of at most this many bytes use the 2D allreduce.
 pub const HIERARCHICAL_THRESHOLD: &str = "LIGHT_HIERARCHICAL_THRESHOLD";
+/// `1`: Top-K sparsification with error feedback (LightCC's name).
+pub const TOPK: &str = "LIGHT_TOPK_ALLREDUCE";
+/// Fraction of entries Top-K sends.
+pub const TOPK_RATIO: &str = "LIGHT_TOPK_RATIO";
+/// Only buckets of at least this many bytes are sparsified.
+pub const TOPK_THRESHOLD: &str = "LIGHT_TOPK_THRESHOLD";
+/// `1`: Top-K values travel as float16.
+pub const TOPK_FP16: &str = "LIGHT_TOPK_FP16";
+
 /// LightCC's default hierarchical threshold (1 GiB).
 pub const DEFAULT_HIERARCHICAL_THRESHOLD: u64 = 1 << 30;
 
@@ -88,6 +97,14 @@ pub struct CommConfig {
     pub intra_size: Option<usize>,
     /// Largest bucket (bytes) that uses the 2D allreduce.
     pub hierarchical_threshold: u64,
+    /// Use Top-K sparsification.
+    pub topk: bool,
+    /// Fraction of entries sent.
+    pub topk_ratio: f64,
+    /// Smallest bucket (bytes) that is sparsified.
+    pub topk_threshold: u64,
+    /// Send Top-K values as float16.
+    pub topk_fp16: bool,
 }
 
 impl Default for CommConfig {
@@ -106,6 +123,10 @@ impl Default for CommConfig {
             two_d: false,
             intra_size: None,
             hierarchical_threshold: DEFAULT_HIERARCHICAL_THRESHOLD,
+            topk: false,
+            topk_ratio: 0.01,
+            topk_threshold: 1 << 20,
+            topk_fp16: false,
         }
     }
 }
@@ -184,6 +205,24 @@ impl CommConfig {
         }
         if let Some(v) = get(HIERARCHICAL_THRESHOLD)? {
             config.hierarchical_threshold = parse_positive_u64(HIERARCHICAL_THRESHOLD, &v)?;
+        }
+        if let Some(v) = get(TOPK)? {
+            config.topk = parse_bool(TOPK, &v)?;
+        }
+        if let Some(v) = get(TOPK_RATIO)? {
+            config.topk_ratio = match v.trim().parse::<f64>() {
+                Ok(r) if r > 0.0 && r <= 1.0 => r,
+                _ => return Err(bad(TOPK_RATIO, &v, "a fraction in (0, 1]")),
+            };
+        }
+        if let Some(v) = get(TOPK_THRESHOLD)? {
+            config.topk_threshold = v
+                .trim()
+                .parse()
+                .map_err(|_| bad(TOPK_THRESHOLD, &v, "a number of bytes"))?;
+        }
+        if let Some(v) = get(TOPK_FP16)? {
+            config.topk_fp16 = parse_bool(TOPK_FP16, &v)?;
         }
         for name in PERSEUS_NAN_CHECK.into_iter().chain([NAN_CHECK]) {
             if let Some(v) = get(name)? {
@@ -475,7 +514,21 @@ mod tests {
         assert!(c.two_d);
         assert_eq!((c.intra_size, c.hierarchical_threshold), (Some(4), 2097152));
 
+        let c = CommConfig::from_lookup(env(&[
+            (TOPK, "1"),
+            (TOPK_RATIO, "0.05"),
+            (TOPK_THRESHOLD, "0"),
+            (TOPK_FP16, "1"),
+        ]))
+        .unwrap();
+        assert!(c.topk && c.topk_fp16);
+        assert_eq!((c.topk_ratio, c.topk_threshold), (0.05, 0));
+
         for (var, value) in [
+            (TOPK_RATIO, "0"),
+            (TOPK_RATIO, "1.5"),
+            (TOPK_THRESHOLD, "-1"),
+            (TOPK_FP16, "2"),
             (TWO_D, "yes please"),
             (INTRA_SIZE, "0"),
             (HIERARCHICAL_THRESHOLD, "big"),

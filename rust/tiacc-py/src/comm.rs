@@ -14,12 +14,12 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use tiacc_core::comm::algo::{Algorithm, Groups, Hierarchy, Layout, TwoD};
+use tiacc_core::comm::algo::{Algorithm, Flat, Groups, Hierarchy, Layout, TwoD};
 use tiacc_core::comm::codec::Compression;
+use tiacc_core::comm::sparse::{TopK, TopKOptions};
 use tiacc_core::comm::tcp::{self, RingListener, TOKEN_LEN};
 use tiacc_core::comm::{
     Collective, Completion, DType, Deadline, Engine, EngineOptions, FailureHook, Job, RawBuf,
-    Transport,
 };
 use tiacc_core::config::{self, CommConfig};
 
@@ -44,6 +44,10 @@ pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("two_d", c.two_d)?;
     d.set_item("intra_size", c.intra_size)?;
     d.set_item("hierarchical_threshold", c.hierarchical_threshold)?;
+    d.set_item("topk", c.topk)?;
+    d.set_item("topk_ratio", c.topk_ratio)?;
+    d.set_item("topk_threshold", c.topk_threshold)?;
+    d.set_item("topk_fp16", c.topk_fp16)?;
     Ok(d)
 }
 
@@ -100,6 +104,8 @@ pub struct CommEngine {
     options: EngineOptions,
     /// The 2D allreduce's groups, when it is on.
     two_d: Option<TwoDSetup>,
+    /// Top-K sparsification, when it is on.
+    topk: Option<TopKOptions>,
     engine: Option<Engine>,
 }
 
@@ -120,7 +126,8 @@ impl CommEngine {
     #[pyo3(signature = (
         rank, size, num_channels, timeout, host,
         compression="none", compression_scale=1.0, nan_check=false,
-        intra_size=None, hierarchical_threshold=1073741824, compression_inter_only=false
+        intra_size=None, hierarchical_threshold=1073741824, compression_inter_only=false,
+        topk_ratio=None, topk_threshold=1048576, topk_fp16=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -135,7 +142,22 @@ impl CommEngine {
         intra_size: Option<usize>,
         hierarchical_threshold: u64,
         compression_inter_only: bool,
+        topk_ratio: Option<f64>,
+        topk_threshold: u64,
+        topk_fp16: bool,
     ) -> PyResult<Self> {
+        if let Some(r) = topk_ratio {
+            if !(r > 0.0 && r <= 1.0) {
+                return Err(PyValueError::new_err(format!(
+                    "topk_ratio must be in (0, 1], got {r}"
+                )));
+            }
+        }
+        let topk = topk_ratio.map(|ratio| TopKOptions {
+            ratio,
+            threshold: topk_threshold,
+            fp16_values: topk_fp16,
+        });
         let mut compression = Compression::parse("compression", compression).py()?;
         if !(compression_scale.is_finite() && compression_scale > 0.0) {
             return Err(PyValueError::new_err(format!(
@@ -200,6 +222,7 @@ impl CommEngine {
                 nan_check,
             },
             two_d,
+            topk,
             engine: None,
         })
     }
@@ -332,8 +355,20 @@ impl CommEngine {
             .listener
             .take()
             .ok_or_else(|| PyValueError::new_err("connect() was already called on this engine"))?;
-        let (rank, channels, timeout, options) =
-            (self.rank, self.num_channels, self.timeout, self.options);
+        let (rank, channels, timeout, options, topk) = (
+            self.rank,
+            self.num_channels,
+            self.timeout,
+            self.options,
+            self.topk,
+        );
+        // The channel's algorithm: dense (flat or 2D), optionally inside Top-K.
+        let wrap = move |dense: Box<dyn Algorithm>| -> Box<dyn Algorithm> {
+            match topk {
+                Some(o) => Box::new(TopK::new(o, dense)),
+                None => dense,
+            }
+        };
         let hook: Option<FailureHook> = on_failure.map(|callback| {
             Arc::new(move |err: &tiacc_core::Error| {
                 let message = err.to_string();
@@ -352,11 +387,11 @@ impl CommEngine {
                 let deadline = Deadline::after(timeout);
                 let world = listener.connect(&addrs, rank, &token, channels, deadline)?;
                 let Some((intra, inter, threshold, inter_compression)) = groups_2d else {
-                    let transports: Vec<Box<dyn Transport>> = world
+                    let spec = world
                         .into_iter()
-                        .map(|r| Box::new(r) as Box<dyn Transport>)
+                        .map(|r| (Groups::flat(Box::new(r)), wrap(Box::new(Flat))))
                         .collect();
-                    return Engine::new(transports, timeout, options, hook);
+                    return Engine::with_channels(spec, timeout, options, hook);
                 };
                 let intra_rings = intra
                     .0
@@ -375,11 +410,11 @@ impl CommEngine {
                                 inter: Box::new(e),
                             }),
                         };
-                        let algorithm: Box<dyn Algorithm> = Box::new(TwoD {
+                        let algorithm = wrap(Box::new(TwoD {
                             threshold,
                             inter_compression,
                             scale: options.compression_scale,
-                        });
+                        }));
                         (groups, algorithm)
                     })
                     .collect();

@@ -604,3 +604,114 @@ fn layouts_split_the_world_into_nodes() {
         .to_string()
         .contains("LIGHT_INTRA_SIZE"));
 }
+
+#[test]
+fn top_k_sends_the_largest_entries_and_feeds_back_the_rest() {
+    use super::algo::{Algorithm, Flat, Groups};
+    use super::sparse::{top_k, TopK, TopKOptions};
+    let p = 3;
+    let n = 200;
+    let data = move |rank: usize, step: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 13 + rank * 7 + step * 3) % 23) as f32 - 11.0) * 0.5)
+            .collect()
+    };
+    let handles: Vec<_> = rings(p, 1)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut chans)| {
+            std::thread::spawn(move || {
+                let options = TopKOptions {
+                    ratio: 0.1,
+                    threshold: 0,
+                    fp16_values: false,
+                };
+                let algorithm: Box<dyn Algorithm> = Box::new(TopK::new(options, Box::new(Flat)));
+                let groups = Groups::flat(Box::new(chans.remove(0)));
+                let engine = Engine::with_channels(
+                    vec![(groups, algorithm)],
+                    Duration::from_secs(20),
+                    Default::default(),
+                    None,
+                )
+                .unwrap();
+                (0..2)
+                    .map(|step| {
+                        let values: Vec<f64> = data(rank, step).iter().map(|&v| v as f64).collect();
+                        let mut buf = encode(DType::F32, &values);
+                        engine
+                            .run(
+                                Collective::Allreduce { average: false },
+                                &mut buf,
+                                DType::F32,
+                                9,
+                            )
+                            .unwrap();
+                        decode(DType::F32, &buf)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let results: Vec<Vec<Vec<f64>>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(results.iter().all(|r| r == &results[0]), "ranks differ");
+
+    // Reference: the same selection and error feedback, computed locally.
+    let k = 20;
+    let mut residuals = vec![vec![0f32; n]; p];
+    for (step, got) in results[0].iter().enumerate() {
+        let mut expected = vec![0f32; n];
+        for (rank, residual) in residuals.iter_mut().enumerate() {
+            let corrected: Vec<f32> = data(rank, step)
+                .iter()
+                .zip(residual.iter())
+                .map(|(v, r)| v + r)
+                .collect();
+            let chosen = top_k(&corrected, k);
+            *residual = corrected.clone();
+            for &i in &chosen {
+                expected[i as usize] += corrected[i as usize];
+                residual[i as usize] = 0.0;
+            }
+        }
+        let expected: Vec<f64> = expected.iter().map(|&v| v as f64).collect();
+        assert_eq!(got, &expected, "step {step}");
+    }
+}
+
+#[test]
+fn top_k_residuals_reset_when_a_bucket_changes_length() {
+    use super::algo::{Algorithm, Flat, Groups};
+    use super::sparse::{TopK, TopKOptions};
+    let ring = rings(1, 1).pop().unwrap().pop().unwrap();
+    let options = TopKOptions {
+        ratio: 0.25,
+        threshold: 0,
+        fp16_values: false,
+    };
+    let mut algorithm = TopK::new(options, Box::new(Flat));
+    let mut groups = Groups::flat(Box::new(ring));
+    let mut step = |values: &[f64]| {
+        let tag = OpTag {
+            kind: OpKind::Allreduce,
+            seq: 1,
+            bucket: 0,
+            dtype: DType::F32.code(),
+            bytes: values.len() as u64 * 4,
+        };
+        let mut buf = encode(DType::F32, values);
+        algorithm
+            .allreduce(&mut groups, &tag, &mut buf, DType::F32, deadline())
+            .unwrap();
+        decode(DType::F32, &buf)
+    };
+    // 8 values, k = 2: the two largest go, the rest stay as residual.
+    assert_eq!(
+        step(&[1., 2., 3., 4., 5., 6., 7., 8.]),
+        vec![0., 0., 0., 0., 0., 0., 7., 8.]
+    );
+    // Same layout: residuals are added back (1..6 + 1 each).
+    assert_eq!(step(&[1.; 8]), vec![0., 0., 0., 0., 6., 7., 0., 0.]);
+    // DDP rebuilt its buckets (new length): old residuals are dropped.
+    assert_eq!(step(&[1., 0., 0., 9.]), vec![0., 0., 0., 9.]);
+}
