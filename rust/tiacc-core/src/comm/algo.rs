@@ -25,6 +25,31 @@ pub struct Hierarchy {
     pub inter: Box<dyn Transport>,
 }
 
+impl Hierarchy {
+    /// The 2D pattern: reduce-scatter inside the node, `inter_step` on this
+    /// rank's shard over the inter-node group, allgather inside the node.
+    /// Checking the tag inside every node and across nodes covers every rank.
+    pub fn reduce(
+        &mut self,
+        tag: &OpTag,
+        buf: &mut [u8],
+        dtype: DType,
+        deadline: Deadline,
+        inter_step: impl FnOnce(&mut dyn Transport, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.intra.agree(tag, deadline)?;
+        self.inter.agree(tag, deadline)?;
+        let elem = dtype.size();
+        self.intra.reduce_scatter(buf, dtype, deadline)?;
+        let mine = shard_range(buf.len() / elem, self.intra.size(), self.intra.rank());
+        inter_step(
+            self.inter.as_mut(),
+            &mut buf[mine.start * elem..mine.end * elem],
+        )?;
+        self.intra.allgather(buf, elem, deadline)
+    }
+}
+
 impl Groups {
     /// Groups of the world only.
     pub fn flat(world: Box<dyn Transport>) -> Self {
@@ -123,23 +148,23 @@ impl Algorithm for TwoD {
         else {
             return Flat.allreduce(groups, tag, buf, dtype, deadline);
         };
-        // Agreement inside every node plus across nodes covers every rank.
-        h.intra.agree(tag, deadline)?;
-        h.inter.agree(tag, deadline)?;
-        let elems = buf.len() / dtype.size();
-        h.intra.reduce_scatter(buf, dtype, deadline)?;
-        let mine = shard_range(elems, h.intra.size(), h.intra.rank());
-        let shard = &mut buf[mine.start * dtype.size()..mine.end * dtype.size()];
-        match self.inter_compression.wire_dtype(dtype) {
-            None => h.inter.allreduce(shard, dtype, deadline)?,
-            Some(wire) => {
-                let mut half = vec![0u8; mine.len() * wire.size()];
-                codec::encode(shard, dtype, self.scale, &mut half, wire);
-                h.inter.allreduce(&mut half, wire, deadline)?;
-                codec::decode(&half, wire, 1.0 / self.scale, shard, dtype);
-            }
-        }
-        h.intra.allgather(buf, dtype.size(), deadline)
+        let (compression, scale) = (self.inter_compression, self.scale);
+        h.reduce(
+            tag,
+            buf,
+            dtype,
+            deadline,
+            |inter, shard| match compression.wire_dtype(dtype) {
+                None => inter.allreduce(shard, dtype, deadline),
+                Some(wire) => {
+                    let mut half = vec![0u8; shard.len() / dtype.size() * wire.size()];
+                    codec::encode(shard, dtype, scale, &mut half, wire);
+                    inter.allreduce(&mut half, wire, deadline)?;
+                    codec::decode(&half, wire, 1.0 / scale, shard, dtype);
+                    Ok(())
+                }
+            },
+        )
     }
 }
 

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use half::f16;
 
 use super::algo::{Algorithm, Groups};
-use super::dtype::{shard_range, DType};
+use super::dtype::DType;
 use super::transport::{Deadline, OpTag, Transport};
 use crate::error::{Error, Result};
 
@@ -180,16 +180,9 @@ impl Algorithm for TopK {
         }
         match groups.hierarchy.as_mut() {
             // Dense inside the node, sparse across nodes.
-            Some(h) => {
-                h.intra.agree(tag, deadline)?;
-                h.inter.agree(tag, deadline)?;
-                let elems = buf.len() / 4;
-                h.intra.reduce_scatter(buf, dtype, deadline)?;
-                let mine = shard_range(elems, h.intra.size(), h.intra.rank());
-                let shard = &mut buf[mine.start * 4..mine.end * 4];
-                self.sparse(h.inter.as_mut(), tag.bucket, shard, deadline)?;
-                h.intra.allgather(buf, 4, deadline)
-            }
+            Some(h) => h.reduce(tag, buf, dtype, deadline, |inter, shard| {
+                self.sparse(inter, tag.bucket, shard, deadline)
+            }),
             None => {
                 groups.world.agree(tag, deadline)?;
                 self.sparse(groups.world.as_mut(), tag.bucket, buf, deadline)

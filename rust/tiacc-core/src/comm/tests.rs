@@ -162,42 +162,19 @@ fn reduce_scatter_allgather_broadcast_barrier() {
 #[test]
 fn several_channels_carry_independent_collectives() {
     let p = 3;
-    let per_rank = rings(p, 3);
-    let handles: Vec<_> = per_rank
-        .into_iter()
-        .enumerate()
-        .map(|(rank, chans)| {
-            std::thread::spawn(move || {
-                let transports: Vec<Box<dyn Transport>> = chans
-                    .into_iter()
-                    .map(|c| Box::new(c) as Box<dyn Transport>)
-                    .collect();
-                let engine = Engine::new(
-                    transports,
-                    Duration::from_secs(20),
-                    Default::default(),
-                    None,
+    let results = with_engines(p, 3, Default::default(), |rank, engine| {
+        (0..7u64)
+            .map(|bucket| {
+                let len = 1000 + bucket as usize * 517;
+                allreduce_f32(
+                    engine,
+                    &rank_values(rank + bucket as usize, len),
+                    true,
+                    bucket,
                 )
-                .unwrap();
-                let mut out = Vec::new();
-                for bucket in 0..7u64 {
-                    let len = 1000 + bucket as usize * 517;
-                    let mut buf = encode(DType::F32, &rank_values(rank + bucket as usize, len));
-                    engine
-                        .run(
-                            Collective::Allreduce { average: true },
-                            &mut buf,
-                            DType::F32,
-                            bucket,
-                        )
-                        .unwrap();
-                    out.push(decode(DType::F32, &buf));
-                }
-                out
             })
-        })
-        .collect();
-    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            .collect::<Vec<_>>()
+    });
     for (bucket, got) in results[0].iter().enumerate() {
         let len = got.len();
         let inputs: Vec<Vec<f64>> = (0..p).map(|r| rank_values(r + bucket, len)).collect();
@@ -385,29 +362,66 @@ fn rendezvous_times_out_when_a_rank_never_shows_up() {
     assert!(matches!(err, Error::CommTimeout { peer: 1, .. }), "{err}");
 }
 
-/// Runs `f(rank, engine)` on every rank with engines of `options`.
-fn with_engines<T: Send + 'static>(
-    p: usize,
+/// One channel of an engine: its groups and algorithm.
+type ChannelSpec = (super::algo::Groups, Box<dyn super::algo::Algorithm>);
+
+/// Starts one engine per rank from its channels and runs `f(rank, engine)`
+/// on every rank in parallel.
+fn on_engines<T: Send + 'static>(
+    per_rank: Vec<Vec<ChannelSpec>>,
     options: super::engine::EngineOptions,
     f: impl Fn(usize, &Engine) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let handles: Vec<_> = rings(p, 2)
+    let handles: Vec<_> = per_rank
         .into_iter()
         .enumerate()
-        .map(|(rank, chans)| {
+        .map(|(rank, channels)| {
             let f = f.clone();
             std::thread::spawn(move || {
-                let transports: Vec<Box<dyn Transport>> = chans
-                    .into_iter()
-                    .map(|c| Box::new(c) as Box<dyn Transport>)
-                    .collect();
                 let engine =
-                    Engine::new(transports, Duration::from_secs(20), options, None).unwrap();
+                    Engine::with_channels(channels, Duration::from_secs(20), options, None)
+                        .unwrap();
                 f(rank, &engine)
             })
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// [`on_engines`] over `channels` flat rings of `p` ranks.
+fn with_engines<T: Send + 'static>(
+    p: usize,
+    channels: usize,
+    options: super::engine::EngineOptions,
+    f: impl Fn(usize, &Engine) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let per_rank = rings(p, channels)
+        .into_iter()
+        .map(|chans| {
+            chans
+                .into_iter()
+                .map(|c| {
+                    let flat: Box<dyn super::algo::Algorithm> = Box::new(super::algo::Flat);
+                    (super::algo::Groups::flat(Box::new(c)), flat)
+                })
+                .collect()
+        })
+        .collect();
+    on_engines(per_rank, options, f)
+}
+
+/// Allreduces `values` as float32 on `bucket` and returns the result.
+fn allreduce_f32(engine: &Engine, values: &[f64], average: bool, bucket: u64) -> Vec<f64> {
+    let mut buf = encode(DType::F32, values);
+    engine
+        .run(
+            Collective::Allreduce { average },
+            &mut buf,
+            DType::F32,
+            bucket,
+        )
+        .unwrap();
+    decode(DType::F32, &buf)
 }
 
 #[test]
@@ -420,20 +434,11 @@ fn half_precision_compression_averages_within_its_precision() {
             nan_check: false,
         };
         let p = 3;
-        let results = with_engines(p, options, |rank, engine| {
+        let results = with_engines(p, 2, options, |rank, engine| {
             let values: Vec<f64> = (0..5000)
                 .map(|i| ((i + rank * 7) as f64).sin() * 100.0)
                 .collect();
-            let mut buf = encode(DType::F32, &values);
-            engine
-                .run(
-                    Collective::Allreduce { average: true },
-                    &mut buf,
-                    DType::F32,
-                    3,
-                )
-                .unwrap();
-            decode(DType::F32, &buf)
+            allreduce_f32(engine, &values, true, 3)
         });
         for (i, got) in results[0].iter().enumerate() {
             let mean: f64 = (0..p)
@@ -460,7 +465,7 @@ fn the_nan_check_stops_a_bucket_before_it_is_sent_and_names_the_rank() {
         nan_check: true,
         ..Default::default()
     };
-    let errors = with_engines(3, options, |rank, engine| {
+    let errors = with_engines(3, 2, options, |rank, engine| {
         let mut values = vec![1.0; 100];
         if rank == 1 {
             values[42] = f64::NAN;
@@ -526,37 +531,20 @@ fn run_two_d(
     len: usize,
 ) -> Vec<Vec<f64>> {
     use super::algo::{Algorithm, TwoD};
-    let handles: Vec<_> = two_by_two_groups()
+    let per_rank = two_by_two_groups()
         .into_iter()
-        .enumerate()
-        .map(|(rank, groups)| {
-            std::thread::spawn(move || {
-                let algorithm: Box<dyn Algorithm> = Box::new(TwoD {
-                    threshold,
-                    inter_compression,
-                    scale: 1.0,
-                });
-                let engine = Engine::with_channels(
-                    vec![(groups, algorithm)],
-                    Duration::from_secs(20),
-                    Default::default(),
-                    None,
-                )
-                .unwrap();
-                let mut buf = encode(DType::F32, &rank_values(rank, len));
-                engine
-                    .run(
-                        Collective::Allreduce { average: false },
-                        &mut buf,
-                        DType::F32,
-                        0,
-                    )
-                    .unwrap();
-                decode(DType::F32, &buf)
-            })
+        .map(|groups| {
+            let algorithm: Box<dyn Algorithm> = Box::new(TwoD {
+                threshold,
+                inter_compression,
+                scale: 1.0,
+            });
+            vec![(groups, algorithm)]
         })
         .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_engines(per_rank, Default::default(), move |rank, engine| {
+        allreduce_f32(engine, &rank_values(rank, len), false, 0)
+    })
 }
 
 #[test]
@@ -616,44 +604,26 @@ fn top_k_sends_the_largest_entries_and_feeds_back_the_rest() {
             .map(|i| (((i * 13 + rank * 7 + step * 3) % 23) as f32 - 11.0) * 0.5)
             .collect()
     };
-    let handles: Vec<_> = rings(p, 1)
+    let options = TopKOptions {
+        ratio: 0.1,
+        threshold: 0,
+        fp16_values: false,
+    };
+    let per_rank = rings(p, 1)
         .into_iter()
-        .enumerate()
-        .map(|(rank, mut chans)| {
-            std::thread::spawn(move || {
-                let options = TopKOptions {
-                    ratio: 0.1,
-                    threshold: 0,
-                    fp16_values: false,
-                };
-                let algorithm: Box<dyn Algorithm> = Box::new(TopK::new(options, Box::new(Flat)));
-                let groups = Groups::flat(Box::new(chans.remove(0)));
-                let engine = Engine::with_channels(
-                    vec![(groups, algorithm)],
-                    Duration::from_secs(20),
-                    Default::default(),
-                    None,
-                )
-                .unwrap();
-                (0..2)
-                    .map(|step| {
-                        let values: Vec<f64> = data(rank, step).iter().map(|&v| v as f64).collect();
-                        let mut buf = encode(DType::F32, &values);
-                        engine
-                            .run(
-                                Collective::Allreduce { average: false },
-                                &mut buf,
-                                DType::F32,
-                                9,
-                            )
-                            .unwrap();
-                        decode(DType::F32, &buf)
-                    })
-                    .collect::<Vec<_>>()
-            })
+        .map(|mut chans| {
+            let algorithm: Box<dyn Algorithm> = Box::new(TopK::new(options, Box::new(Flat)));
+            vec![(Groups::flat(Box::new(chans.remove(0))), algorithm)]
         })
         .collect();
-    let results: Vec<Vec<Vec<f64>>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let results = on_engines(per_rank, Default::default(), move |rank, engine| {
+        (0..2)
+            .map(|step| {
+                let values: Vec<f64> = data(rank, step).iter().map(|&v| v as f64).collect();
+                allreduce_f32(engine, &values, false, 9)
+            })
+            .collect::<Vec<_>>()
+    });
     assert!(results.iter().all(|r| r == &results[0]), "ranks differ");
 
     // Reference: the same selection and error feedback, computed locally.

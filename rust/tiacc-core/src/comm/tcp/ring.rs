@@ -100,6 +100,25 @@ impl TcpRing {
             .collect()
     }
 
+    /// Reduce-scatter then allgather as one stream, optionally led by `tag`.
+    fn ring_allreduce(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: &mut [u8],
+        dtype: DType,
+        deadline: Deadline,
+    ) -> Result<()> {
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.guarded(|ring| {
+            let elems = buf.len() / dtype.size();
+            let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
+            steps.extend(ring.allgather_steps(elems, dtype.size()));
+            ring.run(buf, &steps, Some(dtype), tag, "allreduce", deadline)
+        })
+    }
+
     fn check_usable(&self) -> Result<()> {
         match &self.broken {
             None => Ok(()),
@@ -214,74 +233,48 @@ impl TcpRing {
 
             let mut progressed = false;
             if s_hdr < hdr_len {
-                match (&*next).write(&send_hdr[s_hdr..]) {
-                    Ok(0) => return Err(closed(&ctx, next_rank, "while sending")),
-                    Ok(k) => {
-                        s_hdr += k;
-                        progressed = true;
-                    }
-                    Err(e) if retryable(&e) => {}
-                    Err(e) => return Err(io_failure(&ctx, next_rank, "send to", &e)),
-                }
+                let k = send_some(next, &send_hdr[s_hdr..], &ctx, next_rank)?;
+                s_hdr += k;
+                progressed |= k > 0;
             } else if want_send {
                 let range = &steps[s_step].send;
                 let chunk = &buf[range.start + s_off..range.start + send_limit];
-                match (&*next).write(chunk) {
-                    Ok(0) => {
-                        return Err(closed(&ctx, next_rank, "while sending"));
-                    }
-                    Ok(k) => {
-                        s_off += k;
-                        progressed = true;
-                    }
-                    Err(e) if retryable(&e) => {}
-                    Err(e) => return Err(io_failure(&ctx, next_rank, "send to", &e)),
-                }
+                let k = send_some(next, chunk, &ctx, next_rank)?;
+                s_off += k;
+                progressed |= k > 0;
             }
             if r_hdr < hdr_len {
-                match (&*prev).read(&mut recv_hdr[r_hdr..]) {
-                    Ok(0) => return Err(closed(&ctx, prev_rank, "while receiving")),
-                    Ok(k) => {
-                        r_hdr += k;
-                        progressed = true;
-                        if r_hdr == hdr_len {
-                            if let Some(mine) = header {
-                                check_neighbour_tag(&ctx, mine, &recv_hdr, self.rank, prev_rank)?;
-                            }
-                        }
+                let k = recv_some(prev, &mut recv_hdr[r_hdr..], &ctx, prev_rank)?;
+                r_hdr += k;
+                progressed |= k > 0;
+                if k > 0 && r_hdr == hdr_len {
+                    if let Some(mine) = header {
+                        check_neighbour_tag(&ctx, mine, &recv_hdr, self.rank, prev_rank)?;
                     }
-                    Err(e) if retryable(&e) => {}
-                    Err(e) => return Err(io_failure(&ctx, prev_rank, "receive from", &e)),
                 }
             } else if want_recv {
                 let step = &steps[r_step];
                 let want = step.recv.len() - r_got;
-                let got = if step.reduce {
-                    (&*prev).read(&mut stage[r_got..r_got + want])
+                let into = if step.reduce {
+                    &mut stage[r_got..r_got + want]
                 } else {
                     let at = step.recv.start + r_got;
-                    (&*prev).read(&mut buf[at..at + want])
+                    &mut buf[at..at + want]
                 };
-                match got {
-                    Ok(0) => return Err(closed(&ctx, prev_rank, "while receiving")),
-                    Ok(k) => {
-                        r_got += k;
-                        progressed = true;
-                        let ready = if step.reduce {
-                            r_got - r_got % elem
-                        } else {
-                            r_got
-                        };
-                        if step.reduce && ready > r_done {
-                            let at = step.recv.start;
-                            let d = dtype.unwrap_or(DType::F32);
-                            d.add_assign(&mut buf[at + r_done..at + ready], &stage[r_done..ready]);
-                        }
-                        r_done = ready;
-                    }
-                    Err(e) if retryable(&e) => {}
-                    Err(e) => return Err(io_failure(&ctx, prev_rank, "receive from", &e)),
+                let k = recv_some(prev, into, &ctx, prev_rank)?;
+                r_got += k;
+                progressed |= k > 0;
+                let ready = if step.reduce {
+                    r_got - r_got % elem
+                } else {
+                    r_got
+                };
+                if step.reduce && ready > r_done {
+                    let at = step.recv.start;
+                    let d = dtype.unwrap_or(DType::F32);
+                    d.add_assign(&mut buf[at + r_done..at + ready], &stage[r_done..ready]);
                 }
+                r_done = ready;
             }
             if progressed {
                 continue;
@@ -340,6 +333,27 @@ fn check_neighbour_tag(
             mine.describe()
         ),
     })
+}
+
+/// Writes what the socket takes now: bytes written, 0 if it would block.
+fn send_some(stream: &TcpStream, bytes: &[u8], ctx: &str, peer: usize) -> Result<usize> {
+    match (&*stream).write(bytes) {
+        Ok(0) => Err(closed(ctx, peer, "while sending")),
+        Ok(k) => Ok(k),
+        Err(e) if retryable(&e) => Ok(0),
+        Err(e) => Err(io_failure(ctx, peer, "send to", &e)),
+    }
+}
+
+/// Reads what has arrived: bytes read, 0 if nothing is there yet (a closed
+/// connection is an error, since we only read bytes we still expect).
+fn recv_some(stream: &TcpStream, into: &mut [u8], ctx: &str, peer: usize) -> Result<usize> {
+    match (&*stream).read(into) {
+        Ok(0) => Err(closed(ctx, peer, "while receiving")),
+        Ok(k) => Ok(k),
+        Err(e) if retryable(&e) => Ok(0),
+        Err(e) => Err(io_failure(ctx, peer, "receive from", &e)),
+    }
 }
 
 fn retryable(e: &std::io::Error) -> bool {
@@ -474,15 +488,7 @@ impl Transport for TcpRing {
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
-        if self.size == 1 {
-            return self.check_usable();
-        }
-        self.guarded(|ring| {
-            let elems = buf.len() / dtype.size();
-            let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
-            steps.extend(ring.allgather_steps(elems, dtype.size()));
-            ring.run(buf, &steps, Some(dtype), None, "allreduce", deadline)
-        })
+        self.ring_allreduce(None, buf, dtype, deadline)
     }
 
     fn allreduce_checked(
@@ -492,15 +498,7 @@ impl Transport for TcpRing {
         dtype: DType,
         deadline: Deadline,
     ) -> Result<()> {
-        if self.size == 1 {
-            return self.check_usable();
-        }
-        self.guarded(|ring| {
-            let elems = buf.len() / dtype.size();
-            let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
-            steps.extend(ring.allgather_steps(elems, dtype.size()));
-            ring.run(buf, &steps, Some(dtype), Some(tag), "allreduce", deadline)
-        })
+        self.ring_allreduce(Some(tag), buf, dtype, deadline)
     }
 
     fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
