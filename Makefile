@@ -44,8 +44,9 @@ setup: $(STAMPS)/build ## create .venv, install dependencies, build + install th
 
 build: setup ## alias of setup
 
-demo: setup ## generate an image folder, pack it, verify it, print a summary
+demo: setup ## generate + pack a dataset, then train a CNN with 2 ranks (tiacc vs stock PyTorch)
 	$(PY) demo/pack_demo.py --workdir $(DEMO_DIR)
+	$(PY) demo/pytorch_native_ddp_demo.py --workdir $(DEMO_DIR) --compare
 
 test: setup test-rust test-python ## run every test (cargo test + pytest)
 
@@ -61,6 +62,7 @@ bench: setup ## benchmarks (write benches/results/*.json)
 
 bench-ddp: setup ## DDP step time on an emulated 2-node cluster, native vs tiacc (needs root)
 	$(PY) benches/bench_ddp.py
+	$(PY) benches/plot_ddp.py
 
 lint: setup ## rustfmt, clippy -D warnings, ruff
 	cargo fmt --all --check

@@ -2,19 +2,45 @@
 
 Trains a stack of 1024x1024 Linear layers (about 16.8 MB of float32
 gradients) with DistributedDataParallel, natively (gloo) or through the
-tiacc engine, and prints the per-step wall times of rank 0 as JSON.
+tiacc engine, and prints the per-step wall times of rank 0 as JSON. Native
+runs may register one of torch's own communication hooks (``--hook``).
+Rank 0 also reads its node's link counters around the timed steps, which
+gives the bytes that crossed between the nodes per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+def link_bytes() -> int:
+    """Bytes this node's end of the link has sent plus received so far."""
+    stats = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics"
+    return sum(int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes"))
+
+
+def register_torch_hook(ddp: nn.parallel.DistributedDataParallel, hook: str) -> None:
+    """One of torch's built-in communication hooks, as a user would."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        # Compression from the third step on, so every timed step uses it.
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2
+        )
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
 
 
 def main() -> None:
@@ -25,6 +51,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
     args = parser.parse_args()
 
     if args.mode == "tiacc":
@@ -38,21 +65,34 @@ def main() -> None:
     for _ in range(args.layers):
         layers += [nn.Linear(args.width, args.width), nn.ReLU()]
     model = nn.Sequential(*layers)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    # PowerSGD chains allreduces inside future callbacks, whose order gloo
+    # does not keep the same on every rank once there are several buckets
+    # (ranks then abort on mismatched messages): it gets a single bucket.
+    bucket_cap_mb = 64 if args.hook == "powersgd" else None
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    if args.hook != "none":
+        register_torch_hook(ddp, args.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x = torch.randn(args.batch, args.width)
     times = []
     cpu_start = 0.0
+    link_start = 0
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
+            dist.barrier()
             usage = resource.getrusage(resource.RUSAGE_SELF)
             cpu_start = usage.ru_utime + usage.ru_stime
+            link_start = link_bytes()
         start = time.perf_counter()
         opt.zero_grad()
         ddp(x).square().mean().backward()
         opt.step()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+    # Every rank's last step is done when the barrier returns; the counters
+    # then hold exactly the timed steps' traffic (plus one barrier's).
+    dist.barrier()
+    link_per_step = (link_bytes() - link_start) / args.steps
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu_per_step = (usage.ru_utime + usage.ru_stime - cpu_start) / args.steps
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -67,6 +107,7 @@ def main() -> None:
                     "bucket_bytes_cap": ddp.bucket_bytes_cap,
                     "checksum": checksum,
                     "rank0_cpu_s_per_step": cpu_per_step,
+                    "link_bytes_per_step": link_per_step,
                 }
             ),
             flush=True,

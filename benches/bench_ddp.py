@@ -2,17 +2,28 @@
 
 Two network namespaces joined by a veth link limited to --rate-mbit each way
 (tools/netns_cluster.py); ranks 0-1 on node 0, ranks 2-3 on node 1. The
-model has about 16.8 MB of float32 gradients. Native DDP uses gloo with its
-defaults; tiacc uses the engine with 1, 2 and 4 channels and
-TIACC_TRAINING_FUSION_THRESHOLD=--fusion-bytes. Reports the median step time
-and native/tiacc, and the ring allreduce bound: a ring crosses the link once
-each way, carrying 2(p-1)/p of the gradients, so
-bound = 1.5 x gradient bytes / link bytes per second. A last run uses the 2D
-allreduce (LIGHT_2D_ALLREDUCE=1, 2 channels), whose inter-node step carries
-each gradient byte across the link once each way: bound = 1.0 x gradient
-bytes / link rate. Needs root.
+model has about 16.8 MB of float32 gradients. In one run it measures:
 
-Writes benches/results/bench_ddp.json.
+- native DDP (gloo) with its defaults, and with torch's own communication
+  hooks as peers: ``fp16_compress_hook`` and PowerSGD (rank 4);
+- tiacc's flat ring with 1, 2 and 4 channels
+  (TIACC_TRAINING_NUM_NCCL_STREAMS) and with fp16 compression;
+- tiacc's 2D allreduce (LIGHT_2D_ALLREDUCE=1), alone, with fp16 everywhere,
+  and with fp16 between nodes only ("mixed precision",
+  TIACC_TRAINING_COMPRESSION_SCOPE=inter);
+- tiacc's Top-K 1% with 2D (dense inside a node, sparse between nodes),
+  with float32 and with float16 values.
+
+Every tiacc run uses TIACC_TRAINING_FUSION_THRESHOLD=--fusion-bytes and 2
+channels unless stated. Reported per run: median step time, native/this,
+the bytes that crossed the link per step per rank (rank 0 reads its node's
+link counters around the timed steps; the link is shared by the 4 ranks),
+and, for dense pipelines, the time bound the link sets: a ring crosses the
+link once each way carrying 2(p-1)/p of the gradients (1.5 x gradient
+bytes / link rate), 2D's inter-node step carries each gradient byte once
+each way (1.0 x), fp16 halves either. Needs root.
+
+Writes benches/results/bench_ddp.json (plot: benches/plot_ddp.py).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -35,7 +47,9 @@ from netns_cluster import cluster, link_stats  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
 
 
-def run_job(nodes, mode: str, env_extra: dict[str, str], args: argparse.Namespace) -> dict:
+def run_job(
+    nodes, mode: str, env_extra: dict[str, str], args: argparse.Namespace, hook: str = "none"
+) -> dict:
     ranks_per_node = 2
     world = ranks_per_node * len(nodes)
     port = 29000 + int(time.time()) % 1000
@@ -67,6 +81,8 @@ def run_job(nodes, mode: str, env_extra: dict[str, str], args: argparse.Namespac
                 str(args.steps),
                 "--warmup",
                 str(args.warmup),
+                "--hook",
+                hook,
             ]
         )
         procs.append(
@@ -77,9 +93,13 @@ def run_job(nodes, mode: str, env_extra: dict[str, str], args: argparse.Namespac
     before = link_stats()
     outputs = [p.communicate(timeout=900) for p in procs]
     after = link_stats()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
-        if p.returncode != 0:
-            raise RuntimeError(f"{mode} rank {rank} failed ({p.returncode}):\n{out}\n{err[-3000:]}")
+    failed = [
+        f"rank {rank} exited {p.returncode}:\n{out}\n{err[-2000:]}"
+        for rank, (p, (out, err)) in enumerate(zip(procs, outputs))
+        if p.returncode != 0
+    ]
+    if failed:
+        raise RuntimeError(f"{mode} ({hook}) failed:\n" + "\n".join(failed))
     line = next(x for x in outputs[0][0].splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
     result["link_dropped_packets"] = after["dropped_packets"] - before["dropped_packets"]
@@ -87,64 +107,103 @@ def run_job(nodes, mode: str, env_extra: dict[str, str], args: argparse.Namespac
     return result
 
 
+@dataclass(frozen=True)
+class Pipeline:
+    """One measured configuration."""
+
+    label: str
+    mode: str  # "native" or "tiacc"
+    channels: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    hook: str = "none"
+    # Link crossings per gradient byte (1.5 ring, 1.0 2D; halved by fp16);
+    # None where the traffic depends on the data (Top-K, PowerSGD).
+    bound_factor: float | None = None
+
+
+def pipelines(channels: list[int]) -> list[Pipeline]:
+    """Every configuration, native first (the ratios' reference)."""
+    fp16 = ("TIACC_TRAINING_COMPRESSION", "fp16")
+    two_d = ("LIGHT_2D_ALLREDUCE", "1")
+    topk = (("LIGHT_TOPK_ALLREDUCE", "1"), ("LIGHT_TOPK_RATIO", "0.01"))
+    runs = [
+        Pipeline("native DDP (gloo)", "native", bound_factor=1.5),
+        Pipeline("torch fp16_compress_hook", "native", hook="fp16", bound_factor=0.75),
+        Pipeline("torch PowerSGD rank 4", "native", hook="powersgd"),
+    ]
+    runs += [Pipeline("tiacc ring", "tiacc", c, bound_factor=1.5) for c in channels]
+    runs += [
+        Pipeline("tiacc ring fp16", "tiacc", 2, (fp16,), bound_factor=0.75),
+        Pipeline("tiacc 2D", "tiacc", 2, (two_d,), bound_factor=1.0),
+        Pipeline("tiacc 2D + fp16", "tiacc", 2, (two_d, fp16), bound_factor=0.5),
+        Pipeline(
+            "tiacc 2D mixed precision",
+            "tiacc",
+            2,
+            (two_d, fp16, ("TIACC_TRAINING_COMPRESSION_SCOPE", "inter")),
+            bound_factor=0.5,
+        ),
+        Pipeline("tiacc 2D + Top-K 1%", "tiacc", 2, (two_d, *topk)),
+        Pipeline("tiacc 2D + Top-K 1% fp16", "tiacc", 2, (two_d, *topk, ("LIGHT_TOPK_FP16", "1"))),
+    ]
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate-mbit", type=float, default=200.0)
-    parser.add_argument("--channels", default="1,2,4")
+    parser.add_argument("--channels", default="1,2,4", help="channel counts of the flat ring")
     parser.add_argument("--fusion-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument(
-        "--no-2d", dest="two_d", action="store_false", help="skip the LIGHT_2D_ALLREDUCE=1 run"
-    )
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--only", default="", help="comma-separated substrings: run only matching pipelines"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benches/results/bench_ddp.json")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_ddp.py needs root (network namespaces and tc)")
 
+    runs = pipelines([int(c) for c in args.channels.split(",")])
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",")]
+        runs = [runs[0]] + [r for r in runs[1:] if any(w in r.label for w in wanted)]
     rows = []
     with cluster(args.rate_mbit) as nodes:
-        native = run_job(nodes, "native", {}, args)
-        rows.append({"pipeline": "native DDP (gloo)", "channels": None, **native})
-        for channels in [int(c) for c in args.channels.split(",")]:
-            env = {
-                "TIACC_TRAINING_NUM_NCCL_STREAMS": str(channels),
-                "TIACC_TRAINING_FUSION_THRESHOLD": str(args.fusion_bytes),
-            }
-            result = run_job(nodes, "tiacc", env, args)
-            rows.append({"pipeline": "tiacc", "channels": channels, **result})
-        if args.two_d:
-            env = {
-                "TIACC_TRAINING_NUM_NCCL_STREAMS": "2",
-                "TIACC_TRAINING_FUSION_THRESHOLD": str(args.fusion_bytes),
-                "LIGHT_2D_ALLREDUCE": "1",
-            }
-            result = run_job(nodes, "tiacc", env, args)
-            rows.append({"pipeline": "tiacc 2D", "channels": 2, **result})
+        for run in runs:
+            env = dict(run.env)
+            if run.mode == "tiacc":
+                env["TIACC_TRAINING_NUM_NCCL_STREAMS"] = str(run.channels)
+                env["TIACC_TRAINING_FUSION_THRESHOLD"] = str(args.fusion_bytes)
+            result = run_job(nodes, run.mode, env, args, run.hook)
+            rows.append({"pipeline": run.label, "channels": run.channels, "env": env, **result})
+            print(f"  {run.label}: {statistics.median(result['step_s']) * 1000:.0f} ms", flush=True)
 
     link_bytes_per_s = args.rate_mbit * 1e6 / 8
     grad_bytes = rows[0]["grad_bytes"]
-    bound_s = 1.5 * grad_bytes / link_bytes_per_s
     native_median = statistics.median(rows[0]["step_s"])
+    world = 4
+    print(f"gradients {grad_bytes / 1e6:.1f} MB, link {args.rate_mbit:g} Mbit/s each way")
     print(
-        f"gradients {grad_bytes / 1e6:.1f} MB, link {args.rate_mbit:g} Mbit/s each way, "
-        f"ring bound {bound_s * 1000:.0f} ms"
+        f"{'pipeline':<28} {'ch':>3} {'median ms':>10} {'native/this':>12} "
+        f"{'MB/step/rank':>13} {'bound ms':>9} {'drops':>6}"
     )
-    header = ("pipeline", "channels", "median ms", "native/tiacc", "vs bound", "drops")
-    print(
-        f"{header[0]:<20} {header[1]:>8} {header[2]:>10} {header[3]:>13} {header[4]:>9} "
-        f"{header[5]:>7}"
-    )
-    for row in rows:
+    for run, row in zip(runs, rows):
         median = statistics.median(row["step_s"])
         row["median_ms"] = round(median * 1000, 1)
         row["native_over_this"] = round(native_median / median, 3)
-        row["over_ring_bound"] = round(median / bound_s, 3)
+        row["link_bytes_per_step_per_rank"] = round(row["link_bytes_per_step"] / world)
+        bound = (
+            None if run.bound_factor is None else run.bound_factor * grad_bytes / link_bytes_per_s
+        )
+        row["bound_ms"] = None if bound is None else round(bound * 1000, 1)
         ch = "-" if row["channels"] is None else str(row["channels"])
+        bound_text = "-" if bound is None else f"{bound * 1000:.0f}"
         print(
-            f"{row['pipeline']:<20} {ch:>8} {row['median_ms']:>10.1f} "
-            f"{row['native_over_this']:>12.2f}x {row['over_ring_bound']:>8.2f}x "
-            f"{row['link_dropped_packets']:>7}"
+            f"{row['pipeline']:<28} {ch:>3} {row['median_ms']:>10.1f} "
+            f"{row['native_over_this']:>11.2f}x "
+            f"{row['link_bytes_per_step_per_rank'] / 1e6:>13.2f} {bound_text:>9} "
+            f"{row['link_dropped_packets']:>6}"
         )
     result = {
         "benchmark": "bench_ddp",
@@ -158,7 +217,6 @@ def main() -> None:
             "model": "4 x Linear(1024, 1024) + ReLU, batch 16, SGD",
         },
         "grad_bytes": grad_bytes,
-        "ring_bound_ms": round(bound_s * 1000, 1),
         "rows": rows,
         "machine": machine_info(["torch", "tiacc-training"]),
     }
