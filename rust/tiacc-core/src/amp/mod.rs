@@ -351,22 +351,26 @@ impl Default for State {
 
 impl State {
     fn validate(&self) -> Result<()> {
-        let bad = |m: &str| Err(Error::InvalidArgument(format!("invalid policy state: {m}")));
+        let bad = |m: String| Err(Error::InvalidArgument(format!("invalid policy state: {m}")));
         if self.losses.len() > LOSS_WINDOW || self.losses.iter().any(|v| !v.is_finite()) {
-            return bad("losses must be at most 20 finite numbers");
+            return bad(format!(
+                "losses must be at most {LOSS_WINDOW} finite numbers"
+            ));
         }
         if self.overflows.len() > OVERFLOW_WINDOW {
-            return bad("overflows must hold at most 32 entries");
+            return bad(format!(
+                "overflows must hold at most {OVERFLOW_WINDOW} entries"
+            ));
         }
         if self.cool_level > MAX_BACKOFF {
-            return bad("cool_level must be at most 4");
+            return bad(format!("cool_level must be at most {MAX_BACKOFF}"));
         }
         if !self.trend.is_finite() {
-            return bad("trend sums must be finite");
+            return bad("trend sums must be finite".into());
         }
-        let positive = |v: Option<f64>| v.is_none_or(|x| x.is_finite());
-        if !positive(self.ref_lr) || !positive(self.last_scale) || !positive(self.peak_scale) {
-            return bad("ref_lr, last_scale and peak_scale must be finite or None");
+        let finite = |v: Option<f64>| v.is_none_or(|x| x.is_finite());
+        if !finite(self.ref_lr) || !finite(self.last_scale) || !finite(self.peak_scale) {
+            return bad("ref_lr, last_scale and peak_scale must be finite or None".into());
         }
         Ok(())
     }
