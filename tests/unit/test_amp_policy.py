@@ -4,6 +4,7 @@ the GradScaler guard, state_dict round trips and a CPU training run."""
 from __future__ import annotations
 
 import io
+import json
 import math
 
 import pytest
@@ -378,6 +379,8 @@ def test_state_dict_resume_decides_identically(make, cut):
     got += [second.enable_mixed_precision(i, **scripted(i)) for i in range(cut, 200)]
     assert got == expected
     assert second.state_dict() == whole.state_dict()
+    # Plain values only.
+    assert json.loads(json.dumps(whole.state_dict())) == whole.state_dict()
 
 
 def test_load_state_dict_checks():
@@ -464,3 +467,29 @@ def test_cpu_training_with_bf16_autocast_and_grad_scaler():
     assert enabled[24] and not any(enabled[25:29]) and enabled[29]
     assert not any(enabled[40:])
     assert sum(enabled) >= 20
+
+
+@pytest.mark.gpu
+def test_cuda_fp16_autocast_with_grad_scaler():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = model.cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cuda")
+    policy = Policy(0, 2, None, 30)
+    x = torch.randn(64, 8, device="cuda")
+    y = x.sum(dim=1, keepdim=True)
+    loss = None
+    for step in range(32):
+        on = policy.enable_mixed_precision(step, 0.05, loss, scaler=scaler)
+        assert on is (2 <= step < 30)
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16, enabled=on):
+            out = model(x)
+            assert out.dtype == (torch.float16 if on else torch.float32)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert math.isfinite(loss.item())
+    assert policy.autocast_dtype("cuda") in (torch.bfloat16, torch.float16)

@@ -92,7 +92,8 @@ impl AmpPolicy {
         Ok(d)
     }
 
-    /// The state as a dict of numbers, lists, strings and None.
+    /// The state as a flat dict of numbers, lists of numbers or booleans,
+    /// strings and None (JSON-serialisable, storable by `torch.save`).
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.state();
         let d = PyDict::new(py);
@@ -105,11 +106,11 @@ impl AmpPolicy {
         d.set_item("losses", s.losses)?;
         d.set_item("verdict", s.verdict.map(|v| v.as_str()))?;
         d.set_item("trend_window", s.trend_window)?;
-        let t = s.trend;
-        d.set_item(
-            "trend_sums",
-            (t.n, t.sum_x, t.sum_y, t.sum_xx, t.sum_xy).into_pyobject(py)?,
-        )?;
+        d.set_item("trend_n", s.trend.n)?;
+        d.set_item("trend_sum_x", s.trend.sum_x)?;
+        d.set_item("trend_sum_y", s.trend.sum_y)?;
+        d.set_item("trend_sum_xx", s.trend.sum_xx)?;
+        d.set_item("trend_sum_xy", s.trend.sum_xy)?;
         d.set_item("last_scale", s.last_scale)?;
         d.set_item("peak_scale", s.peak_scale)?;
         d.set_item("overflows", s.overflows)?;
@@ -137,7 +138,6 @@ impl AmpPolicy {
         let last_reason: String = field!("last_reason", String);
         let verdict: Option<String> = field!("verdict", Option<String>);
         let last_trip: Option<String> = field!("last_trip", Option<String>);
-        let (n, sum_x, sum_y, sum_xx, sum_xy) = field!("trend_sums", (u64, f64, f64, f64, f64));
         let s = State {
             last_counter: field!("last_counter", Option<u64>),
             resets: field!("resets", u64),
@@ -149,11 +149,11 @@ impl AmpPolicy {
             verdict: verdict.map(|v| amp::Verdict::parse(&v)).transpose().py()?,
             trend_window: field!("trend_window", Option<u64>),
             trend: TrendSums {
-                n,
-                sum_x,
-                sum_y,
-                sum_xx,
-                sum_xy,
+                n: field!("trend_n", u64),
+                sum_x: field!("trend_sum_x", f64),
+                sum_y: field!("trend_sum_y", f64),
+                sum_xx: field!("trend_sum_xx", f64),
+                sum_xy: field!("trend_sum_xy", f64),
             },
             last_scale: field!("last_scale", Option<f64>),
             peak_scale: field!("peak_scale", Option<f64>),
