@@ -199,3 +199,34 @@ class PackedDataset:
         downscale: bool = True,
         threads: int = 0,
     ) -> None: ...
+
+# Mixed-precision policy (rust/tiacc-py/src/amp.rs)
+def amp_constants() -> dict[str, Union[int, float]]: ...
+
+class AmpPolicy:
+    def __init__(
+        self,
+        policy: int,
+        start: int,
+        end: Optional[int],
+        hold: Optional[int],
+        interval: int,
+        interval_hold: int,
+        cooldown: int,
+    ) -> None: ...
+    def decide(
+        self,
+        counter: int,
+        lr: Optional[float] = None,
+        loss: Optional[float] = None,
+        scale: Optional[float] = None,
+    ) -> bool: ...
+    @property
+    def last_reason(self) -> str: ...
+    @property
+    def last_trip(self) -> Optional[str]: ...
+    @property
+    def cooling(self) -> bool: ...
+    def config(self) -> dict[str, Optional[int]]: ...
+    def state(self) -> dict[str, Any]: ...
+    def load_state(self, state: dict[str, Any]) -> None: ...

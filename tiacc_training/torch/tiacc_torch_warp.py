@@ -1,7 +1,9 @@
 """PyTorch-facing classes under the names the TI-ACC documents use.
 
 ``IndexTFRDataset`` reads a dataset packed by ``img2tfrecord`` (or any
-TFRecord shards with an index from ``build_index``) with random access.
+TFRecord shards with an index from ``build_index``) with random access;
+``MixedPrecision_TrainingPolicy`` (defined in ``_amp``) decides when to train
+in mixed precision.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.utils.data
 from PIL import Image
 
 from tiacc_training import _engine
+from tiacc_training.torch._amp import MixedPrecision_TrainingPolicy
 from tiacc_training.torch._fused import FusedPlan
 
 
@@ -243,4 +246,4 @@ class IndexTFRDataset(torch.utils.data.Dataset):
 IndexTfrDataset = IndexTFRDataset
 """PEP 8 spelling of :class:`IndexTFRDataset`."""
 
-__all__ = ["IndexTFRDataset", "IndexTfrDataset"]
+__all__ = ["IndexTFRDataset", "IndexTfrDataset", "MixedPrecision_TrainingPolicy"]

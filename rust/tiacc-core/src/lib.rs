@@ -3,6 +3,7 @@
 //! Pure Rust with no Python dependency, so every piece is testable with
 //! `cargo test`. The `tiacc-py` crate wraps it for Python.
 
+pub mod amp;
 pub mod comm;
 pub mod config;
 pub mod dataset;

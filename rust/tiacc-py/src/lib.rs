@@ -5,6 +5,7 @@
 
 use pyo3::prelude::*;
 
+mod amp;
 mod comm;
 mod dataset;
 mod errors;
@@ -38,5 +39,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(comm::random_token, m)?)?;
     m.add_function(wrap_pyfunction!(comm::local_addr_towards, m)?)?;
     m.add_class::<comm::CommEngine>()?;
+    m.add_class::<amp::AmpPolicy>()?;
+    m.add_function(wrap_pyfunction!(amp::amp_constants, m)?)?;
     Ok(())
 }

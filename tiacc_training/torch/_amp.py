@@ -1,0 +1,395 @@
+"""The adaptive mixed-precision policy (``MixedPrecision_TrainingPolicy``).
+
+The decisions are made by a state machine in the Rust engine; this module
+checks the arguments, reads the GradScaler and converts values.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Any, Optional, Union
+
+import torch
+
+from tiacc_training import _engine
+
+__all__ = ["MixedPrecision_TrainingPolicy"]
+
+_STATE_VERSION = 1
+
+
+class _Unset:
+    """Marks an argument the caller did not pass."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET = _Unset()
+
+_Count = Union[int, None, _Unset]
+
+
+def _pick(doc_name: str, doc_value: _Count, table_name: str, table_value: _Count) -> _Count:
+    """The value of a parameter that has two spellings, or ``_UNSET``."""
+    if not isinstance(doc_value, _Unset) and not isinstance(table_value, _Unset):
+        raise TypeError(
+            f"{table_name} and {doc_name} are two names of one parameter; pass only one of them"
+        )
+    return table_value if isinstance(doc_value, _Unset) else doc_value
+
+
+def _count(name: str, value: Any, minimum: int = 0) -> Optional[int]:
+    """``value`` as a non-negative int (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got a bool")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {number}")
+    return number
+
+
+def _scalar(name: str, value: Any) -> Optional[float]:
+    """A number or a one-element tensor as a float (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}"
+            )
+        return float(value.detach().reshape(()).item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+class MixedPrecision_TrainingPolicy:
+    """Decides, step by step or epoch by epoch, whether to train in mixed precision.
+
+    Call :meth:`enable_mixed_precision` once per step (or epoch) before the
+    forward pass and pass the result as ``enabled=`` to ``torch.autocast``.
+    ``epoch`` is the caller's counter (a step or an epoch number; every
+    duration below is in its units). It should not decrease; when it does,
+    the policy treats the call as a restart and forgets everything it
+    learnt (as if newly built; use :meth:`state_dict` /
+    :meth:`load_state_dict` to resume a run instead). Calling twice with the
+    same counter is fine.
+
+    **Policy 0 (time).** Mixed precision is on iff
+    ``start_time <= epoch < end_time`` (start inclusive, end exclusive);
+    ``end_time=None`` means no end.
+
+    **Policy 1 (time + learning rate).** As policy 0, but an *event* at
+    counter ``e`` forces fp32 for ``hold_time`` units: off while
+    ``epoch < e + hold_time`` (a later event extends the hold; events are
+    watched inside and outside the time window). Events:
+
+    * the learning rate changes: ``|lr - ref| > 0.1 * max(|lr|, |ref|)``,
+      where ``ref`` is the first ``lr`` passed, then the ``lr`` at the last
+      such event (a step decay fires once, a per-step schedule once per 10 %
+      of cumulative change);
+    * the loss fluctuates abnormally: once at least 5 of the last 20 finite
+      losses are recorded, a loss is abnormal iff
+      ``|loss - mean| > max(4 * std, 0.02 * |mean|)`` (mean and population
+      standard deviation of those recent losses, before the new one joins).
+
+    **Policy 2 (loss trend).** Every ``interval_time`` units, for
+    ``interval_hold_time`` units, the policy runs a trial: on for
+    ``k * interval_time <= epoch < k * interval_time + interval_hold_time``
+    (``k >= 1``, so with 1000 and 100: 1000-1099, 2000-2099, ...). The loss
+    argument is the previous step's loss, so the losses passed at counters
+    ``k * interval_time < epoch <= k * interval_time + interval_hold_time``
+    are the trial's; a least-squares line is fitted through them and the
+    relative drop over the trial, ``r = -slope * interval_hold_time /
+    |mean loss|``, is judged at the first call at or after the trial's end:
+    falling too fast (``r > 0.5``) or too slowly (``r < 0.01``, flat or
+    rising) turns mixed precision off until the next trial, otherwise it
+    stays on. Fewer than 3 losses keep the previous verdict; before the
+    first verdict mixed precision is on. ``start_time``/``end_time`` are not
+    used by policy 2.
+
+    **Scaler guard (every policy, beyond the TI-ACC documents).** The policy
+    watches the ``GradScaler`` passed as ``scaler`` and the loss. A *trip*
+    turns mixed precision off for a cool-down of ``cooldown`` units (counter
+    ``e`` to ``e + cooldown - 1``), whatever the policy says; afterwards it
+    tries again. Trips: a non-finite loss; a non-finite scale or one below
+    1.0; a scale at least 1024 times below the highest seen since the guard
+    was last armed; 6 scale decreases (each is an overflowed, skipped step)
+    within the last 32 calls. Backoff: a trip less than one cool-down length
+    after the previous cool-down ended doubles the cool-down (up to 16 x
+    ``cooldown``); a later trip starts again from ``cooldown``. When a
+    cool-down ends the guard re-arms (the current scale becomes the peak,
+    the overflow history is cleared). ``cooldown=0`` disables the guard.
+    A disabled scaler (``is_enabled()`` false) or none is not watched.
+
+    Cost: one ``scaler.get_scale()`` per call (on CUDA that reads the scale
+    tensor, one device-to-host copy) and ``float(loss)`` when the loss is a
+    tensor (a synchronisation if it lives on a GPU); no other GPU work.
+
+    Args:
+        policy: 0 (time), 1 (time + learning rate) or 2 (loss trend).
+        start_step: First counter of the time window (policies 0 and 1);
+            default 10. Keyword alias ``start_time``.
+        hold_step: Length of a hold (policy 1, required there). Keyword
+            alias ``hold_time``.
+        end_step: First counter after the time window; None (default) = no
+            end. Keyword alias ``end_time``.
+        test_interval: Period of the trials (policy 2); default 1000.
+            Keyword alias ``interval_time``.
+        test_step: Length of a trial (policy 2), less than the period;
+            default 100. Keyword alias ``interval_hold_time``.
+        start_time: Alias of ``start_step`` (the documents' table name).
+        end_time: Alias of ``end_step``.
+        hold_time: Alias of ``hold_step``.
+        interval_time: Alias of ``test_interval``.
+        interval_hold_time: Alias of ``test_step``.
+        cooldown: Base cool-down of the scaler guard; 0 turns it off.
+
+    Raises:
+        TypeError: A parameter given under both of its names, or a non-int.
+        ValueError: A bad policy number, a parameter the policy needs that is
+            missing (named in the message), or an out-of-range value.
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cuda")
+        >>> policy = MixedPrecision_TrainingPolicy(1, 10, 20, None)  # hold 20 steps
+        >>> loss = None
+        >>> for step, (x, y) in enumerate(loader):
+        ...     lr = optimizer.param_groups[0]["lr"]
+        ...     on = policy.enable_mixed_precision(step, lr, loss, scaler=scaler)
+        ...     with torch.autocast("cuda", dtype=policy.autocast_dtype("cuda"), enabled=on):
+        ...         loss = criterion(model(x), y)
+        ...     scaler.scale(loss).backward()
+        ...     scaler.step(optimizer)
+        ...     scaler.update()
+    """
+
+    def __init__(
+        self,
+        policy: int,
+        start_step: _Count = _UNSET,
+        hold_step: _Count = _UNSET,
+        end_step: _Count = _UNSET,
+        test_interval: _Count = _UNSET,
+        test_step: _Count = _UNSET,
+        *,
+        start_time: _Count = _UNSET,
+        end_time: _Count = _UNSET,
+        hold_time: _Count = _UNSET,
+        interval_time: _Count = _UNSET,
+        interval_hold_time: _Count = _UNSET,
+        cooldown: int = 100,
+    ) -> None:
+        if isinstance(policy, bool) or not isinstance(policy, numbers.Integral):
+            raise TypeError(f"policy must be an int (0, 1 or 2), got {type(policy).__name__}")
+        number = int(policy)
+        if number not in (0, 1, 2):
+            raise ValueError(
+                f"policy must be 0 (time), 1 (time + learning rate) or 2 (loss), got {number}"
+            )
+        start = _pick("start_step", start_step, "start_time", start_time)
+        hold = _pick("hold_step", hold_step, "hold_time", hold_time)
+        end = _pick("end_step", end_step, "end_time", end_time)
+        interval = _pick("test_interval", test_interval, "interval_time", interval_time)
+        interval_hold = _pick("test_step", test_step, "interval_hold_time", interval_hold_time)
+        start = _count("start_time", 10 if isinstance(start, _Unset) else start)
+        hold = _count("hold_time", None if isinstance(hold, _Unset) else hold, minimum=1)
+        end = _count("end_time", None if isinstance(end, _Unset) else end)
+        interval = _count(
+            "interval_time", 1000 if isinstance(interval, _Unset) else interval, minimum=1
+        )
+        interval_hold = _count(
+            "interval_hold_time",
+            100 if isinstance(interval_hold, _Unset) else interval_hold,
+            minimum=1,
+        )
+        cooldown_units = _count("cooldown", cooldown)
+        if cooldown_units is None:
+            raise TypeError("cooldown must be an int, got None")
+
+        missing = []
+        if number in (0, 1) and start is None:
+            missing.append("start_time (start_step)")
+        if number == 1 and hold is None:
+            missing.append("hold_time (hold_step)")
+        if number == 2 and interval is None:
+            missing.append("interval_time (test_interval)")
+        if number == 2 and interval_hold is None:
+            missing.append("interval_hold_time (test_step)")
+        if missing:
+            raise ValueError(f"policy {number} requires {', '.join(missing)}")
+        if number in (0, 1) and end is not None and start is not None and end <= start:
+            raise ValueError(f"end_time ({end}) must be greater than start_time ({start})")
+        if (
+            number == 2
+            and interval is not None
+            and interval_hold is not None
+            and interval_hold >= interval
+        ):
+            raise ValueError(
+                f"interval_hold_time ({interval_hold}) must be less than interval_time ({interval})"
+            )
+        self._engine = _engine.AmpPolicy(
+            number,
+            start if start is not None else 0,
+            end,
+            hold,
+            interval if interval is not None else 1000,
+            interval_hold if interval_hold is not None else 100,
+            cooldown_units,
+        )
+
+    def enable_mixed_precision(
+        self,
+        epoch: int,
+        lr: Optional[float] = None,
+        loss: Any = None,
+        scaler: Any = None,
+    ) -> bool:
+        """Whether the coming step (or epoch) should run under autocast.
+
+        Args:
+            epoch: The caller's counter (step or epoch), non-negative.
+            lr: The current learning rate (policy 1 watches it).
+            loss: The previous step's loss: a number or a one-element tensor
+                (policies 1 and 2 and the guard read it).
+            scaler: The ``torch.amp.GradScaler`` in use, or None; anything
+                with ``get_scale()`` and ``is_enabled()`` works.
+
+        Returns:
+            True to train the step in mixed precision, False for fp32.
+
+        Raises:
+            TypeError: An argument of the wrong type.
+            ValueError: A negative counter or a non-finite learning rate.
+        """
+        counter = _count("epoch", epoch)
+        if counter is None:
+            raise TypeError("epoch must be an int, got None")
+        rate = _scalar("lr", lr)
+        if rate is not None and not math.isfinite(rate):
+            raise ValueError(f"lr must be finite, got {rate}")
+        loss_value = _scalar("loss", loss)
+        scale = None
+        if scaler is not None:
+            if not (hasattr(scaler, "get_scale") and hasattr(scaler, "is_enabled")):
+                raise TypeError(
+                    "scaler must be a torch.amp.GradScaler (get_scale() and is_enabled()), "
+                    f"got {type(scaler).__name__}"
+                )
+            if scaler.is_enabled():
+                scale = float(scaler.get_scale())
+        return bool(self._engine.decide(counter, rate, loss_value, scale))
+
+    @staticmethod
+    def autocast_dtype(device_type: str = "cuda") -> torch.dtype:
+        """The dtype to pass to ``torch.autocast`` on ``device_type``.
+
+        ``torch.bfloat16`` on CPU and on CUDA devices that support it
+        (Ampere and later), ``torch.float16`` elsewhere. bfloat16 has
+        float32's exponent range, so it rarely overflows and needs no loss
+        scaling (a GradScaler may still be used; it is harmless).
+
+        Args:
+            device_type: ``"cpu"``, ``"cuda"`` or another torch device type.
+
+        Returns:
+            The autocast dtype.
+        """
+        if not isinstance(device_type, str):
+            raise TypeError(f"device_type must be a str, got {type(device_type).__name__}")
+        kind = device_type.split(":", 1)[0]
+        if kind == "cpu":
+            return torch.bfloat16
+        if kind == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float16
+
+    @property
+    def policy(self) -> int:
+        """The policy number (0, 1 or 2)."""
+        return int(self._engine.config()["policy"])
+
+    @property
+    def last_reason(self) -> str:
+        """Why the last decision was made.
+
+        One of ``none`` (no call yet), ``before_start``, ``window``,
+        ``after_end``, ``hold``, ``trial``, ``trend_default``, ``trend_ok``,
+        ``trend_fast``, ``trend_slow`` or ``cooldown``.
+        """
+        return str(self._engine.last_reason)
+
+    @property
+    def last_trip(self) -> Optional[str]:
+        """What last tripped the scaler guard, or None.
+
+        One of ``nonfinite_loss``, ``nonfinite_scale``, ``scale_floor``,
+        ``scale_collapse`` or ``overflow``.
+        """
+        return self._engine.last_trip
+
+    @property
+    def cooling(self) -> bool:
+        """Whether a scaler-guard cool-down is running."""
+        return bool(self._engine.cooling)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's parameters and state as plain values (for ``torch.save``).
+
+        Returns:
+            ``{"version": 1, "config": {...}, "state": {...}}``.
+        """
+        return {
+            "version": _STATE_VERSION,
+            "config": dict(self._engine.config()),
+            "state": dict(self._engine.state()),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continues from a :meth:`state_dict` of a policy with the same parameters.
+
+        Args:
+            state_dict: What :meth:`state_dict` returned.
+
+        Raises:
+            TypeError: ``state_dict`` or one of its fields has the wrong type.
+            ValueError: A different version or different parameters, or an
+                invalid state.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        for key in ("version", "config", "state"):
+            if key not in state_dict:
+                raise ValueError(f"state_dict is missing {key!r}")
+        if state_dict["version"] != _STATE_VERSION:
+            raise ValueError(
+                f"state_dict version {state_dict['version']!r} is not {_STATE_VERSION}"
+            )
+        config, state = state_dict["config"], state_dict["state"]
+        if not isinstance(config, dict) or not isinstance(state, dict):
+            raise TypeError("state_dict['config'] and state_dict['state'] must be dicts")
+        mine = dict(self._engine.config())
+        if config != mine:
+            diff = sorted(k for k in set(mine) | set(config) if mine.get(k) != config.get(k))
+            raise ValueError(
+                "state_dict was saved by a policy with other parameters: "
+                + ", ".join(f"{k}={config.get(k)!r} (here {mine.get(k)!r})" for k in diff)
+            )
+        self._engine.load_state(state)
+
+    def __repr__(self) -> str:
+        c = self._engine.config()
+        return (
+            f"MixedPrecision_TrainingPolicy(policy={c['policy']}, start_time={c['start']}, "
+            f"end_time={c['end']}, hold_time={c['hold']}, interval_time={c['interval']}, "
+            f"interval_hold_time={c['interval_hold']}, cooldown={c['cooldown']})"
+        )
