@@ -282,7 +282,7 @@ impl NcclCommunicator {
         let poll = seconds("poll_interval", poll_interval)?;
         let comm = self.inner.clone();
         py.detach(move || {
-            nccl::watch(&comm, Deadline::after(timeout), poll, || {
+            nccl::watch(&*comm, Deadline::after(timeout), poll, || {
                 Python::attach(|py| is_done.call0(py)?.extract::<bool>(py)).map_err(|e| {
                     tiacc_core::Error::Comm {
                         peer: None,

@@ -439,6 +439,31 @@ fn to_c_int(value: usize, what: &str) -> Result<c_int> {
         .map_err(|_| Error::InvalidArgument(format!("{what} {value} does not fit a C int")))
 }
 
+/// What [`watch`] needs from a communicator (a trait so that the watchdog's
+/// logic is tested without a GPU).
+pub trait Watched {
+    /// The group, this rank and the group size (for messages).
+    fn location(&self) -> (Group, usize, usize);
+    /// `Ok(Some(error))` once the communicator has failed asynchronously.
+    fn async_error(&self) -> Result<Option<Error>>;
+    /// Ends outstanding operations; later calls fail with `reason`.
+    fn abort(&self, reason: &str);
+}
+
+impl Watched for NcclCommunicator {
+    fn location(&self) -> (Group, usize, usize) {
+        (self.group, self.rank, self.size)
+    }
+
+    fn async_error(&self) -> Result<Option<Error>> {
+        NcclCommunicator::async_error(self)
+    }
+
+    fn abort(&self, reason: &str) {
+        NcclCommunicator::abort(self, reason)
+    }
+}
+
 /// Waits until `is_done()` says the work enqueued on `comm` has finished,
 /// polling every `poll` (at most) until `deadline`.
 ///
@@ -449,12 +474,13 @@ fn to_c_int(value: usize, what: &str) -> Result<c_int> {
 ///   does not say which peer is missing, so `peer` is this rank).
 /// * `is_done` fails: its error is returned (the communicator is left as is).
 pub fn watch(
-    comm: &NcclCommunicator,
+    comm: &impl Watched,
     deadline: Deadline,
     poll: Duration,
     mut is_done: impl FnMut() -> Result<bool>,
 ) -> Result<()> {
     let poll = poll.max(Duration::from_micros(50));
+    let (group, rank, size) = comm.location();
     loop {
         if let Some(err) = comm.async_error()? {
             comm.abort(&err.to_string());
@@ -466,14 +492,14 @@ pub fn watch(
         let left = deadline.remaining();
         if left.is_zero() {
             let message = format!(
-                "{} communicator, rank {} of {}: an NCCL collective did not finish within {:?} \
-                 (a peer is missing, stalled or issued a different collective); \
+                "{group} communicator, rank {rank} of {size}: an NCCL collective did not finish \
+                 within {:?} (a peer is missing, stalled or issued a different collective); \
                  the communicator was aborted",
-                comm.group, comm.rank, comm.size, deadline.timeout
+                deadline.timeout
             );
             comm.abort(&message);
             return Err(Error::CommTimeout {
-                peer: comm.rank,
+                peer: rank,
                 message,
             });
         }

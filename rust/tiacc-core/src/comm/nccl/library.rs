@@ -42,9 +42,12 @@ pub struct NcclLibrary {
     version: (u32, u32, u32),
     /// Where the code came from (the real file when the loader says).
     path: String,
-    /// Keeps the code the pointers in `fns` point into mapped. Never used
-    /// after loading, but it must outlive `fns`: it is dropped with `self`.
-    _library: Library,
+    /// Keeps the code the pointers in `fns` point into mapped. Never
+    /// closed: NCCL starts threads of its own (bootstrap, proxy) that may
+    /// outlive every communicator, and unloading the code under them
+    /// crashes the process (seen in this crate's tests). A loaded NCCL
+    /// stays for the life of the process, as torch's does.
+    _library: std::mem::ManuallyDrop<Library>,
 }
 
 impl std::fmt::Debug for NcclLibrary {
@@ -179,7 +182,7 @@ impl NcclLibrary {
             fns,
             version: (0, 0, 0),
             path,
-            _library: library,
+            _library: std::mem::ManuallyDrop::new(library),
         };
         lib.check(result, "ncclGetVersion")?;
         lib.version = decode_version(code);

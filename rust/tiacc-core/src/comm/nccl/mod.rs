@@ -16,7 +16,7 @@ pub mod communicator;
 pub mod ffi;
 pub mod library;
 
-pub use communicator::{watch, DevicePtr, Group, NcclCommunicator, ReduceOp};
+pub use communicator::{watch, DevicePtr, Group, NcclCommunicator, ReduceOp, Watched};
 pub use ffi::{NcclUniqueId, UNIQUE_ID_BYTES};
 pub use library::{NcclLibrary, NcclSearch, LIBRARY_NAME, MIN_VERSION};
 

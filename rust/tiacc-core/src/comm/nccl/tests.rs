@@ -197,3 +197,112 @@ fn groups_parse_and_print() {
     }
     assert!(Group::parse("galaxy").is_err());
 }
+
+/// A communicator stand-in for the watchdog's logic.
+#[derive(Default)]
+struct FakeComm {
+    fail_after_polls: Option<usize>,
+    polls: std::cell::Cell<usize>,
+    aborted: std::cell::RefCell<Option<String>>,
+}
+
+impl Watched for FakeComm {
+    fn location(&self) -> (Group, usize, usize) {
+        (Group::Inter, 3, 4)
+    }
+
+    fn async_error(&self) -> crate::error::Result<Option<Error>> {
+        self.polls.set(self.polls.get() + 1);
+        Ok(match self.fail_after_polls {
+            Some(n) if self.polls.get() > n => Some(Error::Comm {
+                peer: None,
+                message: "inter communicator, rank 3 of 4: remote process exited".into(),
+            }),
+            _ => None,
+        })
+    }
+
+    fn abort(&self, reason: &str) {
+        *self.aborted.borrow_mut() = Some(reason.to_string());
+    }
+}
+
+#[test]
+fn the_watchdog_returns_when_the_work_is_done() {
+    let comm = FakeComm::default();
+    let mut queries = 0;
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
+    watch(
+        &comm,
+        deadline,
+        std::time::Duration::from_micros(100),
+        || {
+            queries += 1;
+            Ok(queries == 3)
+        },
+    )
+    .unwrap();
+    assert_eq!(queries, 3);
+    assert!(comm.aborted.borrow().is_none());
+}
+
+#[test]
+fn the_watchdog_aborts_and_names_group_and_rank_at_the_deadline() {
+    let comm = FakeComm::default();
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_millis(30));
+    let start = std::time::Instant::now();
+    let err = watch(&comm, deadline, std::time::Duration::from_millis(1), || {
+        Ok(false)
+    })
+    .unwrap_err();
+    assert!(start.elapsed() >= std::time::Duration::from_millis(30));
+    match &err {
+        Error::CommTimeout { peer, message } => {
+            assert_eq!(*peer, 3);
+            assert!(
+                message.contains("inter communicator, rank 3 of 4"),
+                "{message}"
+            );
+            assert!(message.contains("aborted"), "{message}");
+        }
+        other => panic!("expected CommTimeout, got {other:?}"),
+    }
+    assert!(
+        comm.aborted.borrow().is_some(),
+        "the communicator was not aborted"
+    );
+}
+
+#[test]
+fn the_watchdog_aborts_on_an_asynchronous_error() {
+    let comm = FakeComm {
+        fail_after_polls: Some(2),
+        ..FakeComm::default()
+    };
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
+    let err = watch(
+        &comm,
+        deadline,
+        std::time::Duration::from_micros(100),
+        || Ok(false),
+    )
+    .unwrap_err();
+    let message = comm_message(err);
+    assert!(message.contains("remote process exited"), "{message}");
+    assert_eq!(comm.aborted.borrow().as_deref(), Some(message.as_str()));
+}
+
+#[test]
+fn a_failing_completion_test_is_returned_without_abort() {
+    let comm = FakeComm::default();
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
+    let err = watch(
+        &comm,
+        deadline,
+        std::time::Duration::from_micros(100),
+        || Err(Error::InvalidArgument("event query failed".into())),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)));
+    assert!(comm.aborted.borrow().is_none());
+}
