@@ -25,11 +25,23 @@ def main(scenario: str) -> None:
         dist.init_process_group(
             "gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1
         )
+    if scenario in ("transport_nccl", "nccl_library_missing"):
+        try:
+            tdist.init_tiacc_training()
+        except tdist.CommError as e:
+            print(f"COMM_ERROR {e}", flush=True)
+            assert not dist.is_initialized(), "the group was created before the check"
+            check("transport_refused")
+            return
+        raise AssertionError("init_tiacc_training did not raise CommError")
     tdist.init_tiacc_training()
     tdist.init_tiacc_training()  # idempotent
     assert dist.is_initialized() and dist.get_world_size() == 1
     assert tdist.is_initialized()
     check("initialised")
+    if not torch.cuda.is_available():
+        assert tdist.cuda_transport() == "tcp", tdist.cuda_transport()
+        check("cpu_transport_tcp")
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     ddp = nn.parallel.DistributedDataParallel(model)

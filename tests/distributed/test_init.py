@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _launch import base_env, free_port
 
 import tiacc_training.torch.distributed as tdist
@@ -71,6 +72,7 @@ def test_disable_switch_leaves_ddp_native() -> None:
         ("TIACC_TRAINING_COMPRESSION_SCOPE", "intra"),
         ("PERSEUS_ALLREDUCE_DTYPE", "7"),
         ("TIACC_TRAINING_NAN_CHECK", "maybe"),
+        ("TIACC_TRAINING_TRANSPORT", "infiniband"),
     ],
 )
 def test_a_bad_env_value_raises_config_error_naming_it(
@@ -81,6 +83,37 @@ def test_a_bad_env_value_raises_config_error_naming_it(
         tdist.init_tiacc_training()
     assert info.value.variable == var
     assert value in str(info.value)
+
+
+def test_plain_python_on_cpu_uses_tcp_under_auto() -> None:
+    out = run_checks("plain")
+    if not torch.cuda.is_available():
+        assert "CHECK cpu_transport_tcp" in out
+        assert "cuda_transport=tcp (requested: auto)" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_transport_nccl_without_cuda_is_a_comm_error_at_init() -> None:
+    out = run_checks("transport_nccl", {"TIACC_TRAINING_TRANSPORT": "nccl"})
+    assert "CHECK transport_refused" in out
+    message = out.split("COMM_ERROR ", 1)[1].splitlines()[0]
+    # Either NCCL is missing (the error says what was tried) or CUDA is.
+    assert "CUDA" in message or "NCCL" in message, message
+
+
+def test_a_missing_nccl_library_file_is_a_comm_error_naming_it() -> None:
+    out = run_checks(
+        "nccl_library_missing", {"TIACC_TRAINING_NCCL_LIBRARY": "/nonexistent/libnccl.so.2"}
+    )
+    assert "CHECK transport_refused" in out
+    assert "/nonexistent/libnccl.so.2" in out.split("COMM_ERROR ", 1)[1].splitlines()[0]
+
+
+def test_transport_argument_mistakes_raise_before_anything_starts() -> None:
+    with pytest.raises(TypeError, match="transport"):
+        tdist.init_tiacc_training(transport=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="transport"):
+        tdist.init_tiacc_training(transport="udp")
 
 
 def test_a_bad_launcher_value_raises_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,12 @@ Environment variables (parsed by the engine; a bad value raises
 * ``TIACC_TRAINING_DISABLE``: ``1`` leaves DDP's communication native.
 * ``TIACC_TRAINING_SOCKET_ADDR``: the IP address this rank listens on
   (default: the local address that routes to ``MASTER_ADDR``).
+* ``TIACC_TRAINING_TRANSPORT``: ``auto`` (default), ``nccl`` or ``tcp``:
+  which transport carries CUDA gradients. ``auto`` uses NCCL when CUDA is
+  available and the NCCL library loads, else TCP with the gradients staged
+  through pinned host memory. CPU gradients always use TCP.
+* ``TIACC_TRAINING_NCCL_LIBRARY``: the NCCL library file to load (default:
+  the copy torch loaded, else the ``nvidia-nccl`` wheel's, else the system's).
 
 A comm hook the user registers on a model (``register_comm_hook`` or a
 built-in hook) replaces the engine for that model.
@@ -33,12 +39,15 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib.util
 import inspect
 import logging
 import os
+import queue
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -54,9 +63,12 @@ __all__ = [
     "CommError",
     "ConfigError",
     "comm_config",
+    "cuda_transport",
     "get_engine",
     "init_tiacc_training",
     "is_initialized",
+    "nccl_search_dirs",
+    "nccl_version",
     "shutdown",
 ]
 
@@ -64,6 +76,8 @@ _MIB = 1024 * 1024
 _DEFAULT_MASTER_PORT = 29500
 _SUPPORTED_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _COMPRESSIONS = {"none", "fp16", "bf16"}
+_TRANSPORTS = {"auto", "nccl", "tcp"}
+_WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 logger = logging.getLogger("tiacc_training")
 
@@ -77,6 +91,8 @@ class _Config:
     num_streams: int
     timeout: float
     socket_addr: str | None
+    transport: str
+    nccl_library: str | None
     compression: str
     compression_inter_only: bool
     compression_scale: float
@@ -99,6 +115,9 @@ class _State:
     config: _Config | None = None
     launch: dict[str, Any] | None = None
     engine: Any = None
+    cuda_transport: str = "tcp"
+    nccl: Any = None
+    staging: Any = None
     generation: int = 0
     patched: bool = False
     logged: bool = False
@@ -129,6 +148,7 @@ def init_tiacc_training(
     enable: bool | None = None,
     compression: str | None = None,
     nan_check: bool | None = None,
+    transport: str | None = None,
 ) -> None:
     """Initialise distributed training and route DDP through the engine.
 
@@ -151,19 +171,26 @@ def init_tiacc_training(
             float32/float64 gradients; overrides ``TIACC_TRAINING_COMPRESSION``.
         nan_check: raise before sending a bucket that holds NaN or infinity;
             overrides ``TIACC_TRAINING_NAN_CHECK``.
+        transport: ``"auto"``, ``"nccl"`` or ``"tcp"``: the transport of
+            CUDA gradients; overrides ``TIACC_TRAINING_TRANSPORT``.
 
     Raises:
         ConfigError: an environment variable or the launcher's variables
             are invalid.
+        CommError: ``transport="nccl"`` but CUDA is not available or the
+            NCCL library cannot be loaded, or ``TIACC_TRAINING_NCCL_LIBRARY``
+            names a file that is not a usable NCCL.
         ValueError: an argument is out of range.
+        TypeError: an argument has the wrong type.
     """
     config = _effective_config(
-        fusion_threshold, num_streams, timeout, enable, compression, nan_check
+        fusion_threshold, num_streams, timeout, enable, compression, nan_check, transport
     )
     with _state.lock:
-        _state.config = config
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this PyTorch build")
+        _state.cuda_transport = _resolve_cuda_transport(config) if config.enabled else "tcp"
+        _state.config = config
         if not dist.is_initialized():
             _state.launch = _init_process_group(backend, config.timeout)
         elif _state.launch is None:
@@ -176,6 +203,56 @@ def init_tiacc_training(
         if not _state.logged and dist.get_rank() == 0:
             _state.logged = True
             _log_config(config)
+
+
+def cuda_transport() -> str:
+    """The transport CUDA gradients use: ``"nccl"`` or ``"tcp"``.
+
+    Resolved by :func:`init_tiacc_training` from ``transport`` /
+    ``TIACC_TRAINING_TRANSPORT``; ``"tcp"`` before it ran.
+    """
+    return _state.cuda_transport
+
+
+def nccl_search_dirs() -> list[str]:
+    """Directories holding the NCCL library of the ``nvidia-nccl`` wheel.
+
+    torch's CUDA wheels depend on that package; its ``lib`` directory is
+    where the engine looks after the copy already loaded in the process.
+
+    Returns:
+        Existing ``lib`` directories of the ``nvidia.nccl`` package (empty
+        when it is not installed).
+    """
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return []
+    if spec is None or spec.submodule_search_locations is None:
+        return []
+    dirs = [os.path.join(p, "lib") for p in spec.submodule_search_locations]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def nccl_version(library: str | None = None) -> tuple[int, int, int]:
+    """The version of the NCCL library the engine would use.
+
+    Args:
+        library: an NCCL library file to load; defaults to
+            ``TIACC_TRAINING_NCCL_LIBRARY``, else the usual search.
+
+    Returns:
+        ``(major, minor, patch)``.
+
+    Raises:
+        CommError: no usable NCCL was found (the message says what was tried).
+        ConfigError: an environment variable is invalid.
+    """
+    if library is not None and not isinstance(library, (str, os.PathLike)):
+        raise TypeError(f"library must be a path, got {library!r}")
+    if library is None:
+        library = _engine.comm_config()["nccl_library"]
+    return _engine.nccl_version(nccl_search_dirs(), None if library is None else str(library))
 
 
 def is_initialized() -> bool:
@@ -195,6 +272,12 @@ def get_engine() -> Any:
 
 def shutdown() -> None:
     """Stops the engine's channel threads (also run at interpreter exit)."""
+    staging, _state.staging = _state.staging, None
+    if staging is not None:
+        staging.close()
+    nccl, _state.nccl = _state.nccl, None
+    if nccl is not None:
+        nccl.close()
     engine, _state.engine = _state.engine, None
     if engine is not None:
         engine.shutdown()
@@ -210,6 +293,7 @@ def _effective_config(
     enable: bool | None,
     compression: str | None = None,
     nan_check: bool | None = None,
+    transport: str | None = None,
 ) -> _Config:
     env = _engine.comm_config()
     if fusion_threshold is not None:
@@ -223,12 +307,19 @@ def _effective_config(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if compression is not None and str(compression).lower() not in _COMPRESSIONS:
         raise ValueError(f"compression must be one of {sorted(_COMPRESSIONS)}, got {compression!r}")
+    if transport is not None:
+        if not isinstance(transport, str):
+            raise TypeError(f"transport must be a str, got {transport!r}")
+        if transport.strip().lower() not in _TRANSPORTS:
+            raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
     return _Config(
         enabled=env["enabled"] if enable is None else bool(enable),
         fusion_threshold=fusion_threshold or env["fusion_threshold"],
         num_streams=int(num_streams) if num_streams is not None else env["num_streams"],
         timeout=float(timeout) if timeout is not None else env["timeout"],
         socket_addr=env["socket_addr"],
+        transport=env["transport"] if transport is None else transport.strip().lower(),
+        nccl_library=env["nccl_library"],
         compression=env["compression"] if compression is None else str(compression),
         compression_inter_only=env["compression_inter_only"],
         compression_scale=env["compression_scale"],
@@ -241,6 +332,38 @@ def _effective_config(
         topk_threshold=env["topk_threshold"],
         topk_fp16=env["topk_fp16"],
     )
+
+
+def _resolve_cuda_transport(config: _Config) -> str:
+    """Which transport CUDA gradients use, checked now rather than mid-training.
+
+    ``tcp`` is always possible. ``nccl`` needs CUDA and a loadable NCCL; when
+    asked for explicitly, its absence is a ``CommError`` here. ``auto`` picks
+    NCCL when both are there. A ``TIACC_TRAINING_NCCL_LIBRARY`` that does not
+    load is an error even under ``auto``: an explicit setting is not ignored.
+    """
+    if config.transport == "tcp":
+        return "tcp"
+    version = None
+    if config.transport == "nccl" or config.nccl_library is not None:
+        version = _engine.nccl_version(nccl_search_dirs(), config.nccl_library)
+    if config.transport == "nccl":
+        if not torch.cuda.is_available():
+            raise CommError(
+                f"transport 'nccl' (TIACC_TRAINING_TRANSPORT or the transport argument) needs "
+                f"a CUDA device, but torch.cuda.is_available() is False (NCCL "
+                f"{'.'.join(map(str, version or ()))} loaded); use transport 'tcp' or 'auto'"
+            )
+        return "nccl"
+    if not torch.cuda.is_available():
+        return "tcp"
+    if version is None:
+        try:
+            _engine.nccl_version(nccl_search_dirs(), None)
+        except CommError as e:
+            logger.info("NCCL is not usable (%s): CUDA gradients go over TCP", e)
+            return "tcp"
+    return "nccl"
 
 
 def _init_process_group(backend: str | None, timeout: float) -> dict[str, Any]:
@@ -310,10 +433,13 @@ def _log_config(config: _Config) -> None:
     if config.enabled:
         logger.info(
             "DDP communication through the tiacc engine (tcp): world_size=%d launcher=%s "
-            "channels=%d fusion_threshold=%d bytes (bucket_cap_mb=%.2f) timeout=%gs "
-            "compression=%s%s nan_check=%s algorithm=%s",
+            "cuda_transport=%s channels=%d fusion_threshold=%d bytes (bucket_cap_mb=%.2f) "
+            "timeout=%gs compression=%s%s nan_check=%s algorithm=%s",
             dist.get_world_size(),
             launcher,
+            _state.cuda_transport
+            + (" (requested: auto)" if config.transport == "auto" else "")
+            + (" (host staging)" if _state.cuda_transport == "tcp" else ""),
             config.num_streams,
             config.fusion_threshold,
             config.fusion_threshold / _MIB,
@@ -348,9 +474,11 @@ _init_signature = inspect.signature(_original_init)
 class _HookState:
     """State of the engine's comm hook on one DDP model."""
 
-    def __init__(self, engine: Any, process_group: Any) -> None:
+    def __init__(self, engine: Any, process_group: Any, cuda: Any = None) -> None:
         self.engine = engine
         self.process_group = process_group
+        # CUDA buckets: an _NcclChannels or a _HostStaging (None: CPU model).
+        self.cuda = cuda
         self.user_hook: Callable[..., torch.futures.Future] | None = None
         self.user_state: Any = None
 
@@ -385,9 +513,22 @@ def _attach(ddp: DistributedDataParallel, config: _Config) -> None:
     ):
         logger.info("a DDP model on a sub-group communicates natively (the engine spans the world)")
         return
-    if any(p.device.type != "cpu" for p in ddp.module.parameters()):
-        # CUDA buckets need the NCCL transport; until it lands they stay native.
-        logger.info("CUDA parameters: this model's gradients use native DDP communication")
+    devices = {p.device for p in ddp.module.parameters()}
+    if any(d.type != "cpu" for d in devices):
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            logger.info(
+                "parameters on several devices (%s): this model's gradients use native DDP "
+                "communication",
+                ", ".join(sorted(map(str, devices))),
+            )
+            return
+        device = next(iter(devices))
+        if _state.cuda_transport == "nccl":
+            state = _HookState(None, group, _nccl_channels(config, device))
+        else:
+            state = _HookState(None, group, _host_staging(config, device))
+        ddp._tiacc_hook_state = state  # type: ignore[attr-defined]
+        _original_register_comm_hook(ddp, state, _tiacc_comm_hook)
         return
     engine = _world_engine(config)
     state = _HookState(engine, group)
@@ -555,12 +696,344 @@ def _advertised_host(config: _Config) -> str:
     return _engine.local_addr_towards(host, int(port or _DEFAULT_MASTER_PORT))
 
 
+# ----------------------------------------------------------------------------
+# CUDA buckets
+#
+# Stream ordering, for both transports: the hook runs on the thread that runs
+# backward, after DDP copied the gradients into the bucket on torch's current
+# stream. Each channel has its own CUDA stream; the hook makes it wait on the
+# current stream (an event recorded there; no host wait), enqueues the work
+# on the channel stream, marks the bucket as used there (record_stream, for
+# the caching allocator) and returns a CUDA-aware future
+# (``torch.futures.Future(devices=[device])``) completed from inside
+# ``torch.cuda.stream(channel_stream)``: completing it records an event on
+# the channel stream, and whoever consumes the result (DDP copying the
+# bucket back into ``.grad``) makes its own stream wait on that event instead
+# of blocking the host.
+#
+# Casts and scaling for fp16/bf16 compression are torch ops on the channel
+# stream: they run on the GPU in stream order with the collective, need no
+# host round trip, and halve what crosses the wire (and, when staging, the
+# PCIe copies). Their arithmetic mirrors the engine's host codec: multiply
+# by scale / world, cast, sum, cast back, divide by scale.
+
+
+def _wire_dtype(config: _Config, world: int, dtype: torch.dtype) -> torch.dtype | None:
+    """The half type float32/float64 CUDA buckets travel as, if compressed."""
+    compression = _wire_compression(config, world)
+    if world == 1 or dtype not in (torch.float32, torch.float64):
+        return None
+    return _WIRE_DTYPES.get(compression)
+
+
+def _encode_on_stream(
+    buf: torch.Tensor, wire: torch.dtype | None, world: int, scale: float, average: bool
+) -> torch.Tensor:
+    """The tensor to send, computed on the current (channel) stream.
+
+    Without compression this is ``buf`` itself, pre-divided by the world
+    size the way DDP's built-in allreduce does (a multiplication by
+    ``1 / world`` while the bucket is filled).
+    """
+    if wire is None:
+        if average and world > 1:
+            buf.mul_(1.0 / world)
+        return buf
+    factor = (scale / world) if average else scale
+    return (buf * factor).to(wire) if factor != 1.0 else buf.to(wire)
+
+
+def _decode_on_stream(buf: torch.Tensor, sent: torch.Tensor, scale: float) -> None:
+    """Writes the reduced ``sent`` back into ``buf`` (current stream)."""
+    if sent is buf:
+        return
+    buf.copy_(sent)
+    if scale != 1.0:
+        buf.mul_(1.0 / scale)
+
+
+class _NcclWatchdog:
+    """Bounds every NCCL collective's wait; aborts the channels on failure.
+
+    The hook hands it (communicator, event recorded after the collective,
+    submission time); a daemon thread waits on each in turn through the
+    engine's ``watch`` (GIL released between polls of the event). A timeout
+    or an NCCL error aborts every channel's communicator, which ends the
+    kernels still waiting on peers, and the next hook call raises it.
+    """
+
+    def __init__(self, timeout: float, channels: _NcclChannels) -> None:
+        self.timeout = timeout
+        self.channels = channels
+        self.failure: BaseException | None = None
+        self.queue: queue.SimpleQueue[tuple[Any, Any, float] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="tiacc-nccl-watchdog", daemon=True)
+        self.thread.start()
+
+    def submit(self, comm: Any, event: Any) -> None:
+        self.queue.put((comm, event, time.monotonic()))
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            comm, event, submitted = item
+            if self.failure is not None:
+                continue
+            left = max(self.timeout - (time.monotonic() - submitted), 0.001)
+            try:
+                comm.watch(event.query, left, poll_interval=0.005)
+            except Exception as exc:  # recorded; the next hook call raises it
+                self.failure = exc
+                self.channels.abort(f"aborted after a failure on another channel: {exc}")
+
+
+class _NcclChannels:
+    """One NCCL communicator and one CUDA stream per channel (world group)."""
+
+    def __init__(self, comms: list[Any], device: torch.device, config: _Config) -> None:
+        self.comms = comms
+        self.device = device
+        self.config = config
+        self.world = dist.get_world_size()
+        self.streams = [torch.cuda.Stream(device=device) for _ in comms]
+        self.watchdog = _NcclWatchdog(config.timeout, self)
+
+    def matches(self, config: _Config, device: torch.device) -> bool:
+        """Whether these channels serve a model built with ``config`` on ``device``."""
+        return (
+            self.device == device
+            and len(self.comms) == config.num_streams
+            and self.config.timeout == config.timeout
+            and self.config.compression == config.compression
+            and self.config.compression_scale == config.compression_scale
+            and not any(c.closed for c in self.comms)
+        )
+
+    def allreduce(self, buf: torch.Tensor, index: int) -> torch.futures.Future:
+        """Averages ``buf`` over the world on channel ``index % channels``."""
+        if self.watchdog.failure is not None:
+            raise self.watchdog.failure
+        channel = index % len(self.comms)
+        comm, stream = self.comms[channel], self.streams[channel]
+        wire = _wire_dtype(self.config, self.world, buf.dtype)
+        scale = self.config.compression_scale if wire is not None else 1.0
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            sent = _encode_on_stream(buf, wire, self.world, scale, average=True)
+            comm.allreduce(
+                sent.data_ptr(),
+                sent.data_ptr(),
+                sent.numel(),
+                str(sent.dtype),
+                stream.cuda_stream,
+                "sum",
+            )
+            _decode_on_stream(buf, sent, scale)
+            done = torch.cuda.Event()
+            done.record(stream)
+            future: torch.futures.Future = torch.futures.Future(devices=[self.device])
+            future.set_result(buf)
+        # The bucket (and a temporary wire tensor, allocated on this stream)
+        # is used on the channel stream: the allocator must not hand its
+        # memory out again before that stream gets past this point.
+        buf.record_stream(stream)
+        self.watchdog.submit(comm, done)
+        return future
+
+    def abort(self, reason: str) -> None:
+        for comm in self.comms:
+            comm.abort(reason)
+
+    def close(self) -> None:
+        """Aborts the communicators (never waits on peers) and stops the watchdog."""
+        self.watchdog.stop()
+        self.abort("the tiacc engine was shut down")
+
+
+def _nccl_channels(config: _Config, device: torch.device) -> _NcclChannels:
+    """The NCCL channels for models on ``device``, created on first use.
+
+    Rank 0 makes one unique id per channel and publishes them through the
+    default group's store; every rank then joins the communicators in
+    channel order (DDP construction is collective, so ranks get here in the
+    same order).
+    """
+    existing = _state.nccl
+    if existing is not None and existing.matches(config, device):
+        return existing
+    if existing is not None:
+        existing.close()
+        _state.nccl = None
+    _state.generation += 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"tiacc_training/nccl{_state.generation}"
+    dirs = nccl_search_dirs()
+    keys = [f"{prefix}/id/{c}" for c in range(config.num_streams)]
+    if rank == 0:
+        for key in keys:
+            store.set(key, _engine.nccl_unique_id(dirs, config.nccl_library))
+    store.wait(keys, datetime.timedelta(seconds=config.timeout))
+    comms = []
+    with torch.cuda.device(device):
+        # NCCL binds a communicator to the calling thread's current device
+        # (whose context exists: DDP's parameters already live there).
+        for key in keys:
+            comms.append(
+                _engine.NcclCommunicator(
+                    store.get(key), rank, world, dirs, config.nccl_library, "world"
+                )
+            )
+    if config.two_d or config.topk or config.nan_check:
+        logger.info(
+            "CUDA gradients over NCCL use a flat allreduce: the 2D allreduce, Top-K and the "
+            "NaN check apply to gradients that go over TCP"
+        )
+    _state.nccl = _NcclChannels(comms, device, config)
+    return _state.nccl
+
+
+@dataclass
+class _StagedJob:
+    """One CUDA bucket on its way through host memory."""
+
+    buf: torch.Tensor
+    sent: torch.Tensor
+    host: torch.Tensor
+    ready: Any
+    future: torch.futures.Future
+    index: int
+    scale: float
+    compressed: bool
+
+
+class _HostStaging:
+    """CUDA buckets over the TCP engine, through pinned host memory.
+
+    Per channel: a CUDA stream, a worker thread and pinned buffers (one per
+    bucket index). The hook enqueues the device-to-host copy on the channel
+    stream and an event after it, then returns; the worker waits for that
+    event (``Event.synchronize`` releases the GIL; the training thread is
+    never blocked), runs the TCP allreduce on the host buffer (GIL
+    released), enqueues the host-to-device copy on the channel stream and
+    completes the CUDA-aware future there.
+
+    Reusing a pinned buffer is safe by stream order: the next device-to-host
+    copy into it is enqueued after this step's future completed, so after
+    the host-to-device copy that reads it, and the host only writes it
+    after waiting for that next copy's event.
+    """
+
+    def __init__(self, engine: Any, device: torch.device, config: _Config) -> None:
+        self.engine = engine
+        self.device = device
+        self.config = config
+        self.world = dist.get_world_size()
+        n = engine.num_channels
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(n)]
+        self.pinned: dict[tuple[int, int], torch.Tensor] = {}
+        self.queues: list[queue.SimpleQueue[_StagedJob | None]] = [
+            queue.SimpleQueue() for _ in range(n)
+        ]
+        self.threads = [
+            threading.Thread(target=self._run, args=(c,), name=f"tiacc-staging-{c}", daemon=True)
+            for c in range(n)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def matches(self, engine: Any, device: torch.device) -> bool:
+        """Whether this staging serves ``engine`` on ``device``."""
+        return self.engine is engine and self.device == device
+
+    def _host_buffer(self, channel: int, index: int, like: torch.Tensor) -> torch.Tensor:
+        key = (channel, index)
+        host = self.pinned.get(key)
+        if host is None or host.dtype != like.dtype or host.numel() != like.numel():
+            host = torch.empty(like.numel(), dtype=like.dtype, pin_memory=True)
+            self.pinned[key] = host
+        return host
+
+    def allreduce(self, buf: torch.Tensor, index: int) -> torch.futures.Future:
+        """Averages ``buf`` over the world on channel ``index % channels``."""
+        channel = index % len(self.streams)
+        stream = self.streams[channel]
+        wire = _wire_dtype(self.config, self.world, buf.dtype)
+        scale = self.config.compression_scale if wire is not None else 1.0
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            # Without compression the engine averages on the host, as for CPU
+            # buckets; with it, the GPU casts and the engine sums half floats.
+            if wire is None:
+                sent = buf
+            else:
+                sent = _encode_on_stream(buf, wire, self.world, scale, average=True)
+            host = self._host_buffer(channel, index, sent)
+            host.copy_(sent.view(-1), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        buf.record_stream(stream)
+        future: torch.futures.Future = torch.futures.Future(devices=[self.device])
+        job = _StagedJob(buf, sent, host, ready, future, index, scale, wire is not None)
+        self.queues[channel].put(job)
+        return future.then(_unwrap)
+
+    def _run(self, channel: int) -> None:
+        stream = self.streams[channel]
+        while True:
+            job = self.queues[channel].get()
+            if job is None:
+                return
+            try:
+                job.ready.synchronize()
+                self.engine.allreduce(
+                    job.host.data_ptr(),
+                    job.host.numel() * job.host.element_size(),
+                    str(job.host.dtype),
+                    job.index,
+                    not job.compressed,
+                )
+                with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                    job.sent.view(-1).copy_(job.host, non_blocking=True)
+                    if job.compressed:
+                        _decode_on_stream(job.buf, job.sent, job.scale)
+                    job.future.set_result(job.buf)
+            except Exception as exc:  # handed to DDP through the future
+                job.future.set_exception(exc)
+
+    def close(self) -> None:
+        """Stops the worker threads after the jobs already queued."""
+        for q in self.queues:
+            q.put(None)
+
+
+def _host_staging(config: _Config, device: torch.device) -> _HostStaging:
+    """The host staging for models on ``device`` over the world engine."""
+    engine = _world_engine(config)
+    existing = _state.staging
+    if existing is not None and existing.matches(engine, device):
+        return existing
+    if existing is not None:
+        existing.close()
+    _state.staging = _HostStaging(engine, device, config)
+    return _state.staging
+
+
 def _tiacc_comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP comm hook: hands the bucket to the engine, returns its future."""
     if state.user_hook is not None:
         return state.user_hook(state.user_state, bucket)
     buf = bucket.buffer()
-    if buf.device.type != "cpu" or buf.dtype not in _SUPPORTED_DTYPES or not buf.is_contiguous():
+    if buf.dtype not in _SUPPORTED_DTYPES or not buf.is_contiguous():
+        return default_hooks.allreduce_hook(state.process_group, bucket)
+    if buf.device.type == "cuda" and state.cuda is not None:
+        return state.cuda.allreduce(buf, bucket.index())
+    if buf.device.type != "cpu" or state.engine is None:
         return default_hooks.allreduce_hook(state.process_group, bucket)
     future: torch.futures.Future = torch.futures.Future()
     state.engine.allreduce_async(

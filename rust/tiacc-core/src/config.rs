@@ -23,6 +23,10 @@ pub const TIMEOUT: &str = "TIACC_TRAINING_TIMEOUT";
 pub const DISABLE: &str = "TIACC_TRAINING_DISABLE";
 /// Address this rank's TCP transport listens on and advertises.
 pub const SOCKET_ADDR: &str = "TIACC_TRAINING_SOCKET_ADDR";
+/// Which transport carries CUDA gradients: `auto`, `nccl` or `tcp`.
+pub const TRANSPORT: &str = "TIACC_TRAINING_TRANSPORT";
+/// Path of the NCCL library to load instead of searching for one.
+pub const NCCL_LIBRARY: &str = "TIACC_TRAINING_NCCL_LIBRARY";
 
 /// Gradient compression on the wire: `none`, `fp16` or `bf16`.
 pub const COMPRESSION: &str = "TIACC_TRAINING_COMPRESSION";
@@ -68,6 +72,39 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Most channels we accept; each costs connections and a thread.
 pub const MAX_NUM_STREAMS: usize = 64;
 
+/// Which transport carries gradients ([`TRANSPORT`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// NCCL for CUDA tensors when NCCL loads and CUDA is available, else TCP.
+    #[default]
+    Auto,
+    /// NCCL for CUDA tensors; an error at initialisation when it cannot be used.
+    Nccl,
+    /// TCP for everything (CUDA tensors staged through host memory).
+    Tcp,
+}
+
+impl TransportChoice {
+    /// Parses `auto`, `nccl` or `tcp` (any case); errors name `variable`.
+    pub fn parse(variable: &str, value: &str) -> Result<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(TransportChoice::Auto),
+            "nccl" => Ok(TransportChoice::Nccl),
+            "tcp" => Ok(TransportChoice::Tcp),
+            _ => Err(bad(variable, value, "auto, nccl or tcp")),
+        }
+    }
+
+    /// The choice's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Nccl => "nccl",
+            TransportChoice::Tcp => "tcp",
+        }
+    }
+}
+
 /// The communication engine's configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CommConfig {
@@ -83,6 +120,10 @@ pub struct CommConfig {
     pub timeout: Duration,
     /// Listen/advertise address override (IP literal), if any.
     pub socket_addr: Option<std::net::IpAddr>,
+    /// Transport for CUDA gradients (CPU gradients always use TCP).
+    pub transport: TransportChoice,
+    /// NCCL library to load instead of searching, if set.
+    pub nccl_library: Option<std::path::PathBuf>,
     /// Wire type for float32/float64 buckets.
     pub compression: Compression,
     /// Compress only traffic between nodes.
@@ -116,6 +157,8 @@ impl Default for CommConfig {
             num_streams: DEFAULT_NUM_STREAMS,
             timeout: DEFAULT_TIMEOUT,
             socket_addr: None,
+            transport: TransportChoice::Auto,
+            nccl_library: None,
             compression: Compression::None,
             compression_inter_only: false,
             compression_scale: 1.0,
@@ -161,6 +204,14 @@ impl CommConfig {
                 .parse()
                 .map_err(|_| bad(SOCKET_ADDR, &v, "an IP address"))?;
             config.socket_addr = Some(ip);
+        }
+        if let Some(v) = get(TRANSPORT)? {
+            config.transport = TransportChoice::parse(TRANSPORT, &v)?;
+        }
+        if let Some(v) = get(NCCL_LIBRARY)? {
+            // Existence is checked when the library is loaded, where the
+            // error can say what else was tried.
+            config.nccl_library = Some(std::path::PathBuf::from(v.trim()));
         }
         if let Some(v) = get(PERSEUS_DTYPE)? {
             (config.compression, config.compression_inter_only) = match v.trim() {
@@ -541,6 +592,48 @@ mod tests {
             let err = CommConfig::from_lookup(env(&[(var, value)])).unwrap_err();
             assert!(err.to_string().contains(var), "{err}");
         }
+    }
+
+    #[test]
+    fn transport_and_nccl_library_are_read() {
+        let c = CommConfig::from_lookup(env(&[])).unwrap();
+        assert_eq!(c.transport, TransportChoice::Auto);
+        assert_eq!(c.nccl_library, None);
+        for (value, expected) in [
+            ("auto", TransportChoice::Auto),
+            ("NCCL", TransportChoice::Nccl),
+            (" tcp ", TransportChoice::Tcp),
+        ] {
+            let c = CommConfig::from_lookup(env(&[(TRANSPORT, value)])).unwrap();
+            assert_eq!(c.transport, expected, "{value}");
+            assert_eq!(
+                TransportChoice::parse(TRANSPORT, value).unwrap().name(),
+                expected.name()
+            );
+        }
+        let c = CommConfig::from_lookup(env(&[(NCCL_LIBRARY, "/opt/nccl/libnccl.so.2")])).unwrap();
+        assert_eq!(
+            c.nccl_library.as_deref(),
+            Some(std::path::Path::new("/opt/nccl/libnccl.so.2"))
+        );
+        // An empty value counts as unset, like every other variable.
+        let c = CommConfig::from_lookup(env(&[(NCCL_LIBRARY, " ")])).unwrap();
+        assert_eq!(c.nccl_library, None);
+    }
+
+    #[test]
+    fn a_bad_transport_names_the_variable() {
+        let err = CommConfig::from_lookup(env(&[(TRANSPORT, "infiniband")])).unwrap_err();
+        match &err {
+            Error::Config {
+                variable, value, ..
+            } => {
+                assert_eq!(variable, TRANSPORT);
+                assert_eq!(value, "infiniband");
+            }
+            other => panic!("expected a Config error, got {other:?}"),
+        }
+        assert!(err.to_string().contains("auto, nccl or tcp"), "{err}");
     }
 
     #[test]

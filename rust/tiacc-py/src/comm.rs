@@ -37,6 +37,11 @@ pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("num_streams", c.num_streams)?;
     d.set_item("timeout", c.timeout.as_secs_f64())?;
     d.set_item("socket_addr", c.socket_addr.map(|ip| ip.to_string()))?;
+    d.set_item("transport", c.transport.name())?;
+    d.set_item(
+        "nccl_library",
+        c.nccl_library.map(|p| p.to_string_lossy().into_owned()),
+    )?;
     d.set_item("compression", c.compression.name())?;
     d.set_item("compression_inter_only", c.compression_inter_only)?;
     d.set_item("compression_scale", c.compression_scale)?;
@@ -73,6 +78,15 @@ pub fn launch_env(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
 #[pyfunction]
 pub fn check_num_streams(value: &str) -> PyResult<usize> {
     config::parse_num_streams("num_streams", value).py()
+}
+
+/// Validates a `transport` value given as a Python argument; returns its
+/// canonical name (`auto`, `nccl` or `tcp`).
+#[pyfunction]
+pub fn check_transport(value: &str) -> PyResult<&'static str> {
+    config::TransportChoice::parse("transport", value)
+        .map(|t| t.name())
+        .py()
 }
 
 /// A fresh random job token.

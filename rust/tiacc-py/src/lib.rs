@@ -10,6 +10,7 @@ mod comm;
 mod dataset;
 mod errors;
 mod features;
+mod nccl;
 mod pack;
 mod records;
 
@@ -38,8 +39,13 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(comm::check_num_streams, m)?)?;
     m.add_function(wrap_pyfunction!(comm::random_token, m)?)?;
     m.add_function(wrap_pyfunction!(comm::local_addr_towards, m)?)?;
+    m.add_function(wrap_pyfunction!(comm::check_transport, m)?)?;
     m.add_class::<comm::CommEngine>()?;
     m.add_class::<amp::AmpPolicy>()?;
     m.add_function(wrap_pyfunction!(amp::amp_constants, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl::nccl_version, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl::nccl_library_path, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl::nccl_unique_id, m)?)?;
+    m.add_class::<nccl::NcclCommunicator>()?;
     Ok(())
 }

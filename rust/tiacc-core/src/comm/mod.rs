@@ -10,6 +10,7 @@ pub mod algo;
 pub mod codec;
 pub mod dtype;
 pub mod engine;
+pub mod nccl;
 pub mod sparse;
 pub mod tcp;
 pub mod transport;

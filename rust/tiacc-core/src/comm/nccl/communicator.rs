@@ -1,0 +1,508 @@
+//! A safe NCCL communicator, and the watchdog that bounds every wait.
+//!
+//! NCCL collectives are enqueued on a CUDA stream and return at once; a
+//! peer that never joins shows up as a stream that never finishes, not as
+//! an error. [`watch`] therefore polls `ncclCommGetAsyncError` and a
+//! caller-supplied "is it done" test (a CUDA event query) until a deadline,
+//! and aborts the communicator when the deadline passes, which ends the
+//! kernels still waiting on peers.
+
+use std::ffi::{c_int, c_void};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::ffi::{self, CudaStream, NcclComm, NcclDataType, NcclRedOp, NcclResult, NcclUniqueId};
+use super::library::{comm_error, NcclLibrary};
+use crate::comm::{DType, Deadline};
+use crate::error::{Error, Result};
+
+/// Which group of ranks a communicator spans (named in errors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Group {
+    /// Every rank.
+    World,
+    /// The ranks of one node (2D allreduce).
+    Intra,
+    /// One rank per node (2D allreduce).
+    Inter,
+}
+
+impl Group {
+    /// Parses `world`, `intra` or `inter`.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "world" => Ok(Group::World),
+            "intra" => Ok(Group::Intra),
+            "inter" => Ok(Group::Inter),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown communicator group {other:?}: expected world, intra or inter"
+            ))),
+        }
+    }
+
+    /// The group's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::World => "world",
+            Group::Intra => "intra",
+            Group::Inter => "inter",
+        }
+    }
+}
+
+impl fmt::Display for Group {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Reduction of a collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the group size (NCCL's `ncclAvg`).
+    Avg,
+}
+
+impl ReduceOp {
+    fn nccl(self) -> NcclRedOp {
+        match self {
+            ReduceOp::Sum => NcclRedOp::Sum,
+            ReduceOp::Avg => NcclRedOp::Avg,
+        }
+    }
+}
+
+/// A device buffer: a raw CUDA pointer and its element count. The engine
+/// never dereferences it; NCCL does, on the GPU, in stream order.
+#[derive(Debug, Clone, Copy)]
+pub struct DevicePtr(pub *mut c_void);
+
+/// One NCCL communicator (one group, one channel).
+///
+/// Collectives are serialised by an internal lock (NCCL communicators are
+/// not thread-safe); [`NcclCommunicator::abort`] does not take that lock,
+/// so the watchdog can abort while a launch is stuck inside NCCL.
+pub struct NcclCommunicator {
+    lib: Arc<NcclLibrary>,
+    comm: NcclComm,
+    rank: usize,
+    size: usize,
+    group: Group,
+    /// Serialises calls that use `comm`.
+    issue: Mutex<()>,
+    /// Set once, by abort or destroy; later calls fail without touching NCCL.
+    closed: AtomicBool,
+    /// Calls inside NCCL right now (see `enter`/`abort`).
+    inflight: AtomicUsize,
+    /// Why the communicator was closed, for later calls' errors.
+    reason: Mutex<Option<String>>,
+}
+
+// SAFETY: `comm` is an opaque handle owned by this value. NCCL allows a
+// communicator to be used from any thread as long as calls are not
+// concurrent; every call except abort goes through the `issue` lock, and
+// abort is NCCL's documented way to end operations blocked in another thread.
+unsafe impl Send for NcclCommunicator {}
+// SAFETY: see `Send`; shared access is serialised by `issue` and the
+// `closed`/`inflight` protocol.
+unsafe impl Sync for NcclCommunicator {}
+
+impl fmt::Debug for NcclCommunicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NcclCommunicator")
+            .field("group", &self.group)
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+/// How long abort waits for a call in NCCL to return before it aborts
+/// underneath it (NCCL's abort is what unblocks a stuck call).
+const ABORT_GRACE: Duration = Duration::from_millis(200);
+
+impl NcclCommunicator {
+    /// `ncclCommInitRank`: joins the communicator `id` as `rank` of `size`.
+    /// Blocks until every rank has joined; the calling thread's current
+    /// CUDA device is the communicator's device.
+    pub fn init(
+        lib: Arc<NcclLibrary>,
+        id: &NcclUniqueId,
+        rank: usize,
+        size: usize,
+        group: Group,
+    ) -> Result<Self> {
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} is not a rank of a group of {size}"
+            )));
+        }
+        let (nranks, me) = (to_c_int(size, "size")?, to_c_int(rank, "rank")?);
+        let mut comm: NcclComm = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer, the id is passed by value
+        // as the C API declares, and rank/size were checked above. Failure
+        // (no GPU, peers missing) is reported through the result code.
+        let result = unsafe { (lib.fns().comm_init_rank)(&mut comm, nranks, *id, me) };
+        if result != ffi::NCCL_SUCCESS || comm.is_null() {
+            let err = lib
+                .check(result, "ncclCommInitRank")
+                .err()
+                .unwrap_or_else(|| comm_error("ncclCommInitRank returned no communicator".into()));
+            return Err(comm_error(format!(
+                "{group} communicator, rank {rank} of {size}: {err}"
+            )));
+        }
+        Ok(NcclCommunicator {
+            lib,
+            comm,
+            rank,
+            size,
+            group,
+            issue: Mutex::new(()),
+            closed: AtomicBool::new(false),
+            inflight: AtomicUsize::new(0),
+            reason: Mutex::new(None),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    pub fn group(&self) -> Group {
+        self.group
+    }
+
+    pub fn library(&self) -> &Arc<NcclLibrary> {
+        &self.lib
+    }
+
+    /// Whether abort or destroy has run.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Runs `call` on the live handle, serialised with other calls, and
+    /// maps its result. Fails without calling NCCL once closed.
+    fn call(&self, what: &str, call: impl FnOnce(NcclComm) -> NcclResult) -> Result<()> {
+        let _guard = self.issue.lock().unwrap_or_else(|p| p.into_inner());
+        // Dekker-style handshake with `abort`: either this call sees
+        // `closed`, or abort sees `inflight > 0` and waits for it.
+        self.inflight.fetch_add(1, Ordering::SeqCst);
+        if self.closed.load(Ordering::SeqCst) {
+            self.inflight.fetch_sub(1, Ordering::SeqCst);
+            return Err(self.closed_error(what));
+        }
+        let result = call(self.comm);
+        let outcome = self.lib.check_comm(result, what, self.comm);
+        self.inflight.fetch_sub(1, Ordering::SeqCst);
+        outcome.map_err(|e| self.locate(e))
+    }
+
+    fn closed_error(&self, what: &str) -> Error {
+        let reason = self
+            .reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .unwrap_or_else(|| "it was shut down".to_string());
+        comm_error(format!(
+            "{what}: the {} communicator (rank {} of {}) is closed: {reason}",
+            self.group, self.rank, self.size
+        ))
+    }
+
+    /// Prefixes an error with the group and rank.
+    fn locate(&self, err: Error) -> Error {
+        match err {
+            Error::Comm { peer, message } => Error::Comm {
+                peer,
+                message: format!(
+                    "{} communicator, rank {} of {}: {message}",
+                    self.group, self.rank, self.size
+                ),
+            },
+            other => other,
+        }
+    }
+
+    /// Sums (or averages) `count` elements at `send` over the group into
+    /// `recv` (may equal `send`), enqueued on `stream`.
+    ///
+    /// # Safety
+    /// `send` and `recv` must be device pointers to at least `count`
+    /// elements of `dtype` on this communicator's device, `stream` a live
+    /// stream of that device (or null for the legacy default stream), and
+    /// the buffers must stay allocated until the stream passes this work.
+    pub unsafe fn all_reduce(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        stream: CudaStream,
+    ) -> Result<()> {
+        let f = self.lib.fns().all_reduce;
+        self.call("ncclAllReduce", |comm| {
+            // SAFETY: the caller guarantees the pointers, count and stream
+            // (this function's contract); `comm` is live (checked in `call`).
+            unsafe {
+                f(
+                    send.0,
+                    recv.0,
+                    count,
+                    NcclDataType::from(dtype),
+                    op.nccl(),
+                    comm,
+                    stream,
+                )
+            }
+        })
+    }
+
+    /// Reduces `recv_count * size` elements at `send` over the group; rank
+    /// `r` receives block `r` (`recv_count` elements) at `recv`.
+    ///
+    /// # Safety
+    /// As [`NcclCommunicator::all_reduce`], with `send` holding
+    /// `recv_count * size` elements and `recv` `recv_count`.
+    pub unsafe fn reduce_scatter(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        recv_count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        stream: CudaStream,
+    ) -> Result<()> {
+        let f = self.lib.fns().reduce_scatter;
+        self.call("ncclReduceScatter", |comm| {
+            // SAFETY: as in `all_reduce`, under this function's contract.
+            unsafe {
+                f(
+                    send.0,
+                    recv.0,
+                    recv_count,
+                    NcclDataType::from(dtype),
+                    op.nccl(),
+                    comm,
+                    stream,
+                )
+            }
+        })
+    }
+
+    /// Gathers `send_count` elements from every rank into `recv`
+    /// (`send_count * size` elements, in rank order).
+    ///
+    /// # Safety
+    /// As [`NcclCommunicator::all_reduce`], with `send` holding
+    /// `send_count` elements and `recv` `send_count * size`.
+    pub unsafe fn all_gather(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        send_count: usize,
+        dtype: DType,
+        stream: CudaStream,
+    ) -> Result<()> {
+        let f = self.lib.fns().all_gather;
+        self.call("ncclAllGather", |comm| {
+            // SAFETY: as in `all_reduce`, under this function's contract.
+            unsafe {
+                f(
+                    send.0,
+                    recv.0,
+                    send_count,
+                    NcclDataType::from(dtype),
+                    comm,
+                    stream,
+                )
+            }
+        })
+    }
+
+    /// Copies `count` elements at `root`'s `send` to every rank's `recv`.
+    ///
+    /// # Safety
+    /// As [`NcclCommunicator::all_reduce`] (`send` is read on `root` only).
+    pub unsafe fn broadcast(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DType,
+        root: usize,
+        stream: CudaStream,
+    ) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "root {root} is not a rank of a group of {}",
+                self.size
+            )));
+        }
+        let root = to_c_int(root, "root")?;
+        let f = self.lib.fns().broadcast;
+        self.call("ncclBroadcast", |comm| {
+            // SAFETY: as in `all_reduce`, under this function's contract;
+            // `root` is a rank of the group (checked above).
+            unsafe {
+                f(
+                    send.0,
+                    recv.0,
+                    count,
+                    NcclDataType::from(dtype),
+                    root,
+                    comm,
+                    stream,
+                )
+            }
+        })
+    }
+
+    /// The communicator's asynchronous error: `Ok(None)` while healthy (or
+    /// still initialising), `Ok(Some(error))` once NCCL reports a failure.
+    pub fn async_error(&self) -> Result<Option<Error>> {
+        let mut state: NcclResult = ffi::NCCL_SUCCESS;
+        let f = self.lib.fns().comm_get_async_error;
+        self.call("ncclCommGetAsyncError", |comm| {
+            // SAFETY: `comm` is live (checked in `call`) and `state` is a
+            // valid out-pointer.
+            unsafe { f(comm, &mut state) }
+        })?;
+        if state == ffi::NCCL_SUCCESS || state == ffi::NCCL_IN_PROGRESS {
+            return Ok(None);
+        }
+        let what = "asynchronous error";
+        Ok(self
+            .lib
+            .check_comm(state, what, std::ptr::null_mut())
+            .err()
+            .map(|e| self.locate(e)))
+    }
+
+    /// `ncclCommAbort`: ends outstanding operations and frees the
+    /// communicator. Safe from any thread, idempotent; later calls fail
+    /// with `reason`.
+    pub fn abort(&self, reason: &str) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        *self.reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
+        // Give a call already inside NCCL a moment to return normally.
+        let start = Instant::now();
+        while self.inflight.load(Ordering::SeqCst) > 0 && start.elapsed() < ABORT_GRACE {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // SAFETY: `closed` was false and is now true, so this is the only
+        // abort/destroy of the live handle; new calls see `closed` and never
+        // reach NCCL. A call still stuck inside NCCL is what abort exists to
+        // end (NCCL supports aborting from another thread).
+        let _ = unsafe { (self.lib.fns().comm_abort)(self.comm) };
+    }
+
+    /// `ncclCommDestroy`: waits for this communicator's queued work, then
+    /// frees it. Use when every stream that ran its collectives is done.
+    pub fn destroy(&self) -> Result<()> {
+        let _guard = self.issue.lock().unwrap_or_else(|p| p.into_inner());
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        *self.reason.lock().unwrap_or_else(|p| p.into_inner()) = Some("it was destroyed".into());
+        // SAFETY: the handle is live, `closed` is now set (no new calls) and
+        // we hold `issue` (no call in flight).
+        let result = unsafe { (self.lib.fns().comm_destroy)(self.comm) };
+        self.lib
+            .check(result, "ncclCommDestroy")
+            .map_err(|e| self.locate(e))
+    }
+}
+
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        // Abort, not destroy: destroy waits for queued GPU work, which
+        // hangs if a peer is gone; abort never waits.
+        self.abort("it was dropped");
+    }
+}
+
+fn to_c_int(value: usize, what: &str) -> Result<c_int> {
+    c_int::try_from(value)
+        .map_err(|_| Error::InvalidArgument(format!("{what} {value} does not fit a C int")))
+}
+
+/// What [`watch`] needs from a communicator (a trait so that the watchdog's
+/// logic is tested without a GPU).
+pub trait Watched {
+    /// The group, this rank and the group size (for messages).
+    fn location(&self) -> (Group, usize, usize);
+    /// `Ok(Some(error))` once the communicator has failed asynchronously.
+    fn async_error(&self) -> Result<Option<Error>>;
+    /// Ends outstanding operations; later calls fail with `reason`.
+    fn abort(&self, reason: &str);
+}
+
+impl Watched for NcclCommunicator {
+    fn location(&self) -> (Group, usize, usize) {
+        (self.group, self.rank, self.size)
+    }
+
+    fn async_error(&self) -> Result<Option<Error>> {
+        NcclCommunicator::async_error(self)
+    }
+
+    fn abort(&self, reason: &str) {
+        NcclCommunicator::abort(self, reason)
+    }
+}
+
+/// Waits until `is_done()` says the work enqueued on `comm` has finished,
+/// polling every `poll` (at most) until `deadline`.
+///
+/// * NCCL reports an asynchronous error: the communicator is aborted and
+///   the error (`Error::Comm`, with NCCL's text) returned.
+/// * The deadline passes: the communicator is aborted and
+///   `Error::CommTimeout` returned, naming the group and this rank (NCCL
+///   does not say which peer is missing, so `peer` is this rank).
+/// * `is_done` fails: its error is returned (the communicator is left as is).
+pub fn watch(
+    comm: &impl Watched,
+    deadline: Deadline,
+    poll: Duration,
+    mut is_done: impl FnMut() -> Result<bool>,
+) -> Result<()> {
+    let poll = poll.max(Duration::from_micros(50));
+    let (group, rank, size) = comm.location();
+    loop {
+        if let Some(err) = comm.async_error()? {
+            comm.abort(&err.to_string());
+            return Err(err);
+        }
+        if is_done()? {
+            return Ok(());
+        }
+        let left = deadline.remaining();
+        if left.is_zero() {
+            let message = format!(
+                "{group} communicator, rank {rank} of {size}: an NCCL collective did not finish \
+                 within {:?} (a peer is missing, stalled or issued a different collective); \
+                 the communicator was aborted",
+                deadline.timeout
+            );
+            comm.abort(&message);
+            return Err(Error::CommTimeout {
+                peer: rank,
+                message,
+            });
+        }
+        std::thread::sleep(poll.min(left));
+    }
+}

@@ -1,0 +1,24 @@
+//! The NCCL transport's foundation: our own FFI over `libnccl.so.2`,
+//! loaded at run time (no link-time dependency, no CUDA toolkit to build).
+//!
+//! ```text
+//! library.rs       find + dlopen libnccl.so.2, resolve ~15 functions, check the version
+//! ffi.rs           nccl.h's types, enum values and function signatures
+//! communicator.rs  NcclCommunicator (collectives on raw device pointers and a
+//!                  raw CUDA stream) and the watchdog that bounds every wait
+//! ```
+//!
+//! The Python shim owns CUDA: it passes device pointers and
+//! `torch.cuda.Stream.cuda_stream` handles, and keeps tensors alive until
+//! the stream has passed the collective.
+
+pub mod communicator;
+pub mod ffi;
+pub mod library;
+
+pub use communicator::{watch, DevicePtr, Group, NcclCommunicator, ReduceOp, Watched};
+pub use ffi::{NcclUniqueId, UNIQUE_ID_BYTES};
+pub use library::{NcclLibrary, NcclSearch, LIBRARY_NAME, MIN_VERSION};
+
+#[cfg(test)]
+mod tests;

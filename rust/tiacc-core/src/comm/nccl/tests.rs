@@ -1,0 +1,308 @@
+//! Loader tests. They need no GPU: loading NCCL, resolving its functions,
+//! ncclGetVersion, ncclGetErrorString and ncclGetUniqueId are host-only.
+//! The tests that need the library look for the `nvidia-nccl` wheel in the
+//! repository's `.venv` (or the file `TIACC_TEST_NCCL_LIBRARY` names) and
+//! are skipped, with the reason printed, when there is none.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::*;
+use crate::error::Error;
+
+/// The wheel's library in `<repo>/.venv`, or the file the test variable names.
+fn venv_nccl() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TIACC_TEST_NCCL_LIBRARY") {
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
+    }
+    let lib_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/lib");
+    std::fs::read_dir(lib_dir)
+        .ok()?
+        .flatten()
+        .map(|e| {
+            e.path()
+                .join("site-packages/nvidia/nccl/lib")
+                .join(LIBRARY_NAME)
+        })
+        .find(|p| p.is_file())
+}
+
+macro_rules! nccl_or_skip {
+    () => {
+        match venv_nccl() {
+            Some(path) => path,
+            None => {
+                eprintln!(
+                    "skipped: no {LIBRARY_NAME} in the repository's .venv (install torch with \
+                     CUDA there, or set TIACC_TEST_NCCL_LIBRARY to the file)"
+                );
+                return;
+            }
+        }
+    };
+}
+
+fn comm_message(err: Error) -> String {
+    match err {
+        Error::Comm { message, .. } => message,
+        other => panic!("expected Error::Comm, got {other:?}"),
+    }
+}
+
+#[test]
+fn loads_from_an_explicit_path_and_reports_a_recent_version() {
+    let path = nccl_or_skip!();
+    let lib = NcclLibrary::open_path(&path).unwrap();
+    let version = lib.version();
+    assert!(version >= MIN_VERSION, "{version:?}");
+    assert_eq!(version.0, 2);
+    assert!(lib.path().ends_with(LIBRARY_NAME), "{}", lib.path());
+}
+
+#[test]
+fn the_explicit_setting_wins_and_directories_are_searched() {
+    let path = nccl_or_skip!();
+    let by_file = NcclLibrary::load(&NcclSearch {
+        explicit: Some(path.clone()),
+        dirs: vec![PathBuf::from("/nonexistent")],
+    })
+    .unwrap();
+    let by_dir = NcclLibrary::load(&NcclSearch {
+        explicit: None,
+        dirs: vec![
+            PathBuf::from("/nonexistent/dir"),
+            path.parent().unwrap().to_path_buf(),
+        ],
+    })
+    .unwrap();
+    assert_eq!(by_file.version(), by_dir.version());
+}
+
+#[test]
+fn a_missing_explicit_file_is_a_comm_error_naming_it() {
+    let err = NcclLibrary::load(&NcclSearch {
+        explicit: Some(PathBuf::from("/nonexistent/libnccl.so.2")),
+        dirs: vec![],
+    })
+    .unwrap_err();
+    let message = comm_message(err);
+    assert!(message.contains("/nonexistent/libnccl.so.2"), "{message}");
+    assert!(message.contains("TIACC_TRAINING_NCCL_LIBRARY"), "{message}");
+}
+
+#[test]
+fn a_library_that_is_not_nccl_names_the_missing_symbol() {
+    let err = NcclLibrary::open_path(Path::new("libc.so.6")).unwrap_err();
+    let message = comm_message(err);
+    assert!(message.contains("ncclGetVersion"), "{message}");
+    assert!(message.contains("libc.so.6"), "{message}");
+}
+
+#[test]
+fn a_file_that_is_not_a_library_is_a_comm_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join(LIBRARY_NAME);
+    std::fs::write(&fake, b"not an ELF file").unwrap();
+    let message = comm_message(NcclLibrary::open_path(&fake).unwrap_err());
+    assert!(message.contains(&fake.display().to_string()), "{message}");
+    // In the directory search a broken candidate is reported, not fatal
+    // by itself; the final error lists what was tried.
+    let err = NcclLibrary::load(&NcclSearch {
+        explicit: None,
+        dirs: vec![dir.path().to_path_buf()],
+    });
+    if let Err(err) = err {
+        let message = comm_message(err);
+        assert!(message.contains("tried"), "{message}");
+    }
+}
+
+#[test]
+fn error_codes_map_to_nccl_text() {
+    let path = nccl_or_skip!();
+    let lib = NcclLibrary::open_path(&path).unwrap();
+    assert_eq!(lib.check(0, "ncclAllReduce").ok(), Some(()));
+    for (code, words) in [
+        (1, "cuda"),
+        (2, "system"),
+        (3, "internal"),
+        (4, "invalid argument"),
+        (5, "invalid usage"),
+    ] {
+        let text = lib.error_string(code).to_lowercase();
+        assert!(text.contains(words), "code {code}: {text}");
+        let message = comm_message(lib.check(code, "ncclAllReduce").unwrap_err());
+        assert!(message.starts_with("ncclAllReduce failed"), "{message}");
+        assert!(message.contains(&format!("NCCL error {code}")), "{message}");
+        assert!(message.to_lowercase().contains(words), "{message}");
+    }
+    // Unknown codes still produce a message, not a crash.
+    assert!(!lib.error_string(9999).is_empty());
+}
+
+#[test]
+fn unique_ids_are_128_random_bytes() {
+    let path = nccl_or_skip!();
+    let lib = NcclLibrary::open_path(&path).unwrap();
+    match (lib.unique_id(), lib.unique_id()) {
+        (Ok(a), Ok(b)) => {
+            assert_eq!(a.to_bytes().len(), UNIQUE_ID_BYTES);
+            assert_ne!(a, b, "two ids must differ");
+        }
+        // ncclGetUniqueId needs a usable network interface for its
+        // bootstrap address; a sandbox without one gets a clean error.
+        (Err(e), _) | (_, Err(e)) => {
+            let message = comm_message(e);
+            assert!(message.contains("ncclGetUniqueId"), "{message}");
+            eprintln!("ncclGetUniqueId unavailable here: {message}");
+        }
+    }
+}
+
+#[test]
+fn init_without_a_gpu_fails_cleanly() {
+    let path = nccl_or_skip!();
+    let lib = Arc::new(NcclLibrary::open_path(&path).unwrap());
+    let Ok(id) = lib.unique_id() else {
+        eprintln!("skipped: ncclGetUniqueId is unavailable here");
+        return;
+    };
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        eprintln!("skipped: this machine has a GPU");
+        return;
+    }
+    let err = NcclCommunicator::init(lib, &id, 0, 1, Group::World).unwrap_err();
+    let message = comm_message(err);
+    assert!(
+        message.contains("world communicator, rank 0 of 1"),
+        "{message}"
+    );
+    assert!(message.contains("ncclCommInitRank"), "{message}");
+    eprintln!("ncclCommInitRank without a GPU: {message}");
+}
+
+#[test]
+fn bad_ranks_are_rejected_before_nccl_is_called() {
+    let path = nccl_or_skip!();
+    let lib = Arc::new(NcclLibrary::open_path(&path).unwrap());
+    let id = NcclUniqueId::from_bytes(&[0; UNIQUE_ID_BYTES]);
+    let err = NcclCommunicator::init(lib, &id, 2, 2, Group::Intra).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+}
+
+#[test]
+fn groups_parse_and_print() {
+    for g in [Group::World, Group::Intra, Group::Inter] {
+        assert_eq!(Group::parse(g.name()).unwrap(), g);
+    }
+    assert!(Group::parse("galaxy").is_err());
+}
+
+/// A communicator stand-in for the watchdog's logic.
+#[derive(Default)]
+struct FakeComm {
+    fail_after_polls: Option<usize>,
+    polls: std::cell::Cell<usize>,
+    aborted: std::cell::RefCell<Option<String>>,
+}
+
+impl Watched for FakeComm {
+    fn location(&self) -> (Group, usize, usize) {
+        (Group::Inter, 3, 4)
+    }
+
+    fn async_error(&self) -> crate::error::Result<Option<Error>> {
+        self.polls.set(self.polls.get() + 1);
+        Ok(match self.fail_after_polls {
+            Some(n) if self.polls.get() > n => Some(Error::Comm {
+                peer: None,
+                message: "inter communicator, rank 3 of 4: remote process exited".into(),
+            }),
+            _ => None,
+        })
+    }
+
+    fn abort(&self, reason: &str) {
+        *self.aborted.borrow_mut() = Some(reason.to_string());
+    }
+}
+
+#[test]
+fn the_watchdog_returns_when_the_work_is_done() {
+    let comm = FakeComm::default();
+    let mut queries = 0;
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
+    watch(
+        &comm,
+        deadline,
+        std::time::Duration::from_micros(100),
+        || {
+            queries += 1;
+            Ok(queries == 3)
+        },
+    )
+    .unwrap();
+    assert_eq!(queries, 3);
+    assert!(comm.aborted.borrow().is_none());
+}
+
+#[test]
+fn the_watchdog_aborts_and_names_group_and_rank_at_the_deadline() {
+    let comm = FakeComm::default();
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_millis(30));
+    let start = std::time::Instant::now();
+    let err = watch(&comm, deadline, std::time::Duration::from_millis(1), || {
+        Ok(false)
+    })
+    .unwrap_err();
+    assert!(start.elapsed() >= std::time::Duration::from_millis(30));
+    match &err {
+        Error::CommTimeout { peer, message } => {
+            assert_eq!(*peer, 3);
+            assert!(
+                message.contains("inter communicator, rank 3 of 4"),
+                "{message}"
+            );
+            assert!(message.contains("aborted"), "{message}");
+        }
+        other => panic!("expected CommTimeout, got {other:?}"),
+    }
+    assert!(
+        comm.aborted.borrow().is_some(),
+        "the communicator was not aborted"
+    );
+}
+
+#[test]
+fn the_watchdog_aborts_on_an_asynchronous_error() {
+    let comm = FakeComm {
+        fail_after_polls: Some(2),
+        ..FakeComm::default()
+    };
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
+    let err = watch(
+        &comm,
+        deadline,
+        std::time::Duration::from_micros(100),
+        || Ok(false),
+    )
+    .unwrap_err();
+    let message = comm_message(err);
+    assert!(message.contains("remote process exited"), "{message}");
+    assert_eq!(comm.aborted.borrow().as_deref(), Some(message.as_str()));
+}
+
+#[test]
+fn a_failing_completion_test_is_returned_without_abort() {
+    let comm = FakeComm::default();
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
+    let err = watch(
+        &comm,
+        deadline,
+        std::time::Duration::from_micros(100),
+        || Err(Error::InvalidArgument("event query failed".into())),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)));
+    assert!(comm.aborted.borrow().is_none());
+}

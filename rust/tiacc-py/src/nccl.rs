@@ -1,0 +1,349 @@
+//! NCCL's Python face: loading, unique ids and `NcclCommunicator`.
+//!
+//! The Python shim owns CUDA: it passes device pointers (`data_ptr()`),
+//! element counts and raw stream handles (`torch.cuda.Stream.cuda_stream`),
+//! and keeps tensors alive (`record_stream`) until the stream has passed
+//! the collective. Nothing here touches device memory from the host.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use tiacc_core::comm::nccl::{
+    self, DevicePtr, Group, NcclCommunicator as CoreCommunicator, NcclLibrary, NcclSearch,
+    NcclUniqueId, ReduceOp, UNIQUE_ID_BYTES,
+};
+use tiacc_core::comm::{DType, Deadline};
+
+use crate::errors::ResultExt;
+
+/// Libraries loaded so far, by how they were searched for (dlopen is
+/// reference-counted, but resolving and version-checking once is enough).
+static LOADED: Mutex<Vec<(NcclSearch, Arc<NcclLibrary>)>> = Mutex::new(Vec::new());
+
+fn load(
+    search_dirs: Vec<String>,
+    library: Option<String>,
+) -> Result<Arc<NcclLibrary>, tiacc_core::Error> {
+    let search = NcclSearch {
+        explicit: library.filter(|l| !l.trim().is_empty()).map(PathBuf::from),
+        dirs: search_dirs.into_iter().map(PathBuf::from).collect(),
+    };
+    let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, lib)) = loaded.iter().find(|(s, _)| *s == search) {
+        return Ok(lib.clone());
+    }
+    let lib = Arc::new(NcclLibrary::load(&search)?);
+    loaded.push((search, lib.clone()));
+    Ok(lib)
+}
+
+/// The NCCL version as (major, minor, patch). `library` is an explicit file
+/// (only it is tried); otherwise the copy already loaded in the process,
+/// then `search_dirs`, then the loader's search. Raises `CommError` naming
+/// what was tried when NCCL cannot be loaded.
+#[pyfunction]
+#[pyo3(signature = (search_dirs=Vec::new(), library=None))]
+pub fn nccl_version(
+    py: Python<'_>,
+    search_dirs: Vec<String>,
+    library: Option<String>,
+) -> PyResult<(u32, u32, u32)> {
+    py.detach(|| load(search_dirs, library).map(|l| l.version()))
+        .py()
+}
+
+/// The file NCCL was loaded from (same search as `nccl_version`).
+#[pyfunction]
+#[pyo3(signature = (search_dirs=Vec::new(), library=None))]
+pub fn nccl_library_path(
+    py: Python<'_>,
+    search_dirs: Vec<String>,
+    library: Option<String>,
+) -> PyResult<String> {
+    py.detach(|| load(search_dirs, library).map(|l| l.path().to_string()))
+        .py()
+}
+
+/// A fresh 128-byte `ncclUniqueId` (rank 0 makes one per communicator and
+/// publishes it through the c10d store).
+#[pyfunction]
+#[pyo3(signature = (search_dirs=Vec::new(), library=None))]
+pub fn nccl_unique_id<'py>(
+    py: Python<'py>,
+    search_dirs: Vec<String>,
+    library: Option<String>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let id = py.detach(|| load(search_dirs, library)?.unique_id()).py()?;
+    Ok(PyBytes::new(py, &id.to_bytes()))
+}
+
+/// One NCCL communicator: one group (`world`, `intra`, `inter`) on one
+/// channel. Built on every rank from the same unique id; the constructor
+/// blocks (GIL released) until every rank has joined, on the calling
+/// thread's current CUDA device.
+#[pyclass(module = "tiacc_training._engine", frozen)]
+pub struct NcclCommunicator {
+    inner: Arc<CoreCommunicator>,
+}
+
+#[pymethods]
+impl NcclCommunicator {
+    #[new]
+    #[pyo3(signature = (unique_id, rank, size, search_dirs=Vec::new(), library=None, group="world"))]
+    fn new(
+        py: Python<'_>,
+        unique_id: &[u8],
+        rank: usize,
+        size: usize,
+        search_dirs: Vec<String>,
+        library: Option<String>,
+        group: &str,
+    ) -> PyResult<Self> {
+        let bytes: &[u8; UNIQUE_ID_BYTES] = unique_id.try_into().map_err(|_| {
+            PyValueError::new_err(format!(
+                "an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {}",
+                unique_id.len()
+            ))
+        })?;
+        let id = NcclUniqueId::from_bytes(bytes);
+        let group = Group::parse(group).py()?;
+        if size == 0 || rank >= size {
+            return Err(PyValueError::new_err(format!(
+                "rank {rank} is not a rank of a group of {size}"
+            )));
+        }
+        let inner = py
+            .detach(|| {
+                let lib = load(search_dirs, library)?;
+                CoreCommunicator::init(lib, &id, rank, size, group)
+            })
+            .py()?;
+        Ok(NcclCommunicator {
+            inner: Arc::new(inner),
+        })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    #[getter]
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    #[getter]
+    fn group(&self) -> &'static str {
+        self.inner.group().name()
+    }
+
+    /// NCCL's version as (major, minor, patch).
+    #[getter]
+    fn version(&self) -> (u32, u32, u32) {
+        self.inner.library().version()
+    }
+
+    /// Whether `abort` or `destroy` has run.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    /// Enqueues an allreduce of `count` elements from device pointer `send`
+    /// into `recv` (may be equal) on CUDA stream `stream`; `op` is `sum` or
+    /// `avg`. Returns once enqueued. The caller keeps both buffers alive
+    /// until the stream has passed the collective.
+    #[pyo3(signature = (send, recv, count, dtype, stream, op="sum"))]
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: &str,
+        stream: usize,
+        op: &str,
+    ) -> PyResult<()> {
+        let (dtype, op) = (DType::parse(dtype).py()?, parse_op(op)?);
+        check_ptrs(&[send, recv], count)?;
+        let comm = self.inner.clone();
+        py.detach(move || {
+            // SAFETY: the Python shim passes device pointers of live CUDA
+            // tensors holding `count` elements of `dtype` on this
+            // communicator's device, a live stream handle of that device,
+            // and keeps the tensors alive for the stream (record_stream).
+            unsafe { comm.all_reduce(dptr(send), dptr(recv), count, dtype, op, sptr(stream)) }
+        })
+        .py()
+    }
+
+    /// Enqueues a reduce-scatter: `send` holds `recv_count * size`
+    /// elements, this rank's reduced block (`recv_count`) lands in `recv`.
+    #[pyo3(signature = (send, recv, recv_count, dtype, stream, op="sum"))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        recv_count: usize,
+        dtype: &str,
+        stream: usize,
+        op: &str,
+    ) -> PyResult<()> {
+        let (dtype, op) = (DType::parse(dtype).py()?, parse_op(op)?);
+        check_ptrs(&[send, recv], recv_count)?;
+        let comm = self.inner.clone();
+        py.detach(move || {
+            // SAFETY: as in `allreduce`, with `send` holding
+            // `recv_count * size` elements and `recv` `recv_count`.
+            unsafe {
+                comm.reduce_scatter(dptr(send), dptr(recv), recv_count, dtype, op, sptr(stream))
+            }
+        })
+        .py()
+    }
+
+    /// Enqueues an allgather: each rank's `send_count` elements at `send`
+    /// land, in rank order, in `recv` (`send_count * size` elements).
+    #[pyo3(signature = (send, recv, send_count, dtype, stream))]
+    fn allgather(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        send_count: usize,
+        dtype: &str,
+        stream: usize,
+    ) -> PyResult<()> {
+        let dtype = DType::parse(dtype).py()?;
+        check_ptrs(&[send, recv], send_count)?;
+        let comm = self.inner.clone();
+        py.detach(move || {
+            // SAFETY: as in `allreduce`, with `send` holding `send_count`
+            // elements and `recv` `send_count * size`.
+            unsafe { comm.all_gather(dptr(send), dptr(recv), send_count, dtype, sptr(stream)) }
+        })
+        .py()
+    }
+
+    /// Enqueues a broadcast of `count` elements from `root`'s `send` to
+    /// every rank's `recv`.
+    #[pyo3(signature = (send, recv, count, dtype, root, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: &str,
+        root: usize,
+        stream: usize,
+    ) -> PyResult<()> {
+        let dtype = DType::parse(dtype).py()?;
+        check_ptrs(&[send, recv], count)?;
+        let comm = self.inner.clone();
+        py.detach(move || {
+            // SAFETY: as in `allreduce`.
+            unsafe { comm.broadcast(dptr(send), dptr(recv), count, dtype, root, sptr(stream)) }
+        })
+        .py()
+    }
+
+    /// NCCL's asynchronous error as text, or `None` while healthy.
+    fn async_error(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        let comm = self.inner.clone();
+        let err = py.detach(move || comm.async_error()).py()?;
+        Ok(err.map(|e| e.to_string()))
+    }
+
+    /// Waits (GIL released between polls) until `is_done()` returns true
+    /// (typically a CUDA event's `query`), checking NCCL's asynchronous
+    /// error every `poll_interval` seconds. After `timeout` seconds the
+    /// communicator is aborted and `CommTimeoutError` raised, naming the
+    /// group and this rank; an NCCL error aborts it and raises `CommError`.
+    #[pyo3(signature = (is_done, timeout, poll_interval=0.001))]
+    fn watch(
+        &self,
+        py: Python<'_>,
+        is_done: Py<PyAny>,
+        timeout: f64,
+        poll_interval: f64,
+    ) -> PyResult<()> {
+        let timeout = seconds("timeout", timeout)?;
+        let poll = seconds("poll_interval", poll_interval)?;
+        let comm = self.inner.clone();
+        py.detach(move || {
+            nccl::watch(&*comm, Deadline::after(timeout), poll, || {
+                Python::attach(|py| is_done.call0(py)?.extract::<bool>(py)).map_err(|e| {
+                    tiacc_core::Error::Comm {
+                        peer: None,
+                        message: format!("the completion test passed to watch() failed: {e}"),
+                    }
+                })
+            })
+        })
+        .py()
+    }
+
+    /// Aborts outstanding operations and frees the communicator (never
+    /// waits for peers). Later calls raise `CommError` with `reason`.
+    #[pyo3(signature = (reason="aborted by the caller"))]
+    fn abort(&self, py: Python<'_>, reason: &str) {
+        let comm = self.inner.clone();
+        let reason = reason.to_string();
+        py.detach(move || comm.abort(&reason));
+    }
+
+    /// Waits for queued work and frees the communicator. Call only when
+    /// every peer is healthy; `abort` is the way out otherwise.
+    fn destroy(&self, py: Python<'_>) -> PyResult<()> {
+        let comm = self.inner.clone();
+        py.detach(move || comm.destroy()).py()
+    }
+}
+
+fn parse_op(op: &str) -> PyResult<ReduceOp> {
+    match op {
+        "sum" => Ok(ReduceOp::Sum),
+        "avg" => Ok(ReduceOp::Avg),
+        other => Err(PyValueError::new_err(format!(
+            "op must be 'sum' or 'avg', got {other:?}"
+        ))),
+    }
+}
+
+fn check_ptrs(ptrs: &[usize], count: usize) -> PyResult<()> {
+    if count > 0 && ptrs.contains(&0) {
+        return Err(PyValueError::new_err(
+            "null device pointer for a non-empty buffer",
+        ));
+    }
+    Ok(())
+}
+
+fn seconds(name: &str, value: f64) -> PyResult<Duration> {
+    if value.is_finite() && value > 0.0 && value < 1e9 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(PyValueError::new_err(format!(
+            "{name} must be a positive number of seconds, got {value}"
+        )))
+    }
+}
+
+fn dptr(addr: usize) -> DevicePtr {
+    DevicePtr(addr as *mut std::ffi::c_void)
+}
+
+fn sptr(addr: usize) -> *mut std::ffi::c_void {
+    addr as *mut std::ffi::c_void
+}

@@ -1,0 +1,94 @@
+"""One rank of a small DDP run on CUDA, for the GPU tests.
+
+Launched by ``test_nccl_transport.py`` with torchrun-style variables.
+Trains a small MLP on ``cuda:LOCAL_RANK % device_count`` natively or
+through the tiacc engine (``--transport nccl`` or ``tcp``) and saves the
+final parameters per rank. Prints ``DONE <mode> <transport>`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tiacc_training.torch.distributed as tdist
+
+
+def build_model(width: int) -> nn.Module:
+    torch.manual_seed(1234)
+    layers: list[nn.Module] = [nn.Linear(32, width), nn.ReLU()]
+    for _ in range(6):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mode", choices=["native", "tiacc"], required=True)
+    parser.add_argument("--transport", choices=["nccl", "tcp"], default="nccl")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
+    parser.add_argument("--channels", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.1)
+    args = parser.parse_args()
+    try:
+        # Bitwise comparisons need deterministic kernels and no TF32.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.use_deterministic_algorithms(True)
+        tdist.init_tiacc_training(
+            backend=args.backend,
+            enable=args.mode == "tiacc",
+            num_streams=args.channels,
+            transport=args.transport,
+            timeout=120,
+        )
+        rank = dist.get_rank()
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        model = build_model(args.width).to(device)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index], bucket_cap_mb=args.bucket_cap_mb
+        )
+        if args.mode == "tiacc":
+            assert getattr(ddp, "_tiacc_hook_state", None) is not None, "hook not attached"
+            assert tdist.cuda_transport() == args.transport, tdist.cuda_transport()
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        gen = torch.Generator().manual_seed(100 + rank)
+        teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
+        for _ in range(args.steps):
+            x = torch.randn(64, 32, generator=gen)
+            y = (x @ teacher).argmax(dim=1)
+            loss = nn.functional.cross_entropy(ddp(x.to(device)), y.to(device))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        torch.cuda.synchronize(device)
+        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        assert all(torch.isfinite(v).all() for v in state.values()), "non-finite parameters"
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save(state, args.out / f"{args.mode}_rank{rank}.pt")
+        print(f"DONE {args.mode} {args.transport}", flush=True)
+        dist.barrier()
+        tdist.shutdown()
+        dist.destroy_process_group()
+        return 0
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"WORKER_ERROR {type(exc).__name__}: {exc}", flush=True)
+        sys.stdout.flush()
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
