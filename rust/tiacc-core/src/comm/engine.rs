@@ -8,7 +8,7 @@
 //! (kind, per-channel sequence number, bucket, dtype, size) across ranks, so
 //! diverging ranks raise instead of mixing unrelated buffers.
 
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -155,10 +155,12 @@ impl Engine {
         // at its timeout.
         let abort_all: Arc<Vec<Aborter>> =
             Arc::new(groups.iter().flat_map(Groups::aborters).collect());
+        let first_failure: Arc<Mutex<Option<Error>>> = Arc::default();
         let mut channels = Vec::with_capacity(groups.len());
         for (index, (groups, algorithm)) in groups.into_iter().zip(algorithms).enumerate() {
             let (tx, rx) = mpsc::channel::<Job>();
             let abort_all = Arc::clone(&abort_all);
+            let first_failure = Arc::clone(&first_failure);
             let on_failure = on_failure.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("tiacc-comm-{index}"))
@@ -167,6 +169,7 @@ impl Engine {
                         timeout,
                         options,
                         abort_all: &abort_all,
+                        first_failure: &first_failure,
                         on_failure,
                         scratch: Vec::new(),
                     };
@@ -297,6 +300,8 @@ struct ChannelContext<'a> {
     timeout: Duration,
     options: EngineOptions,
     abort_all: &'a [Aborter],
+    /// The first failure on any channel of this engine.
+    first_failure: &'a Mutex<Option<Error>>,
     on_failure: Option<FailureHook>,
     /// Wire buffer for compressed buckets, reused.
     scratch: Vec<u8>,
@@ -355,10 +360,12 @@ fn channel_loop(
                     .and_then(|()| groups.world.barrier(deadline)),
             }
         };
-        let result = result.map_err(|err| match &ctx.on_failure {
-            Some(hook) => with_root_cause(err, hook.as_ref()),
-            None => err,
-        });
+        let result = result
+            .map_err(|err| match &ctx.on_failure {
+                Some(hook) => with_root_cause(err, hook.as_ref()),
+                None => err,
+            })
+            .map_err(|err| first_on_this_engine(err, ctx.first_failure));
         if result.is_err() {
             groups.abort();
             for abort in ctx.abort_all {
@@ -423,6 +430,34 @@ fn allreduce(
     algorithm.allreduce(groups, &wire_tag, &mut ctx.scratch, wire, deadline)?;
     codec::decode(&ctx.scratch, wire, 1.0 / scale, buf, dtype);
     Ok(())
+}
+
+/// The failure to report: the first one on any channel of this engine. A
+/// channel's failure aborts its siblings, whose own errors ("connection
+/// aborted") are only symptoms; they report the cause (a timeout stays a
+/// timeout whichever bucket DDP looks at first).
+fn first_on_this_engine(err: Error, first: &Mutex<Option<Error>>) -> Error {
+    let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(cause) = first.as_ref().and_then(copy_comm_error) {
+        return cause;
+    }
+    *first = copy_comm_error(&err);
+    err
+}
+
+/// A copy of a communication error (the other kinds are not replayed).
+fn copy_comm_error(err: &Error) -> Option<Error> {
+    match err {
+        Error::Comm { peer, message } => Some(Error::Comm {
+            peer: *peer,
+            message: message.clone(),
+        }),
+        Error::CommTimeout { peer, message } => Some(Error::CommTimeout {
+            peer: *peer,
+            message: message.clone(),
+        }),
+        _ => None,
+    }
 }
 
 /// Appends the first failure reported by any rank, when it is not this one.
