@@ -1,0 +1,38 @@
+"""The README's environment-variable table matches the config module.
+
+`rust/tiacc-core/src/config.rs` is the only code that reads the
+environment; every variable it names must be in the README's table, and the
+table must not list variables the engine does not read.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PREFIXES = r"(?:TIACC_TRAINING|LIGHT|PERSEUS)_[A-Z0-9_]+"
+
+
+def config_variables() -> set[str]:
+    source = (REPO / "rust/tiacc-core/src/config.rs").read_text()
+    # Only the constants' string literals, not the tests' uses of them.
+    body = source.split("#[cfg(test)]", 1)[0]
+    return set(re.findall(rf'"({PREFIXES})"', body))
+
+
+def readme_table_variables() -> set[str]:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(rf"`({PREFIXES})`", row.split(" | ")[0])}
+
+
+def test_every_variable_the_engine_reads_is_documented() -> None:
+    names = config_variables()
+    assert len(names) >= 20, names  # the parse found the constants
+    assert names - readme_table_variables() == set()
+
+
+def test_the_table_lists_no_variable_the_engine_does_not_read() -> None:
+    assert readme_table_variables() - config_variables() == set()
