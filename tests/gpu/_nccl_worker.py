@@ -2,8 +2,8 @@
 
 Launched by ``test_nccl_transport.py`` with torchrun-style variables.
 Trains a small MLP on ``cuda:LOCAL_RANK % device_count`` natively or
-through the tiacc engine (``--transport nccl`` or ``tcp``) and saves the
-final parameters per rank. Prints ``DONE <mode> <transport>`` at the end.
+through the tiacc engine (``--transport nccl``, ``tcp`` or ``auto``) and saves the
+final parameters per rank. Prints ``DONE <mode> <transport used>`` at the end.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mode", choices=["native", "tiacc"], required=True)
-    parser.add_argument("--transport", choices=["nccl", "tcp"], default="nccl")
+    parser.add_argument("--transport", choices=["auto", "nccl", "tcp"], default="nccl")
+    # The transport the engine must end up with (default: --transport).
+    parser.add_argument("--expect-transport", choices=["nccl", "tcp"])
     parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     parser.add_argument("--channels", type=int, default=1)
     parser.add_argument("--steps", type=int, default=50)
@@ -62,7 +64,8 @@ def main() -> int:
         )
         if args.mode == "tiacc":
             assert getattr(ddp, "_tiacc_hook_state", None) is not None, "hook not attached"
-            assert tdist.cuda_transport() == args.transport, tdist.cuda_transport()
+            expected = args.expect_transport or args.transport
+            assert tdist.cuda_transport() == expected, tdist.cuda_transport()
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         gen = torch.Generator().manual_seed(100 + rank)
         teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
@@ -78,7 +81,8 @@ def main() -> int:
         assert all(torch.isfinite(v).all() for v in state.values()), "non-finite parameters"
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(state, args.out / f"{args.mode}_rank{rank}.pt")
-        print(f"DONE {args.mode} {args.transport}", flush=True)
+        transport = tdist.cuda_transport() if args.mode == "tiacc" else args.backend
+        print(f"DONE {args.mode} {transport}", flush=True)
         dist.barrier()
         tdist.shutdown()
         dist.destroy_process_group()

@@ -28,8 +28,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, args: list[str], timeout: float = 600.0) -> list[str]:
-    """Runs `world` worker ranks; returns their stdout, failing on any error."""
+def _launch(
+    world: int,
+    args: list[str],
+    timeout: float = 600.0,
+    one_gpu: bool = False,
+    expect_failure: bool = False,
+) -> list[str]:
+    """Runs `world` worker ranks; returns their stdout, failing on any error.
+
+    ``one_gpu`` makes every rank see only GPU 0, so ranks share it even on
+    a machine with several. With ``expect_failure`` every rank must fail,
+    and their stdout + stderr are returned.
+    """
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -48,6 +59,8 @@ def _launch(world: int, args: list[str], timeout: float = 600.0) -> list[str]:
                 "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
             }
         )
+        if one_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = "0"
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(WORKER), *args],
@@ -64,6 +77,10 @@ def _launch(world: int, args: list[str], timeout: float = 600.0) -> list[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
+        if expect_failure:
+            assert proc.returncode != 0, f"rank {rank} succeeded:\n{out}"
+            outputs.append(out + err)
+            continue
         outputs.append(out)
         if proc.returncode != 0:
             failed.append(f"--- rank {rank} rc={proc.returncode}\n{out}\n{err[-4000:]}")
@@ -110,8 +127,9 @@ def test_ranks_sharing_a_gpu_over_tcp_staging_match_native_ddp(tmp_path: Path, w
     # Native DDP cannot use NCCL with ranks sharing a GPU; gloo handles CUDA
     # tensors through the host, which is the fair stock comparison here.
     common = ["--out", str(tmp_path), "--steps", "20", "--backend", "gloo"]
-    _launch(world, [*common, "--mode", "native"])
-    out = _launch(world, [*common, "--mode", "tiacc", "--transport", "tcp", "--channels", "2"])
+    _launch(world, [*common, "--mode", "native"], one_gpu=True)
+    tiacc_args = [*common, "--mode", "tiacc", "--transport", "tcp", "--channels", "2"]
+    out = _launch(world, tiacc_args, one_gpu=True)
     assert all("DONE tiacc tcp" in o for o in out)
     tiacc = [_params(tmp_path, "tiacc", r) for r in range(world)]
     for r in range(1, world):
@@ -119,3 +137,21 @@ def test_ranks_sharing_a_gpu_over_tcp_staging_match_native_ddp(tmp_path: Path, w
     # Two ranks: a + b is exact in any order, and halving is exact, so the
     # results are bitwise equal; with four the summation order differs.
     _assert_equal(tiacc[0], _params(tmp_path, "native", 0), exact=world == 2)
+
+
+def test_auto_stages_over_tcp_when_ranks_share_a_gpu(tmp_path: Path) -> None:
+    # NCCL cannot run two ranks on one GPU: auto must notice before NCCL's
+    # init and stage through the host instead.
+    common = ["--out", str(tmp_path), "--steps", "20", "--backend", "gloo"]
+    _launch(2, [*common, "--mode", "native"], one_gpu=True)
+    args = [*common, "--mode", "tiacc", "--transport", "auto", "--expect-transport", "tcp"]
+    out = _launch(2, args, one_gpu=True)
+    assert all("DONE tiacc tcp" in o for o in out)
+    _assert_equal(_params(tmp_path, "tiacc", 0), _params(tmp_path, "native", 0), exact=True)
+
+
+def test_explicit_nccl_with_ranks_sharing_a_gpu_names_them(tmp_path: Path) -> None:
+    args = ["--out", str(tmp_path), "--steps", "2", "--mode", "tiacc", "--transport", "nccl"]
+    out = _launch(2, [*args, "--backend", "gloo"], timeout=300, one_gpu=True, expect_failure=True)
+    for text in out:
+        assert "needs one GPU per rank" in text and "ranks 0, 1 share" in text, text[-3000:]

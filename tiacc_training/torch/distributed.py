@@ -26,8 +26,9 @@ Environment variables (parsed by the engine; a bad value raises
   (default: the local address that routes to ``MASTER_ADDR``).
 * ``TIACC_TRAINING_TRANSPORT``: ``auto`` (default), ``nccl`` or ``tcp``:
   which transport carries CUDA gradients. ``auto`` uses NCCL when CUDA is
-  available and the NCCL library loads, else TCP with the gradients staged
-  through pinned host memory. CPU gradients always use TCP.
+  available, the NCCL library loads and no two ranks share a GPU, else TCP
+  with the gradients staged through pinned host memory. CPU gradients
+  always use TCP.
 * ``TIACC_TRAINING_NCCL_LIBRARY``: the NCCL library file to load (default:
   the copy torch loaded, else the ``nvidia-nccl`` wheel's, else the system's).
 
@@ -119,6 +120,7 @@ class _State:
     nccl: Any = None
     staging: Any = None
     generation: int = 0
+    placement_round: int = 0
     patched: bool = False
     logged: bool = False
 
@@ -209,7 +211,9 @@ def cuda_transport() -> str:
     """The transport CUDA gradients use: ``"nccl"`` or ``"tcp"``.
 
     Resolved by :func:`init_tiacc_training` from ``transport`` /
-    ``TIACC_TRAINING_TRANSPORT``; ``"tcp"`` before it ran.
+    ``TIACC_TRAINING_TRANSPORT``; ``"tcp"`` before it ran. Under ``auto``
+    it turns to ``"tcp"`` when the first CUDA model is wrapped and ranks
+    turn out to share a GPU.
     """
     return _state.cuda_transport
 
@@ -524,6 +528,8 @@ def _attach(ddp: DistributedDataParallel, config: _Config) -> None:
             return
         device = next(iter(devices))
         if _state.cuda_transport == "nccl":
+            _check_one_gpu_per_rank(config, device)
+        if _state.cuda_transport == "nccl":
             state = _HookState(None, group, _nccl_channels(config, device))
         else:
             state = _HookState(None, group, _host_staging(config, device))
@@ -534,6 +540,74 @@ def _attach(ddp: DistributedDataParallel, config: _Config) -> None:
     state = _HookState(engine, group)
     ddp._tiacc_hook_state = state  # type: ignore[attr-defined]
     _original_register_comm_hook(ddp, state, _tiacc_comm_hook)
+
+
+def _check_one_gpu_per_rank(config: _Config, device: torch.device) -> None:
+    """Falls back to TCP staging (``auto``) when ranks share a GPU.
+
+    NCCL needs one GPU per rank; ranks sharing one (several processes per
+    GPU in tests, or a launcher given more processes than GPUs) would fail
+    inside NCCL's init with a less helpful message. Every rank publishes its
+    host and its GPU's UUID, so every rank sees the same list and takes the
+    same branch. Under an explicit ``nccl`` transport sharing is a
+    ``CommError`` naming the ranks.
+    """
+    _state.placement_round += 1
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"tiacc_training/gpu{_state.placement_round}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    identities = _exchange(store, prefix, rank, world, _gpu_identity(device), config.timeout)
+    shared = _ranks_sharing(identities)
+    if not shared:
+        return
+    where = "; ".join(
+        f"ranks {', '.join(map(str, ranks))} share {identities[ranks[0]]}" for ranks in shared
+    )
+    if config.transport == "nccl":
+        raise CommError(
+            f"transport 'nccl' needs one GPU per rank, but {where}; use transport 'tcp' "
+            "(host staging) or give each rank its own GPU"
+        )
+    logger.warning(
+        "NCCL needs one GPU per rank, but %s: CUDA gradients go over TCP with host staging "
+        "(transport auto)",
+        where,
+    )
+    _state.cuda_transport = "tcp"
+
+
+def _gpu_identity(device: torch.device) -> str:
+    """``host/GPU <uuid>`` of ``device`` (its PCI address where no UUID is known).
+
+    The UUID, not the index: ``CUDA_VISIBLE_DEVICES`` may number one GPU
+    differently in each process.
+    """
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if not uuid:
+        uuid = "pci " + ":".join(
+            str(getattr(props, name, "?"))
+            for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")
+        )
+    return f"{socket.gethostname()}/GPU {uuid}"
+
+
+def _exchange(
+    store: Any, prefix: str, rank: int, world: int, value: str, timeout: float
+) -> list[str]:
+    """Every rank's ``value``, in rank order, through the default group's store."""
+    store.set(f"{prefix}/{rank}", value)
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    store.wait(keys, datetime.timedelta(seconds=timeout))
+    return [store.get(k).decode() for k in keys]
+
+
+def _ranks_sharing(identities: list[str]) -> list[list[int]]:
+    """Groups of ranks (two or more, in rank order) with the same identity."""
+    by_identity: dict[str, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        by_identity.setdefault(identity, []).append(rank)
+    return sorted(ranks for ranks in by_identity.values() if len(ranks) > 1)
 
 
 def _world_engine(config: _Config) -> Any:
@@ -627,10 +701,11 @@ def _intra_size(config: _Config, store: Any, prefix: str, rank: int, world: int)
             f"{size} ranks (LIGHT_INTRA_SIZE or the launcher's local world size)"
         )
     local_rank = launch.get("local_rank")
-    store.set(f"{prefix}/host/{rank}", f"{socket.gethostname()} {local_rank}")
-    keys = [f"{prefix}/host/{r}" for r in range(world)]
-    store.wait(keys, datetime.timedelta(seconds=config.timeout))
-    hosts = [store.get(k).decode().split(" ") for k in keys]
+    published = f"{socket.gethostname()} {local_rank}"
+    hosts = [
+        v.split(" ")
+        for v in _exchange(store, f"{prefix}/host", rank, world, published, config.timeout)
+    ]
     for r, (host, local) in enumerate(hosts):
         first = (r // size) * size
         if host != hosts[first][0]:
