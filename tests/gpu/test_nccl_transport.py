@@ -7,25 +7,17 @@ variables, like the multi-process CPU tests.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _launch import describe, run_ranks
 
 pytestmark = pytest.mark.gpu
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "_nccl_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Bitwise comparisons need deterministic cuBLAS workspaces.
+CUDA_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def _launch(
@@ -41,51 +33,13 @@ def _launch(
     a machine with several. With ``expect_failure`` every rank must fail,
     and their stdout + stderr are returned.
     """
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TIACC_TRAINING_")}
-        env.update(
-            {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "PYTHONPATH": str(REPO),
-                "PYTHONUNBUFFERED": "1",
-                "OMP_NUM_THREADS": "1",
-                "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-            }
-        )
-        if one_gpu:
-            env["CUDA_VISIBLE_DEVICES"] = "0"
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outputs, failed = [], []
-    for rank, proc in enumerate(procs):
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        if expect_failure:
-            assert proc.returncode != 0, f"rank {rank} succeeded:\n{out}"
-            outputs.append(out + err)
-            continue
-        outputs.append(out)
-        if proc.returncode != 0:
-            failed.append(f"--- rank {rank} rc={proc.returncode}\n{out}\n{err[-4000:]}")
-    assert not failed, "\n".join(failed)
-    return outputs
+    env = {**CUDA_ENV, **({"CUDA_VISIBLE_DEVICES": "0"} if one_gpu else {})}
+    ranks = run_ranks(world, args, env=env, timeout=timeout, worker=WORKER)
+    if expect_failure:
+        assert all(r.returncode != 0 for r in ranks), describe(ranks)
+        return [r.stdout + r.stderr for r in ranks]
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    return [r.stdout for r in ranks]
 
 
 def _params(out: Path, mode: str, rank: int) -> dict[str, torch.Tensor]:

@@ -528,7 +528,7 @@ def _attach(ddp: DistributedDataParallel, config: _Config) -> None:
             return
         device = next(iter(devices))
         if _state.cuda_transport == "nccl":
-            _check_one_gpu_per_rank(config, device)
+            _check_one_gpu_per_rank(config, device)  # auto may fall back to tcp here
         if _state.cuda_transport == "nccl":
             state = _HookState(None, group, _nccl_channels(config, device))
         else:

@@ -1,4 +1,8 @@
-"""Launch helpers for the multi-process tests: plain processes on loopback."""
+"""Launch helpers for the multi-process tests: plain processes on loopback.
+
+Shared by ``tests/distributed`` and ``tests/gpu`` (this folder is on
+``sys.path`` through its conftest).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+WORKER = Path(__file__).resolve().parent / "distributed" / "ddp_worker.py"
 
 
 def free_port() -> int:
@@ -42,8 +46,9 @@ def run_ranks(
     env: dict[str, str] | None = None,
     timeout: float = 240.0,
     local_size: int | None = None,
+    worker: Path = WORKER,
 ) -> list[Rank]:
-    """Starts `world` worker processes with torchrun-style variables and
+    """Starts `world` `worker` processes with torchrun-style variables and
     waits for all of them (killing any still running at `timeout`)."""
     port = free_port()
     procs = []
@@ -62,7 +67,7 @@ def run_ranks(
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
+                [sys.executable, str(worker), *args],
                 env=rank_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
