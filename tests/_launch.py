@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "distributed" / "ddp_worker.py"
 
 
