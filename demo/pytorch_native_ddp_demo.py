@@ -1,7 +1,8 @@
 """End-to-end demo: native DDP training with all three parts of tiacc-training.
 
 A small CNN learns the 10 classes of a generated image dataset with 2 ranks
-(torchrun; gloo on CPU, NCCL when CUDA is present), using:
+(torchrun; on a machine with 0, 1 or several GPUs: CPU, both ranks on one
+GPU, or one GPU each), using:
 
 1. communication: ``tdist.init_tiacc_training()``, after which the native
    ``DistributedDataParallel`` sends its gradient buckets through the tiacc
@@ -121,6 +122,22 @@ def datasets(args: argparse.Namespace) -> tuple[object, object, str]:
     return train, held_out, f"IndexTFRDataset over TFRecord shards ({how})"
 
 
+def stock_backend(cuda: bool, local_size: int) -> str:
+    """What a stock PyTorch script would pass to init_process_group.
+
+    gloo for the CPU tensors of the metrics; NCCL for CUDA tensors unless
+    ranks share a GPU, which NCCL refuses before 2.30 (and without
+    NCCL_MULTI_RANK_GPU_ENABLE=1): then gloo for them too.
+    """
+    if not cuda:
+        return "gloo"
+    shared = local_size > torch.cuda.device_count()
+    nccl_shares = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" and (
+        torch.cuda.nccl.version() >= (2, 30, 0)
+    )
+    return "cpu:gloo,cuda:" + ("nccl" if not shared or nccl_shares else "gloo")
+
+
 def all_sum(*values: float) -> list[float]:
     """Sums ``values`` over the ranks."""
     t = torch.tensor(values, dtype=torch.float64)
@@ -146,15 +163,21 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of the training job (launched by torchrun)."""
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    local_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    # Ranks share the GPUs when there are fewer GPUs than ranks (one GPU,
+    # two ranks: both on cuda:0).
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else None
+    device = device or torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    backend = "nccl" if cuda else "gloo"
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // local_size))
     if args.mode == "tiacc":
-        tdist.init_tiacc_training(backend=backend)
+        # The engine picks the process group's backends and the transport of
+        # CUDA buckets (NCCL, or TCP through host memory where ranks share a
+        # GPU that this NCCL cannot share); its start-up lines say which.
+        tdist.init_tiacc_training()
     else:
-        dist.init_process_group(backend)
+        dist.init_process_group(stock_backend(cuda, local_size))
     rank, world = dist.get_rank(), dist.get_world_size()
 
     train_set, held_out_set, data_how = datasets(args)
@@ -171,8 +194,6 @@ def worker(args: argparse.Namespace) -> None:
     )
 
     model = nn.parallel.DistributedDataParallel(build_model().to(device))
-    # The engine starts with the first DDP model.
-    engine = tdist.get_engine() if args.mode == "tiacc" else None
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
     from tiacc_training.torch.tiacc_torch_warp import MixedPrecision_TrainingPolicy
@@ -192,10 +213,13 @@ def worker(args: argparse.Namespace) -> None:
 
     if rank == 0:
         comm_how = "native DDP (no comm hook)"
-        if engine is not None:
+        if args.mode == "tiacc":
+            config = tdist.comm_config()
+            path = f"CUDA buckets over {tdist.cuda_transport()}" if cuda else "CPU buckets over tcp"
             comm_how = (
-                f"tiacc engine: {engine.num_channels} channel(s), "
-                f"compression {engine.compression}, fusion {model.bucket_bytes_cap >> 20} MiB"
+                f"tiacc engine: {config['num_streams']} channel(s), "
+                f"compression {config['compression']}, {path}, "
+                f"fusion {model.bucket_bytes_cap >> 20} MiB"
             )
         mp_how = (
             f"MixedPrecision_TrainingPolicy(policy 0, start 1) -> autocast {amp_dtype}"

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tiacc_training.torch.distributed as tdist
+from tiacc_training.torch.distributed import _engines
 
 
 def build_model(width: int = 96) -> nn.Module:
@@ -38,17 +40,44 @@ def build_model(width: int = 96) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def knock_with_wrong_token() -> None:
+def knock_with_wrong_token(knocked: threading.Event) -> None:
     """Rank 0 only: connect to rank 1's engine port with a bad hello."""
-    store = dist.distributed_c10d._get_default_store()
-    key = "tiacc_training/engine1/addr/1"
-    store.wait([key], datetime.timedelta(seconds=60))
-    host, port = store.get(key).decode().rsplit(":", 1)
-    stranger = socket.create_connection((host, int(port)))
-    stranger.sendall(b"TIACCv1\0" + b"\x00" * 16 + b"\x00" * 12)
-    stranger.settimeout(30)
-    closed = stranger.recv(1) == b""
-    print(f"STRANGER_CLOSED={closed}", flush=True)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = "tiacc_training/engine1/addr/1"
+        store.wait([key], datetime.timedelta(seconds=60))
+        host, port = store.get(key).decode().rsplit(":", 1)
+        stranger = socket.create_connection((host, int(port)))
+        stranger.sendall(b"TIACCv1\0" + b"\x00" * 16 + b"\x00" * 12)
+        stranger.settimeout(30)
+        closed = stranger.recv(1) == b""
+        print(f"STRANGER_CLOSED={closed}", flush=True)
+    finally:
+        knocked.set()
+
+
+def hold_rendezvous_until(knocked: threading.Event) -> None:
+    """Rank 0 joins the rings only after the knock: rank 1's listener is
+    then certainly still open when the stranger arrives."""
+    original = _engines.connect_tcp
+
+    class Held:
+        """The engine, whose connect() waits for the knock."""
+
+        def __init__(self, engine: object) -> None:
+            self.engine = engine
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.engine, name)
+
+        def connect(self, *args: object) -> None:
+            knocked.wait(60)
+            self.engine.connect(*args)
+
+    def delayed(engine: object, *args: object) -> None:
+        original(Held(engine), *args)
+
+    _engines.connect_tcp = delayed
 
 
 def train(args: argparse.Namespace, mode: str) -> nn.Module:
@@ -56,9 +85,9 @@ def train(args: argparse.Namespace, mode: str) -> nn.Module:
     model = build_model()
     bucket_cap_mb = args.bucket_cap_mb
     if mode == "tiacc" and args.fault == "token" and rank == 0:
-        import threading
-
-        threading.Thread(target=knock_with_wrong_token, daemon=True).start()
+        knocked = threading.Event()
+        hold_rendezvous_until(knocked)
+        threading.Thread(target=knock_with_wrong_token, args=(knocked,), daemon=True).start()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     if mode == "tiacc" and args.fault == "layout":
         # DDP syncs rank 0's bucket layout to every rank, so a diverging

@@ -106,7 +106,7 @@ def test_torchrun_launch(tmp_path: Path) -> None:
     ]
     proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert "tiacc engine (tcp)" in proc.stderr and "launcher=torchrun" in proc.stderr
+    assert "CPU buckets: tcp" in proc.stderr and "launcher=torchrun" in proc.stderr
     assert_bitwise_identical_across_ranks(tmp_path, 2)
 
 

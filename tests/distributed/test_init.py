@@ -85,11 +85,25 @@ def test_a_bad_env_value_raises_config_error_naming_it(
     assert value in str(info.value)
 
 
-def test_plain_python_on_cpu_uses_tcp_under_auto() -> None:
-    out = run_checks("plain")
-    if not torch.cuda.is_available():
+def test_the_start_up_report_says_what_applies_to_each_kind_of_bucket() -> None:
+    out = run_checks(
+        "plain",
+        {
+            "TIACC_TRAINING_NAN_CHECK": "1",
+            "TIACC_TRAINING_COMPRESSION": "fp16",
+            "LIGHT_TOPK_RATIO": "0.1",
+        },
+    )
+    assert "CPU buckets: tcp; algorithm=flat ring compression=fp16" in out
+    assert "nan_check=on" in out
+    if torch.cuda.is_available():
+        assert "CUDA buckets: nccl" in out or "CUDA buckets: tcp with host staging" in out
+    else:
         assert "CHECK cpu_transport_tcp" in out
-        assert "cuda_transport=tcp (requested: auto)" in out
+        assert "CUDA buckets: none (torch sees no CUDA device)" in out
+    # Settings that cannot apply are warnings naming the variable.
+    assert "LIGHT_TOPK_RATIO has no effect without LIGHT_TOPK_ALLREDUCE=1" in out
+    assert "TIACC_TRAINING_COMPRESSION has no effect in a world of one rank" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -109,13 +123,6 @@ def test_a_missing_nccl_library_file_is_a_comm_error_naming_it() -> None:
     assert "/nonexistent/libnccl.so.2" in out.split("COMM_ERROR ", 1)[1].splitlines()[0]
 
 
-def test_transport_argument_mistakes_raise_before_anything_starts() -> None:
-    with pytest.raises(TypeError, match="transport"):
-        tdist.init_tiacc_training(transport=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="transport"):
-        tdist.init_tiacc_training(transport="udp")
-
-
 def test_a_bad_launcher_value_raises_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "first")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -123,12 +130,41 @@ def test_a_bad_launcher_value_raises_config_error(monkeypatch: pytest.MonkeyPatc
         tdist.init_tiacc_training()
 
 
-def test_bad_arguments_raise_before_anything_starts() -> None:
-    with pytest.raises(ValueError):
-        tdist.init_tiacc_training(fusion_threshold=0)
-    with pytest.raises(ConfigError, match="num_streams"):
-        tdist.init_tiacc_training(num_streams=0)
-    with pytest.raises(ValueError):
-        tdist.init_tiacc_training(timeout=-1)
-    with pytest.raises(ValueError, match="compression"):
-        tdist.init_tiacc_training(compression="int8")
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("fusion_threshold", 0),
+        ("num_streams", 0),
+        ("num_streams", 65),
+        ("timeout", -1),
+        ("compression", "int8"),
+        ("transport", "udp"),
+    ],
+)
+def test_a_bad_argument_value_is_a_value_error_naming_it(argument: str, value: object) -> None:
+    with pytest.raises(ValueError, match=argument):
+        tdist.init_tiacc_training(**{argument: value})
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("fusion_threshold", True),
+        ("fusion_threshold", 1.5),
+        ("num_streams", "2"),
+        ("timeout", "soon"),
+        ("compression", 16),
+        ("enable", "yes"),
+    ],
+)
+def test_an_argument_of_the_wrong_type_is_a_type_error(argument: str, value: object) -> None:
+    with pytest.raises(TypeError, match=argument):
+        tdist.init_tiacc_training(**{argument: value})
+
+
+def test_arguments_are_parsed_like_their_variables() -> None:
+    from tiacc_training.torch.distributed import _config
+
+    config = _config.effective_config(compression="FP16", transport=" NCCL ", num_streams=3)
+    assert (config.to_dict()["compression"], config.transport) == ("fp16", "nccl")
+    assert config.num_streams == 3

@@ -1,8 +1,8 @@
-"""One GPU per rank for NCCL: ranks sharing a GPU are found before NCCL's init.
+"""Where CUDA buckets go when ranks share GPUs, decided before NCCL's init.
 
-The exchange runs through a real c10d store; the GPU identities are given,
-so the decision is tested without a GPU (the end-to-end case is in
-``tests/gpu``).
+The exchange runs through a real c10d store; GPU identities and NCCL's
+version are given, so the decisions are tested without a GPU (the
+end-to-end cases are in ``tests/gpu``).
 """
 
 from __future__ import annotations
@@ -11,52 +11,74 @@ import datetime
 import logging
 
 import pytest
+import torch
 import torch.distributed as dist
 
-import tiacc_training.torch.distributed as tdist
 from tiacc_training.errors import CommError, TiaccError
+from tiacc_training.torch.distributed import _config, _launch, _nccl, _rendezvous
+from tiacc_training.torch.distributed._state import logger, state
 
 
 def test_ranks_sharing_groups_equal_identities_in_rank_order() -> None:
-    assert tdist._ranks_sharing(["h/GPU a", "h/GPU b", "g/GPU a"]) == []
-    assert tdist._ranks_sharing(["h/GPU a", "h/GPU b", "h/GPU a", "h/GPU b", "h/GPU c"]) == [
+    assert _nccl.ranks_sharing(["h/GPU a", "h/GPU b", "g/GPU a"]) == []
+    assert _nccl.ranks_sharing(["h/GPU a", "h/GPU b", "h/GPU a", "h/GPU b", "h/GPU c"]) == [
         [0, 2],
         [1, 3],
     ]
-    assert tdist._ranks_sharing(["h/GPU a"] * 3) == [[0, 1, 2]]
-    assert tdist._ranks_sharing([]) == []
+    assert _nccl.ranks_sharing(["h/GPU a"] * 3) == [[0, 1, 2]]
+    assert _nccl.ranks_sharing([]) == []
 
 
 def test_exchange_returns_every_rank_value_in_rank_order() -> None:
     store = dist.HashStore()
     store.set("p/0", "zero")
     store.set("p/2", "two")
-    assert tdist._exchange(store, "p", 1, 3, "one", timeout=5) == ["zero", "one", "two"]
+    assert _rendezvous.exchange(store, "p", 1, 3, "one", timeout=5) == ["zero", "one", "two"]
 
 
 def test_exchange_times_out_when_a_rank_never_publishes() -> None:
     store = dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=30))
     with pytest.raises(Exception, match="(?i)timeout|timed out|wait"):
-        tdist._exchange(store, "q", 0, 2, "zero", timeout=0.5)
+        _rendezvous.exchange(store, "q", 0, 2, "zero", timeout=0.5)
+
+
+def test_the_failure_board_keeps_the_first_failure() -> None:
+    board = _rendezvous.FailureBoard(dist.HashStore(), "job/first_failure")
+    assert board.peek() is None
+    assert board.publish("rank 1: bucket 3 holds a non-finite gradient") == (
+        "rank 1: bucket 3 holds a non-finite gradient"
+    )
+    assert board.publish("rank 0: rank 1 closed the connection").startswith("rank 1: bucket 3")
+    assert board.peek().startswith("rank 1: bucket 3")
 
 
 @pytest.fixture
 def placement(monkeypatch: pytest.MonkeyPatch):
     """Rank 0 of two, whose peer already published ``peer``; returns a runner."""
 
-    def run(transport: str, mine: str, peer: str) -> str:
+    def run(
+        transport: str,
+        mine: str,
+        peer: str,
+        version: tuple[int, int, int] = (2, 28, 9),
+        multi_rank: bool = False,
+    ) -> str:
         store = dist.HashStore()
-        round_ = tdist._state.placement_round + 1
+        round_ = state.placement_round + 1
         store.set(f"tiacc_training/gpu{round_}/1", peer)
-        monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
-        monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-        monkeypatch.setattr(tdist, "_gpu_identity", lambda device: mine)
-        monkeypatch.setattr(tdist._state, "cuda_transport", "nccl")
-        config = tdist._effective_config(None, None, 5, True, transport=transport)
-        tdist._check_one_gpu_per_rank(config, None)  # type: ignore[arg-type]
-        return tdist._state.cuda_transport
+        if multi_rank:
+            monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        else:
+            monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+        monkeypatch.setattr(_nccl, "default_store", lambda: store)
+        monkeypatch.setattr(_nccl, "gpu_identity", lambda device: mine)
+        monkeypatch.setattr(_nccl, "nccl_version", lambda library=None: version)
+        monkeypatch.setattr(state, "cuda_transport", "nccl")
+        monkeypatch.setattr(state, "cuda_reason", None)
+        config = _config.effective_config(timeout=5, transport=transport)
+        _nccl.check_gpu_placement(config, None, 0, 2)  # type: ignore[arg-type]
+        return state.cuda_transport
 
     return run
 
@@ -67,14 +89,64 @@ def test_distinct_gpus_keep_nccl(placement) -> None:
 
 
 def test_auto_falls_back_to_tcp_staging_naming_the_ranks(placement, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger=tdist.logger.name):
+    with caplog.at_level(logging.WARNING, logger=logger.name):
         assert placement("auto", "node1/GPU a", "node1/GPU a") == "tcp"
     assert "ranks 0, 1 share node1/GPU a" in caplog.text
-    assert "host staging" in caplog.text
+    assert "host staging" in caplog.text and "NCCL 2.28.9" in caplog.text
+    assert state.cuda_reason == "ranks 0, 1 share node1/GPU a"
 
 
 def test_explicit_nccl_with_a_shared_gpu_is_a_comm_error(placement) -> None:
-    with pytest.raises(CommError, match="one GPU per rank, but ranks 0, 1 share node1/GPU a") as e:
+    with pytest.raises(CommError, match="one GPU per rank .*ranks 0, 1 share node1/GPU a") as e:
         placement("nccl", "node1/GPU a", "node1/GPU a")
     assert isinstance(e.value, TiaccError)
-    assert tdist._state.cuda_transport == "nccl"
+    assert state.cuda_transport == "nccl"
+
+
+def test_nccl_2_30_with_its_switch_lets_ranks_share_a_gpu(placement) -> None:
+    shared = ("node1/GPU a", "node1/GPU a")
+    assert placement("nccl", *shared, version=(2, 30, 7), multi_rank=True) == "nccl"
+    assert placement("auto", *shared, version=(2, 30, 7), multi_rank=True) == "nccl"
+    # The switch alone, or the version alone, is not enough.
+    assert placement("auto", *shared, version=(2, 28, 9), multi_rank=True) == "tcp"
+    assert placement("auto", *shared, version=(2, 30, 7), multi_rank=False) == "tcp"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "version", "multi_rank", "expected"),
+    [
+        (0, None, False, "gloo"),
+        (2, (2, 28, 9), False, "cpu:gloo,cuda:nccl"),
+        (1, (2, 28, 9), False, "cpu:gloo,cuda:gloo"),
+        (1, (2, 30, 7), True, "cpu:gloo,cuda:nccl"),
+        (1, (2, 30, 7), False, "cpu:gloo,cuda:gloo"),
+    ],
+)
+def test_the_default_group_gets_a_backend_for_cpu_and_cuda_tensors(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, version, multi_rank: bool, expected: str
+) -> None:
+    """Two ranks on the node: DDP of a CPU model needs gloo even with CUDA
+    present, and ranks sharing a GPU need gloo for CUDA tensors unless NCCL
+    can share it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(_launch, "nccl_version", lambda library=None: version)
+    if multi_rank:
+        monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    config = _config.effective_config()
+    assert _launch.default_backend(config, {"local_size": 2}) == expected
+
+
+def test_auto_stages_over_tcp_at_init_when_the_node_has_fewer_gpus_than_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(_nccl, "nccl_version", lambda library=None: (2, 28, 9))
+    config = _config.effective_config()
+    transport, reason = _nccl.resolve_cuda_transport(config, {"local_size": 2})
+    assert transport == "tcp"
+    assert "2 ranks on this node share 1 GPU(s)" in reason and "NCCL 2.28.9" in reason
+    with pytest.raises(CommError, match="2 ranks on this node share 1 GPU"):
+        _nccl.resolve_cuda_transport(_config.effective_config(transport="nccl"), {"local_size": 2})
+    assert _nccl.resolve_cuda_transport(config, {"local_size": 1}) == ("nccl", None)

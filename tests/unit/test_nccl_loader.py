@@ -89,4 +89,6 @@ def test_transport_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="TIACC_TRAINING_TRANSPORT") as info:
         tdist.comm_config()
     assert info.value.variable == "TIACC_TRAINING_TRANSPORT"
-    assert _engine.check_transport("NCCL") == "nccl"
+    monkeypatch.delenv("TIACC_TRAINING_TRANSPORT")
+    # An argument goes through the same parser.
+    assert _engine.CommConfig.from_env().with_overrides({"transport": "NCCL"}).transport == "nccl"

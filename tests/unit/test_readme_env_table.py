@@ -1,6 +1,6 @@
 """The README's environment-variable table matches the config module.
 
-`rust/tiacc-core/src/config.rs` is the only code that reads the
+`rust/tiacc-core/src/config/mod.rs` is the only code that reads the
 environment; every variable it names must be in the README's table, and the
 table must not list variables the engine does not read.
 """
@@ -11,11 +11,11 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PREFIXES = r"(?:TIACC_TRAINING|LIGHT|PERSEUS)_[A-Z0-9_]+"
+PREFIXES = r"(?:TIACC_TRAINING|LIGHT|PERSEUS|NCCL)_[A-Z0-9_]+"
 
 
 def config_variables() -> set[str]:
-    source = (REPO / "rust/tiacc-core/src/config.rs").read_text()
+    source = (REPO / "rust/tiacc-core/src/config/mod.rs").read_text()
     # Only the constants' string literals, not the tests' uses of them.
     body = source.split("#[cfg(test)]", 1)[0]
     return set(re.findall(rf'"({PREFIXES})"', body))

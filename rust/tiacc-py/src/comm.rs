@@ -14,47 +14,16 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use tiacc_core::comm::algo::{Algorithm, Flat, Groups, Hierarchy, Layout, TwoD};
-use tiacc_core::comm::codec::Compression;
-use tiacc_core::comm::sparse::{TopK, TopKOptions};
-use tiacc_core::comm::tcp::{self, RingListener, TOKEN_LEN};
+use tiacc_core::comm::engine::channel_of;
+use tiacc_core::comm::tcp::{self, GroupListeners, TOKEN_LEN};
 use tiacc_core::comm::{
-    Collective, Completion, DType, Deadline, Engine, EngineOptions, FailureHook, Job, RawBuf,
+    AlgoSettings, Collective, Completion, DType, Deadline, Engine, FailureBoard, Job, Layout,
+    RawBuf,
 };
-use tiacc_core::config::{self, CommConfig};
+use tiacc_core::config;
 
+use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
-
-/// The engine configuration from the environment, as a dict. Raises
-/// `ConfigError` naming the variable when a value does not parse.
-#[pyfunction]
-pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let c = CommConfig::from_env().py()?;
-    let d = PyDict::new(py);
-    d.set_item("enabled", c.enabled)?;
-    d.set_item("fusion_threshold", c.fusion_threshold)?;
-    d.set_item("fusion_threshold_set", c.fusion_threshold_set)?;
-    d.set_item("num_streams", c.num_streams)?;
-    d.set_item("timeout", c.timeout.as_secs_f64())?;
-    d.set_item("socket_addr", c.socket_addr.map(|ip| ip.to_string()))?;
-    d.set_item("transport", c.transport.name())?;
-    d.set_item(
-        "nccl_library",
-        c.nccl_library.map(|p| p.to_string_lossy().into_owned()),
-    )?;
-    d.set_item("compression", c.compression.name())?;
-    d.set_item("compression_inter_only", c.compression_inter_only)?;
-    d.set_item("compression_scale", c.compression_scale)?;
-    d.set_item("nan_check", c.nan_check)?;
-    d.set_item("two_d", c.two_d)?;
-    d.set_item("intra_size", c.intra_size)?;
-    d.set_item("hierarchical_threshold", c.hierarchical_threshold)?;
-    d.set_item("topk", c.topk)?;
-    d.set_item("topk_ratio", c.topk_ratio)?;
-    d.set_item("topk_threshold", c.topk_threshold)?;
-    d.set_item("topk_fp16", c.topk_fp16)?;
-    Ok(d)
-}
 
 /// How this process was launched (torchrun, mpirun, SLURM) as a dict, or
 /// `None` when no launcher set it up. Raises `ConfigError` on bad values.
@@ -74,21 +43,6 @@ pub fn launch_env(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
     Ok(Some(d))
 }
 
-/// Validates a `num_streams` value given as a Python argument.
-#[pyfunction]
-pub fn check_num_streams(value: &str) -> PyResult<usize> {
-    config::parse_num_streams("num_streams", value).py()
-}
-
-/// Validates a `transport` value given as a Python argument; returns its
-/// canonical name (`auto`, `nccl` or `tcp`).
-#[pyfunction]
-pub fn check_transport(value: &str) -> PyResult<&'static str> {
-    config::TransportChoice::parse("transport", value)
-        .map(|t| t.name())
-        .py()
-}
-
 /// A fresh random job token.
 #[pyfunction]
 pub fn random_token(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
@@ -102,149 +56,245 @@ pub fn local_addr_towards(host: &str, port: u16) -> String {
     tcp::local_addr_towards(host, port).to_string()
 }
 
-/// One process's communication engine over TCP.
+/// This rank's node layout for the 2D allreduce: `world` ranks in nodes of
+/// `intra_size`, checked against where every rank runs when `hosts` is
+/// given (`hosts[r]` is rank `r`'s `(host name, local rank or None)`).
+/// Returns `(intra_members, inter_members)` (world ranks); raises
+/// `ConfigError` naming `LIGHT_INTRA_SIZE` when the ranks do not form whole
+/// nodes in order.
+#[pyfunction]
+#[pyo3(signature = (rank, world, intra_size, hosts=None))]
+pub fn node_layout(
+    rank: usize,
+    world: usize,
+    intra_size: usize,
+    hosts: Option<Vec<(String, Option<usize>)>>,
+) -> PyResult<(Vec<usize>, Vec<usize>)> {
+    let layout = match hosts {
+        None => Layout::new(rank, world, intra_size),
+        Some(hosts) if hosts.len() == world => Layout::from_hosts(rank, intra_size, &hosts),
+        Some(hosts) => {
+            return Err(PyValueError::new_err(format!(
+                "expected the hosts of {world} ranks, got {}",
+                hosts.len()
+            )))
+        }
+    }
+    .py()?;
+    Ok((layout.intra_members(), layout.inter_members()))
+}
+
+/// The job's failure board, a Python object with `publish(message) -> str |
+/// None` and `peek() -> str | None` (the c10d store underneath).
+pub(crate) struct PyBoard(Py<PyAny>);
+
+impl FailureBoard for PyBoard {
+    fn publish(&self, message: &str) -> Option<String> {
+        self.call("publish", Some(message))
+    }
+
+    fn peek(&self) -> Option<String> {
+        self.call("peek", None)
+    }
+}
+
+impl PyBoard {
+    pub(crate) fn wrap(board: Option<Py<PyAny>>) -> Option<Arc<dyn FailureBoard>> {
+        board.map(|b| Arc::new(PyBoard(b)) as Arc<dyn FailureBoard>)
+    }
+
+    fn call(&self, method: &str, message: Option<&str>) -> Option<String> {
+        // No attach while the interpreter shuts down: nobody is left to tell.
+        Python::try_attach(|py| {
+            let result = match message {
+                Some(m) => self.0.call_method1(py, method, (m,)),
+                None => self.0.call_method0(py, method),
+            };
+            match result {
+                Ok(first) => first.extract::<Option<String>>(py).ok().flatten(),
+                Err(e) => {
+                    e.write_unraisable(py, None);
+                    None
+                }
+            }
+        })
+        .flatten()
+    }
+}
+
+/// Listeners for a rank's TCP groups, before `connect`.
+pub(crate) struct TcpSetup {
+    rank: usize,
+    size: usize,
+    listeners: Option<GroupListeners>,
+}
+
+impl TcpSetup {
+    /// Listens on `host` for the world ring (and the 2D rings with `layout`).
+    pub(crate) fn bind(
+        rank: usize,
+        size: usize,
+        host: &str,
+        layout: Option<Layout>,
+    ) -> PyResult<Self> {
+        let ip: IpAddr = host.parse().map_err(|_| {
+            PyValueError::new_err(format!("host must be an IP address, got {host:?}"))
+        })?;
+        Ok(TcpSetup {
+            rank,
+            size,
+            listeners: Some(GroupListeners::bind(ip, layout).py()?),
+        })
+    }
+
+    /// Stops listening (connections not yet formed are refused).
+    pub(crate) fn close(&mut self) {
+        self.listeners = None;
+    }
+
+    pub(crate) fn address(&self) -> Option<String> {
+        self.listeners.as_ref().map(|l| l.addresses().world)
+    }
+
+    pub(crate) fn two_d_addresses(&self) -> Option<(String, String)> {
+        self.listeners.as_ref().and_then(|l| l.addresses().two_d)
+    }
+
+    /// Forms the rings of `channels` channels (GIL released until every
+    /// connection is up or `timeout` passes).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn connect(
+        &mut self,
+        py: Python<'_>,
+        addresses: Vec<String>,
+        token: &[u8],
+        intra_addresses: Option<Vec<String>>,
+        inter_addresses: Option<Vec<String>>,
+        channels: usize,
+        timeout: Duration,
+    ) -> PyResult<Vec<tiacc_core::comm::host::Groups>> {
+        if addresses.len() != self.size {
+            return Err(PyValueError::new_err(format!(
+                "expected {} addresses (one per rank), got {}",
+                self.size,
+                addresses.len()
+            )));
+        }
+        let token: [u8; TOKEN_LEN] = token.try_into().map_err(|_| {
+            PyValueError::new_err(format!(
+                "the job token must be {TOKEN_LEN} bytes, got {}",
+                token.len()
+            ))
+        })?;
+        let world = parse_addresses(&addresses)?;
+        let two_d = match (intra_addresses, inter_addresses) {
+            (Some(a), Some(e)) => Some((parse_addresses(&a)?, parse_addresses(&e)?)),
+            _ => None,
+        };
+        let listeners = self
+            .listeners
+            .take()
+            .ok_or_else(|| PyValueError::new_err("connect() was already called on this engine"))?;
+        let rank = self.rank;
+        py.detach(move || {
+            let two_d = two_d.as_ref().map(|(a, e)| (a.as_slice(), e.as_slice()));
+            listeners.connect(
+                rank,
+                &world,
+                two_d,
+                &token,
+                channels,
+                Deadline::after(timeout),
+            )
+        })
+        .py()
+    }
+}
+
+/// The 2D layout of this rank when `intra_size` is given.
+pub(crate) fn layout_of(
+    rank: usize,
+    size: usize,
+    intra_size: Option<usize>,
+) -> PyResult<Option<Layout>> {
+    intra_size
+        .map(|n| Layout::new(rank, size, n))
+        .transpose()
+        .py()
+}
+
+/// Checks a rank, a group size and a timeout given by the caller.
+pub(crate) fn check_group(rank: usize, size: usize, timeout: f64) -> PyResult<Duration> {
+    if size == 0 || rank >= size {
+        return Err(PyValueError::new_err(format!(
+            "rank {rank} is not a rank of a group of {size}"
+        )));
+    }
+    config::parse_seconds("timeout", &timeout.to_string())
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// One process's communication engine for CPU buckets over TCP.
 ///
-/// Created with the rank, world size, channel count and timeout; it listens
-/// at once (`address`). After every rank's address and the job token have
-/// been exchanged, `connect` forms the rings and starts the channel threads.
+/// Created from the configuration, the rank and world size, the address to
+/// listen on and (with the 2D allreduce) the ranks per node; it listens at
+/// once (`address`). After every rank's address and the job token have been
+/// exchanged, `connect` forms the rings and starts the channel threads.
 #[pyclass(module = "tiacc_training._engine")]
 pub struct CommEngine {
     rank: usize,
     size: usize,
-    num_channels: usize,
+    config: Py<PyCommConfig>,
+    settings: AlgoSettings,
     timeout: Duration,
-    listener: Option<RingListener>,
-    address: String,
-    options: EngineOptions,
-    /// The 2D allreduce's groups, when it is on.
-    two_d: Option<TwoDSetup>,
-    /// Top-K sparsification, when it is on.
-    topk: Option<TopKOptions>,
+    num_channels: usize,
+    layout: Option<Layout>,
+    tcp: TcpSetup,
+    board: Option<Arc<dyn FailureBoard>>,
     engine: Option<Engine>,
-}
-
-/// Listeners and settings of the 2D allreduce's two groups.
-struct TwoDSetup {
-    layout: Layout,
-    threshold: u64,
-    inter_compression: Compression,
-    intra: Option<RingListener>,
-    inter: Option<RingListener>,
-    intra_address: String,
-    inter_address: String,
 }
 
 #[pymethods]
 impl CommEngine {
     #[new]
-    #[pyo3(signature = (
-        rank, size, num_channels, timeout, host,
-        compression="none", compression_scale=1.0, nan_check=false,
-        intra_size=None, hierarchical_threshold=1073741824, compression_inter_only=false,
-        topk_ratio=None, topk_threshold=1048576, topk_fp16=false
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (config, rank, size, host, board=None, local_size=None, intra_size=None))]
     fn new(
+        config: Bound<'_, PyCommConfig>,
         rank: usize,
         size: usize,
-        num_channels: usize,
-        timeout: f64,
         host: &str,
-        compression: &str,
-        compression_scale: f64,
-        nan_check: bool,
+        board: Option<Py<PyAny>>,
+        local_size: Option<usize>,
         intra_size: Option<usize>,
-        hierarchical_threshold: u64,
-        compression_inter_only: bool,
-        topk_ratio: Option<f64>,
-        topk_threshold: u64,
-        topk_fp16: bool,
     ) -> PyResult<Self> {
-        if let Some(r) = topk_ratio {
-            if !(r > 0.0 && r <= 1.0) {
-                return Err(PyValueError::new_err(format!(
-                    "topk_ratio must be in (0, 1], got {r}"
-                )));
-            }
-        }
-        let topk = topk_ratio.map(|ratio| TopKOptions {
-            ratio,
-            threshold: topk_threshold,
-            fp16_values: topk_fp16,
-        });
-        let mut compression = Compression::parse("compression", compression).py()?;
-        if !(compression_scale.is_finite() && compression_scale > 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "compression_scale must be a positive number, got {compression_scale}"
-            )));
-        }
-        if size == 0 || rank >= size {
-            return Err(PyValueError::new_err(format!(
-                "rank {rank} is not a rank of a group of {size}"
-            )));
-        }
-        if !(1..=config::MAX_NUM_STREAMS).contains(&num_channels) {
-            return Err(PyValueError::new_err(format!(
-                "num_channels must be from 1 to {}, got {num_channels}",
-                config::MAX_NUM_STREAMS
-            )));
-        }
-        if !(timeout.is_finite() && timeout > 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "timeout must be a positive number of seconds, got {timeout}"
-            )));
-        }
-        let ip: IpAddr = host.parse().map_err(|_| {
-            PyValueError::new_err(format!("host must be an IP address, got {host:?}"))
-        })?;
-        let listener = RingListener::bind(ip).py()?;
-        let address = listener.addr().to_string();
-        let two_d = match intra_size {
-            None => None,
-            Some(intra_size) => {
-                let layout = Layout::new(rank, size, intra_size).py()?;
-                let intra = RingListener::bind(ip).py()?;
-                let inter = RingListener::bind(ip).py()?;
-                // With the 2D allreduce, "between nodes only" is exactly its
-                // inter-node step; the intra-node steps stay full precision.
-                let inter_compression = if compression_inter_only {
-                    std::mem::replace(&mut compression, Compression::None)
-                } else {
-                    Compression::None
-                };
-                Some(TwoDSetup {
-                    layout,
-                    threshold: hierarchical_threshold,
-                    inter_compression,
-                    intra_address: intra.addr().to_string(),
-                    inter_address: inter.addr().to_string(),
-                    intra: Some(intra),
-                    inter: Some(inter),
-                })
-            }
-        };
+        let c = &config.get().inner;
+        let timeout = check_group(rank, size, c.timeout.as_secs_f64())?;
+        let layout = layout_of(rank, size, intra_size)?;
+        let settings = AlgoSettings::from_config(c, size, local_size, layout.is_some());
         Ok(CommEngine {
             rank,
             size,
-            num_channels,
-            timeout: Duration::from_secs_f64(timeout),
-            listener: Some(listener),
-            address,
-            options: EngineOptions {
-                compression,
-                compression_scale,
-                nan_check,
-            },
-            two_d,
-            topk,
+            settings,
+            timeout,
+            num_channels: c.num_streams,
+            layout,
+            tcp: TcpSetup::bind(rank, size, host, layout)?,
+            board: PyBoard::wrap(board),
+            config: config.unbind(),
             engine: None,
         })
     }
 
-    /// `ip:port` this rank listens on.
+    /// `ip:port` this rank listens on (before `connect`).
     #[getter]
-    fn address(&self) -> &str {
-        &self.address
+    fn address(&self) -> Option<String> {
+        self.tcp.address()
+    }
+
+    /// The configuration this engine was built from.
+    #[getter]
+    fn config(&self, py: Python<'_>) -> Py<PyCommConfig> {
+        self.config.clone_ref(py)
     }
 
     #[getter]
@@ -268,33 +318,29 @@ impl CommEngine {
     }
 
     /// `ip:port` of this rank's intra-node and inter-node listeners, when
-    /// the 2D allreduce is on.
+    /// the 2D allreduce is on (before `connect`).
     #[getter]
     fn two_d_addresses(&self) -> Option<(String, String)> {
-        self.two_d
-            .as_ref()
-            .map(|t| (t.intra_address.clone(), t.inter_address.clone()))
+        self.tcp.two_d_addresses()
     }
 
     /// World ranks of this rank's node and of its inter-node group, when the
     /// 2D allreduce is on.
     #[getter]
     fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
-        self.two_d
-            .as_ref()
-            .map(|t| (t.layout.intra_members(), t.layout.inter_members()))
+        self.layout.map(|l| (l.intra_members(), l.inter_members()))
     }
 
-    /// The wire compression (`none`, `fp16`, `bf16`).
+    /// The wire compression of whole buckets (`none`, `fp16`, `bf16`).
     #[getter]
     fn compression(&self) -> &'static str {
-        self.options.compression.name()
+        self.settings.compression.name()
     }
 
     /// Whether buckets are checked for NaN/infinity before sending.
     #[getter]
     fn nan_check(&self) -> bool {
-        self.options.nan_check
+        self.settings.nan_check
     }
 
     /// Whether `connect` has completed and `shutdown` has not run.
@@ -303,137 +349,41 @@ impl CommEngine {
         self.engine.is_some()
     }
 
+    /// The channel bucket `bucket` runs on.
+    fn channel_of(&self, bucket: u64) -> usize {
+        channel_of(bucket, self.num_channels)
+    }
+
     /// Forms the rings with every rank's `addresses` (indexed by rank) and
     /// the job `token`, then starts the channel threads. Blocks (without the
     /// GIL) until every connection is up or the timeout passes.
     ///
-    /// `on_failure(message) -> str | None`, if given, is called when a
-    /// collective fails, before peers can notice; it may publish the message
-    /// and return the job's first published failure (appended to errors).
-    ///
     /// With the 2D allreduce on, `intra_addresses` and `inter_addresses` are
     /// the members' `two_d_addresses` (in `two_d_members` order).
-    #[pyo3(signature = (addresses, token, on_failure=None, intra_addresses=None, inter_addresses=None))]
+    #[pyo3(signature = (addresses, token, intra_addresses=None, inter_addresses=None))]
     fn connect(
         &mut self,
         py: Python<'_>,
         addresses: Vec<String>,
         token: &[u8],
-        on_failure: Option<Py<PyAny>>,
         intra_addresses: Option<Vec<String>>,
         inter_addresses: Option<Vec<String>>,
     ) -> PyResult<()> {
-        if addresses.len() != self.size {
-            return Err(PyValueError::new_err(format!(
-                "expected {} addresses (one per rank), got {}",
-                self.size,
-                addresses.len()
-            )));
-        }
-        let token: [u8; TOKEN_LEN] = token.try_into().map_err(|_| {
-            PyValueError::new_err(format!(
-                "the job token must be {TOKEN_LEN} bytes, got {}",
-                token.len()
-            ))
-        })?;
-        let addrs = parse_addresses(&addresses)?;
-        // The 2D groups: (listener, member addresses, index in the group).
-        let mut groups_2d = None;
-        if let Some(t) = self.two_d.as_mut() {
-            let (Some(intra_list), Some(inter_list)) = (intra_addresses, inter_addresses) else {
-                return Err(PyValueError::new_err(
-                    "the 2D allreduce is on: connect() needs intra_addresses and inter_addresses",
-                ));
-            };
-            let (intra_n, inter_n) = (t.layout.intra_size, t.layout.nodes());
-            if intra_list.len() != intra_n || inter_list.len() != inter_n {
-                return Err(PyValueError::new_err(format!(
-                    "expected {intra_n} intra-node and {inter_n} inter-node addresses, got {} and {}",
-                    intra_list.len(),
-                    inter_list.len()
-                )));
-            }
-            let (Some(intra), Some(inter)) = (t.intra.take(), t.inter.take()) else {
-                return Err(PyValueError::new_err(
-                    "connect() was already called on this engine",
-                ));
-            };
-            groups_2d = Some((
-                (intra, parse_addresses(&intra_list)?, t.layout.local_rank()),
-                (inter, parse_addresses(&inter_list)?, t.layout.node()),
-                t.threshold,
-                t.inter_compression,
-            ));
-        }
-        let listener = self
-            .listener
-            .take()
-            .ok_or_else(|| PyValueError::new_err("connect() was already called on this engine"))?;
-        let (rank, channels, timeout, options, topk) = (
-            self.rank,
+        let groups = self.tcp.connect(
+            py,
+            addresses,
+            token,
+            intra_addresses,
+            inter_addresses,
             self.num_channels,
             self.timeout,
-            self.options,
-            self.topk,
-        );
-        // The channel's algorithm: dense (flat or 2D), optionally inside Top-K.
-        let wrap = move |dense: Box<dyn Algorithm>| -> Box<dyn Algorithm> {
-            match topk {
-                Some(o) => Box::new(TopK::new(o, dense)),
-                None => dense,
-            }
-        };
-        let hook: Option<FailureHook> = on_failure.map(|callback| {
-            Arc::new(move |err: &tiacc_core::Error| {
-                let message = err.to_string();
-                Python::try_attach(|py| match callback.call1(py, (message,)) {
-                    Ok(first) => first.extract::<Option<String>>(py).ok().flatten(),
-                    Err(e) => {
-                        e.write_unraisable(py, None);
-                        None
-                    }
-                })
-                .flatten()
-            }) as FailureHook
-        });
+        )?;
+        let settings = self.settings;
+        let spec = groups.into_iter().map(|g| (g, settings)).collect();
+        let board = self.board.clone();
+        let timeout = self.timeout;
         let engine = py
-            .detach(move || {
-                let deadline = Deadline::after(timeout);
-                let world = listener.connect(&addrs, rank, &token, channels, deadline)?;
-                let Some((intra, inter, threshold, inter_compression)) = groups_2d else {
-                    let spec = world
-                        .into_iter()
-                        .map(|r| (Groups::flat(Box::new(r)), wrap(Box::new(Flat))))
-                        .collect();
-                    return Engine::with_channels(spec, timeout, options, hook);
-                };
-                let intra_rings = intra
-                    .0
-                    .connect(&intra.1, intra.2, &token, channels, deadline)?;
-                let inter_rings = inter
-                    .0
-                    .connect(&inter.1, inter.2, &token, channels, deadline)?;
-                let spec = world
-                    .into_iter()
-                    .zip(intra_rings.into_iter().zip(inter_rings))
-                    .map(|(w, (a, e))| {
-                        let groups = Groups {
-                            world: Box::new(w),
-                            hierarchy: Some(Hierarchy {
-                                intra: Box::new(a),
-                                inter: Box::new(e),
-                            }),
-                        };
-                        let algorithm = wrap(Box::new(TwoD {
-                            threshold,
-                            inter_compression,
-                            scale: options.compression_scale,
-                        }));
-                        (groups, algorithm)
-                    })
-                    .collect();
-                Engine::with_channels(spec, timeout, options, hook)
-            })
+            .detach(move || Engine::with_channels(spec, timeout, board))
             .py()?;
         self.engine = Some(engine);
         Ok(())
@@ -546,7 +496,7 @@ impl CommEngine {
     /// Finishes queued collectives and stops the channel threads. Safe to
     /// call twice.
     fn shutdown(&mut self, py: Python<'_>) {
-        self.listener = None;
+        self.tcp.close();
         if let Some(mut engine) = self.engine.take() {
             py.detach(move || engine.shutdown());
         }

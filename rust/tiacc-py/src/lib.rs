@@ -7,7 +7,9 @@ use pyo3::prelude::*;
 
 mod amp;
 mod comm;
+mod config;
 mod dataset;
+mod device;
 mod errors;
 mod features;
 mod nccl;
@@ -34,13 +36,14 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pack::ImagePacker>()?;
     m.add_class::<dataset::PackedDataset>()?;
     m.add_class::<dataset::EncodedImages>()?;
-    m.add_function(wrap_pyfunction!(comm::comm_config, m)?)?;
+    m.add_function(wrap_pyfunction!(config::comm_config, m)?)?;
+    m.add_class::<config::PyCommConfig>()?;
     m.add_function(wrap_pyfunction!(comm::launch_env, m)?)?;
-    m.add_function(wrap_pyfunction!(comm::check_num_streams, m)?)?;
     m.add_function(wrap_pyfunction!(comm::random_token, m)?)?;
     m.add_function(wrap_pyfunction!(comm::local_addr_towards, m)?)?;
-    m.add_function(wrap_pyfunction!(comm::check_transport, m)?)?;
+    m.add_function(wrap_pyfunction!(comm::node_layout, m)?)?;
     m.add_class::<comm::CommEngine>()?;
+    m.add_class::<device::DeviceEngine>()?;
     m.add_class::<amp::AmpPolicy>()?;
     m.add_function(wrap_pyfunction!(amp::amp_constants, m)?)?;
     m.add_function(wrap_pyfunction!(nccl::nccl_version, m)?)?;

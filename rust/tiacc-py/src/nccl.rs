@@ -25,7 +25,7 @@ use crate::errors::ResultExt;
 /// reference-counted, but resolving and version-checking once is enough).
 static LOADED: Mutex<Vec<(NcclSearch, Arc<NcclLibrary>)>> = Mutex::new(Vec::new());
 
-fn load(
+pub(crate) fn load(
     search_dirs: Vec<String>,
     library: Option<String>,
 ) -> Result<Arc<NcclLibrary>, tiacc_core::Error> {
@@ -282,14 +282,15 @@ impl NcclCommunicator {
         let poll = seconds("poll_interval", poll_interval)?;
         let comm = self.inner.clone();
         py.detach(move || {
-            nccl::watch(&*comm, Deadline::after(timeout), poll, || {
+            let is_done = || {
                 Python::attach(|py| is_done.call0(py)?.extract::<bool>(py)).map_err(|e| {
                     tiacc_core::Error::Comm {
                         peer: None,
                         message: format!("the completion test passed to watch() failed: {e}"),
                     }
                 })
-            })
+            };
+            nccl::watch(&[&*comm], Deadline::after(timeout), poll, is_done, || None)
         })
         .py()
     }

@@ -1,176 +1,209 @@
-//! Allreduce algorithms, written once against [`Transport`].
+//! The allreduce algorithms, written once against [`Backend`].
 //!
-//! A channel owns the transports of the groups it talks to and one
-//! algorithm that decides which primitives to run on which group: the flat
-//! ring over the world, or the 2D (hierarchical) allreduce over the
-//! intra-node and inter-node groups.
+//! [`Algorithm::allreduce`] is everything that happens to one bucket: the
+//! NaN check, DDP's averaging, half-precision compression, and the
+//! reduction itself: a flat allreduce over the world, or the 2D
+//! (hierarchical) allreduce (reduce-scatter inside the node, allreduce of
+//! each shard across nodes, allgather inside the node), either of them
+//! optionally Top-K sparse. The CPU path (TCP) and the CUDA path (NCCL) run
+//! this same code; only their [`Backend`]s differ.
 
-use super::codec::{self, Compression};
-use super::dtype::{shard_range, DType};
-use super::transport::{Aborter, Deadline, OpTag, Transport};
+use std::collections::HashMap;
+
+use super::backend::{Backend, GroupId, Mem};
+use super::codec::Compression;
+use super::dtype::DType;
+use super::sparse::{sparse_allreduce, TopKOptions};
+use super::transport::OpTag;
+use crate::config::{self, CommConfig};
 use crate::error::{Error, Result};
 
-/// The groups one channel communicates over.
-pub struct Groups {
-    /// Every rank of the job.
-    pub world: Box<dyn Transport>,
-    /// The ranks of this node, and this rank's peers of the same local rank
-    /// on the other nodes (both present, or neither).
-    pub hierarchy: Option<Hierarchy>,
-}
-
-/// The two groups of the 2D allreduce.
-pub struct Hierarchy {
-    pub intra: Box<dyn Transport>,
-    pub inter: Box<dyn Transport>,
-}
-
-impl Hierarchy {
-    /// The 2D pattern: reduce-scatter inside the node, `inter_step` on this
-    /// rank's shard over the inter-node group, allgather inside the node.
-    /// Checking the tag inside every node and across nodes covers every rank.
-    pub fn reduce(
-        &mut self,
-        tag: &OpTag,
-        buf: &mut [u8],
-        dtype: DType,
-        deadline: Deadline,
-        inter_step: impl FnOnce(&mut dyn Transport, &mut [u8]) -> Result<()>,
-    ) -> Result<()> {
-        self.intra.agree(tag, deadline)?;
-        self.inter.agree(tag, deadline)?;
-        let elem = dtype.size();
-        self.intra.reduce_scatter(buf, dtype, deadline)?;
-        let mine = shard_range(buf.len() / elem, self.intra.size(), self.intra.rank());
-        inter_step(
-            self.inter.as_mut(),
-            &mut buf[mine.start * elem..mine.end * elem],
-        )?;
-        self.intra.allgather(buf, elem, deadline)
-    }
-}
-
-impl Groups {
-    /// Groups of the world only.
-    pub fn flat(world: Box<dyn Transport>) -> Self {
-        Groups {
-            world,
-            hierarchy: None,
-        }
-    }
-
-    /// Breaks every transport after a failure.
-    pub fn abort(&mut self) {
-        self.world.abort();
-        if let Some(h) = &mut self.hierarchy {
-            h.intra.abort();
-            h.inter.abort();
-        }
-    }
-
-    /// Handles that break every transport of these groups from elsewhere.
-    pub fn aborters(&self) -> Vec<Aborter> {
-        let mut out = vec![self.world.aborter()];
-        if let Some(h) = &self.hierarchy {
-            out.push(h.intra.aborter());
-            out.push(h.inter.aborter());
-        }
-        out
-    }
-}
-
-/// Turns an allreduce into transport primitives.
-pub trait Algorithm: Send {
-    /// Short name for logs.
-    fn name(&self) -> &'static str;
-    /// Sums `buf` over the world; every rank ends with identical bytes.
-    fn allreduce(
-        &mut self,
-        groups: &mut Groups,
-        tag: &OpTag,
-        buf: &mut [u8],
-        dtype: DType,
-        deadline: Deadline,
-    ) -> Result<()>;
-}
-
-/// One allreduce over the whole world (a ring on TCP).
-pub struct Flat;
-
-impl Algorithm for Flat {
-    fn name(&self) -> &'static str {
-        "flat"
-    }
-
-    fn allreduce(
-        &mut self,
-        groups: &mut Groups,
-        tag: &OpTag,
-        buf: &mut [u8],
-        dtype: DType,
-        deadline: Deadline,
-    ) -> Result<()> {
-        groups.world.allreduce_checked(tag, buf, dtype, deadline)
-    }
-}
-
-/// The 2D allreduce for buckets of at most `threshold` bytes (larger ones
-/// use the flat ring): reduce-scatter inside the node, allreduce of each
-/// shard across nodes by the ranks holding it (all shards in parallel), then
-/// allgather inside the node. Every rank ends with identical bytes: each
-/// shard is reduced once per node in a fixed order and then copied.
-///
-/// With `inter_compression`, only the inter-node step is cast to half
-/// precision (scaled by `scale`); intra-node traffic stays full precision.
-pub struct TwoD {
-    pub threshold: u64,
+/// What the algorithm does to a bucket, derived from the configuration
+/// ([`AlgoSettings::from_config`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AlgoSettings {
+    /// Wire type of whole float32/float64 buckets.
+    pub compression: Compression,
+    /// Wire type of the 2D inter-node step only (scope `inter` with 2D).
     pub inter_compression: Compression,
+    /// Multiplier applied before a half-precision cast, divided out after.
     pub scale: f64,
+    /// Refuse to send a bucket holding NaN or infinity.
+    pub nan_check: bool,
+    /// With the 2D groups present: buckets of at most this many bytes use
+    /// the 2D allreduce. `None`: always flat.
+    pub hierarchical_threshold: Option<u64>,
+    /// Top-K sparsification, when on.
+    pub topk: Option<TopKOptions>,
 }
 
-impl Algorithm for TwoD {
-    fn name(&self) -> &'static str {
-        "2d"
+impl Default for AlgoSettings {
+    fn default() -> Self {
+        AlgoSettings {
+            compression: Compression::None,
+            inter_compression: Compression::None,
+            scale: 1.0,
+            nan_check: false,
+            hierarchical_threshold: None,
+            topk: None,
+        }
     }
+}
 
-    fn allreduce(
-        &mut self,
-        groups: &mut Groups,
-        tag: &OpTag,
-        buf: &mut [u8],
-        dtype: DType,
-        deadline: Deadline,
-    ) -> Result<()> {
-        let Some(h) = groups
-            .hierarchy
-            .as_mut()
-            .filter(|_| buf.len() as u64 <= self.threshold)
-        else {
-            return Flat.allreduce(groups, tag, buf, dtype, deadline);
+impl AlgoSettings {
+    /// The settings for a job of `world` ranks, `local_size` of them per
+    /// node when the launcher said, with the 2D groups when `hierarchical`.
+    ///
+    /// Compression scope `inter` compresses only what crosses nodes: with
+    /// 2D that is exactly its inter-node step; with the flat ring it is the
+    /// whole ring when the job spans nodes, and nothing on one node.
+    pub fn from_config(
+        config: &CommConfig,
+        world: usize,
+        local_size: Option<usize>,
+        hierarchical: bool,
+    ) -> Self {
+        let (compression, inter_compression) = match (config.compression_inter_only, hierarchical) {
+            (false, _) => (config.compression, Compression::None),
+            (true, true) => (Compression::None, config.compression),
+            (true, false) if config::spans_nodes(world, local_size) => {
+                (config.compression, Compression::None)
+            }
+            (true, false) => (Compression::None, Compression::None),
         };
-        let (compression, scale) = (self.inter_compression, self.scale);
-        h.reduce(
-            tag,
-            buf,
-            dtype,
-            deadline,
-            |inter, shard| match compression.wire_dtype(dtype) {
-                None => inter.allreduce(shard, dtype, deadline),
-                Some(wire) => {
-                    let mut half = vec![0u8; shard.len() / dtype.size() * wire.size()];
-                    codec::encode(shard, dtype, scale, &mut half, wire);
-                    inter.allreduce(&mut half, wire, deadline)?;
-                    codec::decode(&half, wire, 1.0 / scale, shard, dtype);
-                    Ok(())
-                }
-            },
-        )
+        AlgoSettings {
+            compression,
+            inter_compression,
+            scale: config.compression_scale,
+            nan_check: config.nan_check,
+            hierarchical_threshold: hierarchical.then_some(config.hierarchical_threshold),
+            topk: config.topk.then_some(TopKOptions {
+                ratio: config.topk_ratio,
+                threshold: config.topk_threshold,
+                fp16_values: config.topk_fp16,
+            }),
+        }
     }
 }
 
-/// Which node each rank is on, from the launcher's local size: ranks
-/// `node * intra_size .. (node + 1) * intra_size` share a node (torchrun and
-/// `mpirun --map-by slot` number ranks that way).
+/// One channel's algorithm: its settings and the Top-K bookkeeping.
+#[derive(Debug, Clone)]
+pub struct Algorithm {
+    settings: AlgoSettings,
+    /// Elements of each bucket's Top-K residual.
+    residual_lens: HashMap<u64, usize>,
+}
+
+impl Algorithm {
+    pub fn new(settings: AlgoSettings) -> Self {
+        Algorithm {
+            settings,
+            residual_lens: HashMap::new(),
+        }
+    }
+
+    pub fn settings(&self) -> &AlgoSettings {
+        &self.settings
+    }
+
+    /// Sums `buf` (elements of `dtype`) over the world, divided by the world
+    /// size first when `average` (DDP's gradient averaging, done before the
+    /// sum so half types cannot overflow). Every rank ends with identical
+    /// bytes.
+    pub fn allreduce(
+        &mut self,
+        b: &mut dyn Backend,
+        tag: &OpTag,
+        buf: Mem,
+        dtype: DType,
+        average: bool,
+    ) -> Result<()> {
+        let (rank, size) = (b.rank(GroupId::World), b.size(GroupId::World));
+        if self.settings.nan_check {
+            if let Some((index, value)) = b.first_non_finite(buf, dtype)? {
+                return Err(Error::Comm {
+                    peer: Some(rank),
+                    message: format!(
+                        "rank {rank}: bucket {} holds a non-finite gradient ({value} at element \
+                         {index} of {}); it was not sent to the other ranks (NaN check is on)",
+                        tag.bucket,
+                        buf.bytes / dtype.size()
+                    ),
+                });
+            }
+        }
+        let divisor = if average && size > 1 {
+            size as f64
+        } else {
+            1.0
+        };
+        let wire = self
+            .settings
+            .compression
+            .wire_dtype(dtype)
+            .filter(|_| size > 1);
+        let Some(wire) = wire else {
+            if divisor != 1.0 {
+                b.div(buf, dtype, divisor)?;
+            }
+            return self.reduce(b, tag, buf, dtype);
+        };
+        let scale = self.settings.scale;
+        let sent = b.alloc(buf.bytes / dtype.size() * wire.size())?;
+        b.encode(buf, dtype, scale / divisor, sent, wire)?;
+        let wire_tag = OpTag {
+            dtype: wire.code(),
+            bytes: sent.bytes as u64,
+            ..*tag
+        };
+        self.reduce(b, &wire_tag, sent, wire)?;
+        b.decode(sent, wire, 1.0 / scale, buf, dtype)
+    }
+
+    /// The reduction proper: flat or 2D, dense or Top-K.
+    fn reduce(&mut self, b: &mut dyn Backend, tag: &OpTag, buf: Mem, dtype: DType) -> Result<()> {
+        let sparse = self.settings.topk.filter(|o| o.applies(dtype, buf.bytes));
+        let two_d = b.hierarchical()
+            && self
+                .settings
+                .hierarchical_threshold
+                .is_some_and(|t| buf.bytes as u64 <= t);
+        if !two_d {
+            return match sparse {
+                None => b.allreduce(GroupId::World, Some(tag), buf, dtype),
+                Some(options) => {
+                    b.agree(GroupId::World, tag)?;
+                    let lens = &mut self.residual_lens;
+                    sparse_allreduce(b, GroupId::World, tag.bucket, buf, &options, lens)
+                }
+            };
+        }
+        // Checking the tag inside every node and across nodes covers every rank.
+        b.agree(GroupId::Intra, tag)?;
+        b.agree(GroupId::Inter, tag)?;
+        let shards = b.reduce_scatter(GroupId::Intra, buf, dtype)?;
+        let mine = shards.mine;
+        match (sparse, self.settings.inter_compression.wire_dtype(dtype)) {
+            (Some(options), _) => {
+                let lens = &mut self.residual_lens;
+                sparse_allreduce(b, GroupId::Inter, tag.bucket, mine, &options, lens)?;
+            }
+            (None, None) => b.allreduce(GroupId::Inter, None, mine, dtype)?,
+            (None, Some(wire)) => {
+                let scale = self.settings.scale;
+                let half = b.alloc(mine.bytes / dtype.size() * wire.size())?;
+                b.encode(mine, dtype, scale, half, wire)?;
+                b.allreduce(GroupId::Inter, None, half, wire)?;
+                b.decode(half, wire, 1.0 / scale, mine, dtype)?;
+            }
+        }
+        b.allgather(GroupId::Intra, shards, buf, dtype.size())
+    }
+}
+
+/// Which node each rank is on: ranks `node * intra_size .. (node + 1) *
+/// intra_size` share a node (torchrun and `mpirun --map-by slot` number
+/// ranks that way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
     pub rank: usize,
@@ -182,16 +215,56 @@ impl Layout {
     /// Checks that the world splits into whole nodes.
     pub fn new(rank: usize, world: usize, intra_size: usize) -> Result<Self> {
         if intra_size == 0 || world % intra_size != 0 || rank >= world {
-            return Err(Error::InvalidArgument(format!(
-                "2D allreduce: a world of {world} ranks does not split into nodes of \
-                 {intra_size} ranks (LIGHT_INTRA_SIZE / the launcher's local size)"
-            )));
+            return Err(Error::Config {
+                variable: config::INTRA_SIZE.to_string(),
+                value: intra_size.to_string(),
+                expected: format!(
+                    "a number of ranks per node that divides the world of {world} ranks (set \
+                     {} or launch the same number of ranks on every node)",
+                    config::INTRA_SIZE
+                ),
+            });
         }
         Ok(Layout {
             rank,
             world,
             intra_size,
         })
+    }
+
+    /// [`Layout::new`], checked against where the ranks run: `hosts[r]` is
+    /// rank `r`'s host name and its local rank when the launcher gave one.
+    /// Every node group must be on one host, in local-rank order.
+    pub fn from_hosts(
+        rank: usize,
+        intra_size: usize,
+        hosts: &[(String, Option<usize>)],
+    ) -> Result<Self> {
+        let layout = Layout::new(rank, hosts.len(), intra_size)?;
+        let bad = |expected: String| Error::Config {
+            variable: config::INTRA_SIZE.to_string(),
+            value: intra_size.to_string(),
+            expected,
+        };
+        for (r, (host, local)) in hosts.iter().enumerate() {
+            let first = r / intra_size * intra_size;
+            if *host != hosts[first].0 {
+                return Err(bad(format!(
+                    "the number of ranks per host, launched node by node: rank {r} is on host \
+                     {host} but rank {first} of the same node group (ranks {first}..{}) is on {}",
+                    first + intra_size - 1,
+                    hosts[first].0
+                )));
+            }
+            if let Some(local) = local.filter(|&l| l != r % intra_size) {
+                return Err(bad(format!(
+                    "the number of ranks per host: rank {r} has local rank {local}, expected {} \
+                     with {intra_size} ranks per node",
+                    r % intra_size
+                )));
+            }
+        }
+        Ok(layout)
     }
 
     pub fn node(&self) -> usize {
@@ -217,5 +290,64 @@ impl Layout {
         (0..self.nodes())
             .map(|n| n * self.intra_size + self.local_rank())
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_split_the_world_into_nodes() {
+        let l = Layout::new(5, 8, 4).unwrap();
+        assert_eq!((l.node(), l.local_rank(), l.nodes()), (1, 1, 2));
+        assert_eq!(l.intra_members(), vec![4, 5, 6, 7]);
+        assert_eq!(l.inter_members(), vec![1, 5]);
+        let err = Layout::new(0, 6, 4).unwrap_err();
+        assert!(matches!(&err, Error::Config { variable, .. } if variable == "LIGHT_INTRA_SIZE"));
+    }
+
+    #[test]
+    fn layouts_are_checked_against_hosts() {
+        let hosts = |v: &[(&str, Option<usize>)]| -> Vec<(String, Option<usize>)> {
+            v.iter().map(|(h, l)| (h.to_string(), *l)).collect()
+        };
+        let good = hosts(&[("a", Some(0)), ("a", Some(1)), ("b", Some(0)), ("b", None)]);
+        assert_eq!(Layout::from_hosts(2, 2, &good).unwrap().node(), 1);
+        let split = hosts(&[("a", None), ("b", None), ("b", None), ("b", None)]);
+        let err = Layout::from_hosts(0, 2, &split).unwrap_err().to_string();
+        assert!(err.contains("rank 1 is on host b but rank 0"), "{err}");
+        let order = hosts(&[("a", Some(1)), ("a", Some(0))]);
+        let err = Layout::from_hosts(0, 2, &order).unwrap_err().to_string();
+        assert!(err.contains("rank 0 has local rank 1, expected 0"), "{err}");
+    }
+
+    #[test]
+    fn compression_scope_inter_compresses_what_crosses_nodes() {
+        let config = CommConfig {
+            compression: Compression::Fp16,
+            compression_inter_only: true,
+            ..Default::default()
+        };
+        let two_d = AlgoSettings::from_config(&config, 4, Some(2), true);
+        assert_eq!(
+            (two_d.compression, two_d.inter_compression),
+            (Compression::None, Compression::Fp16)
+        );
+        assert!(two_d.hierarchical_threshold.is_some());
+        let flat = AlgoSettings::from_config(&config, 4, Some(2), false);
+        assert_eq!(flat.compression, Compression::Fp16);
+        let one_node = AlgoSettings::from_config(&config, 4, Some(4), false);
+        assert_eq!(one_node.compression, Compression::None);
+        let all = AlgoSettings::from_config(
+            &CommConfig {
+                compression_inter_only: false,
+                ..config
+            },
+            4,
+            Some(4),
+            false,
+        );
+        assert_eq!(all.compression, Compression::Fp16);
     }
 }

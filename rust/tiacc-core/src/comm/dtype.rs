@@ -173,14 +173,15 @@ fn map<const N: usize>(buf: &mut [u8], f: impl Fn([u8; N]) -> [u8; N]) {
 }
 
 /// The element range of shard `index` when `len` elements are split into
-/// `parts` nearly equal contiguous shards (the first `len % parts` shards
-/// get one more element). Every rank computes the same partition.
+/// `parts` contiguous shards of `ceil(len / parts)` elements (the last ones
+/// shorter, possibly empty). Every rank computes the same partition, and it
+/// is the one of a collective on equal shards over `len` padded to a
+/// multiple of `parts` (NCCL's reduce-scatter and allgather), so padded and
+/// unpadded buffers agree on every shard's elements.
 pub fn shard_range(len: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
-    let base = len / parts;
-    let extra = len % parts;
-    let start = index * base + index.min(extra);
-    let size = base + usize::from(index < extra);
-    start..start + size
+    let chunk = len.div_ceil(parts.max(1));
+    let start = (index * chunk).min(len);
+    start..(start + chunk).min(len)
 }
 
 #[cfg(test)]
@@ -250,13 +251,16 @@ pub(crate) mod tests {
 
     #[test]
     fn shards_cover_the_buffer_exactly() {
-        for len in [0, 1, 5, 7, 64, 1001] {
+        for len in [0usize, 1, 5, 7, 64, 1001] {
             for parts in 1..6 {
                 let mut next = 0;
+                let chunk = len.div_ceil(parts);
                 for i in 0..parts {
                     let r = shard_range(len, parts, i);
                     assert_eq!(r.start, next);
-                    assert!(r.len() == len / parts || r.len() == len / parts + 1);
+                    assert!(r.len() <= chunk);
+                    // Only the shards at the end are short.
+                    assert!(r.len() == chunk || r.end == len, "{len} {parts} {i}");
                     next = r.end;
                 }
                 assert_eq!(next, len);

@@ -8,15 +8,24 @@
 //! (kind, per-channel sequence number, bucket, dtype, size) across ranks, so
 //! diverging ranks raise instead of mixing unrelated buffers.
 
-use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::algo::{Algorithm, Flat, Groups};
-use super::codec::{self, Compression};
+use super::algo::{AlgoSettings, Algorithm};
 use super::dtype::DType;
-use super::transport::{Aborter, Deadline, OpKind, OpTag, Transport};
+use super::failure::{FailureBoard, Failures};
+use super::host::{Groups, HostBackend};
+use super::transport::{Deadline, OpKind, OpTag, Transport};
 use crate::error::{Error, Result};
+
+/// The channel of bucket `bucket` among `channels`: round-robin by bucket
+/// index, the same rule on every rank and in every engine (DDP launches
+/// buckets in index order everywhere, so each channel sees the same
+/// sequence of collectives on every rank).
+pub fn channel_of(bucket: u64, channels: usize) -> usize {
+    (bucket % channels.max(1) as u64) as usize
+}
 
 /// A buffer owned elsewhere (a torch tensor's storage) that a channel thread
 /// reads and writes while a collective runs.
@@ -66,12 +75,6 @@ pub enum Collective {
 /// Called exactly once with the job's outcome, on the channel thread.
 pub type Completion = Box<dyn FnOnce(Result<()>) + Send>;
 
-/// Called with a failure before the channel breaks its connections (so
-/// before peers see the failure). It may publish the error and return the
-/// first failure another rank published, which is appended to the error:
-/// ranks that only saw a neighbour hang up then still name the root cause.
-pub type FailureHook = Arc<dyn Fn(&Error) -> Option<String> + Send + Sync>;
-
 /// One collective on one buffer.
 pub struct Job {
     pub op: Collective,
@@ -80,27 +83,6 @@ pub struct Job {
     /// Bucket index: picks the channel and is checked across ranks.
     pub bucket: u64,
     pub done: Completion,
-}
-
-/// How allreduces treat their buckets.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EngineOptions {
-    /// Wire type for float32/float64 buckets.
-    pub compression: Compression,
-    /// Multiplier applied before the half-precision cast (divided out after).
-    pub compression_scale: f64,
-    /// Refuse to send a bucket holding NaN or infinity.
-    pub nan_check: bool,
-}
-
-impl Default for EngineOptions {
-    fn default() -> Self {
-        EngineOptions {
-            compression: Compression::None,
-            compression_scale: 1.0,
-            nan_check: false,
-        }
-    }
 }
 
 struct Channel {
@@ -121,26 +103,25 @@ pub struct Engine {
 
 impl Engine {
     /// Starts one thread per channel, each owning one world transport and
-    /// running the flat ring.
+    /// running `settings` over it (flat: no 2D groups).
     pub fn new(
         transports: Vec<Box<dyn Transport>>,
         timeout: Duration,
-        options: EngineOptions,
-        on_failure: Option<FailureHook>,
+        settings: AlgoSettings,
+        board: Option<Arc<dyn FailureBoard>>,
     ) -> Result<Self> {
         let channels = transports
             .into_iter()
-            .map(|world| (Groups::flat(world), Box::new(Flat) as Box<dyn Algorithm>))
+            .map(|world| (Groups::flat(world), settings))
             .collect();
-        Self::with_channels(channels, timeout, options, on_failure)
+        Self::with_channels(channels, timeout, board)
     }
 
-    /// Starts one thread per channel with its own groups and algorithm.
+    /// Starts one thread per channel with its own groups and settings.
     pub fn with_channels(
-        channels_spec: Vec<(Groups, Box<dyn Algorithm>)>,
+        channels_spec: Vec<(Groups, AlgoSettings)>,
         timeout: Duration,
-        options: EngineOptions,
-        on_failure: Option<FailureHook>,
+        board: Option<Arc<dyn FailureBoard>>,
     ) -> Result<Self> {
         let Some((first, _)) = channels_spec.first() else {
             return Err(Error::InvalidArgument(
@@ -148,32 +129,17 @@ impl Engine {
             ));
         };
         let (rank, size) = (first.world.rank(), first.world.size());
-        let (groups, algorithms): (Vec<Groups>, Vec<Box<dyn Algorithm>>) =
-            channels_spec.into_iter().unzip();
-        // A failure on one channel breaks them all: DDP waits on every
-        // bucket, so a sibling blocked on a dead job would otherwise only end
-        // at its timeout.
-        let abort_all: Arc<Vec<Aborter>> =
-            Arc::new(groups.iter().flat_map(Groups::aborters).collect());
-        let first_failure: Arc<Mutex<Option<Error>>> = Arc::default();
-        let mut channels = Vec::with_capacity(groups.len());
-        for (index, (groups, algorithm)) in groups.into_iter().zip(algorithms).enumerate() {
+        let failures = Arc::new(Failures::new(board));
+        failures.add_aborters(channels_spec.iter().flat_map(|(g, _)| g.aborters()));
+        let mut channels = Vec::with_capacity(channels_spec.len());
+        for (index, (groups, settings)) in channels_spec.into_iter().enumerate() {
             let (tx, rx) = mpsc::channel::<Job>();
-            let abort_all = Arc::clone(&abort_all);
-            let first_failure = Arc::clone(&first_failure);
-            let on_failure = on_failure.clone();
+            let failures = Arc::clone(&failures);
             let thread = std::thread::Builder::new()
                 .name(format!("tiacc-comm-{index}"))
                 .spawn(move || {
-                    let ctx = ChannelContext {
-                        timeout,
-                        options,
-                        abort_all: &abort_all,
-                        first_failure: &first_failure,
-                        on_failure,
-                        scratch: Vec::new(),
-                    };
-                    channel_loop(groups, algorithm, rx, ctx)
+                    let backend = HostBackend::new(groups, Deadline::after(timeout));
+                    channel_loop(backend, Algorithm::new(settings), rx, timeout, &failures)
                 })
                 .map_err(|e| Error::Comm {
                     peer: None,
@@ -211,7 +177,7 @@ impl Engine {
 
     /// The channel a bucket runs on.
     pub fn channel_of(&self, bucket: u64) -> usize {
-        (bucket % self.channels.len() as u64) as usize
+        channel_of(bucket, self.channels.len())
     }
 
     /// Queues `job` on its bucket's channel. The completion runs on the
@@ -295,25 +261,13 @@ impl Drop for Engine {
     }
 }
 
-/// What a channel thread needs besides its groups and jobs.
-struct ChannelContext<'a> {
-    timeout: Duration,
-    options: EngineOptions,
-    abort_all: &'a [Aborter],
-    /// The first failure on any channel of this engine.
-    first_failure: &'a Mutex<Option<Error>>,
-    on_failure: Option<FailureHook>,
-    /// Wire buffer for compressed buckets, reused.
-    scratch: Vec<u8>,
-}
-
 fn channel_loop(
-    mut groups: Groups,
-    mut algorithm: Box<dyn Algorithm>,
+    mut backend: HostBackend,
+    mut algorithm: Algorithm,
     jobs: mpsc::Receiver<Job>,
-    mut ctx: ChannelContext<'_>,
+    timeout: Duration,
+    failures: &Failures,
 ) {
-    let timeout = ctx.timeout;
     for (seq, mut job) in (1u64..).zip(jobs) {
         let deadline = Deadline::after(timeout);
         let dtype = job.dtype;
@@ -340,144 +294,34 @@ fn channel_loop(
             )))
         } else {
             match job.op {
-                Collective::Allreduce { average } => allreduce(
-                    &mut groups,
-                    algorithm.as_mut(),
-                    &mut ctx,
-                    &tag,
-                    buf,
-                    dtype,
-                    average,
-                    deadline,
-                ),
-                Collective::Broadcast { root } => groups
-                    .world
-                    .agree(&tag, deadline)
-                    .and_then(|()| groups.world.broadcast(buf, root, deadline)),
-                Collective::Barrier => groups
-                    .world
-                    .agree(&tag, deadline)
-                    .and_then(|()| groups.world.barrier(deadline)),
+                Collective::Allreduce { average } => {
+                    // SAFETY: the job's buffer is the engine's alone until its
+                    // completion runs (`RawBuf::new`'s contract), and that is
+                    // after `end` below.
+                    let mem = unsafe { backend.begin(buf, deadline) };
+                    let result = algorithm.allreduce(&mut backend, &tag, mem, dtype, average);
+                    backend.end();
+                    result
+                }
+                Collective::Broadcast { root } => {
+                    let world = backend.groups.world.as_mut();
+                    world
+                        .agree(&tag, deadline)
+                        .and_then(|()| world.broadcast(buf, root, deadline))
+                }
+                Collective::Barrier => {
+                    let world = backend.groups.world.as_mut();
+                    world
+                        .agree(&tag, deadline)
+                        .and_then(|()| world.barrier(deadline))
+                }
             }
         };
-        let result = result
-            .map_err(|err| match &ctx.on_failure {
-                Some(hook) => with_root_cause(err, hook.as_ref()),
-                None => err,
-            })
-            .map_err(|err| first_on_this_engine(err, ctx.first_failure));
-        if result.is_err() {
-            groups.abort();
-            for abort in ctx.abort_all {
-                abort();
-            }
-        }
+        let result = result.map_err(|err| {
+            let err = failures.fail(err);
+            backend.groups.abort();
+            err
+        });
         (job.done)(result);
-    }
-}
-
-/// One allreduce job: NaN check, averaging, optional compression.
-#[allow(clippy::too_many_arguments)]
-fn allreduce(
-    groups: &mut Groups,
-    algorithm: &mut dyn Algorithm,
-    ctx: &mut ChannelContext<'_>,
-    tag: &OpTag,
-    buf: &mut [u8],
-    dtype: DType,
-    average: bool,
-    deadline: Deadline,
-) -> Result<()> {
-    let (rank, size) = (groups.world.rank(), groups.world.size());
-    if ctx.options.nan_check {
-        if let Some((index, value)) = codec::first_non_finite(buf, dtype) {
-            return Err(Error::Comm {
-                peer: Some(rank),
-                message: format!(
-                    "rank {rank}: bucket {} holds a non-finite gradient ({value} at element \
-                     {index} of {}); it was not sent to the other ranks (NaN check is on)",
-                    tag.bucket,
-                    buf.len() / dtype.size()
-                ),
-            });
-        }
-    }
-    let divisor = if average && size > 1 {
-        size as f64
-    } else {
-        1.0
-    };
-    let wire = ctx
-        .options
-        .compression
-        .wire_dtype(dtype)
-        .filter(|_| size > 1);
-    let Some(wire) = wire else {
-        if divisor != 1.0 {
-            dtype.div_assign(buf, divisor);
-        }
-        return algorithm.allreduce(groups, tag, buf, dtype, deadline);
-    };
-    let elems = buf.len() / dtype.size();
-    let scale = ctx.options.compression_scale;
-    ctx.scratch.resize(elems * wire.size(), 0);
-    codec::encode(buf, dtype, scale / divisor, &mut ctx.scratch, wire);
-    let wire_tag = OpTag {
-        dtype: wire.code(),
-        bytes: ctx.scratch.len() as u64,
-        ..*tag
-    };
-    algorithm.allreduce(groups, &wire_tag, &mut ctx.scratch, wire, deadline)?;
-    codec::decode(&ctx.scratch, wire, 1.0 / scale, buf, dtype);
-    Ok(())
-}
-
-/// The failure to report: the first one on any channel of this engine. A
-/// channel's failure aborts its siblings, whose own errors ("connection
-/// aborted") are only symptoms; they report the cause (a timeout stays a
-/// timeout whichever bucket DDP looks at first).
-fn first_on_this_engine(err: Error, first: &Mutex<Option<Error>>) -> Error {
-    let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(cause) = first.as_ref().and_then(copy_comm_error) {
-        return cause;
-    }
-    *first = copy_comm_error(&err);
-    err
-}
-
-/// A copy of a communication error (the other kinds are not replayed).
-fn copy_comm_error(err: &Error) -> Option<Error> {
-    match err {
-        Error::Comm { peer, message } => Some(Error::Comm {
-            peer: *peer,
-            message: message.clone(),
-        }),
-        Error::CommTimeout { peer, message } => Some(Error::CommTimeout {
-            peer: *peer,
-            message: message.clone(),
-        }),
-        _ => None,
-    }
-}
-
-/// Appends the first failure reported by any rank, when it is not this one.
-fn with_root_cause(err: Error, hook: &(dyn Fn(&Error) -> Option<String> + Send + Sync)) -> Error {
-    let Some(first) = hook(&err) else {
-        return err;
-    };
-    if first == err.to_string() {
-        return err;
-    }
-    let note = format!(" [first failure reported in this job: {first}]");
-    match err {
-        Error::Comm { peer, message } => Error::Comm {
-            peer,
-            message: message + &note,
-        },
-        Error::CommTimeout { peer, message } => Error::CommTimeout {
-            peer,
-            message: message + &note,
-        },
-        other => other,
     }
 }

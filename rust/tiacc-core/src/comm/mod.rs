@@ -1,22 +1,31 @@
 //! Gradient communication: element types, the transport trait, the TCP
-//! transport, allreduce algorithms and the multi-channel engine.
+//! transport, the allreduce algorithms and the multi-channel engine.
 //!
 //! ```text
-//! Engine::submit(job) --bucket % channels--> channel thread (FIFO)
-//!     agree on the op tag -> algorithm -> transport primitives -> job.done(result)
+//! CPU buckets:  Engine::submit(job) --bucket % channels--> channel thread (FIFO)
+//!                   Algorithm::allreduce over a HostBackend (TCP transports, Rust kernels)
+//! CUDA buckets: the bindings' device engine, on the hook's thread
+//!                   Algorithm::allreduce over a device backend (NCCL on a CUDA stream,
+//!                   torch kernels), then the NCCL watchdog bounds the wait
 //! ```
 
 pub mod algo;
+pub mod backend;
 pub mod codec;
 pub mod dtype;
 pub mod engine;
+pub mod failure;
+pub mod host;
 pub mod nccl;
 pub mod sparse;
 pub mod tcp;
 pub mod transport;
 
+pub use algo::{AlgoSettings, Algorithm, Layout};
+pub use backend::{Backend, GroupId, Mem, Shards};
 pub use dtype::DType;
-pub use engine::{Collective, Completion, Engine, EngineOptions, FailureHook, Job, RawBuf};
+pub use engine::{Collective, Completion, Engine, Job, RawBuf};
+pub use failure::{FailureBoard, Failures};
 pub use transport::{Deadline, OpKind, OpTag, Transport};
 
 #[cfg(test)]

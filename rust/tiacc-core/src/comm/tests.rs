@@ -4,9 +4,11 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
+use super::algo::AlgoSettings;
 use super::dtype::tests::{decode, encode};
 use super::dtype::{shard_range, DType};
 use super::engine::{Collective, Engine};
+use super::host::Groups;
 use super::tcp::{random_token, RingListener, TcpRing};
 use super::transport::{Deadline, OpKind, OpTag, Transport};
 use crate::error::Error;
@@ -362,14 +364,13 @@ fn rendezvous_times_out_when_a_rank_never_shows_up() {
     assert!(matches!(err, Error::CommTimeout { peer: 1, .. }), "{err}");
 }
 
-/// One channel of an engine: its groups and algorithm.
-type ChannelSpec = (super::algo::Groups, Box<dyn super::algo::Algorithm>);
+/// One channel of an engine: its groups and algorithm settings.
+type ChannelSpec = (Groups, AlgoSettings);
 
 /// Starts one engine per rank from its channels and runs `f(rank, engine)`
 /// on every rank in parallel.
 fn on_engines<T: Send + 'static>(
     per_rank: Vec<Vec<ChannelSpec>>,
-    options: super::engine::EngineOptions,
     f: impl Fn(usize, &Engine) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
     let handles: Vec<_> = per_rank
@@ -379,8 +380,7 @@ fn on_engines<T: Send + 'static>(
             let f = f.clone();
             std::thread::spawn(move || {
                 let engine =
-                    Engine::with_channels(channels, Duration::from_secs(20), options, None)
-                        .unwrap();
+                    Engine::with_channels(channels, Duration::from_secs(20), None).unwrap();
                 f(rank, &engine)
             })
         })
@@ -392,7 +392,7 @@ fn on_engines<T: Send + 'static>(
 fn with_engines<T: Send + 'static>(
     p: usize,
     channels: usize,
-    options: super::engine::EngineOptions,
+    settings: AlgoSettings,
     f: impl Fn(usize, &Engine) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
     let per_rank = rings(p, channels)
@@ -400,14 +400,11 @@ fn with_engines<T: Send + 'static>(
         .map(|chans| {
             chans
                 .into_iter()
-                .map(|c| {
-                    let flat: Box<dyn super::algo::Algorithm> = Box::new(super::algo::Flat);
-                    (super::algo::Groups::flat(Box::new(c)), flat)
-                })
+                .map(|c| (Groups::flat(Box::new(c)), settings))
                 .collect()
         })
         .collect();
-    on_engines(per_rank, options, f)
+    on_engines(per_rank, f)
 }
 
 /// Allreduces `values` as float32 on `bucket` and returns the result.
@@ -428,10 +425,10 @@ fn allreduce_f32(engine: &Engine, values: &[f64], average: bool, bucket: u64) ->
 fn half_precision_compression_averages_within_its_precision() {
     use super::codec::Compression;
     for compression in [Compression::Fp16, Compression::Bf16] {
-        let options = super::engine::EngineOptions {
+        let options = AlgoSettings {
             compression,
-            compression_scale: 4.0,
-            nan_check: false,
+            scale: 4.0,
+            ..Default::default()
         };
         let p = 3;
         let results = with_engines(p, 2, options, |rank, engine| {
@@ -461,7 +458,7 @@ fn half_precision_compression_averages_within_its_precision() {
 
 #[test]
 fn the_nan_check_stops_a_bucket_before_it_is_sent_and_names_the_rank() {
-    let options = super::engine::EngineOptions {
+    let options = AlgoSettings {
         nan_check: true,
         ..Default::default()
     };
@@ -501,8 +498,9 @@ fn the_nan_check_stops_a_bucket_before_it_is_sent_and_names_the_rank() {
 }
 
 /// 2 nodes x 2 ranks: groups per world rank, each with a 2D hierarchy.
-fn two_by_two_groups() -> Vec<super::algo::Groups> {
-    use super::algo::{Groups, Hierarchy, Layout};
+fn two_by_two_groups() -> Vec<Groups> {
+    use super::algo::Layout;
+    use super::host::Hierarchy;
     let mut world: Vec<Option<TcpRing>> = rings(4, 1).into_iter().map(|mut c| c.pop()).collect();
     let mut intra: Vec<Vec<Option<TcpRing>>> = (0..2)
         .map(|_| rings(2, 1).into_iter().map(|mut c| c.pop()).collect())
@@ -519,6 +517,7 @@ fn two_by_two_groups() -> Vec<super::algo::Groups> {
                 hierarchy: Some(Hierarchy {
                     intra: Box::new(intra[node][local].take().unwrap()),
                     inter: Box::new(inter[local][node].take().unwrap()),
+                    layout,
                 }),
             }
         })
@@ -530,19 +529,16 @@ fn run_two_d(
     inter_compression: super::codec::Compression,
     len: usize,
 ) -> Vec<Vec<f64>> {
-    use super::algo::{Algorithm, TwoD};
+    let settings = AlgoSettings {
+        hierarchical_threshold: Some(threshold),
+        inter_compression,
+        ..Default::default()
+    };
     let per_rank = two_by_two_groups()
         .into_iter()
-        .map(|groups| {
-            let algorithm: Box<dyn Algorithm> = Box::new(TwoD {
-                threshold,
-                inter_compression,
-                scale: 1.0,
-            });
-            vec![(groups, algorithm)]
-        })
+        .map(|groups| vec![(groups, settings)])
         .collect();
-    on_engines(per_rank, Default::default(), move |rank, engine| {
+    on_engines(per_rank, move |rank, engine| {
         allreduce_f32(engine, &rank_values(rank, len), false, 0)
     })
 }
@@ -581,22 +577,8 @@ fn two_d_can_compress_only_between_nodes() {
 }
 
 #[test]
-fn layouts_split_the_world_into_nodes() {
-    use super::algo::Layout;
-    let l = Layout::new(5, 8, 4).unwrap();
-    assert_eq!((l.node(), l.local_rank(), l.nodes()), (1, 1, 2));
-    assert_eq!(l.intra_members(), vec![4, 5, 6, 7]);
-    assert_eq!(l.inter_members(), vec![1, 5]);
-    assert!(Layout::new(0, 6, 4)
-        .unwrap_err()
-        .to_string()
-        .contains("LIGHT_INTRA_SIZE"));
-}
-
-#[test]
 fn top_k_sends_the_largest_entries_and_feeds_back_the_rest() {
-    use super::algo::{Algorithm, Flat, Groups};
-    use super::sparse::{top_k, TopK, TopKOptions};
+    use super::sparse::{top_k, TopKOptions};
     let p = 3;
     let n = 200;
     let data = move |rank: usize, step: usize| -> Vec<f32> {
@@ -609,14 +591,11 @@ fn top_k_sends_the_largest_entries_and_feeds_back_the_rest() {
         threshold: 0,
         fp16_values: false,
     };
-    let per_rank = rings(p, 1)
-        .into_iter()
-        .map(|mut chans| {
-            let algorithm: Box<dyn Algorithm> = Box::new(TopK::new(options, Box::new(Flat)));
-            vec![(Groups::flat(Box::new(chans.remove(0))), algorithm)]
-        })
-        .collect();
-    let results = on_engines(per_rank, Default::default(), move |rank, engine| {
+    let settings = AlgoSettings {
+        topk: Some(options),
+        ..Default::default()
+    };
+    let results = with_engines(p, 1, settings, move |rank, engine| {
         (0..2)
             .map(|step| {
                 let values: Vec<f64> = data(rank, step).iter().map(|&v| v as f64).collect();
@@ -651,16 +630,20 @@ fn top_k_sends_the_largest_entries_and_feeds_back_the_rest() {
 
 #[test]
 fn top_k_residuals_reset_when_a_bucket_changes_length() {
-    use super::algo::{Algorithm, Flat, Groups};
-    use super::sparse::{TopK, TopKOptions};
+    use super::algo::Algorithm;
+    use super::host::HostBackend;
+    use super::sparse::TopKOptions;
     let ring = rings(1, 1).pop().unwrap().pop().unwrap();
     let options = TopKOptions {
         ratio: 0.25,
         threshold: 0,
         fp16_values: false,
     };
-    let mut algorithm = TopK::new(options, Box::new(Flat));
-    let mut groups = Groups::flat(Box::new(ring));
+    let mut algorithm = Algorithm::new(AlgoSettings {
+        topk: Some(options),
+        ..Default::default()
+    });
+    let mut backend = HostBackend::new(Groups::flat(Box::new(ring)), deadline());
     let mut step = |values: &[f64]| {
         let tag = OpTag {
             kind: OpKind::Allreduce,
@@ -670,9 +653,11 @@ fn top_k_residuals_reset_when_a_bucket_changes_length() {
             bytes: values.len() as u64 * 4,
         };
         let mut buf = encode(DType::F32, values);
-        algorithm
-            .allreduce(&mut groups, &tag, &mut buf, DType::F32, deadline())
-            .unwrap();
+        // SAFETY: `buf` lives, untouched elsewhere, until `end`.
+        let mem = unsafe { backend.begin(&mut buf, deadline()) };
+        let result = algorithm.allreduce(&mut backend, &tag, mem, DType::F32, false);
+        backend.end();
+        result.unwrap();
         decode(DType::F32, &buf)
     };
     // 8 values, k = 2: the two largest go, the rest stay as residual.

@@ -330,6 +330,36 @@ impl NcclCommunicator {
         })
     }
 
+    /// Gathers `send_bytes` bytes from every rank into `recv`
+    /// (`send_bytes * size` bytes, in rank order): an allgather of any
+    /// element type, moved as bytes.
+    ///
+    /// # Safety
+    /// As [`NcclCommunicator::all_reduce`], with `send` holding `send_bytes`
+    /// bytes and `recv` `send_bytes * size`.
+    pub unsafe fn all_gather_bytes(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        send_bytes: usize,
+        stream: CudaStream,
+    ) -> Result<()> {
+        let f = self.lib.fns().all_gather;
+        self.call("ncclAllGather", |comm| {
+            // SAFETY: as in `all_reduce`, under this function's contract.
+            unsafe {
+                f(
+                    send.0,
+                    recv.0,
+                    send_bytes,
+                    NcclDataType::Uint8,
+                    comm,
+                    stream,
+                )
+            }
+        })
+    }
+
     /// Copies `count` elements at `root`'s `send` to every rank's `recv`.
     ///
     /// # Safety
@@ -464,40 +494,60 @@ impl Watched for NcclCommunicator {
     }
 }
 
-/// Waits until `is_done()` says the work enqueued on `comm` has finished,
+/// Waits until `is_done()` says the work enqueued on `comms` has finished,
 /// polling every `poll` (at most) until `deadline`.
 ///
-/// * NCCL reports an asynchronous error: the communicator is aborted and
-///   the error (`Error::Comm`, with NCCL's text) returned.
-/// * The deadline passes: the communicator is aborted and
+/// * NCCL reports an asynchronous error on one of them: every communicator
+///   in `comms` is aborted and the error (`Error::Comm`, with NCCL's text)
+///   returned.
+/// * `peer_failed()` returns another rank's failure (published on the
+///   job's failure board): the communicators are aborted and an
+///   `Error::Comm` carrying that failure returned.
+/// * The deadline passes: the communicators are aborted and
 ///   `Error::CommTimeout` returned, naming the group and this rank (NCCL
 ///   does not say which peer is missing, so `peer` is this rank).
-/// * `is_done` fails: its error is returned (the communicator is left as is).
+/// * `is_done` fails: its error is returned (the communicators are left as is).
 pub fn watch(
-    comm: &impl Watched,
+    comms: &[&dyn Watched],
     deadline: Deadline,
     poll: Duration,
     mut is_done: impl FnMut() -> Result<bool>,
+    mut peer_failed: impl FnMut() -> Option<String>,
 ) -> Result<()> {
     let poll = poll.max(Duration::from_micros(50));
-    let (group, rank, size) = comm.location();
+    let abort_all = |reason: &str| comms.iter().for_each(|c| c.abort(reason));
     loop {
-        if let Some(err) = comm.async_error()? {
-            comm.abort(&err.to_string());
-            return Err(err);
+        for comm in comms {
+            if let Some(err) = comm.async_error()? {
+                abort_all(&err.to_string());
+                return Err(err);
+            }
         }
         if is_done()? {
             return Ok(());
         }
+        if let Some(first) = peer_failed() {
+            let (group, rank, size) = comms.first().map_or((Group::World, 0, 0), |c| c.location());
+            let message = format!(
+                "{group} communicator, rank {rank} of {size}: an NCCL collective was abandoned \
+                 because another rank failed: {first}"
+            );
+            abort_all(&message);
+            return Err(Error::Comm {
+                peer: None,
+                message,
+            });
+        }
         let left = deadline.remaining();
         if left.is_zero() {
+            let (group, rank, size) = comms.first().map_or((Group::World, 0, 0), |c| c.location());
             let message = format!(
                 "{group} communicator, rank {rank} of {size}: an NCCL collective did not finish \
                  within {:?} (a peer is missing, stalled or issued a different collective); \
                  the communicator was aborted",
                 deadline.timeout
             );
-            comm.abort(&message);
+            abort_all(&message);
             return Err(Error::CommTimeout {
                 peer: rank,
                 message,

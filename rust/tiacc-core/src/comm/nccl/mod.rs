@@ -15,10 +15,12 @@
 pub mod communicator;
 pub mod ffi;
 pub mod library;
+pub mod watchdog;
 
 pub use communicator::{watch, DevicePtr, Group, NcclCommunicator, ReduceOp, Watched};
 pub use ffi::{NcclUniqueId, UNIQUE_ID_BYTES};
 pub use library::{NcclLibrary, NcclSearch, LIBRARY_NAME, MIN_VERSION};
+pub use watchdog::{Pending, Watchdog};
 
 #[cfg(test)]
 mod tests;

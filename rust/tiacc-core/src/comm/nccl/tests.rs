@@ -233,13 +233,14 @@ fn the_watchdog_returns_when_the_work_is_done() {
     let mut queries = 0;
     let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
     watch(
-        &comm,
+        &[&comm],
         deadline,
         std::time::Duration::from_micros(100),
         || {
             queries += 1;
             Ok(queries == 3)
         },
+        || None,
     )
     .unwrap();
     assert_eq!(queries, 3);
@@ -251,9 +252,13 @@ fn the_watchdog_aborts_and_names_group_and_rank_at_the_deadline() {
     let comm = FakeComm::default();
     let deadline = crate::comm::Deadline::after(std::time::Duration::from_millis(30));
     let start = std::time::Instant::now();
-    let err = watch(&comm, deadline, std::time::Duration::from_millis(1), || {
-        Ok(false)
-    })
+    let err = watch(
+        &[&comm],
+        deadline,
+        std::time::Duration::from_millis(1),
+        || Ok(false),
+        || None,
+    )
     .unwrap_err();
     assert!(start.elapsed() >= std::time::Duration::from_millis(30));
     match &err {
@@ -281,10 +286,11 @@ fn the_watchdog_aborts_on_an_asynchronous_error() {
     };
     let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
     let err = watch(
-        &comm,
+        &[&comm],
         deadline,
         std::time::Duration::from_micros(100),
         || Ok(false),
+        || None,
     )
     .unwrap_err();
     let message = comm_message(err);
@@ -297,12 +303,104 @@ fn a_failing_completion_test_is_returned_without_abort() {
     let comm = FakeComm::default();
     let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
     let err = watch(
-        &comm,
+        &[&comm],
         deadline,
         std::time::Duration::from_micros(100),
         || Err(Error::InvalidArgument("event query failed".into())),
+        || None,
     )
     .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)));
     assert!(comm.aborted.borrow().is_none());
+}
+
+#[test]
+fn the_watchdog_aborts_every_communicator_when_another_rank_failed() {
+    let (a, b) = (FakeComm::default(), FakeComm::default());
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(10));
+    let mut checks = 0;
+    let err = watch(
+        &[&a, &b],
+        deadline,
+        std::time::Duration::from_micros(100),
+        || Ok(false),
+        || {
+            checks += 1;
+            (checks == 3).then(|| "rank 1: bucket 3 holds a non-finite gradient".to_string())
+        },
+    )
+    .unwrap_err();
+    let message = comm_message(err);
+    assert!(
+        message.contains("abandoned because another rank failed"),
+        "{message}"
+    );
+    assert!(
+        message.contains("rank 1: bucket 3 holds a non-finite gradient"),
+        "{message}"
+    );
+    assert!(a.aborted.borrow().is_some() && b.aborted.borrow().is_some());
+}
+
+/// A thread-safe stand-in for the watchdog thread's tests.
+#[derive(Default)]
+struct SyncComm {
+    aborted: std::sync::Mutex<Option<String>>,
+}
+
+impl Watched for SyncComm {
+    fn location(&self) -> (Group, usize, usize) {
+        (Group::World, 0, 2)
+    }
+    fn async_error(&self) -> crate::error::Result<Option<Error>> {
+        Ok(None)
+    }
+    fn abort(&self, reason: &str) {
+        *self.aborted.lock().unwrap() = Some(reason.to_string());
+    }
+}
+
+#[test]
+fn the_watchdog_thread_records_the_first_failure_and_aborts_the_engine() {
+    use super::watchdog::{Pending, Watchdog};
+    use crate::comm::failure::Failures;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let failures = Arc::new(Failures::new(None));
+    let engine_aborts = Arc::new(AtomicUsize::new(0));
+    let counter = engine_aborts.clone();
+    failures.add_aborters([Box::new(move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+    }) as crate::comm::transport::Aborter]);
+    let dog = Watchdog::start(failures.clone(), std::time::Duration::from_millis(1)).unwrap();
+    let comm = Arc::new(SyncComm::default());
+    let done = Arc::new(AtomicBool::new(false));
+    let flag = done.clone();
+    dog.submit(Pending {
+        comms: vec![comm.clone()],
+        is_done: Box::new(move || Ok(flag.load(Ordering::SeqCst))),
+        deadline: crate::comm::Deadline::after(std::time::Duration::from_secs(10)),
+    });
+    done.store(true, Ordering::SeqCst);
+    dog.submit(Pending {
+        comms: vec![comm.clone()],
+        is_done: Box::new(|| Ok(false)),
+        deadline: crate::comm::Deadline::after(std::time::Duration::from_millis(20)),
+    });
+    let start = std::time::Instant::now();
+    while failures.first().is_none() && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let err = failures.first().expect("the timeout was recorded");
+    assert!(matches!(err, Error::CommTimeout { .. }), "{err}");
+    assert!(comm.aborted.lock().unwrap().is_some());
+    assert_eq!(engine_aborts.load(Ordering::SeqCst), 1);
+    // Work submitted after the failure is not waited on.
+    dog.submit(Pending {
+        comms: vec![comm],
+        is_done: Box::new(|| Ok(false)),
+        deadline: crate::comm::Deadline::after(std::time::Duration::from_secs(600)),
+    });
+    drop(dog); // stops and joins at once
 }

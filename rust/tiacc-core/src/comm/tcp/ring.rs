@@ -41,6 +41,10 @@ pub struct TcpRing {
     stage: Vec<u8>,
     /// Set once a collective failed: the ring's streams are out of step.
     broken: Option<(Option<usize>, String)>,
+    /// The world rank of each member and the group's name, for messages
+    /// (a 2D ring's ranks are its members' indices).
+    members: Vec<usize>,
+    group: &'static str,
 }
 
 impl TcpRing {
@@ -61,7 +65,23 @@ impl TcpRing {
             prev,
             stage: Vec::new(),
             broken: None,
+            members: (0..size).collect(),
+            group: "world",
         }
+    }
+
+    /// Names the group and its members' world ranks in messages.
+    pub fn with_members(mut self, group: &'static str, members: Vec<usize>) -> Self {
+        if members.len() == self.size {
+            self.members = members;
+            self.group = group;
+        }
+        self
+    }
+
+    /// The world rank of member `r`.
+    fn world(&self, r: usize) -> usize {
+        self.members.get(r).copied().unwrap_or(r)
     }
 
     fn next_rank(&self) -> usize {
@@ -150,7 +170,16 @@ impl TcpRing {
     }
 
     fn ctx(&self, what: &str) -> String {
-        format!("rank {} channel {}: {what}", self.rank, self.channel)
+        let ring = if self.group == "world" {
+            String::new()
+        } else {
+            format!(" ({} ring)", self.group)
+        };
+        format!(
+            "rank {} channel {}{ring}: {what}",
+            self.world(self.rank),
+            self.channel
+        )
     }
 
     /// Streams `steps` through the ring. `elem` is the element size used to
@@ -181,7 +210,9 @@ impl TcpRing {
                 message: format!("{ctx}: the ring is not connected"),
             });
         };
-        let (next_rank, prev_rank) = (self.next_rank(), self.prev_rank());
+        // World ranks, for messages.
+        let (next_rank, prev_rank) = (self.world(self.next_rank()), self.world(self.prev_rank()));
+        let me = self.world(self.rank);
         let elem = dtype.map_or(1, DType::size);
         let stage_len = steps
             .iter()
@@ -249,7 +280,7 @@ impl TcpRing {
                 progressed |= k > 0;
                 if k > 0 && r_hdr == hdr_len {
                     if let Some(mine) = header {
-                        check_neighbour_tag(&ctx, mine, &recv_hdr, self.rank, prev_rank)?;
+                        check_neighbour_tag(&ctx, mine, &recv_hdr, me, prev_rank)?;
                     }
                 }
             } else if want_recv {
@@ -454,6 +485,7 @@ impl Transport for TcpRing {
             // a tie) is taken as the intended collective, the rest named.
             let mut groups: Vec<(Option<OpTag>, Vec<usize>)> = Vec::new();
             for (r, t) in tags.iter().enumerate() {
+                let r = ring.world(r);
                 match groups.iter_mut().find(|(g, _)| g == t) {
                     Some((_, ranks)) => ranks.push(r),
                     None => groups.push((*t, vec![r])),

@@ -1,15 +1,18 @@
 //! Every environment variable the engine reads: name, default, parser, doc.
 //!
 //! This is the only module that reads the environment. Precedence is
-//! explicit Python argument > environment variable > default; the Python
-//! shim applies its arguments on top of what [`CommConfig::from_env`]
-//! returns. A value that does not parse is an error naming the variable,
-//! never a silent default.
+//! explicit Python argument > environment variable > default: the Python
+//! shim passes its arguments to [`CommConfig::with_overrides`], which parses
+//! them with the same parsers as the variables. A value that does not parse
+//! is an error naming the variable (or argument), never a silent default.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::comm::codec::Compression;
 use crate::error::{Error, Result};
+
+pub mod startup;
 
 /// Largest fused bucket in bytes (DDP's `bucket_cap_mb`, in bytes, as the
 /// TI-ACC documents give it).
@@ -105,6 +108,78 @@ impl TransportChoice {
     }
 }
 
+/// NCCL's own switch for several ranks on one GPU (NCCL 2.30 and later).
+/// Read, never set: it decides whether ranks sharing a GPU may use NCCL.
+pub const NCCL_MULTI_RANK_GPU: &str = "NCCL_MULTI_RANK_GPU_ENABLE";
+
+/// The first NCCL release that runs several ranks on one GPU (with
+/// [`NCCL_MULTI_RANK_GPU`] set); older ones fail with "Duplicate GPU detected".
+pub const NCCL_MULTI_RANK_GPU_SINCE: (u32, u32, u32) = (2, 30, 0);
+
+/// One setting of [`CommConfig`], for recording what set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Setting {
+    Enabled,
+    FusionThreshold,
+    NumStreams,
+    Timeout,
+    SocketAddr,
+    Transport,
+    NcclLibrary,
+    Compression,
+    CompressionScope,
+    CompressionScale,
+    NanCheck,
+    TwoD,
+    IntraSize,
+    HierarchicalThreshold,
+    TopK,
+    TopKRatio,
+    TopKThreshold,
+    TopKFp16,
+    NcclMultiRankGpu,
+}
+
+/// The environment variables, in the order they are applied: AIACC's
+/// aliases before our own names, so ours win when both are set.
+pub const VARIABLES: &[&str] = &[
+    DISABLE,
+    FUSION_THRESHOLD,
+    NUM_STREAMS,
+    TIMEOUT,
+    SOCKET_ADDR,
+    TRANSPORT,
+    NCCL_LIBRARY,
+    PERSEUS_DTYPE,
+    COMPRESSION,
+    COMPRESSION_SCOPE,
+    PERSEUS_SCALE,
+    COMPRESSION_SCALE,
+    TWO_D,
+    INTRA_SIZE,
+    HIERARCHICAL_THRESHOLD,
+    TOPK,
+    TOPK_RATIO,
+    TOPK_THRESHOLD,
+    TOPK_FP16,
+    PERSEUS_NAN_CHECK[0],
+    PERSEUS_NAN_CHECK[1],
+    NAN_CHECK,
+    NCCL_MULTI_RANK_GPU,
+];
+
+/// The arguments of `init_tiacc_training` that override a variable, and
+/// the variable whose parser reads them. `enable` is `DISABLE` inverted.
+pub const ARGUMENTS: &[(&str, &str)] = &[
+    ("enable", DISABLE),
+    ("fusion_threshold", FUSION_THRESHOLD),
+    ("num_streams", NUM_STREAMS),
+    ("timeout", TIMEOUT),
+    ("transport", TRANSPORT),
+    ("compression", COMPRESSION),
+    ("nan_check", NAN_CHECK),
+];
+
 /// The communication engine's configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CommConfig {
@@ -112,8 +187,6 @@ pub struct CommConfig {
     pub enabled: bool,
     /// Bucket cap in bytes.
     pub fusion_threshold: u64,
-    /// Whether `fusion_threshold` came from the environment (else default).
-    pub fusion_threshold_set: bool,
     /// Number of channels.
     pub num_streams: usize,
     /// Per-collective timeout.
@@ -146,6 +219,10 @@ pub struct CommConfig {
     pub topk_threshold: u64,
     /// Send Top-K values as float16.
     pub topk_fp16: bool,
+    /// NCCL may run several ranks on one GPU ([`NCCL_MULTI_RANK_GPU`]).
+    pub nccl_multi_rank_gpu: bool,
+    /// The variable or argument that set each setting not at its default.
+    pub set_by: BTreeMap<Setting, String>,
 }
 
 impl Default for CommConfig {
@@ -153,7 +230,6 @@ impl Default for CommConfig {
         CommConfig {
             enabled: true,
             fusion_threshold: DEFAULT_FUSION_THRESHOLD,
-            fusion_threshold_set: false,
             num_streams: DEFAULT_NUM_STREAMS,
             timeout: DEFAULT_TIMEOUT,
             socket_addr: None,
@@ -170,6 +246,8 @@ impl Default for CommConfig {
             topk_ratio: 0.01,
             topk_threshold: 1 << 20,
             topk_fp16: false,
+            nccl_multi_rank_gpu: false,
+            set_by: BTreeMap::new(),
         }
     }
 }
@@ -183,105 +261,213 @@ impl CommConfig {
     /// Reads the configuration through `lookup` (the environment, or a map
     /// in tests).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<std::ffi::OsString>) -> Result<Self> {
-        let get = |name: &str| read(&lookup, name);
         let mut config = CommConfig::default();
-        if let Some(v) = get(DISABLE)? {
-            config.enabled = !parse_bool(DISABLE, &v)?;
-        }
-        if let Some(v) = get(FUSION_THRESHOLD)? {
-            config.fusion_threshold = parse_positive_u64(FUSION_THRESHOLD, &v)?;
-            config.fusion_threshold_set = true;
-        }
-        if let Some(v) = get(NUM_STREAMS)? {
-            config.num_streams = parse_num_streams(NUM_STREAMS, &v)?;
-        }
-        if let Some(v) = get(TIMEOUT)? {
-            config.timeout = parse_seconds(TIMEOUT, &v)?;
-        }
-        if let Some(v) = get(SOCKET_ADDR)? {
-            let ip = v
-                .trim()
-                .parse()
-                .map_err(|_| bad(SOCKET_ADDR, &v, "an IP address"))?;
-            config.socket_addr = Some(ip);
-        }
-        if let Some(v) = get(TRANSPORT)? {
-            config.transport = TransportChoice::parse(TRANSPORT, &v)?;
-        }
-        if let Some(v) = get(NCCL_LIBRARY)? {
-            // Existence is checked when the library is loaded, where the
-            // error can say what else was tried.
-            config.nccl_library = Some(std::path::PathBuf::from(v.trim()));
-        }
-        if let Some(v) = get(PERSEUS_DTYPE)? {
-            (config.compression, config.compression_inter_only) = match v.trim() {
-                "0" => (Compression::Fp16, false),
-                "1" => (Compression::None, false),
-                "2" => (Compression::Fp16, true),
-                _ => {
-                    return Err(bad(
-                        PERSEUS_DTYPE,
-                        &v,
-                        "0 (fp16), 1 (none) or 2 (fp16 between nodes)",
-                    ))
-                }
-            };
-        }
-        if let Some(v) = get(COMPRESSION)? {
-            config.compression = Compression::parse(COMPRESSION, &v)?;
-        }
-        if let Some(v) = get(COMPRESSION_SCOPE)? {
-            config.compression_inter_only = match v.trim().to_ascii_lowercase().as_str() {
-                "all" => false,
-                "inter" => true,
-                _ => return Err(bad(COMPRESSION_SCOPE, &v, "all or inter")),
-            };
-        }
-        for name in [PERSEUS_SCALE, COMPRESSION_SCALE] {
-            if let Some(v) = get(name)? {
-                config.compression_scale = match v.trim().parse::<f64>() {
-                    Ok(x) if x.is_finite() && x > 0.0 => x,
-                    _ => return Err(bad(name, &v, "a positive number")),
-                };
-            }
-        }
-        if let Some(v) = get(TWO_D)? {
-            config.two_d = parse_bool(TWO_D, &v)?;
-        }
-        if let Some(v) = get(INTRA_SIZE)? {
-            config.intra_size = Some(match v.trim().parse::<usize>() {
-                Ok(n) if n > 0 => n,
-                _ => return Err(bad(INTRA_SIZE, &v, "a positive number of ranks per node")),
-            });
-        }
-        if let Some(v) = get(HIERARCHICAL_THRESHOLD)? {
-            config.hierarchical_threshold = parse_positive_u64(HIERARCHICAL_THRESHOLD, &v)?;
-        }
-        if let Some(v) = get(TOPK)? {
-            config.topk = parse_bool(TOPK, &v)?;
-        }
-        if let Some(v) = get(TOPK_RATIO)? {
-            config.topk_ratio = match v.trim().parse::<f64>() {
-                Ok(r) if r > 0.0 && r <= 1.0 => r,
-                _ => return Err(bad(TOPK_RATIO, &v, "a fraction in (0, 1]")),
-            };
-        }
-        if let Some(v) = get(TOPK_THRESHOLD)? {
-            config.topk_threshold = v
-                .trim()
-                .parse()
-                .map_err(|_| bad(TOPK_THRESHOLD, &v, "a number of bytes"))?;
-        }
-        if let Some(v) = get(TOPK_FP16)? {
-            config.topk_fp16 = parse_bool(TOPK_FP16, &v)?;
-        }
-        for name in PERSEUS_NAN_CHECK.into_iter().chain([NAN_CHECK]) {
-            if let Some(v) = get(name)? {
-                config.nan_check = parse_bool(name, &v)?;
+        for &variable in VARIABLES {
+            if let Some(value) = read(&lookup, variable)? {
+                config.apply(variable, variable, &value)?;
             }
         }
         Ok(config)
     }
+
+    /// This configuration with `overrides` applied: `(argument, value)`
+    /// pairs of [`ARGUMENTS`], each parsed exactly like its variable (an
+    /// error names the argument).
+    pub fn with_overrides(&self, overrides: &[(&str, &str)]) -> Result<Self> {
+        let mut config = self.clone();
+        for &(argument, value) in overrides {
+            let Some(&(_, variable)) = ARGUMENTS.iter().find(|(a, _)| *a == argument) else {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown setting {argument:?}: expected one of {}",
+                    ARGUMENTS
+                        .iter()
+                        .map(|(a, _)| *a)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            };
+            if argument == "enable" {
+                config.enabled = parse_bool(argument, value)?;
+                config.set_by.insert(Setting::Enabled, argument.to_string());
+            } else {
+                config.apply(variable, argument, value)?;
+            }
+        }
+        Ok(config)
+    }
+
+    /// Whether two configurations make the same engine (whatever set them).
+    pub fn same_settings(&self, other: &CommConfig) -> bool {
+        let strip = |c: &CommConfig| CommConfig {
+            set_by: BTreeMap::new(),
+            ..c.clone()
+        };
+        strip(self) == strip(other)
+    }
+
+    /// What set `setting`: a variable or argument name, `None` at its default.
+    pub fn source(&self, setting: Setting) -> Option<&str> {
+        self.set_by.get(&setting).map(String::as_str)
+    }
+
+    /// Ranks per node for the 2D allreduce: `LIGHT_INTRA_SIZE`, else the
+    /// launcher's `local_size`.
+    pub fn intra_size_for(&self, local_size: Option<usize>) -> Result<usize> {
+        self.intra_size.or(local_size).ok_or_else(|| Error::Config {
+            variable: INTRA_SIZE.to_string(),
+            value: String::new(),
+            expected: format!(
+                "the number of ranks per node, which {TWO_D}=1 needs and the launcher did not give"
+            ),
+        })
+    }
+
+    /// Parses `value` with `variable`'s parser into this configuration;
+    /// errors name `label` (the variable, or the argument it came from).
+    fn apply(&mut self, variable: &str, label: &str, value: &str) -> Result<()> {
+        let setting = match variable {
+            DISABLE => {
+                self.enabled = !parse_bool(label, value)?;
+                Setting::Enabled
+            }
+            FUSION_THRESHOLD => {
+                self.fusion_threshold = parse_positive_u64(label, value)?;
+                Setting::FusionThreshold
+            }
+            NUM_STREAMS => {
+                self.num_streams = parse_num_streams(label, value)?;
+                Setting::NumStreams
+            }
+            TIMEOUT => {
+                self.timeout = parse_seconds(label, value)?;
+                Setting::Timeout
+            }
+            SOCKET_ADDR => {
+                let ip = value
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(label, value, "an IP address"))?;
+                self.socket_addr = Some(ip);
+                Setting::SocketAddr
+            }
+            TRANSPORT => {
+                self.transport = TransportChoice::parse(label, value)?;
+                Setting::Transport
+            }
+            NCCL_LIBRARY => {
+                // Existence is checked when the library is loaded, where the
+                // error can say what else was tried.
+                self.nccl_library = Some(std::path::PathBuf::from(value.trim()));
+                Setting::NcclLibrary
+            }
+            PERSEUS_DTYPE => {
+                (self.compression, self.compression_inter_only) = match value.trim() {
+                    "0" => (Compression::Fp16, false),
+                    "1" => (Compression::None, false),
+                    "2" => (Compression::Fp16, true),
+                    _ => {
+                        return Err(bad(
+                            label,
+                            value,
+                            "0 (fp16), 1 (none) or 2 (fp16 between nodes)",
+                        ))
+                    }
+                };
+                self.set_by
+                    .insert(Setting::CompressionScope, label.to_string());
+                Setting::Compression
+            }
+            COMPRESSION => {
+                self.compression = Compression::parse(label, value)?;
+                Setting::Compression
+            }
+            COMPRESSION_SCOPE => {
+                self.compression_inter_only = match value.trim().to_ascii_lowercase().as_str() {
+                    "all" => false,
+                    "inter" => true,
+                    _ => return Err(bad(label, value, "all or inter")),
+                };
+                Setting::CompressionScope
+            }
+            PERSEUS_SCALE | COMPRESSION_SCALE => {
+                self.compression_scale = match value.trim().parse::<f64>() {
+                    Ok(x) if x.is_finite() && x > 0.0 => x,
+                    _ => return Err(bad(label, value, "a positive number")),
+                };
+                Setting::CompressionScale
+            }
+            TWO_D => {
+                self.two_d = parse_bool(label, value)?;
+                Setting::TwoD
+            }
+            INTRA_SIZE => {
+                self.intra_size = Some(match value.trim().parse::<usize>() {
+                    Ok(n) if n > 0 => n,
+                    _ => return Err(bad(label, value, "a positive number of ranks per node")),
+                });
+                Setting::IntraSize
+            }
+            HIERARCHICAL_THRESHOLD => {
+                self.hierarchical_threshold = parse_positive_u64(label, value)?;
+                Setting::HierarchicalThreshold
+            }
+            TOPK => {
+                self.topk = parse_bool(label, value)?;
+                Setting::TopK
+            }
+            TOPK_RATIO => {
+                self.topk_ratio = match value.trim().parse::<f64>() {
+                    Ok(r) if r > 0.0 && r <= 1.0 => r,
+                    _ => return Err(bad(label, value, "a fraction in (0, 1]")),
+                };
+                Setting::TopKRatio
+            }
+            TOPK_THRESHOLD => {
+                self.topk_threshold = value
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(label, value, "a number of bytes"))?;
+                Setting::TopKThreshold
+            }
+            TOPK_FP16 => {
+                self.topk_fp16 = parse_bool(label, value)?;
+                Setting::TopKFp16
+            }
+            NAN_CHECK => {
+                self.nan_check = parse_bool(label, value)?;
+                Setting::NanCheck
+            }
+            v if PERSEUS_NAN_CHECK.contains(&v) => {
+                self.nan_check = parse_bool(label, value)?;
+                Setting::NanCheck
+            }
+            NCCL_MULTI_RANK_GPU => {
+                // NCCL's variable, read as NCCL reads it (an integer, 0 = off);
+                // never an error of ours.
+                self.nccl_multi_rank_gpu = value.trim().parse::<i64>().is_ok_and(|n| n != 0);
+                Setting::NcclMultiRankGpu
+            }
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "{other} is not a configuration variable"
+                )))
+            }
+        };
+        self.set_by.insert(setting, label.to_string());
+        Ok(())
+    }
+}
+
+/// Whether a job of `world` ranks with `local_size` per node (when the
+/// launcher said) spans several nodes; unknown counts as yes.
+pub fn spans_nodes(world: usize, local_size: Option<usize>) -> bool {
+    local_size.is_none_or(|l| l < world)
+}
+
+/// Whether NCCL `version` lets several ranks share one GPU, with
+/// [`NCCL_MULTI_RANK_GPU`] set as `enabled`.
+pub fn nccl_allows_shared_gpu(version: (u32, u32, u32), enabled: bool) -> bool {
+    enabled && version >= NCCL_MULTI_RANK_GPU_SINCE
 }
 
 /// How the processes of this job were launched and where they rendezvous.
@@ -501,7 +687,7 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(c.fusion_threshold, 25217728);
-        assert!(c.fusion_threshold_set);
+        assert_eq!(c.source(Setting::FusionThreshold), Some(FUSION_THRESHOLD));
         assert_eq!(c.num_streams, 3);
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert!(!c.enabled);
@@ -634,6 +820,66 @@ mod tests {
             other => panic!("expected a Config error, got {other:?}"),
         }
         assert!(err.to_string().contains("auto, nccl or tcp"), "{err}");
+    }
+
+    #[test]
+    fn overrides_go_through_the_variables_parsers_and_name_the_argument() {
+        let base =
+            CommConfig::from_lookup(env(&[(COMPRESSION, "bf16"), (NUM_STREAMS, "3")])).unwrap();
+        let c = base
+            .with_overrides(&[
+                ("compression", "FP16"),
+                ("num_streams", "4"),
+                ("enable", "0"),
+                ("transport", " TCP "),
+                ("timeout", "2.5"),
+                ("nan_check", "true"),
+                ("fusion_threshold", "1048576"),
+            ])
+            .unwrap();
+        assert_eq!(c.compression, Compression::Fp16);
+        assert_eq!((c.num_streams, c.enabled), (4, false));
+        assert_eq!(c.transport, TransportChoice::Tcp);
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert!(c.nan_check);
+        assert_eq!(c.fusion_threshold, 1 << 20);
+        assert_eq!(c.source(Setting::Compression), Some("compression"));
+        assert_eq!(base.source(Setting::Compression), Some(COMPRESSION));
+        assert!(!c.same_settings(&base));
+        assert!(base.same_settings(&base.with_overrides(&[("num_streams", "3")]).unwrap()));
+
+        for (argument, value) in [
+            ("num_streams", "0"),
+            ("compression", "int8"),
+            ("timeout", "-1"),
+            ("fusion_threshold", "0"),
+            ("transport", "udp"),
+            ("enable", "perhaps"),
+        ] {
+            match base.with_overrides(&[(argument, value)]).unwrap_err() {
+                Error::Config { variable, .. } => assert_eq!(variable, argument),
+                other => panic!("{argument}: {other:?}"),
+            }
+        }
+        let err = base.with_overrides(&[("streams", "2")]).unwrap_err();
+        assert!(err.to_string().contains("num_streams"), "{err}");
+    }
+
+    #[test]
+    fn shared_gpus_need_nccl_2_30_and_its_switch() {
+        let c = CommConfig::from_lookup(env(&[(NCCL_MULTI_RANK_GPU, "1")])).unwrap();
+        assert!(c.nccl_multi_rank_gpu);
+        for value in ["0", "no", ""] {
+            let c = CommConfig::from_lookup(env(&[(NCCL_MULTI_RANK_GPU, value)])).unwrap();
+            assert!(!c.nccl_multi_rank_gpu, "{value}");
+        }
+        assert!(nccl_allows_shared_gpu((2, 30, 7), true));
+        assert!(!nccl_allows_shared_gpu((2, 28, 9), true));
+        assert!(!nccl_allows_shared_gpu((2, 30, 7), false));
+        assert!(spans_nodes(4, Some(2)) && spans_nodes(4, None) && !spans_nodes(4, Some(4)));
+        let err = CommConfig::default().intra_size_for(None).unwrap_err();
+        assert!(err.to_string().contains(INTRA_SIZE), "{err}");
+        assert_eq!(CommConfig::default().intra_size_for(Some(8)).unwrap(), 8);
     }
 
     #[test]

@@ -1,0 +1,207 @@
+//! What an allreduce algorithm needs from the place its buffers live.
+//!
+//! The algorithms ([`super::algo::Algorithm`]) are written once against
+//! [`Backend`]: collectives on the world, intra-node and inter-node groups,
+//! and the few element-wise kernels around them (averaging, half-precision
+//! casts, the non-finite check, Top-K packing). Two backends implement it:
+//!
+//! * [`super::host::HostBackend`]: host memory, TCP transports, kernels in
+//!   Rust. Collectives block until done (CPU tensors, and CUDA tensors
+//!   staged through host memory).
+//! * the device backend of the Python bindings: torch tensors (CUDA, or CPU
+//!   in tests), NCCL communicators enqueued on a CUDA stream, kernels as
+//!   torch operations on that stream. Nothing waits on the host.
+//!
+//! Buffers are named by [`Mem`]: an address and a length in bytes. A
+//! backend only accepts a `Mem` inside memory it was handed for the current
+//! operation or allocated itself, and checks that before touching it.
+
+use std::ops::Range;
+
+use super::dtype::{shard_range, DType};
+use super::transport::OpTag;
+use crate::error::{Error, Result};
+
+/// A span of bytes in a backend's memory (host or device addresses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mem {
+    pub addr: usize,
+    pub bytes: usize,
+}
+
+impl Mem {
+    pub fn new(addr: usize, bytes: usize) -> Self {
+        Mem { addr, bytes }
+    }
+
+    /// Bytes `range` of this span.
+    pub fn slice(self, range: Range<usize>) -> Result<Mem> {
+        if range.start > range.end || range.end > self.bytes {
+            return Err(Error::InvalidArgument(format!(
+                "bytes {range:?} are outside a buffer of {} bytes",
+                self.bytes
+            )));
+        }
+        Ok(Mem::new(self.addr + range.start, range.len()))
+    }
+
+    /// Elements `range` of this span read as `dtype`.
+    pub fn elems(self, dtype: DType, range: Range<usize>) -> Result<Mem> {
+        let e = dtype.size();
+        self.slice(range.start * e..range.end * e)
+    }
+
+    /// The first `bytes` bytes.
+    pub fn prefix(self, bytes: usize) -> Result<Mem> {
+        self.slice(0..bytes)
+    }
+
+    /// One past the last byte.
+    pub fn end(self) -> usize {
+        self.addr + self.bytes
+    }
+
+    /// Whether `other` lies entirely within this span.
+    pub fn contains(self, other: Mem) -> bool {
+        other.addr >= self.addr && other.end() <= self.end()
+    }
+
+    /// Whether the two spans share a byte.
+    pub fn overlaps(self, other: Mem) -> bool {
+        self.addr < other.end() && other.addr < self.end() && self.bytes > 0 && other.bytes > 0
+    }
+}
+
+/// The groups of ranks a collective can run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GroupId {
+    /// Every rank.
+    World,
+    /// The ranks of this rank's node.
+    Intra,
+    /// This rank and the ranks of the same local rank on the other nodes.
+    Inter,
+}
+
+impl GroupId {
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupId::World => "world",
+            GroupId::Intra => "intra-node",
+            GroupId::Inter => "inter-node",
+        }
+    }
+}
+
+/// Where a reduce-scatter left the shards of a buffer.
+///
+/// `mine` is this rank's reduced shard: elements
+/// `shard_range(n, size, rank)` of the buffer, wherever the backend keeps
+/// them. `whole` is the memory holding every shard (the buffer itself, or a
+/// padded copy on backends whose collectives need equal shards); the
+/// matching [`Backend::allgather`] gathers there and copies back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shards {
+    pub whole: Mem,
+    pub mine: Mem,
+}
+
+impl Shards {
+    /// The shards of `buf` (`elems` elements of `elem` bytes) in place, for
+    /// a group of `size` with this rank at `rank`.
+    pub fn in_place(buf: Mem, elem: usize, size: usize, rank: usize) -> Result<Self> {
+        let r = shard_range(buf.bytes / elem, size, rank);
+        Ok(Shards {
+            whole: buf,
+            mine: buf.slice(r.start * elem..r.end * elem)?,
+        })
+    }
+}
+
+/// Collectives and kernels on one channel's memory.
+///
+/// Collectives sum. On a blocking backend they are done when they return;
+/// on a stream-ordered one they are enqueued in call order, and kernels are
+/// enqueued on the same stream, so the order of calls is the order of work.
+pub trait Backend {
+    /// This rank's index in `group`.
+    fn rank(&self, group: GroupId) -> usize;
+    /// Number of ranks in `group` (1 for a group this backend lacks).
+    fn size(&self, group: GroupId) -> usize;
+    /// Whether the intra-node and inter-node groups exist.
+    fn hierarchical(&self) -> bool;
+
+    /// Checks that every rank of `group` is about to run `tag`. Backends
+    /// that cannot check without waiting on the device do nothing.
+    fn agree(&mut self, group: GroupId, tag: &OpTag) -> Result<()>;
+    /// Sums `buf` over `group`, checking `tag` on the way when given.
+    fn allreduce(
+        &mut self,
+        group: GroupId,
+        tag: Option<&OpTag>,
+        buf: Mem,
+        dtype: DType,
+    ) -> Result<()>;
+    /// Sums `buf` over `group`, leaving each rank its shard.
+    fn reduce_scatter(&mut self, group: GroupId, buf: Mem, dtype: DType) -> Result<Shards>;
+    /// Gathers every rank's `shards.mine` (of `elem`-byte elements) into
+    /// `dst`, the buffer the shards were cut from.
+    fn allgather(&mut self, group: GroupId, shards: Shards, dst: Mem, elem: usize) -> Result<()>;
+
+    /// Scratch memory for the current operation (zeroed), released when it ends.
+    fn alloc(&mut self, bytes: usize) -> Result<Mem>;
+    /// The Top-K residual of `key` (`bytes` bytes of float32, zero when new).
+    fn residual(&mut self, key: u64, bytes: usize) -> Result<Mem>;
+    /// Drops every Top-K residual.
+    fn clear_residuals(&mut self);
+
+    /// `buf[i] /= divisor`.
+    fn div(&mut self, buf: Mem, dtype: DType, divisor: f64) -> Result<()>;
+    /// `dst = (wire) (src * factor)`, rounding to nearest even.
+    fn encode(&mut self, src: Mem, dtype: DType, factor: f64, dst: Mem, wire: DType) -> Result<()>;
+    /// `dst = (dtype) (src * factor)`.
+    fn decode(&mut self, src: Mem, wire: DType, factor: f64, dst: Mem, dtype: DType) -> Result<()>;
+    /// The first NaN or infinity in `buf`: its element index and value.
+    fn first_non_finite(&mut self, buf: Mem, dtype: DType) -> Result<Option<(usize, f64)>>;
+    /// Top-K selection with error feedback on float32 `data`, see
+    /// [`super::sparse`]: `residual += data`; the `k` entries of `residual`
+    /// of largest magnitude (ties to the lower index) go to `out` as
+    /// [`super::sparse::TopKBlock`] says; what was sent is subtracted from
+    /// `residual`.
+    fn topk_pack(
+        &mut self,
+        data: Mem,
+        residual: Mem,
+        layout: super::sparse::TopKBlock,
+        out: Mem,
+    ) -> Result<()>;
+    /// `out = 0`, then the pairs of every block of `gathered` added into
+    /// `out` (float32), block by block in rank order. `group` names the
+    /// senders in errors.
+    fn topk_sum(
+        &mut self,
+        gathered: Mem,
+        layout: super::sparse::TopKBlock,
+        out: Mem,
+        group: GroupId,
+        bucket: u64,
+    ) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_slice_and_compare() {
+        let m = Mem::new(1000, 64);
+        assert_eq!(m.slice(8..16).unwrap(), Mem::new(1008, 8));
+        assert_eq!(m.elems(DType::F32, 2..4).unwrap(), Mem::new(1008, 8));
+        assert!(m.slice(60..70).is_err());
+        assert!(m.contains(Mem::new(1010, 54)) && !m.contains(Mem::new(1010, 55)));
+        assert!(m.overlaps(Mem::new(1063, 4)) && !m.overlaps(Mem::new(1064, 4)));
+        let s = Shards::in_place(m, 4, 3, 2).unwrap();
+        // 16 elements in shards of 6, 6, 4.
+        assert_eq!(s.mine, Mem::new(1048, 16));
+    }
+}

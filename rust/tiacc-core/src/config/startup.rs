@@ -1,0 +1,368 @@
+//! The start-up report: which transport each kind of gradient bucket takes
+//! and exactly what applies to it, and a warning for every setting that
+//! cannot apply (never silently ignored).
+
+use super::{spans_nodes, CommConfig, Setting, TransportChoice};
+use super::{
+    COMPRESSION, COMPRESSION_SCALE, COMPRESSION_SCOPE, HIERARCHICAL_THRESHOLD, INTRA_SIZE,
+    NCCL_LIBRARY, TOPK, TOPK_FP16, TOPK_RATIO, TOPK_THRESHOLD, TWO_D,
+};
+use crate::comm::codec::Compression;
+
+/// What the job looks like when the report is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    pub world: usize,
+    /// `torchrun`, `mpirun`, `slurm`, `none` or `user` (group made by the script).
+    pub launcher: String,
+    /// Ranks per node, when the launcher said.
+    pub local_size: Option<usize>,
+    /// Where CUDA buckets go; `None` when torch sees no CUDA device.
+    pub cuda: Option<CudaRoute>,
+}
+
+/// The transport CUDA buckets take, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaRoute {
+    /// `Nccl`, or `Tcp` (host staging).
+    pub transport: TransportChoice,
+    /// The NCCL version loaded, when one is.
+    pub nccl_version: Option<(u32, u32, u32)>,
+    /// Why this transport, when it is not what was asked for.
+    pub reason: Option<String>,
+}
+
+/// A setting that has no effect in this job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Warning {
+    /// The variable or argument that set it.
+    pub variable: String,
+    pub message: String,
+}
+
+/// The report: lines to log on rank 0, and warnings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Startup {
+    pub lines: Vec<String>,
+    pub warnings: Vec<Warning>,
+}
+
+impl CommConfig {
+    /// The start-up report for `job`.
+    pub fn startup(&self, job: &Job) -> Startup {
+        if !self.enabled {
+            return Startup {
+                lines: vec![format!(
+                    "tiacc engine disabled: DDP communicates natively (fusion_threshold={} bytes)",
+                    self.fusion_threshold
+                )],
+                warnings: Vec::new(),
+            };
+        }
+        let mut lines = vec![format!(
+            "DDP communication through the tiacc engine: world_size={} launcher={} channels={} \
+             fusion_threshold={} bytes (bucket_cap_mb={:.2}) timeout={}s",
+            job.world,
+            job.launcher,
+            self.num_streams,
+            self.fusion_threshold,
+            self.fusion_threshold as f64 / (1024.0 * 1024.0),
+            self.timeout.as_secs_f64()
+        )];
+        let what = self.applies(job);
+        lines.push(format!("  CPU buckets: tcp; {what}"));
+        lines.push(match &job.cuda {
+            None => "  CUDA buckets: none (torch sees no CUDA device)".to_string(),
+            Some(route) => {
+                let requested = self.transport.name();
+                let transport = match (route.transport, route.nccl_version) {
+                    (TransportChoice::Nccl, Some((a, b, c))) => format!("nccl {a}.{b}.{c}"),
+                    (TransportChoice::Nccl, None) => "nccl".to_string(),
+                    _ => "tcp with host staging".to_string(),
+                };
+                let reason = route
+                    .reason
+                    .as_ref()
+                    .map_or(String::new(), |r| format!(": {r}"));
+                format!("  CUDA buckets: {transport} (transport {requested}{reason}); {what}")
+            }
+        });
+        Startup {
+            lines,
+            warnings: self.warnings(job),
+        }
+    }
+
+    /// The algorithm, compression, Top-K and NaN check, as they apply.
+    fn applies(&self, job: &Job) -> String {
+        let algorithm = if self.two_d {
+            let per_node = match (self.intra_size, job.local_size) {
+                (Some(n), _) => format!("{n} ranks per node from {INTRA_SIZE}"),
+                (None, Some(n)) => format!("{n} ranks per node from the launcher"),
+                (None, None) => "ranks per node unknown".to_string(),
+            };
+            format!(
+                "2d ({per_node}; buckets <= {} bytes, larger ones flat)",
+                self.hierarchical_threshold
+            )
+        } else {
+            "flat ring".to_string()
+        };
+        let compression = match (self.compression, self.compression_inter_only) {
+            (Compression::None, _) => "none".to_string(),
+            (c, false) => c.name().to_string(),
+            (c, true) => format!("{} between nodes only", c.name()),
+        };
+        let scale = if self.compression != Compression::None && self.compression_scale != 1.0 {
+            format!(" (scale {})", self.compression_scale)
+        } else {
+            String::new()
+        };
+        let topk = if self.topk {
+            format!(
+                "{} of float32 buckets >= {} bytes, {} values, error feedback",
+                self.topk_ratio,
+                self.topk_threshold,
+                if self.topk_fp16 { "float16" } else { "float32" }
+            )
+        } else {
+            "off".to_string()
+        };
+        let nan = if self.nan_check { "on" } else { "off" };
+        format!(
+            "algorithm={algorithm} compression={compression}{scale} top-k={topk} nan_check={nan}"
+        )
+    }
+
+    fn warnings(&self, job: &Job) -> Vec<Warning> {
+        let mut out = Vec::new();
+        let mut warn = |setting: Setting, fallback: &str, message: String| {
+            out.push(Warning {
+                variable: self.source(setting).unwrap_or(fallback).to_string(),
+                message,
+            });
+        };
+        let compressing = self.compression != Compression::None;
+        if !self.two_d {
+            for (setting, name) in [
+                (Setting::IntraSize, INTRA_SIZE),
+                (Setting::HierarchicalThreshold, HIERARCHICAL_THRESHOLD),
+            ] {
+                if self.source(setting).is_some() {
+                    warn(setting, name, format!("has no effect without {TWO_D}=1"));
+                }
+            }
+        }
+        if !self.topk {
+            for (setting, name) in [
+                (Setting::TopKRatio, TOPK_RATIO),
+                (Setting::TopKThreshold, TOPK_THRESHOLD),
+                (Setting::TopKFp16, TOPK_FP16),
+            ] {
+                if self.source(setting).is_some() {
+                    warn(setting, name, format!("has no effect without {TOPK}=1"));
+                }
+            }
+        }
+        if !compressing {
+            for (setting, name) in [
+                (Setting::CompressionScale, COMPRESSION_SCALE),
+                (Setting::CompressionScope, COMPRESSION_SCOPE),
+            ] {
+                if self.source(setting).is_some() {
+                    warn(
+                        setting,
+                        name,
+                        format!("has no effect while {COMPRESSION} is none"),
+                    );
+                }
+            }
+        }
+        if job.world == 1 {
+            for (on, setting, name) in [
+                (compressing, Setting::Compression, COMPRESSION),
+                (self.two_d, Setting::TwoD, TWO_D),
+                (self.topk, Setting::TopK, TOPK),
+            ] {
+                if on {
+                    warn(
+                        setting,
+                        name,
+                        "has no effect in a world of one rank: no gradient leaves this process"
+                            .to_string(),
+                    );
+                }
+            }
+            return out;
+        }
+        if self.topk && compressing && !self.compression_inter_only {
+            let by = self.source(Setting::Compression).unwrap_or(COMPRESSION);
+            let wire = self.compression.name();
+            warn(
+                Setting::TopK,
+                TOPK,
+                format!(
+                    "has no effect: {by} casts float32 buckets to {wire} before the reduction, \
+                     and Top-K sparsifies float32 buckets only; for half-precision Top-K values \
+                     set {TOPK_FP16}=1 and leave {by} at none"
+                ),
+            );
+        }
+        let one_node = !spans_nodes(job.world, job.local_size);
+        if self.two_d && one_node && self.intra_size.is_none() {
+            warn(
+                Setting::TwoD,
+                TWO_D,
+                format!(
+                    "the job runs on one node ({} ranks per node): the 2D allreduce has no \
+                     inter-node step and moves the same bytes as the flat ring",
+                    job.world
+                ),
+            );
+        }
+        if compressing && self.compression_inter_only && !self.two_d && one_node {
+            warn(
+                Setting::CompressionScope,
+                COMPRESSION_SCOPE,
+                "compresses traffic between nodes only, and the job runs on one node: nothing \
+                 is compressed"
+                    .to_string(),
+            );
+        }
+        let nccl_used = job
+            .cuda
+            .as_ref()
+            .is_some_and(|r| r.transport == TransportChoice::Nccl);
+        if self.nccl_library.is_some() && !nccl_used {
+            warn(
+                Setting::NcclLibrary,
+                NCCL_LIBRARY,
+                "is not used: no gradient goes over NCCL in this job".to_string(),
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::ffi::OsString;
+
+    fn config(pairs: &[(&str, &str)]) -> CommConfig {
+        let map: HashMap<String, OsString> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), OsString::from(v)))
+            .collect();
+        CommConfig::from_lookup(move |name| map.get(name).cloned()).unwrap()
+    }
+
+    fn job(world: usize, local_size: Option<usize>, cuda: Option<CudaRoute>) -> Job {
+        Job {
+            world,
+            launcher: "torchrun".into(),
+            local_size,
+            cuda,
+        }
+    }
+
+    fn nccl() -> Option<CudaRoute> {
+        Some(CudaRoute {
+            transport: TransportChoice::Nccl,
+            nccl_version: Some((2, 30, 7)),
+            reason: None,
+        })
+    }
+
+    #[test]
+    fn each_kind_of_bucket_gets_a_line_saying_what_applies() {
+        let c = config(&[
+            (TWO_D, "1"),
+            ("TIACC_TRAINING_COMPRESSION", "fp16"),
+            (COMPRESSION_SCOPE, "inter"),
+            ("TIACC_TRAINING_NAN_CHECK", "1"),
+        ]);
+        let s = c.startup(&job(4, Some(2), nccl()));
+        assert!(s.lines[0].contains("world_size=4 launcher=torchrun channels=2"));
+        for line in &s.lines[1..] {
+            assert!(
+                line.contains("algorithm=2d (2 ranks per node from the launcher"),
+                "{line}"
+            );
+            assert!(
+                line.contains("compression=fp16 between nodes only"),
+                "{line}"
+            );
+            assert!(line.contains("nan_check=on"), "{line}");
+        }
+        assert!(s.lines[1].starts_with("  CPU buckets: tcp;"));
+        assert!(s.lines[2].starts_with("  CUDA buckets: nccl 2.30.7 (transport auto);"));
+        assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+
+        let staged = CudaRoute {
+            transport: TransportChoice::Tcp,
+            nccl_version: None,
+            reason: Some("ranks 0, 1 share a GPU".into()),
+        };
+        let s = config(&[]).startup(&job(2, Some(2), Some(staged)));
+        assert!(s.lines[2].contains("tcp with host staging (transport auto: ranks 0, 1 share"));
+        let s = config(&[]).startup(&job(2, Some(2), None));
+        assert!(s.lines[2].contains("CUDA buckets: none"));
+    }
+
+    #[test]
+    fn settings_that_cannot_apply_are_warnings_naming_the_variable() {
+        let names = |s: &Startup| -> Vec<String> {
+            s.warnings.iter().map(|w| w.variable.clone()).collect()
+        };
+        let c = config(&[
+            (INTRA_SIZE, "2"),
+            (TOPK_RATIO, "0.1"),
+            (COMPRESSION_SCALE, "4"),
+            (NCCL_LIBRARY, "/x/libnccl.so.2"),
+        ]);
+        let s = c.startup(&job(4, Some(2), None));
+        assert_eq!(
+            names(&s),
+            vec![INTRA_SIZE, TOPK_RATIO, COMPRESSION_SCALE, NCCL_LIBRARY]
+        );
+
+        let s = config(&[(TOPK, "1"), ("PERSEUS_ALLREDUCE_DTYPE", "0")]).startup(&job(
+            4,
+            Some(2),
+            None,
+        ));
+        assert_eq!(names(&s), vec![TOPK]);
+        assert!(
+            s.warnings[0].message.contains("PERSEUS") || s.warnings[0].message.contains("fp16")
+        );
+
+        let s = config(&[(TWO_D, "1"), (COMPRESSION, "bf16")]).startup(&job(1, None, None));
+        assert_eq!(names(&s), vec![COMPRESSION, TWO_D]);
+
+        let s = config(&[(TWO_D, "1")]).startup(&job(4, Some(4), nccl()));
+        assert_eq!(names(&s), vec![TWO_D]);
+        let s = config(&[(COMPRESSION, "fp16"), (COMPRESSION_SCOPE, "inter")]).startup(&job(
+            4,
+            Some(4),
+            nccl(),
+        ));
+        assert_eq!(names(&s), vec![COMPRESSION_SCOPE]);
+
+        // An argument is named as such.
+        let c = config(&[(TOPK, "1")])
+            .with_overrides(&[("compression", "bf16")])
+            .unwrap();
+        let s = c.startup(&job(4, Some(2), None));
+        assert_eq!(names(&s), vec![TOPK]);
+        assert!(s.warnings[0].message.contains("compression"));
+    }
+
+    #[test]
+    fn a_disabled_engine_says_so() {
+        let s = config(&[("TIACC_TRAINING_DISABLE", "1")]).startup(&job(2, None, None));
+        assert_eq!(s.lines.len(), 1);
+        assert!(s.lines[0].starts_with("tiacc engine disabled"));
+    }
+}

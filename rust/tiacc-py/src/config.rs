@@ -1,0 +1,218 @@
+//! `CommConfig`: the engine configuration, whole, as a Python object.
+//!
+//! Read from the environment by the engine's own parsers; the arguments of
+//! `init_tiacc_training` go through the same parsers
+//! (`CommConfig.with_overrides`), so Python keeps no copy of the schema.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString};
+
+use tiacc_core::config::startup::{CudaRoute, Job};
+use tiacc_core::config::{self, CommConfig, TransportChoice};
+use tiacc_core::Error;
+
+use crate::errors::{to_pyerr, ResultExt};
+
+/// The communication engine's configuration (immutable).
+#[pyclass(module = "tiacc_training._engine", name = "CommConfig", frozen)]
+pub struct PyCommConfig {
+    pub inner: CommConfig,
+}
+
+/// The Python types each argument accepts, and how its value is spelled
+/// for the engine's parser.
+fn argument_text(name: &str, value: &Bound<'_, PyAny>) -> PyResult<String> {
+    let is_bool = value.is_instance_of::<PyBool>();
+    let is_int = value.is_instance_of::<PyInt>() && !is_bool;
+    let wrong = |expected: &str| {
+        PyTypeError::new_err(format!(
+            "{name} must be {expected}, got {}",
+            value.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    };
+    match name {
+        "enable" | "nan_check" if is_bool || is_int => {
+            Ok(if value.is_truthy()? { "1" } else { "0" }.into())
+        }
+        "enable" | "nan_check" => Err(wrong("a bool")),
+        "fusion_threshold" | "num_streams" if is_int => Ok(value.str()?.to_string()),
+        "fusion_threshold" => Err(wrong("an int (bytes)")),
+        "num_streams" => Err(wrong("an int")),
+        "timeout" if is_int || value.is_instance_of::<PyFloat>() => Ok(value.str()?.to_string()),
+        "timeout" => Err(wrong("a number of seconds")),
+        _ if value.is_instance_of::<PyString>() => Ok(value.str()?.to_string()),
+        _ => Err(wrong("a str")),
+    }
+}
+
+#[pymethods]
+impl PyCommConfig {
+    /// The configuration from the environment (defaults where unset). Raises
+    /// `ConfigError` naming the variable when a value does not parse.
+    #[staticmethod]
+    fn from_env() -> PyResult<Self> {
+        Ok(PyCommConfig {
+            inner: CommConfig::from_env().py()?,
+        })
+    }
+
+    /// This configuration with `init_tiacc_training`'s arguments applied
+    /// (`None` values are skipped). A value of the wrong type raises
+    /// `TypeError`; one the variable's parser refuses raises `ValueError`
+    /// naming the argument.
+    fn with_overrides(&self, overrides: &Bound<'_, PyDict>) -> PyResult<Self> {
+        let mut pairs = Vec::new();
+        for (key, value) in overrides.iter() {
+            let name: String = key.extract()?;
+            if value.is_none() {
+                continue;
+            }
+            let text = argument_text(&name, &value)?;
+            pairs.push((name, text));
+        }
+        let refs: Vec<(&str, &str)> = pairs
+            .iter()
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .collect();
+        match self.inner.with_overrides(&refs) {
+            Ok(inner) => Ok(PyCommConfig { inner }),
+            Err(err @ (Error::Config { .. } | Error::InvalidArgument(_))) => {
+                Err(PyValueError::new_err(err.to_string()))
+            }
+            Err(err) => Err(to_pyerr(err)),
+        }
+    }
+
+    /// Whether `other` makes the same engine (whatever set the values).
+    fn same_settings(&self, other: &PyCommConfig) -> bool {
+        self.inner.same_settings(&other.inner)
+    }
+
+    /// Every setting as a dict (names as the attributes).
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner;
+        let d = PyDict::new(py);
+        d.set_item("enabled", c.enabled)?;
+        d.set_item("fusion_threshold", c.fusion_threshold)?;
+        d.set_item("num_streams", c.num_streams)?;
+        d.set_item("timeout", c.timeout.as_secs_f64())?;
+        d.set_item("socket_addr", self.socket_addr())?;
+        d.set_item("transport", c.transport.name())?;
+        d.set_item("nccl_library", self.nccl_library())?;
+        d.set_item("compression", c.compression.name())?;
+        d.set_item("compression_inter_only", c.compression_inter_only)?;
+        d.set_item("compression_scale", c.compression_scale)?;
+        d.set_item("nan_check", c.nan_check)?;
+        d.set_item("two_d", c.two_d)?;
+        d.set_item("intra_size", c.intra_size)?;
+        d.set_item("hierarchical_threshold", c.hierarchical_threshold)?;
+        d.set_item("topk", c.topk)?;
+        d.set_item("topk_ratio", c.topk_ratio)?;
+        d.set_item("topk_threshold", c.topk_threshold)?;
+        d.set_item("topk_fp16", c.topk_fp16)?;
+        d.set_item("nccl_multi_rank_gpu", c.nccl_multi_rank_gpu)?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn enabled(&self) -> bool {
+        self.inner.enabled
+    }
+
+    #[getter]
+    fn fusion_threshold(&self) -> u64 {
+        self.inner.fusion_threshold
+    }
+
+    #[getter]
+    fn num_streams(&self) -> usize {
+        self.inner.num_streams
+    }
+
+    #[getter]
+    fn timeout(&self) -> f64 {
+        self.inner.timeout.as_secs_f64()
+    }
+
+    #[getter]
+    fn socket_addr(&self) -> Option<String> {
+        self.inner.socket_addr.map(|ip| ip.to_string())
+    }
+
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.inner.transport.name()
+    }
+
+    #[getter]
+    fn nccl_library(&self) -> Option<String> {
+        self.inner
+            .nccl_library
+            .as_ref()
+            .map(|p| p.to_string_lossy().into_owned())
+    }
+
+    #[getter]
+    fn two_d(&self) -> bool {
+        self.inner.two_d
+    }
+
+    /// Ranks per node for the 2D allreduce: `LIGHT_INTRA_SIZE`, else the
+    /// launcher's `local_size`; `ConfigError` when neither says.
+    fn intra_size_for(&self, local_size: Option<usize>) -> PyResult<usize> {
+        self.inner.intra_size_for(local_size).py()
+    }
+
+    /// Whether NCCL `version` runs several ranks on one GPU here
+    /// (`NCCL_MULTI_RANK_GPU_ENABLE` and NCCL 2.30 or later).
+    fn nccl_allows_shared_gpu(&self, version: (u32, u32, u32)) -> bool {
+        config::nccl_allows_shared_gpu(version, self.inner.nccl_multi_rank_gpu)
+    }
+
+    /// The start-up report: `(lines, [(variable, warning), ...])`.
+    ///
+    /// `cuda` is `None` without a CUDA device, else `(transport,
+    /// nccl_version or None, reason or None)` for CUDA buckets.
+    #[pyo3(signature = (world, launcher, local_size=None, cuda=None))]
+    #[allow(clippy::type_complexity)]
+    fn startup(
+        &self,
+        world: usize,
+        launcher: String,
+        local_size: Option<usize>,
+        cuda: Option<(String, Option<(u32, u32, u32)>, Option<String>)>,
+    ) -> PyResult<(Vec<String>, Vec<(String, String)>)> {
+        let cuda = match cuda {
+            None => None,
+            Some((transport, nccl_version, reason)) => Some(CudaRoute {
+                transport: TransportChoice::parse("transport", &transport).py()?,
+                nccl_version,
+                reason,
+            }),
+        };
+        let report = self.inner.startup(&Job {
+            world,
+            launcher,
+            local_size,
+            cuda,
+        });
+        let warnings = report
+            .warnings
+            .into_iter()
+            .map(|w| (w.variable, w.message))
+            .collect();
+        Ok((report.lines, warnings))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("CommConfig({:?})", self.inner)
+    }
+}
+
+/// The configuration from the environment, as a dict. Raises `ConfigError`
+/// naming the variable when a value does not parse.
+#[pyfunction]
+pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    PyCommConfig::from_env()?.to_dict(py)
+}

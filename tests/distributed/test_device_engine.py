@@ -1,0 +1,84 @@
+"""The CUDA path's algorithm code, run on CPU tensors in CPU CI.
+
+CUDA buckets go through ``_engine.DeviceEngine``: the shared algorithms
+with torch kernels and, on a GPU, NCCL. Here the same engine runs on CPU
+tensors over the TCP rings, next to the host engine (Rust kernels) on the
+same buckets, and both must agree bit for bit, for every algorithm and
+codec. Only the NCCL calls themselves are left to ``tests/gpu``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _launch import describe, run_ranks
+
+WORKER = Path(__file__).resolve().parent / "device_engine_worker.py"
+
+ALGORITHMS = {
+    "flat": {},
+    "fp16": {"TIACC_TRAINING_COMPRESSION": "fp16", "TIACC_TRAINING_COMPRESSION_SCALE": "4"},
+    "bf16": {"TIACC_TRAINING_COMPRESSION": "bf16"},
+    "2d": {"LIGHT_2D_ALLREDUCE": "1", "LIGHT_HIERARCHICAL_THRESHOLD": "100000"},
+    "2d-fp16-between-nodes": {
+        "LIGHT_2D_ALLREDUCE": "1",
+        "TIACC_TRAINING_COMPRESSION": "fp16",
+        "TIACC_TRAINING_COMPRESSION_SCOPE": "inter",
+    },
+    "2d-fp16": {"LIGHT_2D_ALLREDUCE": "1", "PERSEUS_ALLREDUCE_DTYPE": "0"},
+    "topk": {"LIGHT_TOPK_ALLREDUCE": "1", "LIGHT_TOPK_RATIO": "0.05", "LIGHT_TOPK_THRESHOLD": "0"},
+    "topk-2d-fp16-values": {
+        "LIGHT_TOPK_ALLREDUCE": "1",
+        "LIGHT_TOPK_THRESHOLD": "4000",
+        "LIGHT_TOPK_FP16": "1",
+        "LIGHT_2D_ALLREDUCE": "1",
+    },
+}
+
+
+def _run(tmp_path: Path, world: int, env: dict[str, str], extra: list[str] | None = None):
+    return run_ranks(
+        world,
+        ["--out", str(tmp_path), *(extra or [])],
+        env={"TIACC_TRAINING_TIMEOUT": "60", **env},
+        local_size=2,
+        worker=WORKER,
+        timeout=240,
+    )
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_the_device_engine_equals_the_host_engine_bit_for_bit(
+    tmp_path: Path, algorithm: str, channels: int
+) -> None:
+    world = 4
+    env = {**ALGORITHMS[algorithm], "TIACC_TRAINING_NUM_NCCL_STREAMS": str(channels)}
+    ranks = _run(tmp_path, world, env)
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    assert all("EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+    if "2d" in algorithm:
+        assert "ENGINE_2D=([0, 1], [0, 2])" in ranks[0].stdout, describe(ranks)
+    first = torch.load(tmp_path / "device_rank0.pt")
+    for rank in range(1, world):
+        other = torch.load(tmp_path / f"device_rank{rank}.pt")
+        for key, value in first.items():
+            assert torch.equal(value.view(torch.uint8), other[key].view(torch.uint8)), key
+
+
+def test_two_ranks_of_one_node(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, 2, {"LIGHT_2D_ALLREDUCE": "1", "TIACC_TRAINING_COMPRESSION": "bf16"})
+    assert all(r.returncode == 0 and "EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+
+
+def test_the_nan_check_names_the_rank_and_no_peer_receives_it(tmp_path: Path) -> None:
+    env = {"TIACC_TRAINING_NAN_CHECK": "1", "LIGHT_2D_ALLREDUCE": "1"}
+    ranks = _run(tmp_path, 4, env, ["--nan-rank", "1"])
+    for r in ranks:
+        assert r.returncode == 3, describe(ranks)
+        assert "rank 1: bucket 2 holds a non-finite gradient (NaN at element 1 of 3)" in (
+            r.stdout
+        ), describe(ranks)
+        assert "RECEIVED_ONLY_FINITE=True" in r.stdout or r.rank == 1, describe(ranks)

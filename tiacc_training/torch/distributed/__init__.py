@@ -1,0 +1,210 @@
+"""DDP communication through the tiacc-training engine.
+
+Add two lines at the top of an ordinary DistributedDataParallel script::
+
+    import tiacc_training.torch.distributed as tdist
+    tdist.init_tiacc_training()
+
+``init_tiacc_training`` initialises the default process group when the
+script has not (from torchrun, Open MPI's mpirun or SLURM), then patches
+``torch.nn.parallel.DistributedDataParallel`` so that every model wrapped
+afterwards takes its bucket size from ``TIACC_TRAINING_FUSION_THRESHOLD``
+and sends its gradient buckets through the engine. CPU buckets and CUDA
+buckets run the same algorithms (flat ring or 2D, fp16/bf16 compression,
+Top-K with error feedback, the NaN check) on several channels
+(``TIACC_TRAINING_NUM_NCCL_STREAMS``): CPU buckets over TCP, CUDA buckets
+over NCCL on one CUDA stream per channel (or, where NCCL cannot be used,
+staged through host memory over TCP).
+
+Every setting is an environment variable parsed by the engine (a bad value
+raises ``ConfigError`` naming it); the arguments of
+:func:`init_tiacc_training` override some of them and go through the same
+parsers. Rank 0 logs, at start-up, which transport each kind of bucket
+takes and what applies to it, and warns about every setting that cannot
+apply. The variables are listed in the README.
+
+A comm hook the user registers on a model (``register_comm_hook`` or a
+built-in hook) replaces the engine for that model.
+
+The package's modules, one job each: ``_config`` (the effective
+configuration and the start-up report), ``_launch`` (launcher to process
+group), ``_nccl`` (which NCCL, and whether CUDA buckets use it),
+``_rendezvous`` (exchanges through the store), ``_engines`` (building the
+engines), ``_hook`` (the DDP patch and hook), ``_cuda`` (streams and
+futures of CUDA buckets), ``_kernels`` (torch operations for the device
+engine), ``_state`` (process-wide state).
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiacc_training import _engine
+from tiacc_training.errors import CommError, ConfigError
+
+from . import _config, _engines, _launch
+from ._hook import patch_ddp
+from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
+from ._state import logger, state
+
+__all__ = [
+    "CommError",
+    "ConfigError",
+    "comm_config",
+    "cuda_transport",
+    "get_engine",
+    "init_tiacc_training",
+    "is_initialized",
+    "logger",
+    "nccl_search_dirs",
+    "nccl_version",
+    "shutdown",
+]
+
+
+def comm_config() -> dict[str, Any]:
+    """The engine configuration from the environment.
+
+    Returns:
+        Every setting by name (``enabled``, ``fusion_threshold``,
+        ``num_streams``, ``timeout``, ``transport``, ``compression``,
+        ``two_d``, ``topk``, ...).
+
+    Raises:
+        ConfigError: an environment variable has a value that does not parse.
+    """
+    return dict(_engine.comm_config())
+
+
+def init_tiacc_training(
+    *,
+    backend: str | None = None,
+    fusion_threshold: int | None = None,
+    num_streams: int | None = None,
+    timeout: float | None = None,
+    enable: bool | None = None,
+    compression: str | None = None,
+    nan_check: bool | None = None,
+    transport: str | None = None,
+) -> None:
+    """Initialise distributed training and route DDP through the engine.
+
+    Safe to call more than once; later calls update the configuration used
+    by DDP models built afterwards. Works whether or not the script already
+    called ``torch.distributed.init_process_group``.
+
+    Args:
+        backend: process-group backend when this call creates the group
+            (default ``gloo`` for CPU tensors and, with CUDA, ``nccl`` for
+            CUDA tensors, or ``gloo`` where ranks share GPUs that NCCL
+            cannot share).
+        fusion_threshold: largest gradient bucket in bytes; overrides
+            ``TIACC_TRAINING_FUSION_THRESHOLD``.
+        num_streams: number of communication channels; overrides
+            ``TIACC_TRAINING_NUM_NCCL_STREAMS``.
+        timeout: seconds a collective may wait for a peer; overrides
+            ``TIACC_TRAINING_TIMEOUT``.
+        enable: ``False`` leaves DDP's communication native; overrides
+            ``TIACC_TRAINING_DISABLE``.
+        compression: ``"none"``, ``"fp16"`` or ``"bf16"`` on the wire for
+            float32/float64 gradients; overrides ``TIACC_TRAINING_COMPRESSION``.
+        nan_check: raise before sending a bucket that holds NaN or infinity;
+            overrides ``TIACC_TRAINING_NAN_CHECK``.
+        transport: ``"auto"``, ``"nccl"`` or ``"tcp"``: the transport of
+            CUDA gradients; overrides ``TIACC_TRAINING_TRANSPORT``.
+
+    Raises:
+        ConfigError: an environment variable or the launcher's variables
+            are invalid.
+        CommError: ``transport="nccl"`` but CUDA is not available, the NCCL
+            library cannot be loaded, or ranks share GPUs that NCCL cannot
+            share; or ``TIACC_TRAINING_NCCL_LIBRARY`` names a file that is
+            not a usable NCCL.
+        ValueError: an argument's value is invalid (the message names it).
+        TypeError: an argument has the wrong type.
+    """
+    config = _config.effective_config(
+        fusion_threshold=fusion_threshold,
+        num_streams=num_streams,
+        timeout=timeout,
+        enable=enable,
+        compression=compression,
+        nan_check=nan_check,
+        transport=transport,
+    )
+    with state.lock:
+        if not dist.is_available():
+            raise RuntimeError("torch.distributed is not available in this PyTorch build")
+        launch = state.launch
+        if launch is None:
+            launch = _launch.launch_env() if not dist.is_initialized() else _user_launch()
+        state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
+        state.config = config
+        if not dist.is_initialized():
+            launch = _launch.init_process_group(backend, config, launch)
+        state.launch = launch
+        local_rank = launch.get("local_rank")
+        if torch.cuda.is_available() and local_rank is not None:
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        patch_ddp()
+        state.initialized = True
+        if not state.logged and dist.get_rank() == 0:
+            state.logged = True
+            version = None
+            if state.cuda_transport == "nccl":
+                version = nccl_version(config.nccl_library)
+            _config.log_startup(
+                config,
+                dist.get_world_size(),
+                launch,
+                state.cuda_transport,
+                state.cuda_reason,
+                version,
+            )
+
+
+def _user_launch() -> dict[str, Any]:
+    """The launcher's view when the script created the group itself."""
+    launch = _engine.launch_env()
+    if launch is not None:
+        return dict(launch)
+    return {"launcher": "user", "local_rank": None, "local_size": None}
+
+
+def cuda_transport() -> str:
+    """The transport CUDA gradients use: ``"nccl"`` or ``"tcp"``.
+
+    Resolved by :func:`init_tiacc_training` from ``transport`` /
+    ``TIACC_TRAINING_TRANSPORT``; ``"tcp"`` before it ran. Under ``auto``
+    it turns to ``"tcp"`` when the first CUDA model is wrapped and ranks
+    turn out to share a GPU that NCCL cannot share.
+    """
+    return state.cuda_transport
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_tiacc_training` has run in this process."""
+    return state.initialized
+
+
+def get_engine() -> Any:
+    """The connected CPU engine of the default group.
+
+    Returns:
+        The engine, or ``None`` before the first DDP model with CPU buckets
+        (or CUDA buckets staged through the host) was built, or when the
+        engine is disabled.
+    """
+    return state.engine
+
+
+def shutdown() -> None:
+    """Stops the engines' threads and communicators (also run at exit)."""
+    _engines.close_all()
+
+
+atexit.register(shutdown)

@@ -1,0 +1,152 @@
+"""The element-wise steps of the engine's algorithms, as torch operations.
+
+The device engine (``_engine.DeviceEngine``) runs the same algorithms as
+the CPU engine; where those need arithmetic on a bucket (averaging, the
+half-precision casts, the NaN check, Top-K packing and summing) it calls
+these methods. Tensors arrive as flat ``uint8`` tensors plus a byte offset
+and length, and are viewed here with the element type the engine names.
+The caller runs them inside the channel stream's context, so on CUDA they
+are ordered with the NCCL collectives around them; on CPU (the tests) they
+run at once.
+
+The arithmetic matches the CPU engine's Rust kernels: casts round to
+nearest even, Top-K picks the largest magnitudes of ``data + residual`` and
+feeds back what it did not send, and sums add each rank's pairs in rank
+order (so every rank gets the same bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _view(t: torch.Tensor, offset: int, nbytes: int, dtype: str | torch.dtype) -> torch.Tensor:
+    kind = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return t[offset : offset + nbytes].view(kind)
+
+
+class TorchKernels:
+    """Kernels on one device, called by the device engine.
+
+    Args:
+        device: where the tensors live (a CUDA device, or the CPU).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """Scratch memory: ``nbytes`` zero bytes on the device."""
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+
+    def copy(
+        self, src: torch.Tensor, src_off: int, dst: torch.Tensor, dst_off: int, n: int
+    ) -> None:
+        """Copies ``n`` bytes."""
+        dst[dst_off : dst_off + n].copy_(src[src_off : src_off + n])
+
+    def div(self, t: torch.Tensor, off: int, nbytes: int, dtype: str, divisor: float) -> None:
+        """Divides the elements in place (DDP's averaging)."""
+        _view(t, off, nbytes, dtype).div_(divisor)
+
+    def cast(
+        self,
+        src: torch.Tensor,
+        src_off: int,
+        src_bytes: int,
+        src_dtype: str,
+        factor: float,
+        dst: torch.Tensor,
+        dst_off: int,
+        dst_bytes: int,
+        dst_dtype: str,
+    ) -> None:
+        """``dst = dst_dtype(src * factor)``: the compression casts both ways.
+
+        The product is taken in the wider of float32 and the source type, so
+        a half-precision source is widened before it is scaled.
+        """
+        s = _view(src, src_off, src_bytes, src_dtype)
+        d = _view(dst, dst_off, dst_bytes, dst_dtype)
+        if factor == 1.0:
+            d.copy_(s)
+            return
+        wide = torch.float64 if torch.float64 in (s.dtype, d.dtype) else torch.float32
+        d.copy_(s.to(wide) * factor)
+
+    def first_non_finite(
+        self, t: torch.Tensor, off: int, nbytes: int, dtype: str
+    ) -> tuple[int, float] | None:
+        """The first NaN or infinity: ``(index, value)``, or ``None``.
+
+        Reading the answer waits for the device (the NaN check's one sync).
+        """
+        v = _view(t, off, nbytes, dtype)
+        bad = ~torch.isfinite(v)
+        if not bool(bad.any()):
+            return None
+        index = int(bad.nonzero()[0, 0])
+        return index, float(v[index])
+
+    def topk_pack(
+        self,
+        data: torch.Tensor,
+        data_off: int,
+        residual: torch.Tensor,
+        residual_off: int,
+        out: torch.Tensor,
+        out_off: int,
+        n: int,
+        k: int,
+        fp16: bool,
+    ) -> None:
+        """Top-K with error feedback on ``n`` float32 values.
+
+        ``residual += data``; the ``k`` entries of largest magnitude go to
+        ``out`` (``k`` int32 indices, ascending, then ``k`` values); what was
+        sent is subtracted from ``residual``.
+        """
+        d = _view(data, data_off, 4 * n, torch.float32)
+        r = _view(residual, residual_off, 4 * n, torch.float32)
+        r.add_(d)
+        index = torch.topk(r.abs(), k, sorted=False).indices.sort().values
+        values = r[index]
+        sent = values.to(torch.float16) if fp16 else values
+        _view(out, out_off, 4 * k, torch.int32).copy_(index)
+        size = 2 if fp16 else 4
+        _view(out, out_off + 4 * k, size * k, sent.dtype).copy_(sent)
+        r.index_put_((index,), values - sent.to(torch.float32))
+
+    def topk_sum(
+        self,
+        gathered: torch.Tensor,
+        gathered_off: int,
+        parts: int,
+        block: int,
+        out: torch.Tensor,
+        out_off: int,
+        n: int,
+        k: int,
+        fp16: bool,
+    ) -> None:
+        """``out = 0``, then every block's pairs added in, block by block.
+
+        Indices within a block are distinct, so each addition is exact and
+        the order of additions is rank order on every rank.
+        """
+        o = _view(out, out_off, 4 * n, torch.float32)
+        o.zero_()
+        kind = torch.float16 if fp16 else torch.float32
+        size = 2 if fp16 else 4
+        for rank in range(parts):
+            base = gathered_off + rank * block
+            index = _view(gathered, base, 4 * k, torch.int32).to(torch.int64)
+            values = _view(gathered, base + 4 * k, size * k, kind).to(torch.float32)
+            o.index_put_((index,), values, accumulate=True)

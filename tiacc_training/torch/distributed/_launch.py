@@ -1,0 +1,107 @@
+"""From the launcher's environment to torch's default process group.
+
+torchrun, Open MPI's mpirun and SLURM are recognised by the engine
+(``_engine.launch_env``); a plain ``python train.py`` is a world of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiacc_training import _engine
+from tiacc_training.errors import CommError, ConfigError
+
+from ._nccl import local_gpus_shared, nccl_version
+
+_DEFAULT_MASTER_PORT = 29500
+
+
+def launch_env() -> dict[str, Any]:
+    """How this process was launched (a world of one without a launcher)."""
+    launch = _engine.launch_env()
+    if launch is not None:
+        return dict(launch)
+    return {
+        "launcher": "none",
+        "rank": 0,
+        "world_size": 1,
+        "local_rank": 0,
+        "local_size": 1,
+        "master_addr": None,
+        "master_port": None,
+    }
+
+
+def default_backend(config: Any, launch: dict[str, Any]) -> str:
+    """The backends of the default group.
+
+    gloo for CPU tensors (DDP of a CPU model needs it even where CUDA is
+    present), and for CUDA tensors NCCL, unless ranks share GPUs that this
+    NCCL cannot share (then gloo, which moves CUDA tensors through the host).
+    """
+    if not torch.cuda.is_available():
+        return "gloo"
+    if local_gpus_shared(launch):
+        try:
+            allowed = config.nccl_allows_shared_gpu(nccl_version(config.nccl_library))
+        except CommError:
+            allowed = False
+        if not allowed:
+            return "cpu:gloo,cuda:gloo"
+    return "cpu:gloo,cuda:nccl"
+
+
+def init_process_group(backend: str | None, config: Any, launch: dict[str, Any]) -> dict[str, Any]:
+    """Creates the default group from the launcher's environment.
+
+    Returns:
+        ``launch`` with the rendezvous address and port filled in.
+
+    Raises:
+        ConfigError: the job spans nodes and ``MASTER_ADDR`` is not set.
+    """
+    addr = launch["master_addr"]
+    if addr is None:
+        local_size = launch["local_size"]
+        if launch["world_size"] == 1 or local_size == launch["world_size"]:
+            addr = "127.0.0.1"
+        else:
+            raise ConfigError(
+                f"MASTER_ADDR is not set and the {launch['launcher']} job spans several "
+                "nodes: set it to rank 0's host (with mpirun: -x MASTER_ADDR=<host>)"
+            )
+    port = launch["master_port"]
+    if port is None:
+        port = _free_port() if launch["world_size"] == 1 else _DEFAULT_MASTER_PORT
+    launch = {**launch, "master_addr": addr, "master_port": port}
+    # Launchers other than torchrun leave these unset; code that reads them
+    # after init (user scripts, libraries) then finds the usual names.
+    os.environ.setdefault("RANK", str(launch["rank"]))
+    os.environ.setdefault("WORLD_SIZE", str(launch["world_size"]))
+    os.environ.setdefault("LOCAL_RANK", str(launch["local_rank"]))
+    if launch["local_size"] is not None:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(launch["local_size"]))
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+    host = f"[{addr}]" if ":" in addr else addr
+    dist.init_process_group(
+        backend=backend or default_backend(config, launch),
+        init_method=f"tcp://{host}:{port}",
+        rank=launch["rank"],
+        world_size=launch["world_size"],
+        timeout=datetime.timedelta(seconds=max(config.timeout, 60.0)),
+    )
+    return launch
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,166 @@
+"""Everything ranks exchange through the default group's c10d store.
+
+TCP addresses and the job token, NCCL unique ids, where every rank runs
+(for the 2D node layout and the one-GPU-per-rank check), and the job's
+failure board. DDP construction is collective, so every rank reaches these
+exchanges in the same order; ``prefix`` keeps successive ones apart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+from typing import Any
+
+import torch.distributed as dist
+
+from tiacc_training import _engine
+
+
+def default_store() -> Any:
+    """The default process group's store."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def exchange(
+    store: Any, prefix: str, rank: int, world: int, value: str, timeout: float
+) -> list[str]:
+    """Every rank's ``value``, in rank order.
+
+    Args:
+        store: a c10d store shared by the ranks.
+        prefix: key prefix of this exchange.
+        rank: this rank.
+        world: number of ranks.
+        value: what this rank publishes.
+        timeout: seconds to wait for the others.
+
+    Returns:
+        The values of ranks ``0 .. world - 1``.
+    """
+    store.set(f"{prefix}/{rank}", value)
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    store.wait(keys, datetime.timedelta(seconds=timeout))
+    return [store.get(k).decode() for k in keys]
+
+
+class FailureBoard:
+    """The job's first failure, kept under one store key.
+
+    The engine publishes a failure before peers can notice it, and reads the
+    board while a collective waits unusually long, so every rank names the
+    root cause (the rank that saw a NaN, or died) rather than its symptom.
+    """
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store = store
+        self.key = key
+
+    def publish(self, message: str) -> str | None:
+        """Publishes ``message`` unless a failure is there; returns the first."""
+        return self._compare_set(message)
+
+    def peek(self) -> str | None:
+        """The first failure published, or ``None``."""
+        return self._compare_set("") or None
+
+    def _compare_set(self, desired: str) -> str | None:
+        try:
+            first = self.store.compare_set(self.key, "", desired)
+        except Exception:  # the store itself may be gone with rank 0
+            return None
+        return first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+
+
+def node_intra_size(
+    config: Any, launch: dict[str, Any], store: Any, prefix: str, rank: int, world: int
+) -> int | None:
+    """Ranks per node for the 2D allreduce, checked against every rank's host.
+
+    ``LIGHT_INTRA_SIZE`` if set, else the launcher's local world size. Ranks
+    ``n * size .. (n + 1) * size`` form node ``n``; each rank publishes its
+    host name and local rank, and a node whose ranks are on different hosts
+    (or out of local-rank order) is a ``ConfigError``.
+
+    Returns:
+        The ranks per node, or ``None`` when the 2D allreduce is off.
+    """
+    if not config.two_d:
+        return None
+    size = config.intra_size_for(launch.get("local_size"))
+    # Every rank can tell a world that does not split into nodes: raise
+    # before the exchange, not while peers wait on it.
+    _engine.node_layout(rank, world, size)
+    mine = json.dumps([socket.gethostname(), launch.get("local_rank")])
+    hosts = [
+        tuple(json.loads(v))
+        for v in exchange(store, f"{prefix}/host", rank, world, mine, config.timeout)
+    ]
+    _engine.node_layout(rank, world, size, hosts)
+    return size
+
+
+def connect_tcp(
+    engine: Any, store: Any, prefix: str, rank: int, world: int, timeout: float
+) -> None:
+    """Forms an engine's TCP rings: addresses and the job token via the store."""
+    store.set(f"{prefix}/addr/{rank}", engine.address)
+    two_d = engine.two_d_addresses
+    if two_d is not None:
+        store.set(f"{prefix}/intra/{rank}", two_d[0])
+        store.set(f"{prefix}/inter/{rank}", two_d[1])
+    if rank == 0:
+        store.set(f"{prefix}/token", _engine.random_token())
+    keys = [f"{prefix}/addr/{r}" for r in range(world)] + [f"{prefix}/token"]
+    if two_d is not None:
+        keys += [f"{prefix}/{g}/{r}" for g in ("intra", "inter") for r in range(world)]
+    store.wait(keys, datetime.timedelta(seconds=timeout))
+    addresses = [store.get(f"{prefix}/addr/{r}").decode() for r in range(world)]
+    intra = inter = None
+    if engine.two_d_members is not None:
+        intra_members, inter_members = engine.two_d_members
+        intra = [store.get(f"{prefix}/intra/{r}").decode() for r in intra_members]
+        inter = [store.get(f"{prefix}/inter/{r}").decode() for r in inter_members]
+    engine.connect(addresses, store.get(f"{prefix}/token"), intra, inter)
+
+
+def _ids(store: Any, prefix: str, leader: int, rank: int, n: int, timeout: float, new_id: Any):
+    keys = [f"{prefix}/{c}" for c in range(n)]
+    if rank == leader:
+        for key in keys:
+            store.set(key, new_id())
+    store.wait(keys, datetime.timedelta(seconds=timeout))
+    return [store.get(k) for k in keys]
+
+
+def nccl_ids(
+    engine: Any, store: Any, prefix: str, rank: int, timeout: float, new_id: Any
+) -> tuple[list[bytes], list[bytes] | None, list[bytes] | None]:
+    """The NCCL unique ids of every communicator this rank joins.
+
+    Per channel: the world's (made by rank 0), and with the 2D allreduce the
+    node's (made by its first rank) and the inter-node group's (made by its
+    member on node 0).
+
+    Args:
+        engine: the device engine (its ``num_channels`` and ``two_d_members``).
+        store: the default group's store.
+        prefix: key prefix of this rendezvous.
+        rank: this rank.
+        timeout: seconds to wait for the ids.
+        new_id: makes a fresh 128-byte id.
+
+    Returns:
+        ``(world_ids, intra_ids, inter_ids)``, one id per channel each (the
+        last two ``None`` without the 2D allreduce).
+    """
+    n = engine.num_channels
+    world = _ids(store, f"{prefix}/world", 0, rank, n, timeout, new_id)
+    if engine.two_d_members is None:
+        return world, None, None
+    intra_members, inter_members = engine.two_d_members
+    first, second = intra_members[0], inter_members[0]
+    intra = _ids(store, f"{prefix}/intra/{first}", first, rank, n, timeout, new_id)
+    inter = _ids(store, f"{prefix}/inter/{second}", second, rank, n, timeout, new_id)
+    return world, intra, inter

@@ -1,0 +1,38 @@
+"""The integration's process-wide state (one training process, one state)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("tiacc_training")
+
+
+@dataclass
+class State:
+    """What ``init_tiacc_training`` set up, and the engines built since."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    initialized: bool = False
+    # The effective configuration (``_engine.CommConfig``).
+    config: Any = None
+    # How the job was launched (``_engine.launch_env()``'s dict).
+    launch: dict[str, Any] | None = None
+    # The engine of CPU buckets (``_engine.CommEngine``), once built.
+    engine: Any = None
+    # Transport of CUDA buckets: "nccl" or "tcp" (host staging), and why
+    # when it is not what was asked for.
+    cuda_transport: str = "tcp"
+    cuda_reason: str | None = None
+    # CUDA buckets: ``_cuda.NcclChannels`` or ``_cuda.HostStaging``.
+    cuda: Any = None
+    # Counters that keep store keys of successive rendezvous apart.
+    generation: int = 0
+    placement_round: int = 0
+    patched: bool = False
+    logged: bool = False
+
+
+state = State()
