@@ -1,9 +1,13 @@
 """One rank of a small DDP run on CUDA, for the GPU tests.
 
-Launched by ``test_nccl_transport.py`` with torchrun-style variables.
-Trains a small MLP on ``cuda:LOCAL_RANK % device_count`` natively or
-through the tiacc engine (``--transport nccl``, ``tcp`` or ``auto``) and saves the
-final parameters per rank. Prints ``DONE <mode> <transport used>`` at the end.
+Launched by the GPU tests with torchrun-style variables. Trains a small
+MLP on ``cuda:LOCAL_RANK % device_count`` natively or through the tiacc
+engine (``--transport nccl``, ``tcp`` or ``auto``; the algorithm comes from
+the environment: ``LIGHT_*``, ``TIACC_TRAINING_*``) and saves the final
+parameters per rank. Reads each step's loss on the host, as a training loop
+that logs does, so a failure on another rank surfaces at the next step.
+Prints ``DONE <mode> <transport used>`` at the end; ``--nan-rank`` puts a
+NaN into that rank's input at ``--nan-step``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -42,6 +47,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--bucket-cap-mb", type=float, default=0.1)
+    parser.add_argument("--nan-rank", type=int, default=-1)
+    parser.add_argument("--nan-step", type=int, default=3)
     args = parser.parse_args()
     try:
         # Bitwise comparisons need deterministic kernels and no TF32.
@@ -69,13 +76,16 @@ def main() -> int:
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         gen = torch.Generator().manual_seed(100 + rank)
         teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
-        for _ in range(args.steps):
+        for step in range(args.steps):
             x = torch.randn(64, 32, generator=gen)
             y = (x @ teacher).argmax(dim=1)
+            if rank == args.nan_rank and step == args.nan_step:
+                x[0, 0] = float("nan")
             loss = nn.functional.cross_entropy(ddp(x.to(device)), y.to(device))
             opt.zero_grad()
             loss.backward()
             opt.step()
+            loss.item()
         torch.cuda.synchronize(device)
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         assert all(torch.isfinite(v).all() for v in state.values()), "non-finite parameters"
@@ -91,6 +101,9 @@ def main() -> int:
         traceback.print_exc()
         print(f"WORKER_ERROR {type(exc).__name__}: {exc}", flush=True)
         sys.stdout.flush()
+        # Rank 0 hosts the store that holds the job's failure board: stay a
+        # moment so that ranks failing later can still read it.
+        time.sleep(5)
         os._exit(3)
 
 
