@@ -11,7 +11,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build demo test test-rust test-python bench bench-ddp lint fmt fuzz clean
+.PHONY: help setup build demo test test-rust test-python bench bench-ddp bench-nccl lint fmt fuzz clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -63,6 +63,9 @@ bench: setup ## benchmarks (write benches/results/*.json)
 bench-ddp: setup ## DDP step time on an emulated 2-node cluster, native vs tiacc (needs root)
 	$(PY) benches/bench_ddp.py
 	$(PY) benches/plot_ddp.py
+
+bench-nccl: setup ## DDP on CUDA: world-of-one overhead, GPU codecs, 2-node cluster on one GPU (root, NCCL >= 2.30)
+	$(PY) benches/bench_nccl.py
 
 lint: setup ## rustfmt, clippy -D warnings, ruff
 	cargo fmt --all --check

@@ -1,11 +1,14 @@
-"""One rank of the DDP benchmark (launched by bench_ddp.py).
+"""One rank of the DDP benchmarks (launched by bench_ddp.py and bench_nccl.py).
 
-Trains a stack of 1024x1024 Linear layers (about 16.8 MB of float32
-gradients) with DistributedDataParallel, natively (gloo) or through the
-tiacc engine, and prints the per-step wall times of rank 0 as JSON. Native
-runs may register one of torch's own communication hooks (``--hook``).
-Rank 0 also reads its node's link counters around the timed steps, which
-gives the bytes that crossed between the nodes per step.
+Trains a stack of square Linear layers (``--layers`` x ``--width``; the
+default 4 x 1024 is about 16.8 MB of float32 gradients) with
+DistributedDataParallel, natively or through the tiacc engine, and prints
+the per-step wall times of rank 0 as JSON. On ``--device cpu`` native runs
+use gloo; on ``--device cuda`` (every rank on ``cuda:LOCAL_RANK %
+device_count``) native runs use NCCL. Native runs may register one of
+torch's own communication hooks (``--hook``). Rank 0 also reads its node's
+link counters around the timed steps, which gives the bytes that crossed
+between the nodes per step.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import json
 import os
 import resource
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,9 +25,19 @@ from torch import nn
 
 
 def link_bytes() -> int:
-    """Bytes this node's end of the link has sent plus received so far."""
-    stats = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics"
-    return sum(int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes"))
+    """Bytes this node's end of the link has sent plus received so far.
+
+    Read from ``/proc/net/dev``, which shows the reading process's network
+    namespace however the process entered it.
+    """
+    ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    with open("/proc/net/dev", encoding="ascii") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == ifname:
+                fields = counters.split()
+                return int(fields[0]) + int(fields[8])
+    raise RuntimeError(f"{ifname} is not in /proc/net/dev")
 
 
 def register_torch_hook(ddp: nn.parallel.DistributedDataParallel, hook: str) -> None:
@@ -35,6 +47,8 @@ def register_torch_hook(ddp: nn.parallel.DistributedDataParallel, hook: str) -> 
 
     if hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif hook == "powersgd":
         # Compression from the third step on, so every timed step uses it.
         state = powersgd.PowerSGDState(
@@ -46,34 +60,40 @@ def register_torch_hook(ddp: nn.parallel.DistributedDataParallel, hook: str) -> 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["native", "tiacc"], required=True)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
+    parser.add_argument("--hook", choices=["none", "fp16", "bf16", "powersgd"], default="none")
     args = parser.parse_args()
 
+    cuda = args.device == "cuda"
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if args.mode == "tiacc":
         import tiacc_training.torch.distributed as tdist
 
         tdist.init_tiacc_training()
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(args.layers):
         layers += [nn.Linear(args.width, args.width), nn.ReLU()]
-    model = nn.Sequential(*layers)
+    model = nn.Sequential(*layers).to(device)
     # PowerSGD chains allreduces inside future callbacks, whose order gloo
     # does not keep the same on every rank once there are several buckets
     # (ranks then abort on mismatched messages): it gets a single bucket.
-    bucket_cap_mb = 64 if args.hook == "powersgd" else None
+    bucket_cap_mb = 64 if args.hook == "powersgd" and not cuda else None
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     if args.hook != "none":
         register_torch_hook(ddp, args.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    x = torch.randn(args.batch, args.width)
+    x = torch.randn(args.batch, args.width, device=device)
     times = []
     cpu_start = 0.0
     link_start = 0
@@ -87,6 +107,8 @@ def main() -> None:
         opt.zero_grad()
         ddp(x).square().mean().backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     # Every rank's last step is done when the barrier returns; the counters

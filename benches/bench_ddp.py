@@ -32,79 +32,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _cluster_jobs import run_job  # noqa: E402
 from _machine import REPO, machine_info  # noqa: E402
-from netns_cluster import cluster, link_stats  # noqa: E402
+from netns_cluster import cluster  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
-
-
-def run_job(
-    nodes, mode: str, env_extra: dict[str, str], args: argparse.Namespace, hook: str = "none"
-) -> dict:
-    ranks_per_node = 2
-    world = ranks_per_node * len(nodes)
-    port = 29000 + int(time.time()) % 1000
-    procs = []
-    for rank in range(world):
-        node = nodes[rank // ranks_per_node]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TIACC_TRAINING_")}
-        env.update(
-            {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(rank % ranks_per_node),
-                "LOCAL_WORLD_SIZE": str(ranks_per_node),
-                "MASTER_ADDR": nodes[0].address,
-                "MASTER_PORT": str(port),
-                "GLOO_SOCKET_IFNAME": node.veth,
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": str(REPO),
-                **env_extra,
-            }
-        )
-        cmd = node.command(
-            [
-                sys.executable,
-                str(WORKER),
-                "--mode",
-                mode,
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--hook",
-                hook,
-            ]
-        )
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    before = link_stats()
-    outputs = [p.communicate(timeout=900) for p in procs]
-    after = link_stats()
-    failed = [
-        f"rank {rank} exited {p.returncode}:\n{out}\n{err[-2000:]}"
-        for rank, (p, (out, err)) in enumerate(zip(procs, outputs))
-        if p.returncode != 0
-    ]
-    if failed:
-        raise RuntimeError(f"{mode} ({hook}) failed:\n" + "\n".join(failed))
-    line = next(x for x in outputs[0][0].splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT ") :])
-    result["link_dropped_packets"] = after["dropped_packets"] - before["dropped_packets"]
-    result["link_sent_bytes"] = after["sent_bytes"] - before["sent_bytes"]
-    return result
 
 
 @dataclass(frozen=True)
@@ -175,7 +114,9 @@ def main() -> None:
             if run.mode == "tiacc":
                 env["TIACC_TRAINING_NUM_NCCL_STREAMS"] = str(run.channels)
                 env["TIACC_TRAINING_FUSION_THRESHOLD"] = str(args.fusion_bytes)
-            result = run_job(nodes, run.mode, env, args, run.hook)
+            worker_args = ["--mode", run.mode, "--hook", run.hook]
+            worker_args += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            result = run_job(nodes, WORKER, worker_args, env)
             rows.append({"pipeline": run.label, "channels": run.channels, "env": env, **result})
             print(f"  {run.label}: {statistics.median(result['step_s']) * 1000:.0f} ms", flush=True)
 

@@ -1,19 +1,32 @@
-"""DDP on one GPU through the NCCL transport, and the GPU codecs' throughput.
+"""DDP on CUDA through the NCCL transport: overhead, codecs, and a 2-node cluster.
 
-Part 1: ResNet-50 (torchvision, random weights) on synthetic 224x224
+Part ``one``: ResNet-50 (torchvision, random weights) on synthetic 224x224
 ImageNet-shaped batches, DDP with a world of one: native DDP (NCCL) against
 the tiacc hook over the NCCL transport with 1 and 4 channels. Reports the
 median step time and the tiacc overhead relative to native. With one rank
 the allreduce itself is a copy, so this measures what the hook adds
 (stream hand-offs, the CUDA-aware future, the watchdog), not bandwidth.
 
-Part 2: the casts and selections the CUDA path runs on the channel stream,
-on 25M float32 elements: the fp16 cast (bytes read + written per second)
-and Top-K of 1% (|x| top-k plus the gather of the values; input bytes per
-second).
+Part ``codecs``: the casts and selections the CUDA path runs on the
+channel stream, on 25M float32 elements: the fp16 cast (bytes read +
+written per second) and Top-K of 1% (|x| top-k plus the gather of the
+values; input bytes per second).
 
-Needs a CUDA device; exits with a message otherwise. Writes
-benches/results/bench_nccl.json.
+Part ``cluster``: 2 emulated nodes x 2 ranks, all four ranks on GPU 0
+(NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1), the nodes being network
+namespaces joined by a veth link shaped to ``--rate-mbit`` each way
+(``tools/netns_cluster.py``; iproute2 or pyroute2) with an NCCL_HOSTID
+each, so NCCL crosses the shaped link between them. The model is 8 x
+Linear(2048, 2048) (134 MB of float32 gradients). Rows: native NCCL DDP
+(ring, and NCCL's own choice), torch's bf16 hook and PowerSGD, and tiacc's
+flat ring, fp16, bf16, 2D, 2D + fp16, Top-K 1%. Columns: median step,
+the faster native's time over this one, link bytes per step per rank, and
+the link's bound for dense pipelines. Needs root; ``--cluster-device cpu``
+runs the same harness on CPU (gloo instead of NCCL) to check it without a
+GPU, writing nothing unless ``--out`` is given.
+
+Needs a CUDA device for every part; each part that cannot run says why.
+Writes benches/results/bench_nccl.json.
 """
 
 from __future__ import annotations
@@ -27,9 +40,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _cluster_jobs import run_job  # noqa: E402
 from _machine import REPO, machine_info  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
 
 
 def _step_times(ddp: Any, opt: Any, batch: int, steps: int, warmup: int) -> list[float]:
@@ -148,20 +165,179 @@ def bench_codecs(elements: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+# (label, mode, torch hook, environment, link crossings per gradient byte
+# for dense pipelines: 1.5 for a ring over 2 x 2 ranks, 1.0 for 2D, halved
+# by half precision; None where the traffic depends on the data).
+FP16 = ("TIACC_TRAINING_COMPRESSION", "fp16")
+TWO_D = ("LIGHT_2D_ALLREDUCE", "1")
+TOPK = (("LIGHT_TOPK_ALLREDUCE", "1"), ("LIGHT_TOPK_RATIO", "0.01"))
+CLUSTER_ROWS: list[tuple[str, str, str, tuple[tuple[str, str], ...], float | None]] = [
+    ("native NCCL (ring)", "native", "none", (("NCCL_ALGO", "Ring"),), 1.5),
+    ("native NCCL (auto)", "native", "none", (), 1.5),
+    ("torch bf16_compress_hook", "native", "bf16", (), 0.75),
+    ("torch PowerSGD rank 4", "native", "powersgd", (), None),
+    ("tiacc flat", "tiacc", "none", (), 1.5),
+    ("tiacc fp16", "tiacc", "none", (FP16,), 0.75),
+    ("tiacc bf16", "tiacc", "none", (("TIACC_TRAINING_COMPRESSION", "bf16"),), 0.75),
+    ("tiacc 2D", "tiacc", "none", (TWO_D,), 1.0),
+    ("tiacc 2D + fp16", "tiacc", "none", (TWO_D, FP16), 0.5),
+    (
+        "tiacc 2D + fp16 between nodes",
+        "tiacc",
+        "none",
+        (TWO_D, FP16, ("TIACC_TRAINING_COMPRESSION_SCOPE", "inter")),
+        0.5,
+    ),
+    ("tiacc Top-K 1%", "tiacc", "none", TOPK, None),
+    ("tiacc 2D + Top-K 1%", "tiacc", "none", (TWO_D, *TOPK), None),
+]
+
+
+def cluster_unavailable(device: str) -> str | None:
+    """Why the cluster part cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    if device == "cpu":
+        return None
+    import torch
+
+    import tiacc_training.torch.distributed as tdist
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    try:
+        version = tdist.nccl_version()
+    except Exception as e:
+        return f"needs NCCL >= 2.30 for four ranks on one GPU; none loads: {e}"
+    if version < (2, 30, 0):
+        return (
+            f"needs NCCL >= 2.30 for four ranks on one GPU (found {'.'.join(map(str, version))});"
+            " preload one: LD_PRELOAD and TIACC_TRAINING_NCCL_LIBRARY"
+        )
+    return None
+
+
+def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:
+    """The emulated 2 x 2 cluster (see the module docstring)."""
+    from netns_cluster import cluster
+
+    cuda = args.cluster_device == "cuda"
+    common = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    library = os.environ.get("TIACC_TRAINING_NCCL_LIBRARY")
+    if library:
+        common["TIACC_TRAINING_NCCL_LIBRARY"] = library
+    common.setdefault("NCCL_MAX_CTAS", os.environ.get("NCCL_MAX_CTAS", "8"))
+    worker_args = ["--device", args.cluster_device, "--layers", str(args.layers)]
+    worker_args += ["--width", str(args.width), "--batch", "16"]
+    worker_args += ["--steps", str(args.cluster_steps), "--warmup", str(args.cluster_warmup)]
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    rows = []
+    with cluster(args.rate_mbit) as nodes:
+        for label, mode, hook, env, bound_factor in CLUSTER_ROWS:
+            if wanted and label not in ("native NCCL (ring)", "native NCCL (auto)"):
+                if not any(w in label for w in wanted):
+                    continue
+            row_env = {**common, **dict(env)}
+            result = run_job(nodes, WORKER, [*worker_args, "--mode", mode, "--hook", hook], row_env)
+            median = statistics.median(result["step_s"])
+            rows.append(
+                {
+                    "pipeline": label,
+                    "env": dict(env),
+                    "median_ms": round(median * 1000, 1),
+                    "bound_factor": bound_factor,
+                    **result,
+                }
+            )
+            print(f"  {label}: {median * 1000:.0f} ms", flush=True)
+    grad_bytes = rows[0]["grad_bytes"]
+    native = min(r["median_ms"] for r in rows if r["pipeline"].startswith("native"))
+    link = args.rate_mbit * 1e6 / 8
+    world = 4
+    for row in rows:
+        row["native_over_this"] = round(native / row["median_ms"], 3)
+        row["link_bytes_per_step_per_rank"] = round(row["link_bytes_per_step"] / world)
+        factor = row.pop("bound_factor")
+        row["bound_ms"] = None if factor is None else round(factor * grad_bytes / link * 1000, 1)
+    print(
+        f"\n2 nodes x 2 ranks on {'one GPU' if cuda else 'CPU (harness check)'}, "
+        f"{grad_bytes / 1e6:.0f} MB of gradients, link {args.rate_mbit:g} Mbit/s each way"
+    )
+    print(
+        f"{'pipeline':<30} {'median ms':>10} {'native/this':>12} {'MB/step/rank':>13} "
+        f"{'bound ms':>9} {'drops':>6}"
+    )
+    for row in rows:
+        bound = "-" if row["bound_ms"] is None else f"{row['bound_ms']:.0f}"
+        print(
+            f"{row['pipeline']:<30} {row['median_ms']:>10.1f} {row['native_over_this']:>11.2f}x "
+            f"{row['link_bytes_per_step_per_rank'] / 1e6:>13.2f} {bound:>9} "
+            f"{row['link_dropped_packets']:>6}"
+        )
+    return {
+        "setup": {
+            "nodes": 2,
+            "ranks_per_node": 2,
+            "device": "all ranks on GPU 0" if cuda else "cpu (harness check)",
+            "rate_mbit_each_way": args.rate_mbit,
+            "model": f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, batch 16, SGD",
+            "steps": args.cluster_steps,
+            "warmup": args.cluster_warmup,
+            "native_reference": "the faster of the two native NCCL rows",
+        },
+        "grad_bytes": grad_bytes,
+        "rows": rows,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="one,codecs,cluster", help="which parts to run")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--elements", type=int, default=25_000_000)
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--out", type=Path, default=REPO / "benches/results/bench_nccl.json")
+    parser.add_argument("--rate-mbit", type=float, default=1000.0)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--cluster-steps", type=int, default=10)
+    parser.add_argument("--cluster-warmup", type=int, default=3)
+    parser.add_argument("--cluster-device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--only", default="", help="cluster rows whose label holds one of these")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    parts = {p.strip() for p in args.parts.split(",")}
 
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("bench_nccl.py needs a CUDA device: torch.cuda.is_available() is False")
+    result: dict[str, Any] = {"benchmark": "bench_nccl"}
+    if "cluster" in parts:
+        why = cluster_unavailable(args.cluster_device)
+        if why is None:
+            result["cluster"] = bench_cluster(args)
+        else:
+            print(f"cluster part skipped: {why}")
+            result["cluster"] = {"skipped": why}
+    if parts & {"one", "codecs"} and not torch.cuda.is_available():
+        print("parts one and codecs skipped: torch.cuda.is_available() is False")
+        parts -= {"one", "codecs"}
+    if parts & {"one", "codecs"}:
+        run_single_gpu_parts(args, parts, result)
+    if args.cluster_device == "cpu" and args.out is None:
+        print("harness check on CPU: no results written (give --out to keep them)")
+        return
+    out = args.out or REPO / "benches/results/bench_nccl.json"
+    result["machine"] = machine_info(["torch", "torchvision", "tiacc-training"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def run_single_gpu_parts(args: argparse.Namespace, parts: set[str], result: dict) -> None:
+    """The world-of-one overhead and the codecs, in this process."""
+    import torch
+
     for var, value in {
         "RANK": "0",
         "WORLD_SIZE": "1",
@@ -179,22 +355,17 @@ def main() -> None:
 
     import tiacc_training.torch.distributed as tdist
 
-    rows = bench_ddp(args)
-    print(f"ResNet-50, batch {args.batch}, DDP world of 1, median of {args.steps} steps")
-    print(f"{'pipeline':<12} {'channels':>8} {'median ms':>10} {'overhead':>9}")
-    for row in rows:
-        ch = "-" if row["channels"] is None else str(row["channels"])
-        print(
-            f"{row['pipeline']:<12} {ch:>8} {row['median_ms']:>10.2f} "
-            f"{row['overhead_vs_native'] * 100:>8.1f}%"
-        )
-    codecs = bench_codecs(args.elements, args.repeats)
-    print(f"\nGPU codecs on {args.elements} float32 elements")
-    for row in codecs:
-        print(f"{row['codec']:<10} {row['median_ms']:>9.3f} ms {row['gb_per_s']:>8.1f} GB/s")
-    result = {
-        "benchmark": "bench_nccl",
-        "setup": {
+    if "one" in parts:
+        rows = bench_ddp(args)
+        print(f"ResNet-50, batch {args.batch}, DDP world of 1, median of {args.steps} steps")
+        print(f"{'pipeline':<12} {'channels':>8} {'median ms':>10} {'overhead':>9}")
+        for row in rows:
+            ch = "-" if row["channels"] is None else str(row["channels"])
+            print(
+                f"{row['pipeline']:<12} {ch:>8} {row['median_ms']:>10.2f} "
+                f"{row['overhead_vs_native'] * 100:>8.1f}%"
+            )
+        result["setup"] = {
             "model": "torchvision resnet50, random weights, synthetic 224x224 batches, SGD",
             "batch": args.batch,
             "steps": args.steps,
@@ -202,15 +373,15 @@ def main() -> None:
             "world_size": 1,
             "gpu": torch.cuda.get_device_name(0),
             "nccl_version": ".".join(map(str, tdist.nccl_version())),
-        },
-        "ddp": rows,
-        "codecs": codecs,
-        "machine": machine_info(["torch", "torchvision", "tiacc-training"]),
-    }
+        }
+        result["ddp"] = rows
+    if "codecs" in parts:
+        codecs = bench_codecs(args.elements, args.repeats)
+        print(f"\nGPU codecs on {args.elements} float32 elements")
+        for row in codecs:
+            print(f"{row['codec']:<10} {row['median_ms']:>9.3f} ms {row['gb_per_s']:>8.1f} GB/s")
+        result["codecs"] = codecs
     tdist.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""An emulated two-node cluster on one machine, for the DDP benchmark.
+"""An emulated two-node cluster on one machine, for the DDP benchmarks.
 
 Two network namespaces ("nodes") joined by a veth pair whose two ends are
-rate-limited with ``tc tbf`` (default 200 Mbit/s each way), like two hosts
-on a slow Ethernet link. Ranks of the same node talk over that node's own
-address (the kernel keeps it local); ranks of different nodes cross the link.
+rate-limited with a ``tbf`` qdisc (default 200 Mbit/s each way), like two
+hosts on a slow Ethernet link. Ranks of the same node talk over that node's
+own address (the kernel keeps it local); ranks of different nodes cross the
+link. For NCCL, :meth:`Node.env` gives each node its own ``NCCL_HOSTID``, so
+NCCL treats the namespaces as separate hosts (its network transport between
+them, shared memory or P2P inside one, even with every rank on one GPU).
 
-Needs root (``ip netns``, ``tc``). Only the addresses of the namespaces it
-creates are used, and ``down`` (or leaving the ``cluster()`` context)
-removes everything it made::
+Needs root. Uses iproute2 (``ip``, ``tc``) when installed, else the
+pure-Python ``pyroute2`` package (``TIACC_NETNS_TOOL=ip|pyroute2`` forces
+one). Only the addresses of the namespaces it creates are used, and ``down``
+(or leaving the ``cluster()`` context) removes everything it made::
 
     python tools/netns_cluster.py up --rate-mbit 200
     python tools/netns_cluster.py exec 1 -- python -c 'print("on node 1")'
@@ -18,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -26,6 +32,24 @@ from dataclasses import dataclass
 
 PREFIX = "tiacc-node"
 SUBNET = "10.231.77"
+BURST_BYTES = 256 * 1024  # holds at least rate/HZ bytes up to 1 Gbit/s
+LATENCY = "100ms"
+
+# Runs argv[2:] inside namespace argv[1] (the pyroute2 way of `ip netns exec`).
+_ENTER = (
+    "import os, sys\n"
+    "from pyroute2 import netns\n"
+    "netns.setns(sys.argv[1])\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def tool() -> str:
+    """``ip`` when iproute2 is installed (or forced), else ``pyroute2``."""
+    forced = os.environ.get("TIACC_NETNS_TOOL")
+    if forced in ("ip", "pyroute2"):
+        return forced
+    return "ip" if shutil.which("ip") and shutil.which("tc") else "pyroute2"
 
 
 @dataclass(frozen=True)
@@ -51,7 +75,21 @@ class Node:
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this node's namespace."""
-        return ["ip", "netns", "exec", self.netns, *argv]
+        if tool() == "ip":
+            return ["ip", "netns", "exec", self.netns, *argv]
+        return [sys.executable, "-c", _ENTER, self.netns, *argv]
+
+    def env(self) -> dict[str, str]:
+        """The variables of a rank on this node.
+
+        gloo and NCCL then use this node's end of the link, and NCCL sees
+        the two namespaces as two hosts.
+        """
+        return {
+            "GLOO_SOCKET_IFNAME": self.veth,
+            "NCCL_SOCKET_IFNAME": self.veth,
+            "NCCL_HOSTID": self.netns,
+        }
 
 
 NODES = (Node(0), Node(1))
@@ -71,6 +109,9 @@ def up(rate_mbit: float = 200.0) -> None:
         rate_mbit: link rate in Mbit/s in each direction.
     """
     down()
+    if tool() == "pyroute2":
+        _up_pyroute2(rate_mbit)
+        return
     for node in NODES:
         _run(["ip", "netns", "add", node.netns])
         _run(node.command(["ip", "link", "set", "lo", "up"]))
@@ -81,32 +122,54 @@ def up(rate_mbit: float = 200.0) -> None:
         _run(node.command(["ip", "addr", "add", f"{node.address}/24", "dev", node.veth]))
         _run(node.command(["ip", "link", "set", node.veth, "up"]))
         # tbf shapes what leaves each end, so each direction gets `rate`.
-        # The burst must hold at least rate/HZ bytes; 256 KiB covers 1 Gbit/s.
         _run(
             node.command(
-                [
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    node.veth,
-                    "root",
-                    "tbf",
-                    "rate",
-                    f"{rate_mbit}mbit",
-                    "burst",
-                    "256kb",
-                    "latency",
-                    "100ms",
-                ]
+                ["tc", "qdisc", "add", "dev", node.veth, "root", "tbf"]
+                + ["rate", f"{rate_mbit}mbit", "burst", str(BURST_BYTES), "latency", LATENCY]
             )
         )
+
+
+def _up_pyroute2(rate_mbit: float) -> None:
+    from pyroute2 import IPRoute, netns
+
+    for node in NODES:
+        netns.create(node.netns)
+    a, b = NODES
+    with IPRoute() as ipr:
+        ipr.link("add", ifname=a.veth, kind="veth", peer=b.veth)
+        for node in NODES:
+            ipr.link("set", index=ipr.link_lookup(ifname=node.veth)[0], net_ns_fd=node.netns)
+    for node in NODES:
+        with IPRoute(netns=node.netns) as ipr:
+            index = ipr.link_lookup(ifname=node.veth)[0]
+            ipr.addr("add", index=index, address=node.address, prefixlen=24)
+            ipr.link("set", index=index, state="up")
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+            ipr.tc(
+                "add",
+                "tbf",
+                index=index,
+                rate=f"{round(rate_mbit * 1000)}kbit",
+                burst=BURST_BYTES,
+                latency=LATENCY,
+            )
 
 
 def link_stats() -> dict[str, int]:
     """Bytes sent and packets dropped by both shapers so far (summed)."""
     totals = {"sent_bytes": 0, "dropped_packets": 0}
     for node in NODES:
+        if tool() == "pyroute2":
+            from pyroute2 import IPRoute
+
+            with IPRoute(netns=node.netns) as ipr:
+                index = ipr.link_lookup(ifname=node.veth)[0]
+                for qdisc in ipr.get_qdiscs(index=index):
+                    stats = qdisc.get_attr("TCA_STATS") or {}
+                    totals["sent_bytes"] += int(stats.get("bytes", 0))
+                    totals["dropped_packets"] += int(stats.get("drop", 0))
+            continue
         out = _run(node.command(["tc", "-s", "qdisc", "show", "dev", node.veth])).stdout
         match = re.search(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+)", out)
         if match:
@@ -117,6 +180,13 @@ def link_stats() -> dict[str, int]:
 
 def down() -> None:
     """Removes the namespaces (and with them the veth pair and qdiscs)."""
+    if tool() == "pyroute2":
+        from pyroute2 import netns
+
+        for node in NODES:
+            if node.netns in netns.listnetns():
+                netns.remove(node.netns)
+        return
     for node in NODES:
         _run(["ip", "netns", "delete", node.netns], check=False)
 
@@ -124,8 +194,8 @@ def down() -> None:
 @contextlib.contextmanager
 def cluster(rate_mbit: float = 200.0) -> Iterator[tuple[Node, ...]]:
     """The two nodes, set up for the duration of the ``with`` block."""
-    up(rate_mbit)
     try:
+        up(rate_mbit)
         yield NODES
     finally:
         down()
@@ -145,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "up":
         up(args.rate_mbit)
         for node in NODES:
-            print(f"node {node.index}: netns {node.netns}, address {node.address}")
+            print(f"node {node.index}: netns {node.netns}, address {node.address} ({tool()})")
     elif args.cmd == "down":
         down()
     else:

@@ -43,7 +43,7 @@ use crate::errors::{to_pyerr, ResultExt};
 use crate::nccl::load;
 
 /// How often the watchdog checks a pending bucket.
-const WATCH_POLL: Duration = Duration::from_millis(2);
+const WATCH_POLL: Duration = Duration::from_millis(5);
 
 /// A torch tensor (flat uint8) and the memory it covers.
 struct Slot {

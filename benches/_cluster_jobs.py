@@ -1,0 +1,87 @@
+"""Runs one multi-rank job on the emulated two-node cluster.
+
+Shared by the DDP benchmarks: ranks ``0 .. k-1`` on node 0 and ``k .. 2k-1``
+on node 1, torchrun-style variables, each node's link settings
+(``netns_cluster.Node.env``), and the shapers' counters read around the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from _machine import REPO
+from netns_cluster import Node, link_stats
+
+
+def run_job(
+    nodes: Sequence[Node],
+    worker: Path,
+    worker_args: list[str],
+    env_extra: dict[str, str],
+    ranks_per_node: int = 2,
+    timeout: float = 900,
+) -> dict:
+    """Runs ``worker`` on every rank and returns rank 0's ``RESULT`` JSON.
+
+    The result gains ``link_sent_bytes`` and ``link_dropped_packets``: what
+    the two shapers saw during the whole job.
+
+    Raises:
+        RuntimeError: a rank failed (its output is in the message).
+    """
+    world = ranks_per_node * len(nodes)
+    port = 29000 + int(time.time()) % 1000
+    procs = []
+    for rank in range(world):
+        node = nodes[rank // ranks_per_node]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIACC_TRAINING_")}
+        env.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank % ranks_per_node),
+                "LOCAL_WORLD_SIZE": str(ranks_per_node),
+                "MASTER_ADDR": nodes[0].address,
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+                ),
+                **node.env(),
+                **env_extra,
+            }
+        )
+        cmd = node.command([sys.executable, str(worker), *worker_args])
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    before = link_stats()
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            outputs.append(p.communicate())
+    after = link_stats()
+    failed = [
+        f"rank {rank} exited {p.returncode}:\n{out}\n{err[-2000:]}"
+        for rank, (p, (out, err)) in enumerate(zip(procs, outputs))
+        if p.returncode != 0
+    ]
+    if failed:
+        raise RuntimeError(f"{' '.join(worker_args)} failed:\n" + "\n".join(failed))
+    line = next(x for x in outputs[0][0].splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[len("RESULT ") :])
+    result["link_dropped_packets"] = after["dropped_packets"] - before["dropped_packets"]
+    result["link_sent_bytes"] = after["sent_bytes"] - before["sent_bytes"]
+    return result
