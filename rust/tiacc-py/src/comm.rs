@@ -211,27 +211,53 @@ impl TcpSetup {
     }
 }
 
-/// The 2D layout of this rank when `intra_size` is given.
-pub(crate) fn layout_of(
-    rank: usize,
-    size: usize,
-    intra_size: Option<usize>,
-) -> PyResult<Option<Layout>> {
-    intra_size
-        .map(|n| Layout::new(rank, size, n))
-        .transpose()
-        .py()
+/// What every engine is built from: this rank's place in the job, the
+/// configuration, and the algorithm settings derived from them.
+pub(crate) struct EngineInfo {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) timeout: Duration,
+    pub(crate) num_channels: usize,
+    pub(crate) config: Py<PyCommConfig>,
+    pub(crate) settings: AlgoSettings,
+    /// The 2D layout, when `intra_size` was given.
+    pub(crate) layout: Option<Layout>,
 }
 
-/// Checks a rank, a group size and a timeout given by the caller.
-pub(crate) fn check_group(rank: usize, size: usize, timeout: f64) -> PyResult<Duration> {
-    if size == 0 || rank >= size {
-        return Err(PyValueError::new_err(format!(
-            "rank {rank} is not a rank of a group of {size}"
-        )));
+impl EngineInfo {
+    /// Checks the rank and derives the settings (`intra_size` turns the 2D
+    /// groups on; `local_size` is the launcher's ranks per node).
+    pub(crate) fn new(
+        config: Bound<'_, PyCommConfig>,
+        rank: usize,
+        size: usize,
+        local_size: Option<usize>,
+        intra_size: Option<usize>,
+    ) -> PyResult<Self> {
+        if size == 0 || rank >= size {
+            return Err(PyValueError::new_err(format!(
+                "rank {rank} is not a rank of a group of {size}"
+            )));
+        }
+        let c = &config.get().inner;
+        let layout = intra_size
+            .map(|n| Layout::new(rank, size, n))
+            .transpose()
+            .py()?;
+        Ok(EngineInfo {
+            rank,
+            size,
+            timeout: c.timeout,
+            num_channels: c.num_streams,
+            settings: AlgoSettings::from_config(c, size, local_size, layout.is_some()),
+            layout,
+            config: config.unbind(),
+        })
     }
-    config::parse_seconds("timeout", &timeout.to_string())
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+
+    pub(crate) fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
+        self.layout.map(|l| (l.intra_members(), l.inter_members()))
+    }
 }
 
 /// One process's communication engine for CPU buckets over TCP.
@@ -242,13 +268,7 @@ pub(crate) fn check_group(rank: usize, size: usize, timeout: f64) -> PyResult<Du
 /// exchanged, `connect` forms the rings and starts the channel threads.
 #[pyclass(module = "tiacc_training._engine")]
 pub struct CommEngine {
-    rank: usize,
-    size: usize,
-    config: Py<PyCommConfig>,
-    settings: AlgoSettings,
-    timeout: Duration,
-    num_channels: usize,
-    layout: Option<Layout>,
+    info: EngineInfo,
     tcp: TcpSetup,
     board: Option<Arc<dyn FailureBoard>>,
     engine: Option<Engine>,
@@ -267,20 +287,11 @@ impl CommEngine {
         local_size: Option<usize>,
         intra_size: Option<usize>,
     ) -> PyResult<Self> {
-        let c = &config.get().inner;
-        let timeout = check_group(rank, size, c.timeout.as_secs_f64())?;
-        let layout = layout_of(rank, size, intra_size)?;
-        let settings = AlgoSettings::from_config(c, size, local_size, layout.is_some());
+        let info = EngineInfo::new(config, rank, size, local_size, intra_size)?;
         Ok(CommEngine {
-            rank,
-            size,
-            settings,
-            timeout,
-            num_channels: c.num_streams,
-            layout,
-            tcp: TcpSetup::bind(rank, size, host, layout)?,
+            tcp: TcpSetup::bind(rank, size, host, info.layout)?,
+            info,
             board: PyBoard::wrap(board),
-            config: config.unbind(),
             engine: None,
         })
     }
@@ -294,27 +305,27 @@ impl CommEngine {
     /// The configuration this engine was built from.
     #[getter]
     fn config(&self, py: Python<'_>) -> Py<PyCommConfig> {
-        self.config.clone_ref(py)
+        self.info.config.clone_ref(py)
     }
 
     #[getter]
     fn rank(&self) -> usize {
-        self.rank
+        self.info.rank
     }
 
     #[getter]
     fn size(&self) -> usize {
-        self.size
+        self.info.size
     }
 
     #[getter]
     fn num_channels(&self) -> usize {
-        self.num_channels
+        self.info.num_channels
     }
 
     #[getter]
     fn timeout(&self) -> f64 {
-        self.timeout.as_secs_f64()
+        self.info.timeout.as_secs_f64()
     }
 
     /// `ip:port` of this rank's intra-node and inter-node listeners, when
@@ -328,19 +339,19 @@ impl CommEngine {
     /// 2D allreduce is on.
     #[getter]
     fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
-        self.layout.map(|l| (l.intra_members(), l.inter_members()))
+        self.info.two_d_members()
     }
 
     /// The wire compression of whole buckets (`none`, `fp16`, `bf16`).
     #[getter]
     fn compression(&self) -> &'static str {
-        self.settings.compression.name()
+        self.info.settings.compression.name()
     }
 
     /// Whether buckets are checked for NaN/infinity before sending.
     #[getter]
     fn nan_check(&self) -> bool {
-        self.settings.nan_check
+        self.info.settings.nan_check
     }
 
     /// Whether `connect` has completed and `shutdown` has not run.
@@ -351,7 +362,7 @@ impl CommEngine {
 
     /// The channel bucket `bucket` runs on.
     fn channel_of(&self, bucket: u64) -> usize {
-        channel_of(bucket, self.num_channels)
+        channel_of(bucket, self.info.num_channels)
     }
 
     /// Forms the rings with every rank's `addresses` (indexed by rank) and
@@ -375,13 +386,13 @@ impl CommEngine {
             token,
             intra_addresses,
             inter_addresses,
-            self.num_channels,
-            self.timeout,
+            self.info.num_channels,
+            self.info.timeout,
         )?;
-        let settings = self.settings;
+        let settings = self.info.settings;
         let spec = groups.into_iter().map(|g| (g, settings)).collect();
         let board = self.board.clone();
-        let timeout = self.timeout;
+        let timeout = self.info.timeout;
         let engine = py
             .detach(move || Engine::with_channels(spec, timeout, board))
             .py()?;
@@ -471,10 +482,10 @@ impl CommEngine {
         root: usize,
         bucket: u64,
     ) -> PyResult<()> {
-        if root >= self.size {
+        if root >= self.info.size {
             return Err(PyValueError::new_err(format!(
                 "root {root} is not a rank of a group of {}",
-                self.size
+                self.info.size
             )));
         }
         // Bytes travel as-is; the dtype is not used.
@@ -510,7 +521,7 @@ impl CommEngine {
                 peer: None,
                 message: format!(
                     "rank {}: the communication engine is not connected (call connect() first) or was shut down",
-                    self.rank
+                    self.info.rank
                 ),
             })
         })

@@ -34,10 +34,10 @@ use tiacc_core::comm::nccl::{
 };
 use tiacc_core::comm::sparse::TopKBlock;
 use tiacc_core::comm::transport::{Aborter, OpKind, OpTag, Transport};
-use tiacc_core::comm::{AlgoSettings, Algorithm, DType, Deadline, Failures, Layout};
+use tiacc_core::comm::{Algorithm, DType, Deadline, Failures};
 use tiacc_core::Error;
 
-use crate::comm::{check_group, layout_of, PyBoard, TcpSetup};
+use crate::comm::{EngineInfo, PyBoard, TcpSetup};
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
 use crate::nccl::load;
@@ -102,13 +102,7 @@ enum Transport2 {
 /// The device engine of one process (see the module docs).
 #[pyclass(module = "tiacc_training._engine")]
 pub struct DeviceEngine {
-    rank: usize,
-    size: usize,
-    timeout: Duration,
-    num_channels: usize,
-    config: Py<PyCommConfig>,
-    settings: AlgoSettings,
-    layout: Option<Layout>,
+    info: EngineInfo,
     kernels: Py<PyAny>,
     transport: Transport2,
     tcp: Option<TcpSetup>,
@@ -172,16 +166,14 @@ impl DeviceEngine {
         intra_size: Option<usize>,
         host: Option<&str>,
     ) -> PyResult<Self> {
-        let c = &config.get().inner;
-        let timeout = check_group(rank, size, c.timeout.as_secs_f64())?;
-        let layout = layout_of(rank, size, intra_size)?;
-        let settings = AlgoSettings::from_config(c, size, local_size, layout.is_some());
+        let py = config.py();
+        let info = EngineInfo::new(config, rank, size, local_size, intra_size)?;
         let (transport, tcp) = match (transport, host) {
             ("nccl", _) => (Transport2::Nccl, None),
             ("tcp", Some(host)) => {
                 // TCP collectives read and write the tensors' memory from
                 // the host: only CPU tensors qualify.
-                let device = kernels.bind(config.py()).getattr("device")?;
+                let device = kernels.bind(py).getattr("device")?;
                 let kind: String = device.getattr("type")?.extract()?;
                 if kind != "cpu" {
                     return Err(PyValueError::new_err(format!(
@@ -191,7 +183,7 @@ impl DeviceEngine {
                 }
                 (
                     Transport2::Tcp,
-                    Some(TcpSetup::bind(rank, size, host, layout)?),
+                    Some(TcpSetup::bind(rank, size, host, info.layout)?),
                 )
             }
             ("tcp", None) => {
@@ -206,13 +198,7 @@ impl DeviceEngine {
             }
         };
         Ok(DeviceEngine {
-            rank,
-            size,
-            timeout,
-            num_channels: c.num_streams,
-            config: config.unbind(),
-            settings,
-            layout,
+            info,
             kernels,
             transport,
             tcp,
@@ -226,22 +212,22 @@ impl DeviceEngine {
 
     #[getter]
     fn rank(&self) -> usize {
-        self.rank
+        self.info.rank
     }
 
     #[getter]
     fn size(&self) -> usize {
-        self.size
+        self.info.size
     }
 
     #[getter]
     fn num_channels(&self) -> usize {
-        self.num_channels
+        self.info.num_channels
     }
 
     #[getter]
     fn timeout(&self) -> f64 {
-        self.timeout.as_secs_f64()
+        self.info.timeout.as_secs_f64()
     }
 
     /// `nccl` or `tcp`.
@@ -256,26 +242,26 @@ impl DeviceEngine {
     /// The configuration this engine was built from.
     #[getter]
     fn config(&self, py: Python<'_>) -> Py<PyCommConfig> {
-        self.config.clone_ref(py)
+        self.info.config.clone_ref(py)
     }
 
     /// The wire compression of whole buckets (`none`, `fp16`, `bf16`).
     #[getter]
     fn compression(&self) -> &'static str {
-        self.settings.compression.name()
+        self.info.settings.compression.name()
     }
 
     /// Whether buckets are checked for NaN/infinity before sending.
     #[getter]
     fn nan_check(&self) -> bool {
-        self.settings.nan_check
+        self.info.settings.nan_check
     }
 
     /// World ranks of this rank's node and of its inter-node group, when the
     /// 2D allreduce is on.
     #[getter]
     fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
-        self.layout.map(|l| (l.intra_members(), l.inter_members()))
+        self.info.two_d_members()
     }
 
     /// `ip:port` this rank listens on (transport `tcp`, before connecting).
@@ -317,10 +303,10 @@ impl DeviceEngine {
             ));
         }
         let ids = |list: &[Vec<u8>], what: &str| -> PyResult<Vec<NcclUniqueId>> {
-            if list.len() != self.num_channels {
+            if list.len() != self.info.num_channels {
                 return Err(PyValueError::new_err(format!(
                     "expected {} {what} NCCL ids (one per channel), got {}",
-                    self.num_channels,
+                    self.info.num_channels,
                     list.len()
                 )));
             }
@@ -337,7 +323,7 @@ impl DeviceEngine {
                 .collect()
         };
         let world_ids = ids(&world_ids, "world")?;
-        let two_d_ids = match (self.layout, intra_ids, inter_ids) {
+        let two_d_ids = match (self.info.layout, intra_ids, inter_ids) {
             (None, _, _) => None,
             (Some(layout), Some(a), Some(e)) => {
                 Some((layout, ids(&a, "intra")?, ids(&e, "inter")?))
@@ -348,7 +334,7 @@ impl DeviceEngine {
                 ))
             }
         };
-        let (rank, size) = (self.rank, self.size);
+        let (rank, size) = (self.info.rank, self.info.size);
         let groups = py
             .detach(move || -> tiacc_core::Result<Vec<NcclGroups>> {
                 let lib = load(search_dirs, library)?;
@@ -419,8 +405,8 @@ impl DeviceEngine {
             token,
             intra_addresses,
             inter_addresses,
-            self.num_channels,
-            self.timeout,
+            self.info.num_channels,
+            self.info.timeout,
         )?;
         self.failures
             .add_aborters(groups.iter().flat_map(Groups::aborters));
@@ -433,7 +419,7 @@ impl DeviceEngine {
 
     /// The channel (and so the CUDA stream) bucket `bucket` runs on.
     fn channel_of(&self, bucket: u64) -> usize {
-        channel_of(bucket, self.num_channels)
+        channel_of(bucket, self.info.num_channels)
     }
 
     /// Runs the allreduce of a bucket: `buf` is its bytes (a flat uint8
@@ -488,8 +474,8 @@ impl DeviceEngine {
                 mem,
             }],
             stream,
-            deadline: Deadline::after(self.timeout),
-            world_rank: self.rank,
+            deadline: Deadline::after(self.info.timeout),
+            world_rank: self.info.rank,
             bucket,
         };
         let result = algorithm.allreduce(&mut backend, &tag, mem, dtype, average);
@@ -527,7 +513,7 @@ impl DeviceEngine {
                     }
                 })
             }),
-            deadline: Deadline::after(self.timeout),
+            deadline: Deadline::after(self.info.timeout),
         });
         Ok(())
     }
@@ -543,7 +529,7 @@ impl DeviceEngine {
                 peer: None,
                 message: format!(
                     "rank {}: the device engine is not connected or was shut down",
-                    self.rank
+                    self.info.rank
                 ),
             }));
         }
@@ -573,7 +559,7 @@ impl DeviceEngine {
     fn channel(&self, comms: Comms) -> Mutex<Channel> {
         Mutex::new(Channel {
             comms,
-            algorithm: Algorithm::new(self.settings),
+            algorithm: Algorithm::new(self.info.settings),
             residuals: HashMap::new(),
             seq: 0,
         })
