@@ -76,6 +76,7 @@ def main() -> int:
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         gen = torch.Generator().manual_seed(100 + rank)
         teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
+        losses: list[float] = []
         for step in range(args.steps):
             x = torch.randn(64, 32, generator=gen)
             y = (x @ teacher).argmax(dim=1)
@@ -85,13 +86,17 @@ def main() -> int:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            loss.item()
+            losses.append(loss.item())
         torch.cuda.synchronize(device)
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         assert all(torch.isfinite(v).all() for v in state.values()), "non-finite parameters"
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(state, args.out / f"{args.mode}_rank{rank}.pt")
         transport = tdist.cuda_transport() if args.mode == "tiacc" else args.backend
+        # Mean losses of the first and the last five steps (one batch is noisy).
+        n = min(5, len(losses))
+        first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
+        print(f"LOSS first {first:.6f} last {last:.6f}", flush=True)
         print(f"DONE {args.mode} {transport}", flush=True)
         dist.barrier()
         tdist.shutdown()

@@ -126,9 +126,10 @@ def test_ddp_over_nccl_on_one_gpu(
         for key, value in reference.items():
             torch.testing.assert_close(ours[0][key], value, rtol=2e-2, atol=2e-3, msg=key)
     else:
-        # Top-K trains on 5% of the gradient per step: close, not equal.
-        moved = [(ours[0][k] - v).abs().max().item() for k, v in reference.items()]
-        assert max(moved) < 0.5, moved
+        # Top-K sends 5% of the gradient per step: it learns, more slowly.
+        line = next(x for x in ranks[0].stdout.splitlines() if x.startswith("LOSS "))
+        first, last = float(line.split()[2]), float(line.split()[4])
+        assert last < first, line
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -30,7 +30,6 @@ use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::host::Groups;
 use tiacc_core::comm::nccl::{
     DevicePtr, Group, NcclCommunicator, NcclUniqueId, Pending, ReduceOp, Watchdog, Watched,
-    UNIQUE_ID_BYTES,
 };
 use tiacc_core::comm::sparse::TopKBlock;
 use tiacc_core::comm::transport::{Aborter, OpKind, OpTag, Transport};
@@ -40,7 +39,7 @@ use tiacc_core::Error;
 use crate::comm::{EngineInfo, PyBoard, TcpSetup};
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
-use crate::nccl::load;
+use crate::nccl::{load, unique_id_from};
 
 /// How often the watchdog checks a pending bucket.
 const WATCH_POLL: Duration = Duration::from_millis(5);
@@ -92,9 +91,9 @@ struct Channel {
     seq: u64,
 }
 
-/// Which collectives a [`DeviceEngine`] runs on.
+/// Which collectives a [`DeviceEngine`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Transport2 {
+enum Collectives {
     Nccl,
     Tcp,
 }
@@ -104,7 +103,7 @@ enum Transport2 {
 pub struct DeviceEngine {
     info: EngineInfo,
     kernels: Py<PyAny>,
-    transport: Transport2,
+    transport: Collectives,
     tcp: Option<TcpSetup>,
     failures: Arc<Failures>,
     channels: Vec<Mutex<Channel>>,
@@ -169,7 +168,7 @@ impl DeviceEngine {
         let py = config.py();
         let info = EngineInfo::new(config, rank, size, local_size, intra_size)?;
         let (transport, tcp) = match (transport, host) {
-            ("nccl", _) => (Transport2::Nccl, None),
+            ("nccl", _) => (Collectives::Nccl, None),
             ("tcp", Some(host)) => {
                 // TCP collectives read and write the tensors' memory from
                 // the host: only CPU tensors qualify.
@@ -182,7 +181,7 @@ impl DeviceEngine {
                     )));
                 }
                 (
-                    Transport2::Tcp,
+                    Collectives::Tcp,
                     Some(TcpSetup::bind(rank, size, host, info.layout)?),
                 )
             }
@@ -234,8 +233,8 @@ impl DeviceEngine {
     #[getter]
     fn transport(&self) -> &'static str {
         match self.transport {
-            Transport2::Nccl => "nccl",
-            Transport2::Tcp => "tcp",
+            Collectives::Nccl => "nccl",
+            Collectives::Tcp => "tcp",
         }
     }
 
@@ -297,7 +296,7 @@ impl DeviceEngine {
         search_dirs: Vec<String>,
         library: Option<String>,
     ) -> PyResult<()> {
-        if self.transport != Transport2::Nccl || !self.channels.is_empty() {
+        if self.transport != Collectives::Nccl || !self.channels.is_empty() {
             return Err(PyValueError::new_err(
                 "connect_nccl() needs an unconnected engine with transport 'nccl'",
             ));
@@ -310,17 +309,7 @@ impl DeviceEngine {
                     list.len()
                 )));
             }
-            list.iter()
-                .map(|b| {
-                    let bytes: &[u8; UNIQUE_ID_BYTES] = b.as_slice().try_into().map_err(|_| {
-                        PyValueError::new_err(format!(
-                            "an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {}",
-                            b.len()
-                        ))
-                    })?;
-                    Ok(NcclUniqueId::from_bytes(bytes))
-                })
-                .collect()
+            list.iter().map(|b| unique_id_from(b)).collect()
         };
         let world_ids = ids(&world_ids, "world")?;
         let two_d_ids = match (self.info.layout, intra_ids, inter_ids) {
@@ -686,16 +675,19 @@ impl<'py> DeviceBackend<'_, 'py> {
         dtype: DType,
     ) -> tiacc_core::Result<()> {
         let (deadline, stream, rank) = (self.deadline, self.stream, self.rank(group));
+        let size = self.size(group);
+        // NCCL's in-place form: the receive buffer is this rank's chunk of
+        // the send buffer. Both transports get these same pointers.
+        let (send, recv) = (whole.addr, whole.addr + rank * chunk * dtype.size());
         match &*self.comms {
             Comms::Nccl(g) => {
                 let comm = g.get(group).clone();
-                let (send, recv) = (whole.addr, whole.addr + rank * chunk * dtype.size());
                 self.py.detach(move || {
                     // SAFETY: `whole` is device memory of a live tensor of
                     // this operation holding `chunk * size` elements (the
                     // caller padded it), `recv` is this rank's chunk inside
-                    // it (NCCL's in-place form), and the tensors stay alive
-                    // for the stream (the shim's record_stream).
+                    // it, and the tensors stay alive for the stream (the
+                    // shim's record_stream).
                     unsafe {
                         comm.reduce_scatter(
                             dptr(send),
@@ -709,7 +701,8 @@ impl<'py> DeviceBackend<'_, 'py> {
                 })
             }
             Comms::Tcp(_) => {
-                let buf = self.host(whole)?;
+                let span = in_place(send, recv, chunk * dtype.size(), size, rank, true)?;
+                let buf = self.host(span)?;
                 let py = self.py;
                 let t = self.tcp(group)?;
                 py.detach(move || t.reduce_scatter(buf, dtype, deadline))
@@ -725,25 +718,51 @@ impl<'py> DeviceBackend<'_, 'py> {
         chunk: usize,
     ) -> tiacc_core::Result<()> {
         let (deadline, stream, rank) = (self.deadline, self.stream, self.rank(group));
+        let size = self.size(group);
+        // NCCL's in-place form: the send buffer is this rank's chunk of the
+        // receive buffer. Both transports get these same pointers.
+        let (send, recv) = (whole.addr + rank * chunk, whole.addr);
         match &*self.comms {
             Comms::Nccl(g) => {
                 let comm = g.get(group).clone();
-                let (send, recv) = (whole.addr + rank * chunk, whole.addr);
                 self.py.detach(move || {
                     // SAFETY: as in `reduce_scatter_equal`: `whole` holds
                     // `chunk * size` bytes and `send` is this rank's chunk
-                    // inside it (NCCL's in-place form).
+                    // inside it.
                     unsafe { comm.all_gather_bytes(dptr(send), dptr(recv), chunk, sptr(stream)) }
                 })
             }
             Comms::Tcp(_) => {
-                let buf = self.host(whole)?;
+                let span = in_place(send, recv, chunk, size, rank, false)?;
+                let buf = self.host(span)?;
                 let py = self.py;
                 let t = self.tcp(group)?;
                 py.detach(move || t.allgather(buf, 1, deadline))
             }
         }
     }
+}
+
+/// The whole buffer of an in-place collective on equal chunks of
+/// `chunk_bytes`, checking NCCL's in-place rule: this rank's chunk of the
+/// whole buffer is the receive buffer (`scatter`) or the send buffer.
+fn in_place(
+    send: usize,
+    recv: usize,
+    chunk_bytes: usize,
+    size: usize,
+    rank: usize,
+    scatter: bool,
+) -> tiacc_core::Result<Mem> {
+    let (whole, mine) = if scatter { (send, recv) } else { (recv, send) };
+    if mine != whole + rank * chunk_bytes {
+        return Err(Error::InvalidArgument(format!(
+            "device backend: not an in-place collective: rank {rank}'s chunk at {mine:#x}, \
+             expected {:#x}",
+            whole + rank * chunk_bytes
+        )));
+    }
+    Ok(Mem::new(whole, chunk_bytes * size))
 }
 
 impl Backend for DeviceBackend<'_, '_> {

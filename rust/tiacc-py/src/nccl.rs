@@ -104,13 +104,7 @@ impl NcclCommunicator {
         library: Option<String>,
         group: &str,
     ) -> PyResult<Self> {
-        let bytes: &[u8; UNIQUE_ID_BYTES] = unique_id.try_into().map_err(|_| {
-            PyValueError::new_err(format!(
-                "an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {}",
-                unique_id.len()
-            ))
-        })?;
-        let id = NcclUniqueId::from_bytes(bytes);
+        let id = unique_id_from(unique_id)?;
         let group = Group::parse(group).py()?;
         if size == 0 || rank >= size {
             return Err(PyValueError::new_err(format!(
@@ -310,6 +304,17 @@ impl NcclCommunicator {
         let comm = self.inner.clone();
         py.detach(move || comm.destroy()).py()
     }
+}
+
+/// An NCCL unique id from the bytes another rank published.
+pub(crate) fn unique_id_from(bytes: &[u8]) -> PyResult<NcclUniqueId> {
+    let bytes: &[u8; UNIQUE_ID_BYTES] = bytes.try_into().map_err(|_| {
+        PyValueError::new_err(format!(
+            "an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {}",
+            bytes.len()
+        ))
+    })?;
+    Ok(NcclUniqueId::from_bytes(bytes))
 }
 
 fn parse_op(op: &str) -> PyResult<ReduceOp> {

@@ -16,11 +16,10 @@ from tiacc_training import _engine
 
 from ._cuda import HostStaging, NcclChannels
 from ._kernels import TorchKernels
+from ._launch import DEFAULT_MASTER_PORT
 from ._nccl import check_gpu_placement, nccl_search_dirs
 from ._rendezvous import FailureBoard, connect_tcp, default_store, nccl_ids, node_intra_size
 from ._state import state
-
-_DEFAULT_MASTER_PORT = 29500
 
 
 def _next_prefix(kind: str) -> str:
@@ -128,7 +127,7 @@ def advertised_host(config: Any) -> str:
         host, port = getattr(store, "host", None), getattr(store, "port", None)
     if host is None:
         return "127.0.0.1"
-    return _engine.local_addr_towards(host, int(port or _DEFAULT_MASTER_PORT))
+    return _engine.local_addr_towards(host, int(port or DEFAULT_MASTER_PORT))
 
 
 def close_all() -> None:

@@ -19,7 +19,7 @@ from tiacc_training.errors import CommError, ConfigError
 
 from ._nccl import local_gpus_shared, nccl_version
 
-_DEFAULT_MASTER_PORT = 29500
+DEFAULT_MASTER_PORT = 29500
 
 
 def launch_env() -> dict[str, Any]:
@@ -78,7 +78,7 @@ def init_process_group(backend: str | None, config: Any, launch: dict[str, Any])
             )
     port = launch["master_port"]
     if port is None:
-        port = _free_port() if launch["world_size"] == 1 else _DEFAULT_MASTER_PORT
+        port = _free_port() if launch["world_size"] == 1 else DEFAULT_MASTER_PORT
     launch = {**launch, "master_addr": addr, "master_port": port}
     # Launchers other than torchrun leave these unset; code that reads them
     # after init (user scripts, libraries) then finds the usual names.
