@@ -1,7 +1,8 @@
-//! The communication engine's Python face: configuration, rendezvous
-//! helpers and `CommEngine`.
+//! The CPU engine's Python face: launch detection, rendezvous helpers, the
+//! TCP setup and what every engine is built from (shared with
+//! `device.rs`), and `CommEngine`.
 //!
-//! The Python shim (`tiacc_training/torch/distributed.py`) owns the torch
+//! The Python shim (`tiacc_training/torch/distributed/`) owns the torch
 //! objects: it exchanges addresses and the job token through the c10d
 //! store and passes tensors here as (object, data pointer, byte length,
 //! dtype). The object is kept alive until the collective completes.

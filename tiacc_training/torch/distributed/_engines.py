@@ -63,17 +63,18 @@ def cuda_path(config: Any, device: torch.device) -> Any:
     if state.cuda_transport == "nccl":
         check_gpu_placement(config, device, rank, world)
     existing = state.cuda
-    if state.cuda_transport == "nccl":
-        if isinstance(existing, NcclChannels) and existing.matches(config, device):
-            return existing
+    nccl = state.cuda_transport == "nccl"
+    if nccl:
+        reusable = isinstance(existing, NcclChannels) and existing.matches(config, device)
     else:
         engine = world_engine(config)
-        if isinstance(existing, HostStaging) and existing.matches(engine, device):
-            return existing
+        reusable = isinstance(existing, HostStaging) and existing.matches(engine, device)
+    if reusable:
+        return existing
     if existing is not None:
         existing.close()
         state.cuda = None
-    if state.cuda_transport == "nccl":
+    if nccl:
         state.cuda = NcclChannels(_nccl_engine(config, device, rank, world), device)
     else:
         state.cuda = HostStaging(engine, device)
