@@ -14,6 +14,13 @@ ImageNet-sized JPEGs (``tools/make_image_folder.py``: ~500x375, quality 90,
   normalize in one Rust pass per image);
 * ``c_fused_uint8``: the fused path with ``output="uint8"`` (uint8 NCHW,
   normalised later on the GPU: a quarter of the bytes through worker IPC);
+* ``d_dropin``: the fused dataset through ``tiacc_training.torch.data.DataLoader``
+  (the drop-in loader: 2 threads decoding whole batches into the batch
+  tensor, no worker processes, no collate);
+* ``d_dropin_uint8``: the drop-in loader with ``output="uint8"`` batches;
+* ``e_dali_cpu``: NVIDIA DALI's CPU pipeline (file reader, ROI-decoding
+  ``decoders.image_random_crop``, resize, flip, normalize; 2 threads),
+  when the ``nvidia-dali`` wheel is installed;
 * ``decode_bound``: PIL's plain decode (``Image.open().convert("RGB")``),
   images/s on one core x the number of cores: what a PIL pipeline cannot beat.
 
@@ -45,6 +52,7 @@ from torchvision.datasets import ImageFolder
 
 from tiacc_training.tools.general_image_list import list_images
 from tiacc_training.tools.img2tfrecord import Item, pack
+from tiacc_training.torch.data import DataLoader as DropInLoader
 from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,9 +105,11 @@ def worker_peak_rss_mb(iterator: Any) -> list[float]:
     return peaks
 
 
-def run_loader(dataset: Any) -> dict[str, Any]:
+def run_loader(dataset: Any, loader_class: Any = DataLoader) -> dict[str, Any]:
     """Iterates the whole dataset once after a warm-up batch; returns stats."""
-    loader = DataLoader(
+    if loader_class == "dali":
+        return run_dali(dataset)
+    loader = loader_class(
         dataset,
         batch_size=BATCH,
         shuffle=True,
@@ -122,6 +132,50 @@ def run_loader(dataset: Any) -> dict[str, Any]:
     del iterator
     return {"images": images, "seconds": seconds, "images_per_s": images / seconds,
             "worker_peak_rss_mb": rss, "dtype": dtype}  # fmt: skip
+
+
+def dali_available() -> bool:
+    """Whether NVIDIA DALI imports here."""
+    try:
+        import nvidia.dali  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def run_dali(img_dir: Path) -> dict[str, Any]:
+    """DALI's CPU pipeline over the image folder, the same transform."""
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    @pipeline_def(batch_size=BATCH, num_threads=WORKERS, device_id=None, seed=0)
+    def train() -> Any:
+        jpegs, labels = fn.readers.file(file_root=str(img_dir), random_shuffle=True, name="reader")
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+        images = fn.resize(images, resize_x=224, resize_y=224)
+        flip = fn.random.coin_flip(probability=0.5)
+        images = fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            mean=[255 * m for m in MEAN],
+            std=[255 * s for s in STD],
+            mirror=flip,
+        )
+        return images, labels
+
+    pipe = train()
+    pipe.build()
+    iterator = DALIGenericIterator(pipe, ["images", "labels"], reader_name="reader")
+    first = next(iterator)[0]["images"]
+    assert first.shape == (BATCH, 3, 224, 224), first.shape
+    images = 0
+    start = time.perf_counter()
+    for batch in iterator:
+        images += batch[0]["images"].shape[0]
+    seconds = time.perf_counter() - start
+    return {"images": images, "seconds": seconds, "images_per_s": images / seconds,
+            "worker_peak_rss_mb": [], "dtype": str(first.dtype)}  # fmt: skip
 
 
 def decode_bound(img_dir: Path, limit: int = 300) -> dict[str, float]:
@@ -148,21 +202,30 @@ def main() -> int:
         p.error("--images must be >= 2000")
     torch.set_num_threads(1)
     img_dir, index = prepare(Path(args.workdir), args.images)
-    pipelines: dict[str, Callable[[], Any]] = {
-        "a_imagefolder": lambda: ImageFolder(str(img_dir), transform()),
-        "b_per_item": lambda: IndexTFRDataset(str(index.parent), str(index), transform(),
-                                              fused=False),
-        "c_fused": lambda: IndexTFRDataset(str(index.parent), str(index), transform()),
-        "c_fused_uint8": lambda: IndexTFRDataset(str(index.parent), str(index), transform(),
-                                                 output="uint8"),
-    }  # fmt: skip
+
+    def packed(**kwargs: Any) -> IndexTFRDataset:
+        return IndexTFRDataset(str(index.parent), str(index), transform(), **kwargs)
+
+    pipelines: dict[str, tuple[Callable[[], Any], Any]] = {
+        "a_imagefolder": (lambda: ImageFolder(str(img_dir), transform()), DataLoader),
+        "b_per_item": (lambda: packed(fused=False), DataLoader),
+        "c_fused": (packed, DataLoader),
+        "c_fused_uint8": (lambda: packed(output="uint8"), DataLoader),
+        "d_dropin": (packed, DropInLoader),
+        "d_dropin_uint8": (lambda: packed(output="uint8"), DropInLoader),
+    }
+    if dali_available():
+        pipelines["e_dali_cpu"] = (lambda: img_dir, "dali")
+    else:
+        print("nvidia-dali is not installed: no DALI row")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in pipelines}
     for rep in range(args.repeats):
         names = list(pipelines)
         names = names[rep % len(names) :] + names[: rep % len(names)]
         for name in names:
             torch.manual_seed(rep)
-            result = run_loader(pipelines[name]())
+            make, loader_class = pipelines[name]
+            result = run_loader(make(), loader_class)
             runs[name].append(result)
             print(f"  repeat {rep + 1}/{args.repeats}  {name:<14} "
                   f"{result['images_per_s']:7.1f} images/s", flush=True)  # fmt: skip
@@ -194,7 +257,7 @@ def main() -> int:
         "results": summary,
         "runs": runs,
         "decode_bound": bound,
-        "goals": {"c_vs_a": 4.0, "b_vs_a": 1.0},
+        "goals": {"d_vs_a": 4.0, "d_vs_e_dali_cpu": 1.5, "b_vs_a": 1.0},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

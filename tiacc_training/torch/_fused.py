@@ -1,24 +1,46 @@
 """Recognising torchvision transform chains the engine can run in one pass.
 
-A ``transforms.Compose`` qualifies when it is, in order:
+A ``Compose`` (``torchvision.transforms`` or ``torchvision.transforms.v2``;
+nested ``Compose`` steps are read as the steps they hold) qualifies when it
+is, in order:
 
 1. geometry on the PIL image, one of
    ``RandomResizedCrop``, ``Resize(size) [+ CenterCrop]``, ``CenterCrop``
    (bilinear interpolation), each optionally followed by
    ``RandomHorizontalFlip``, with a fixed output size;
-2. ``ToTensor`` or ``PILToTensor`` [+ ``ConvertImageDtype(torch.float32)``];
-3. optionally ``Normalize``.
+2. the conversion to a tensor: ``ToTensor`` (float in [0, 1]), or
+   ``PILToTensor`` / v2 ``ToImage`` (uint8), optionally followed by
+   ``ConvertImageDtype(torch.float32)`` or v2
+   ``ToDtype(torch.float32, scale=True)`` (float in [0, 1]);
+3. optionally ``Normalize`` (after a float conversion).
+
+Each step may come from either API: on a PIL image, and on the tensors the
+conversions make, the v1 and v2 classes of these steps compute the same thing
+and draw the same random numbers. v2's ``antialias`` does not matter here:
+for PIL images torchvision always resamples with Pillow, antialiased. v2's
+``ToDtype``/``ConvertImageDtype`` scale by multiplying with ``1 / 255``
+where ``ToTensor`` divides by 255; the engine divides, so those two steps
+agree with the PIL path to within one float32 rounding (about 6e-8 before
+``Normalize``) instead of bit for bit. Geometry placed after the conversion
+does not qualify: on a tensor torchvision resamples with torch's
+interpolation, which differs from Pillow's. The fused path returns plain
+tensors where v2's ``ToImage`` would return ``tv_tensors.Image``.
 
 The random parameters are drawn with the same torch random calls, in the same
-order, as ``RandomResizedCrop.get_params`` and ``RandomHorizontalFlip`` make
-(see ``_random_params``), so the fused path consumes PyTorch's random stream
-exactly as the PIL path does: with the same seed both produce the same crops
-and flips. Only exact classes qualify (a
-subclass may change behaviour); anything else runs the ordinary PIL path.
+order, as ``RandomResizedCrop.get_params`` / v2's ``make_params`` and
+``RandomHorizontalFlip`` make (see ``_random_params``), so the fused path
+consumes PyTorch's random stream exactly as the PIL path does: with the same
+seed both produce the same crops and flips. Only exact classes qualify (a
+subclass may change behaviour); anything else runs the ordinary PIL path, and
+:meth:`FusedPlan.explain` says which step prevented fusing.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -28,10 +50,41 @@ from torchvision.transforms import InterpolationMode
 
 from tiacc_training.torch._random_params import ResizedCropParams, flip_draw
 
+try:
+    import torchvision.transforms.v2 as T2
+except ImportError:  # torchvision < 0.15 has no v2 API
+    T2 = None
+
 Geometry = tuple[tuple[int, int, int, int], tuple[int, int], tuple[int, int, int, int], bool]
 
 
-def _pair(size: Union[int, tuple[int, ...], list[int]]) -> tuple[int, int]:
+def _classes(*names: str) -> tuple[type, ...]:
+    """The classes called ``names`` in the v1 and, where present, the v2 API."""
+    found = []
+    for module in (T, T2):
+        for name in names:
+            cls = getattr(module, name, None) if module is not None else None
+            if isinstance(cls, type):
+                found.append(cls)
+    return tuple(found)
+
+
+_COMPOSE = _classes("Compose")
+_RESIZED_CROP = _classes("RandomResizedCrop")
+_RESIZE = _classes("Resize")
+_CENTER_CROP = _classes("CenterCrop")
+_HFLIP = _classes("RandomHorizontalFlip")
+_GEOMETRY = _RESIZED_CROP + _RESIZE + _CENTER_CROP
+_TO_FLOAT = _classes("ToTensor")  # v2's ToTensor calls v1's to_tensor
+_TO_UINT8 = _classes("PILToTensor", "ToImage")
+_CONVERT_DTYPE = _classes("ConvertImageDtype")
+_TO_DTYPE = _classes("ToDtype")
+_NORMALIZE = _classes("Normalize")
+_KNOWN = _COMPOSE + _GEOMETRY + _HFLIP + _TO_FLOAT + _TO_UINT8 + _CONVERT_DTYPE
+_KNOWN += _TO_DTYPE + _NORMALIZE
+
+
+def _pair(size: Union[int, Sequence[int]]) -> tuple[int, int]:
     if isinstance(size, int):
         return size, size
     if len(size) == 1:
@@ -39,23 +92,45 @@ def _pair(size: Union[int, tuple[int, ...], list[int]]) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
+_BILINEAR = (InterpolationMode.BILINEAR, "bilinear", 2)
+"""The spellings of bilinear: the enum, v2's string default, Pillow's constant."""
+
+
 def _bilinear(t: Any) -> bool:
     mode = t.interpolation
-    return mode in (InterpolationMode.BILINEAR, 2)
+    return isinstance(mode, (InterpolationMode, str, int)) and mode in _BILINEAR
 
 
 def _resized_size(
-    height: int, width: int, size: Union[int, list[int]], max_size: Optional[int]
+    height: int, width: int, size: Union[int, Sequence[int], None], max_size: Optional[int]
 ) -> tuple[int, int]:
     """``Resize``'s output (height, width), as torchvision computes it for PIL."""
     if isinstance(size, (list, tuple)) and len(size) == 2:
         return int(size[0]), int(size[1])
-    requested = size if isinstance(size, int) else size[0]
     short, long = (width, height) if width <= height else (height, width)
-    new_short, new_long = requested, int(requested * long / short)
-    if max_size is not None and new_long > max_size:
-        new_short, new_long = int(max_size * new_short / new_long), max_size
+    if size is None:  # v2 only: the longer edge becomes max_size
+        assert max_size is not None
+        new_short, new_long = int(max_size * short / long), max_size
+    else:
+        requested = size if isinstance(size, int) else size[0]
+        new_short, new_long = requested, int(requested * long / short)
+        if max_size is not None and new_long > max_size:
+            new_short, new_long = int(max_size * new_short / new_long), max_size
     return (new_long, new_short) if width <= height else (new_short, new_long)
+
+
+def _resize_error(step: Any) -> Optional[str]:
+    """Why torchvision would reject this ``Resize`` when called, or None."""
+    size, max_size = step.size, step.max_size
+    if size is None:
+        return None if isinstance(max_size, int) else "size=None needs an int max_size"
+    if max_size is None:
+        return None
+    if not isinstance(size, int) and len(size) != 1:
+        return "max_size needs a single size"
+    if max_size <= (size if isinstance(size, int) else size[0]):
+        return "max_size must exceed size"
+    return None
 
 
 def _center_window(height: int, width: int, crop: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -71,6 +146,78 @@ def _center_window(height: int, width: int, crop: tuple[int, int]) -> tuple[int,
     top = int(round((ph - ch) / 2.0))
     left = int(round((pw - cw) / 2.0))
     return left - pl, top - pt, cw, ch
+
+
+def _channel_triple(values: Any) -> Optional[tuple[float, float, float]]:
+    """``Normalize``'s mean or std for 3 channels, or None if it cannot apply to RGB."""
+    v = torch.as_tensor(values).flatten()
+    if v.numel() not in (1, 3):
+        return None
+    return tuple(float(x) for x in v.expand(3))  # type: ignore[return-value]
+
+
+def _describe(step: Any, limit: int = 200) -> str:
+    """``repr(step)`` on one line, shortened to about ``limit`` characters."""
+    if type(step) in _TO_DTYPE:  # its repr leaves the dtype out
+        text = f"ToDtype(dtype={step.dtype!r}, scale={step.scale!r})"
+    else:
+        text = " ".join(repr(step).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _flatten(compose: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """The steps of ``compose`` as ``(label, step)``, nested ``Compose`` steps inlined.
+
+    Labels count from 1; a step of a nested ``Compose`` at step 2 is ``"2.1"``.
+    """
+    steps: list[tuple[str, Any]] = []
+    for k, step in enumerate(compose.transforms, 1):
+        label = f"{prefix}{k}"
+        if type(step) in _COMPOSE:
+            steps.extend(_flatten(step, label + "."))
+        else:
+            steps.append((label, step))
+    return steps
+
+
+class _Steps:
+    """A cursor over the flattened steps of a ``Compose``, for the parser."""
+
+    def __init__(self, steps: list[tuple[str, Any]]) -> None:
+        self.steps = steps
+        self.pos = 0
+
+    def peek(self) -> Any:
+        """The next step, or None at the end."""
+        return self.steps[self.pos][1] if self.pos < len(self.steps) else None
+
+    def take(self) -> Any:
+        """Consumes and returns the next step."""
+        step = self.steps[self.pos][1]
+        self.pos += 1
+        return step
+
+    def where(self, pos: Optional[int] = None) -> str:
+        """``"Resize(...) (step 2 of Compose)"`` for the step at ``pos`` (default: next)."""
+        label, step = self.steps[self.pos if pos is None else pos]
+        return f"{_describe(step)} (step {label} of Compose)"
+
+    def cannot(self, why: str = "", pos: Optional[int] = None) -> str:
+        """The reason the step at ``pos`` (default: the next) stops fusing."""
+        step = self.steps[self.pos if pos is None else pos][1]
+        why = why or _hint(step)
+        return self.where(pos) + (f": {why}" if why else "")
+
+
+def _hint(step: Any) -> str:
+    """Why an unexpected step cannot fuse, where something more can be said."""
+    for known in _KNOWN:
+        if isinstance(step, known) and type(step) is not known:
+            return (
+                f"a subclass of {known.__module__}.{known.__name__} "
+                "(only torchvision's own classes are fused)"
+            )
+    return ""
 
 
 @dataclass
@@ -91,64 +238,128 @@ class FusedPlan:
     """The crop draw of a ``"rrc"`` plan (its scale and ratio as planned)."""
 
     @classmethod
-    def from_transform(cls, transform: Any) -> Optional[FusedPlan]:
-        """The plan for ``transform``, or None if it does not qualify."""
-        if type(transform) is not T.Compose:
-            return None
-        steps = list(transform.transforms)
-        if not steps:
-            return None
-        first = steps.pop(0)
+    def from_transform(cls, transform: Any, warn: bool = False) -> Optional[FusedPlan]:
+        """The plan for ``transform``, or None if it does not qualify.
+
+        Args:
+            transform: The dataset's transform.
+            warn: Warn (once per distinct reason, see :func:`warn_unfused`)
+                when ``transform`` is not None and does not qualify.
+        """
+        plan, reason = cls.explain(transform)
+        if warn and reason is not None:
+            warn_unfused(reason)
+        return plan
+
+    @classmethod
+    def explain(cls, transform: Any) -> tuple[Optional[FusedPlan], Optional[str]]:
+        """The plan for ``transform`` and, when there is none, why.
+
+        Args:
+            transform: The dataset's transform.
+
+        Returns:
+            ``(plan, None)`` when ``transform`` qualifies, ``(None, None)`` when
+            it is None (nothing to fuse, nothing wrong), else ``(None, reason)``
+            where ``reason`` names the step that prevented fusing, e.g.
+            ``"GaussianBlur(...) (step 3 of Compose)"``.
+        """
+        if transform is None:
+            return None, None
+        if type(transform) not in _COMPOSE:
+            why = _hint(transform) or "it is not a torchvision Compose"
+            return None, f"{_describe(transform)}: {why}"
+        steps = _Steps(_flatten(transform))
+        if not steps.steps:
+            return None, f"{_describe(transform)}: the Compose has no steps"
+        return cls._parse(steps)
+
+    @classmethod
+    def _parse(cls, steps: _Steps) -> tuple[Optional[FusedPlan], Optional[str]]:
+        first = steps.peek()
+        first_pos = steps.pos
+        kind = type(first)
         center = None
-        if type(first) is T.RandomResizedCrop and _bilinear(first):
-            kind, out = "rrc", _pair(first.size)
-        elif type(first) is T.Resize and _bilinear(first):
-            kind = "resize"
-            out = None
+        out: Optional[tuple[int, int]] = None
+        if (kind in _RESIZED_CROP or kind in _RESIZE) and not _bilinear(first):
+            return None, steps.cannot("only bilinear interpolation is fused")
+        if kind in _RESIZED_CROP:
+            steps.take()
+            crop_kind, out = "rrc", _pair(first.size)
+        elif kind in _RESIZE:
+            error = _resize_error(first)
+            if error is not None:
+                return None, steps.cannot(error)
+            steps.take()
+            crop_kind = "resize"
             if isinstance(first.size, (list, tuple)) and len(first.size) == 2:
                 out = _pair(first.size)
-            if steps and type(steps[0]) is T.CenterCrop:
-                center = _pair(steps.pop(0).size)
+            if type(steps.peek()) in _CENTER_CROP:
+                center = _pair(steps.take().size)
                 out = center
             if out is None:
-                return None  # output size varies per image: nothing to batch
-        elif type(first) is T.CenterCrop:
-            kind, center = "center", _pair(first.size)
+                why = "its output size differs per image (add a CenterCrop to batch it)"
+                return None, steps.cannot(why, pos=first_pos)
+        elif kind in _CENTER_CROP:
+            steps.take()
+            crop_kind, center = "center", _pair(first.size)
             out = center
         else:
-            return None
+            if kind in _TO_FLOAT or kind in _TO_UINT8:
+                for pos in range(steps.pos + 1, len(steps.steps)):
+                    if type(steps.steps[pos][1]) in _GEOMETRY:
+                        return None, steps.cannot(_AFTER_CONVERSION, pos=pos)
+            why = _hint(first) or (
+                "the fused path starts with RandomResizedCrop, Resize or CenterCrop "
+                "on the PIL image"
+            )
+            return None, steps.cannot(why)
         flip_p = None
-        if steps and type(steps[0]) is T.RandomHorizontalFlip:
-            flip_p = float(steps.pop(0).p)
-        if not steps:
-            return None  # ends in a PIL image: the PIL path is the right one
-        conv = steps.pop(0)
-        if type(conv) is T.ToTensor:
-            to_float = True
-        elif type(conv) is T.PILToTensor:
-            to_float = False
-            if steps and type(steps[0]) is T.ConvertImageDtype:
-                if steps[0].dtype != torch.float32:
-                    return None
-                steps.pop(0)
-                to_float = True
-        else:
-            return None
+        if type(steps.peek()) in _HFLIP:
+            flip_p = float(steps.take().p)
+        if steps.peek() is None:
+            why = "the Compose ends here, with a PIL image (no tensor conversion to fuse)"
+            return None, steps.cannot(why, pos=steps.pos - 1)
+        to_float, reason = _conversion(steps)
+        if reason is not None:
+            return None, reason
         mean = std = None
-        if steps and type(steps[0]) is T.Normalize and to_float:
-            norm = steps.pop(0)
-            mean = tuple(float(v) for v in torch.as_tensor(norm.mean).expand(3))
-            std = tuple(float(v) for v in torch.as_tensor(norm.std).expand(3))
-        if steps:
-            return None
-        crop_params = ResizedCropParams(first.scale, first.ratio) if kind == "rrc" else None
-        return cls(kind, first, center, flip_p, to_float, mean, std, out, crop_params)
+        if type(steps.peek()) in _NORMALIZE:
+            norm = steps.peek()
+            if not to_float:
+                return None, steps.cannot("it needs a float tensor, the conversion gives uint8")
+            mean, std = _channel_triple(norm.mean), _channel_triple(norm.std)
+            if mean is None or std is None:
+                return None, steps.cannot("its mean and std must have 1 or 3 values")
+            steps.take()
+        rest = type(steps.peek())
+        if rest in _GEOMETRY or rest in _HFLIP:
+            return None, steps.cannot(_AFTER_CONVERSION)
+        if steps.peek() is not None:
+            return None, steps.cannot()
+        crop_params = None
+        if crop_kind == "rrc":
+            crop_params = ResizedCropParams(first.scale, first.ratio)
+            log_ratio = getattr(first, "_log_ratio", None)
+            if isinstance(log_ratio, torch.Tensor) and log_ratio.numel() == 2:
+                # v2 takes the log once, at construction: draw with exactly that.
+                crop_params.log_ratio = (float(log_ratio[0]), float(log_ratio[1]))
+        return cls(crop_kind, first, center, flip_p, to_float, mean, std, out, crop_params), None
 
-    def sample(self, width: int, height: int) -> Geometry:
-        """Draws this image's parameters (torch's RNG, torchvision's order)."""
+    def sample(
+        self, width: int, height: int, generator: Optional[torch.Generator] = None
+    ) -> Geometry:
+        """Draws this image's parameters (torch's RNG, torchvision's order).
+
+        Args:
+            width: The image's width.
+            height: The image's height.
+            generator: Where to draw from (default: torch's global generator,
+                as torchvision draws).
+        """
         step = self.geometry_step
         if self.crop_params is not None:
-            top, left, h, w = self.crop_params(width, height)
+            top, left, h, w = self.crop_params(width, height, generator)
             oh, ow = self.output_size
             crop, resize, window = (left, top, w, h), (ow, oh), (0, 0, ow, oh)
         else:
@@ -162,5 +373,70 @@ class FusedPlan:
                 window = (0, 0, rw, rh)
         flip = False
         if self.flip_p is not None:
-            flip = flip_draw(self.flip_p)
+            flip = flip_draw(self.flip_p, generator)
         return crop, resize, window, flip
+
+
+def _conversion(steps: _Steps) -> tuple[bool, Optional[str]]:
+    """Consumes the tensor conversion: ``(to_float, None)``, or ``(False, reason)``."""
+    conv = steps.peek()
+    kind = type(conv)
+    if kind in _TO_FLOAT:
+        steps.take()
+        return True, None
+    if kind not in _TO_UINT8:
+        why = ""
+        if kind in _GEOMETRY or kind in _HFLIP:
+            why = "only one crop or resize, then at most one RandomHorizontalFlip, are fused"
+        elif kind in _CONVERT_DTYPE or kind in _TO_DTYPE or kind in _NORMALIZE:
+            why = "it needs a tensor, and the image is still a PIL image here"
+        return False, steps.cannot(why)
+    steps.take()
+    nxt = steps.peek()
+    kind = type(nxt)
+    if kind in _CONVERT_DTYPE:
+        if nxt.dtype != torch.float32:
+            return False, steps.cannot("only ConvertImageDtype(torch.float32) is fused")
+        steps.take()
+        return True, None
+    if kind in _TO_DTYPE:
+        if not (isinstance(nxt.dtype, torch.dtype) and nxt.dtype == torch.float32 and nxt.scale):
+            return False, steps.cannot("only ToDtype(torch.float32, scale=True) is fused")
+        steps.take()
+        return True, None
+    if kind in _GEOMETRY or kind in _HFLIP:
+        return False, steps.cannot(_AFTER_CONVERSION)
+    return False, None
+
+
+_AFTER_CONVERSION = (
+    "it comes after the tensor conversion, where torchvision works on a tensor "
+    "(resizing with torch, not Pillow); the fused path needs the crop, resize and "
+    "flip before ToImage, PILToTensor or ToTensor"
+)
+
+
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def warn_unfused(reason: str) -> None:
+    """Warns, once per distinct ``reason``, that items take the PIL path.
+
+    The warning points at the first caller outside ``tiacc_training`` (the
+    line that built the dataset or set its transform).
+
+    Args:
+        reason: What :meth:`FusedPlan.explain` returned.
+    """
+    with _WARNED_LOCK:
+        if reason in _WARNED:
+            return
+        _WARNED.add(reason)
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("tiacc_training."):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"IndexTFRDataset: the fused path cannot run {reason}; items take the PIL path",
+        stacklevel=level,
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -30,16 +31,18 @@ class _Buffers(threading.local):
         self.real = torch.empty(1)
         self.int64 = torch.empty(1, dtype=torch.int64)
 
-    def uniform(self, low: float, high: float) -> torch.Tensor:
+    def uniform(
+        self, low: float, high: float, generator: Optional[torch.Generator] = None
+    ) -> torch.Tensor:
         """``torch.empty(1).uniform_(low, high)`` (default dtype), reusing a tensor."""
         dtype = torch.get_default_dtype()
         if dtype != self.dtype:
             self.dtype, self.real = dtype, torch.empty(1)
-        return self.real.uniform_(low, high)
+        return self.real.uniform_(low, high, generator=generator)
 
-    def randint(self, high: int) -> int:
+    def randint(self, high: int, generator: Optional[torch.Generator] = None) -> int:
         """``torch.randint(0, high, size=(1,)).item()``, reusing a tensor."""
-        return int(self.int64.random_(0, high).item())
+        return int(self.int64.random_(0, high, generator=generator).item())
 
 
 _BUFFERS = _Buffers()
@@ -60,18 +63,26 @@ class ResizedCropParams:
         self.log_ratio = (float(log_ratio[0]), float(log_ratio[1]))
         self.min_ratio, self.max_ratio = min(ratio), max(ratio)
 
-    def __call__(self, width: int, height: int) -> tuple[int, int, int, int]:
-        """Draws ``(top, left, height, width)`` of a crop of a ``width x height`` image."""
+    def __call__(
+        self, width: int, height: int, generator: Optional[torch.Generator] = None
+    ) -> tuple[int, int, int, int]:
+        """Draws ``(top, left, height, width)`` of a crop of a ``width x height`` image.
+
+        Args:
+            width: The image's width.
+            height: The image's height.
+            generator: Where to draw from (default: torch's global generator).
+        """
         area = height * width
         draw = _BUFFERS
         for _ in range(10):
-            target_area = area * draw.uniform(*self.scale).item()
-            aspect_ratio = draw.uniform(*self.log_ratio).exp_().item()
+            target_area = area * draw.uniform(*self.scale, generator).item()
+            aspect_ratio = draw.uniform(*self.log_ratio, generator).exp_().item()
             w = int(round(math.sqrt(target_area * aspect_ratio)))
             h = int(round(math.sqrt(target_area / aspect_ratio)))
             if 0 < w <= width and 0 < h <= height:
-                top = draw.randint(height - h + 1)
-                left = draw.randint(width - w + 1)
+                top = draw.randint(height - h + 1, generator)
+                left = draw.randint(width - w + 1, generator)
                 return top, left, h, w
         # Fallback to a central crop (no draws).
         in_ratio = float(width) / float(height)
@@ -86,7 +97,7 @@ class ResizedCropParams:
         return (height - h) // 2, (width - w) // 2, h, w
 
 
-def flip_draw(p: float) -> bool:
+def flip_draw(p: float, generator: Optional[torch.Generator] = None) -> bool:
     """``bool(torch.rand(1) < p)``, as ``RandomHorizontalFlip`` draws it.
 
     The comparison happens in the tensor's dtype, as torch's does (``p`` is
@@ -94,8 +105,9 @@ def flip_draw(p: float) -> bool:
 
     Args:
         p: The flip probability.
+        generator: Where to draw from (default: torch's global generator).
     """
-    value = _BUFFERS.uniform(0.0, 1.0)
+    value = _BUFFERS.uniform(0.0, 1.0, generator)
     return bool(value.item() < _rounded(p, value.dtype))
 
 

@@ -13,7 +13,6 @@ import os
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.utils.data
 from PIL import Image
@@ -45,16 +44,20 @@ class IndexTFRDataset(torch.utils.data.Dataset):
     released; in a DataLoader worker process it uses one thread, since the
     workers already run in parallel.
 
-    Fused path: when ``transform`` is a ``transforms.Compose`` of
-    ``RandomResizedCrop`` / ``Resize`` [+ ``CenterCrop``] / ``CenterCrop``,
-    optionally ``RandomHorizontalFlip``, then ``ToTensor`` or ``PILToTensor``
-    [+ ``ConvertImageDtype(float32)``] and optionally ``Normalize``, the whole
-    chain runs in Rust in one pass per image: the random parameters are drawn
+    Fused path: when ``transform`` is a ``Compose`` (``torchvision.transforms``
+    or ``transforms.v2``) of ``RandomResizedCrop`` / ``Resize`` [+
+    ``CenterCrop``] / ``CenterCrop``, optionally ``RandomHorizontalFlip``,
+    then ``ToTensor``, ``PILToTensor`` or ``ToImage`` [+
+    ``ConvertImageDtype(float32)`` or ``ToDtype(float32, scale=True)``] and
+    optionally ``Normalize``, the whole chain runs in Rust in one pass per
+    image: the random parameters are drawn
     from PyTorch's generator with the same torch calls as torchvision's
     ``get_params`` (same seed, same crops and flips), the resize is Pillow's
     bilinear filter computed identically, and JPEGs are decoded at 1/2, 1/4
     or 1/8 scale when the crop is shrunk at least that much. Each record is
-    read once. Any other transform runs the PIL path.
+    read once. Any other transform runs the PIL path, and a warning (once)
+    names the step that prevented fusing. For whole batches without worker
+    processes, use :class:`tiacc_training.torch.data.DataLoader`.
 
     Args:
         tfrecored_dir: Folder of the shards (the TI-ACC spelling; the
@@ -134,7 +137,7 @@ class IndexTFRDataset(torch.utils.data.Dataset):
 
     @transform.setter
     def transform(self, transform: Optional[Callable[[Image.Image], Any]]) -> None:
-        plan = FusedPlan.from_transform(transform) if self.fused else None
+        plan = FusedPlan.from_transform(transform, warn=self.output is None) if self.fused else None
         if self.output == "uint8":
             if plan is None:
                 raise ValueError(
@@ -193,27 +196,49 @@ class IndexTFRDataset(torch.utils.data.Dataset):
         return [self._item(p, i) for p, i in zip(pixels, idx)]
 
     def _fused(self, idx: list[int], threads: int) -> list[tuple[Any, Any]]:
+        images, targets = self._fused_batch(idx, threads)
+        return list(zip(images, targets))
+
+    def _fused_batch(
+        self,
+        idx: list[int],
+        threads: int,
+        generator: Optional[torch.Generator] = None,
+        pin_memory: bool = False,
+        uint8: bool = False,
+    ) -> tuple[torch.Tensor, list[Any]]:
+        """A batch on the fused path: ``(N, 3, H, W)`` images and the targets.
+
+        Args:
+            idx: Record numbers (already checked).
+            threads: Engine threads (0: all cores, 1: this thread).
+            generator: Where the random crops and flips are drawn from
+                (default: torch's global generator).
+            pin_memory: Allocate the batch in pinned memory.
+            uint8: Produce uint8 images even if the transform converts and
+                normalises (for conversion on the GPU).
+        """
         plan = self._plan
         assert plan is not None
         # One read per record: the sizes, to draw the parameters, come with
         # the bytes that are then rendered.
         images = self._data.read_images(idx, threads)
-        geometries = [plan.sample(w, h) for w, h in images.sizes]
+        geometries = [plan.sample(w, h, generator) for w, h in images.sizes]
         height, width = plan.output_size
-        out = np.empty(
-            (len(idx), 3, height, width), dtype=np.float32 if plan.to_float else np.uint8
+        as_float = plan.to_float and not uint8
+        out = torch.empty(
+            (len(idx), 3, height, width),
+            dtype=torch.float32 if as_float else torch.uint8,
+            pin_memory=pin_memory,
         )
+        mean, std = (plan.mean, plan.std) if as_float else (None, None)
         self._data.render_images(
-            images, geometries, out, plan.mean, plan.std, self.decode_downscale, threads
+            images, geometries, out.numpy(), mean, std, self.decode_downscale, threads
         )
-        batch = torch.from_numpy(out)
-        items = []
-        for k, i in enumerate(idx):
-            target: Any = self.targets[i]
-            if self.target_transform is not None:
-                target = self.target_transform(target)
-            items.append((batch[k], target))
-        return items
+        targets: list[Any] = [self.targets[i] for i in idx]
+        if self.target_transform is not None:
+            targets = [self.target_transform(t) for t in targets]
+        return out, targets
 
     def _threads(self) -> int:
         if self.decode_threads is not None:

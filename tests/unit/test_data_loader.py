@@ -1,0 +1,266 @@
+"""``tiacc_training.torch.data.DataLoader`` against torch's ``DataLoader``.
+
+The drop-in loader must yield what torch's loader yields over the same
+dataset: the same indices in the same order for every sampler, the same
+random crops (num_workers=0: torch's global generator; num_workers=W: one
+generator per worker seeded like torch's workers), and so the same pixels.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision.transforms as T
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
+
+from tests.unit.test_fused_path import photo_like
+from tiacc_training.errors import CorruptRecordError
+from tiacc_training.tools import general_image_list, img2tfrecord
+from tiacc_training.torch.data import DataLoader
+from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+TRAIN = T.Compose(
+    [T.RandomResizedCrop(48), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)]
+)
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("loader")
+    folder = root / "imgs"
+    sizes = [(120, 90), (90, 120), (100, 100), (160, 120), (64, 80)]
+    for i in range(23):
+        w, h = sizes[i % len(sizes)]
+        photo_like(folder / f"c{i % 4}" / f"{i:03d}.jpg", w, h, i)
+    img_list = root / "list.txt"
+    general_image_list.main(["--img_dir", str(folder), "--img_list", str(img_list)])
+    items = img2tfrecord.read_image_list(str(folder), str(img_list))
+    img2tfrecord.pack(items, str(root / "tfr"), "ds", records_per_shard=8, show_progress=False)
+    return root / "tfr" / "ds.index"
+
+
+def dataset(index: Path, transform=TRAIN, **kwargs) -> IndexTFRDataset:
+    return IndexTFRDataset(str(index.parent), str(index), transform, **kwargs)
+
+
+def batches(loader, epochs: int = 1, seed: int = 7) -> list[list[torch.Tensor]]:
+    torch.manual_seed(seed)
+    out = []
+    for epoch in range(epochs):
+        sampler = loader.sampler
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(epoch)
+        out += [[images.clone(), labels.clone()] for images, labels in loader]
+    return out
+
+
+def assert_same(ours, theirs) -> None:
+    assert len(ours) == len(theirs)
+    for k, ((a, la), (b, lb)) in enumerate(zip(ours, theirs)):
+        assert torch.equal(la, lb), f"batch {k}: labels {la} vs {lb}"
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert torch.equal(a, b), f"batch {k}: pixels differ"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_size": 5, "shuffle": True},
+        {"batch_size": 4, "shuffle": False, "drop_last": True},
+        {"batch_size": 6, "shuffle": True, "generator": "seeded"},
+    ],
+    ids=["shuffle", "sequential-drop-last", "generator"],
+)
+def test_the_same_batches_as_torch(index: Path, workers: int, options: dict) -> None:
+    ds = dataset(index)
+
+    def make(cls):
+        kw = dict(options)
+        if kw.get("generator") == "seeded":
+            kw["generator"] = torch.Generator().manual_seed(3)
+        return cls(ds, num_workers=workers, **kw)
+
+    ours = make(DataLoader)
+    assert ours.uses_fast_path
+    assert len(ours) == len(make(torch.utils.data.DataLoader))
+    assert_same(batches(ours), batches(make(torch.utils.data.DataLoader)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_distributed_sampler_with_set_epoch(index: Path, workers: int) -> None:
+    ds = dataset(index)
+    for rank in range(2):
+
+        def make(cls, rank=rank):
+            sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=5)
+            return cls(ds, batch_size=3, sampler=sampler, num_workers=workers)
+
+        assert_same(
+            batches(make(DataLoader), epochs=2),
+            batches(make(torch.utils.data.DataLoader), epochs=2),
+        )
+
+
+def test_a_batch_sampler(index: Path) -> None:
+    ds = dataset(index)
+
+    def make(cls):
+        sampler = BatchSampler(RandomSampler(ds), batch_size=4, drop_last=False)
+        return cls(ds, batch_sampler=sampler, num_workers=2, prefetch_factor=3)
+
+    assert_same(batches(make(DataLoader)), batches(make(torch.utils.data.DataLoader)))
+
+
+def test_persistent_workers_over_two_epochs(index: Path) -> None:
+    ds = dataset(index)
+
+    def make(cls):
+        return cls(ds, batch_size=5, shuffle=True, num_workers=2, persistent_workers=True)
+
+    ours = make(DataLoader)
+    assert_same(batches(ours, epochs=2), batches(make(torch.utils.data.DataLoader), epochs=2))
+    # An epoch left early: the next one still matches a fresh run's.
+    torch.manual_seed(1)
+    next(iter(ours))
+    assert len(list(ours)) == len(ours)
+
+
+@pytest.mark.parametrize("downscale", [False, True])
+def test_pixels_within_tolerance_of_the_per_item_pil_path(index: Path, downscale: bool) -> None:
+    fused = dataset(index, decode_downscale=downscale)
+    plain = dataset(index, fused=False)
+    assert not plain.uses_fused_path
+    ours = batches(DataLoader(fused, batch_size=4, num_workers=2))
+    stock = batches(torch.utils.data.DataLoader(plain, batch_size=4, num_workers=2))
+    std = torch.tensor(STD).view(1, 3, 1, 1)
+    for (a, la), (b, lb) in zip(ours, stock):
+        assert torch.equal(la, lb)
+        # In [0, 1] units: full-size decoding matches Pillow to 1/255 per mean
+        # pixel; reduced-scale decoding (the default) to 2/255.
+        mean_abs = float(((a - b) * std).abs().mean())
+        assert mean_abs <= (2 if downscale else 1) / 255, mean_abs
+
+
+def test_other_datasets_and_collates_fall_back_to_torch(index: Path) -> None:
+    ds = dataset(index)
+    plain = DataLoader(dataset(index, fused=False), batch_size=4)
+    custom = DataLoader(ds, batch_size=4, collate_fn=lambda items: items)
+    unbatched = DataLoader(ds, batch_size=None)
+    for loader in (plain, custom, unbatched):
+        assert not loader.uses_fast_path
+        assert isinstance(iter(loader), torch.utils.data.dataloader._BaseDataLoaderIter)
+    listed = DataLoader(list(range(10)), batch_size=4)
+    assert [b.tolist() for b in listed] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    with pytest.raises(ValueError, match="fast path"):
+        DataLoader(dataset(index, fused=False), batch_size=4, device="cpu")
+
+
+def test_device_output_converts_on_the_device(index: Path) -> None:
+    ds = dataset(index)
+    host = batches(DataLoader(ds, batch_size=5, num_workers=2))
+    shipped = batches(DataLoader(ds, batch_size=5, num_workers=2, device="cpu"))
+    for (a, la), (b, lb) in zip(host, shipped):
+        assert torch.equal(la, lb) and b.dtype == torch.float32
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_a_corrupt_record_is_named_by_shard_and_offset(index: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "tfr"
+    copy.mkdir()
+    for f in index.parent.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    ds = dataset(copy / index.name)
+    shard, offset = ds.location(9)
+    data = bytearray(Path(shard).read_bytes())
+    data[offset + 40] ^= 0xFF  # inside the record's payload: its CRC fails
+    Path(shard).write_bytes(bytes(data))
+    loader = DataLoader(ds, batch_size=4, num_workers=2)
+    with pytest.raises(CorruptRecordError) as info:
+        list(loader)
+    assert info.value.path == shard and info.value.offset == offset
+    assert_no_loader_threads()
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("tiacc-loader-")]
+
+
+def assert_no_loader_threads() -> None:
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while loader_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not loader_threads(), loader_threads()
+
+
+def test_threads_stop_after_an_early_break_and_an_exception(index: Path) -> None:
+    loader = DataLoader(dataset(index), batch_size=2, num_workers=3)
+    for k, _ in enumerate(loader):
+        assert len(loader_threads()) == 3
+        if k == 1:
+            break
+    assert_no_loader_threads()
+
+    def fail(worker: int) -> None:
+        raise OSError(f"worker {worker} cannot start")
+
+    with pytest.raises(OSError, match="cannot start"):
+        list(DataLoader(dataset(index), batch_size=2, num_workers=2, worker_init_fn=fail))
+    assert_no_loader_threads()
+
+
+def test_worker_init_fn_and_timeout(index: Path) -> None:
+    seen: list[int] = []
+    loader = DataLoader(dataset(index), batch_size=8, num_workers=2, worker_init_fn=seen.append)
+    assert len(list(loader)) == len(loader)
+    assert sorted(seen) == [0, 1]
+
+    def slow(worker: int) -> None:
+        time.sleep(3)
+
+    loader = DataLoader(
+        dataset(index), batch_size=8, num_workers=1, worker_init_fn=slow, timeout=0.5
+    )
+    with pytest.raises(RuntimeError, match="timed out after 0.5 seconds"):
+        next(iter(loader))
+    assert_no_loader_threads()
+
+
+def _child(index: str, conn) -> None:
+    ds = IndexTFRDataset(str(Path(index).parent), index, TRAIN)
+    n = sum(len(labels) for _, labels in DataLoader(ds, batch_size=4, num_workers=2))
+    conn.send(n)
+
+
+def test_forking_after_use_is_safe(index: Path) -> None:
+    ds = dataset(index)
+    assert sum(len(lb) for _, lb in DataLoader(ds, batch_size=4, num_workers=2)) == len(ds)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(str(index), child))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0 and parent.recv() == len(ds)
+
+
+def test_pin_memory(index: Path) -> None:
+    loader = DataLoader(dataset(index), batch_size=4, num_workers=2, pin_memory=True)
+    if torch.cuda.is_available():
+        images, _ = next(iter(loader))
+        assert images.is_pinned()
+        return
+    # Without an accelerator torch's loader warns and does not pin; so do we.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        images, _ = next(iter(loader))
+    assert any("pin_memory" in str(w.message) for w in caught)
+    assert not images.is_pinned()
