@@ -21,6 +21,9 @@ ImageNet-sized JPEGs (``tools/make_image_folder.py``: ~500x375, quality 90,
 * ``e_dali_cpu``: NVIDIA DALI's CPU pipeline (file reader, ROI-decoding
   ``decoders.image_random_crop``, resize, flip, normalize; 2 threads),
   when the ``nvidia-dali`` wheel is installed;
+* ``engine_bound``: the engine alone, read + decode + crop + resize + flip
+  + normalise of every batch in one thread with no loader, times the cores:
+  what no loader on this decoder can beat;
 * ``decode_bound``: PIL's plain decode (``Image.open().convert("RGB")``),
   images/s on one core x the number of cores: what a PIL pipeline cannot beat.
 
@@ -178,6 +181,22 @@ def run_dali(img_dir: Path) -> dict[str, Any]:
             "worker_peak_rss_mb": [], "dtype": str(first.dtype)}  # fmt: skip
 
 
+def engine_bound(index: Path) -> dict[str, float]:
+    """The engine on one core, times the cores: read + decode + crop +
+    resize + flip + normalise of every batch in one thread, no loader. No
+    loader built on this decoder can beat it."""
+    ds = IndexTFRDataset(str(index.parent), str(index), transform())
+    order = torch.randperm(len(ds)).tolist()
+    batches = [order[i : i + BATCH] for i in range(0, len(order) - BATCH + 1, BATCH)]
+    ds._fused_batch(batches[0], threads=1)  # warm-up
+    start = time.perf_counter()
+    for b in batches[1:]:
+        ds._fused_batch(b, threads=1)
+    per_core = BATCH * (len(batches) - 1) / (time.perf_counter() - start)
+    cores = os.cpu_count() or 1
+    return {"per_core": per_core, "cores": cores, "bound": per_core * cores}
+
+
 def decode_bound(img_dir: Path, limit: int = 300) -> dict[str, float]:
     """PIL decode images/s on one core, and that times the core count."""
     files = sorted(img_dir.rglob("*.JPEG"))[:limit]
@@ -230,6 +249,7 @@ def main() -> int:
             print(f"  repeat {rep + 1}/{args.repeats}  {name:<14} "
                   f"{result['images_per_s']:7.1f} images/s", flush=True)  # fmt: skip
     bound = decode_bound(img_dir)
+    engine = engine_bound(index)
     base = statistics.median(r["images_per_s"] for r in runs["a_imagefolder"])
     summary = {}
     print(f"\n{'pipeline':<16}{'images/s':>10}{'x stock':>9}  worker peak RSS (MB)")
@@ -241,6 +261,9 @@ def main() -> int:
                          "max": max(r["images_per_s"] for r in rs),
                          "worker_peak_rss_mb": rss, "dtype": rs[0]["dtype"]}  # fmt: skip
         print(f"{name:<16}{med:>10.1f}{med / base:>8.2f}x  {rss:.0f}")
+    print(f"{'engine_bound':<16}{engine['bound']:>10.1f}{engine['bound'] / base:>8.2f}x  "
+          f"(the engine alone {engine['per_core']:.0f}/s per core x {engine['cores']})"
+          )  # fmt: skip
     print(f"{'decode_bound':<16}{bound['bound']:>10.1f}{bound['bound'] / base:>8.2f}x  "
           f"(PIL decode {bound['per_core']:.0f}/s per core x {bound['cores']})")  # fmt: skip
     result = {
@@ -257,6 +280,7 @@ def main() -> int:
         "results": summary,
         "runs": runs,
         "decode_bound": bound,
+        "engine_bound": engine,
         "goals": {"d_vs_a": 4.0, "d_vs_e_dali_cpu": 1.5, "b_vs_a": 1.0},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -274,8 +274,14 @@ impl IndexedDataset {
             .map_err(|reason| self.image_error(i, reason))
         };
         let run = || match out {
-            BatchOut::Uint8(buf) => for_each_slot(buf, n, threads, |s| OutputSlice::Uint8(s), one),
-            BatchOut::Float(buf) => for_each_slot(buf, n, threads, |s| OutputSlice::Float(s), one),
+            BatchOut::Uint8(buf) => {
+                pool::advise_huge_pages(buf);
+                for_each_slot(buf, n, threads, |s| OutputSlice::Uint8(s), one)
+            }
+            BatchOut::Float(buf) => {
+                pool::advise_huge_pages(buf);
+                for_each_slot(buf, n, threads, |s| OutputSlice::Float(s), one)
+            }
         };
         if threads == 1 {
             return run();

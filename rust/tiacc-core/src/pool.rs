@@ -61,6 +61,36 @@ pub fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
     Ok(pool)
 }
 
+/// Asks the kernel to back `buf` with transparent huge pages where it can.
+///
+/// A fresh batch buffer (tens of MB, freshly mapped by the allocator) is
+/// otherwise faulted in 4 KiB at a time as the batch is written: about 9,400
+/// faults for a float32 batch of 64 images of 224 x 224, which measured 0.3
+/// ms per image on a 2-core VM. With huge pages it takes a few dozen.
+/// Advice only: the contents never change, and where the kernel has no
+/// transparent huge pages (or the buffer is small) nothing happens.
+pub fn advise_huge_pages<T>(buf: &mut [T]) {
+    const HUGE: usize = 2 << 20;
+    let bytes = std::mem::size_of_val(buf);
+    if bytes < 2 * HUGE {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        const PAGE: usize = 4096;
+        let start = buf.as_mut_ptr() as usize;
+        let aligned = start.next_multiple_of(PAGE);
+        let len = (start + bytes - aligned) / PAGE * PAGE;
+        // SAFETY: [aligned, aligned + len) lies inside `buf`, which this
+        // function borrows mutably; MADV_HUGEPAGE only changes how future
+        // page faults in the range are served, never the memory's contents,
+        // and a failure (no THP support) is harmless and ignored.
+        unsafe {
+            libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
