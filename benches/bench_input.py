@@ -27,6 +27,16 @@ ImageNet-sized JPEGs (``tools/make_image_folder.py``: ~500x375, quality 90,
 * ``decode_bound``: PIL's plain decode (``Image.open().convert("RGB")``),
   images/s on one core x the number of cores: what a PIL pipeline cannot beat.
 
+Training part (``--train``; on by default where CUDA is available): ResNet-50
+(bf16 autocast, channels_last, batch ``--train-batch``) trained for
+``--train-steps`` steps fed by each loader with ``--train-workers`` workers,
+against the same model on synthetic data already on the GPU: stock
+``ImageFolder``, the fused dataset through torch's loader, the drop-in loader
+(float32 pinned; ``device="cuda"``, uint8 shipped and normalised on the GPU;
+``decode_device="cuda"``, GPU decode with at most 4 threads).
+``--train-device cpu --train-model resnet18`` runs it on the CPU to check
+the harness.
+
 Pipelines run alternately, ``--repeats`` times each (median reported); each
 run iterates the whole dataset after one warm-up batch. Files are read once
 first, so every pipeline reads from the page cache. Peak RSS of each worker
@@ -197,6 +207,100 @@ def engine_bound(index: Path) -> dict[str, float]:
     return {"per_core": per_core, "cores": cores, "bound": per_core * cores}
 
 
+def train_rate(
+    make_loader: Callable[[], Any], device: torch.device, model_name: str, steps: int, batch: int
+) -> float:
+    """Images/s of ``model_name`` trained on ``device`` fed by ``make_loader()``
+    (``None``: synthetic batches already on the device)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(model_name, num_classes=10).to(device)
+    model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    loader = make_loader() if make_loader is not None else None
+    batches = iter(loader) if loader is not None else None
+    synthetic = (
+        torch.randn(batch, 3, 224, 224, device=device),
+        torch.randint(0, 10, (batch,), device=device),
+    )
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal batches
+        if batches is None:
+            return synthetic
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, y = next(batches)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    warmup, seen = 5, 0
+    start = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+        x, y = next_batch()
+        x = x.contiguous(memory_format=torch.channels_last)
+        with autocast:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step >= warmup:
+            seen += x.shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return seen / (time.perf_counter() - start)
+
+
+def train_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str, Any]:
+    """Training images/s fed by each loader (see the module docstring)."""
+    device = torch.device(args.train_device)
+    workers = args.train_workers or max(1, (os.cpu_count() or 2) - 1)
+    batch = args.train_batch
+    common = {"batch_size": batch, "shuffle": True, "drop_last": True}
+    pin = device.type == "cuda"
+
+    def packed() -> IndexTFRDataset:
+        return IndexTFRDataset(str(index.parent), str(index), transform())
+
+    feeds: dict[str, Any] = {
+        "synthetic": None,
+        "stock_imagefolder": lambda: DataLoader(
+            ImageFolder(str(img_dir), transform()), num_workers=workers, pin_memory=pin,
+            persistent_workers=True, **common),
+        "fused_torch_loader": lambda: DataLoader(
+            packed(), num_workers=workers, pin_memory=pin, persistent_workers=True, **common),
+        "dropin": lambda: DropInLoader(packed(), num_workers=workers, pin_memory=pin, **common),
+        "dropin_device": lambda: DropInLoader(packed(), num_workers=workers, device=device,
+                                              **common),
+        "dropin_decode_device": lambda: DropInLoader(
+            packed(), num_workers=min(4, workers), decode_device=device, **common),
+    }  # fmt: skip
+    rows = {}
+    for name, make in feeds.items():
+        rate = train_rate(make, device, args.train_model, args.train_steps, batch)
+        rows[name] = {"images_per_s": rate}
+        print(f"  train {name:<22} {rate:8.1f} images/s", flush=True)
+    synthetic = rows["synthetic"]["images_per_s"]
+    for row in rows.values():
+        row["fraction_of_synthetic"] = row["images_per_s"] / synthetic
+    return {
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "model": args.train_model,
+        "batch": batch,
+        "workers": workers,
+        "steps": args.train_steps,
+        "rows": rows,
+    }
+
+
 def decode_bound(img_dir: Path, limit: int = 300) -> dict[str, float]:
     """PIL decode images/s on one core, and that times the core count."""
     files = sorted(img_dir.rglob("*.JPEG"))[:limit]
@@ -216,11 +320,42 @@ def main() -> int:
     p.add_argument("--workdir", default="data/bench_input")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benches/results/bench_input.json")
+    p.add_argument(
+        "--train",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the training part (default: where CUDA is available)",
+    )
+    p.add_argument("--train-device", default="cuda")
+    p.add_argument("--train-model", default="resnet50")
+    p.add_argument("--train-batch", type=int, default=256)
+    p.add_argument("--train-steps", type=int, default=60)
+    p.add_argument("--train-workers", type=int, default=0, help="default: cores - 1")
+    p.add_argument("--skip-loaders", action="store_true", help="only the training part")
     args = p.parse_args()
+    if args.train is None:
+        args.train = torch.cuda.is_available()
     if args.images < 2000:
         p.error("--images must be >= 2000")
-    torch.set_num_threads(1)
     img_dir, index = prepare(Path(args.workdir), args.images)
+    result: dict[str, Any] = {
+        "benchmark": "bench_input",
+        "machine": _machine.machine_info(["torchvision", "pillow"]),
+    }
+    if not args.skip_loaders:
+        torch.set_num_threads(1)
+        result.update(loader_part(args, img_dir, index))
+        torch.set_num_threads(os.cpu_count() or 1)
+    if args.train:
+        result["training"] = train_part(args, img_dir, index)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def loader_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str, Any]:
+    """Every loader over the whole dataset, alternately, ``--repeats`` times."""
 
     def packed(**kwargs: Any) -> IndexTFRDataset:
         return IndexTFRDataset(str(index.parent), str(index), transform(), **kwargs)
@@ -266,9 +401,7 @@ def main() -> int:
           )  # fmt: skip
     print(f"{'decode_bound':<16}{bound['bound']:>10.1f}{bound['bound'] / base:>8.2f}x  "
           f"(PIL decode {bound['per_core']:.0f}/s per core x {bound['cores']})")  # fmt: skip
-    result = {
-        "benchmark": "bench_input",
-        "machine": _machine.machine_info(["torchvision", "pillow"]),
+    return {
         "config": {
             "images": args.images,
             "batch": BATCH,
@@ -283,10 +416,6 @@ def main() -> int:
         "engine_bound": engine,
         "goals": {"d_vs_a": 4.0, "d_vs_e_dali_cpu": 1.5, "b_vs_a": 1.0},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

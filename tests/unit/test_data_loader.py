@@ -20,6 +20,7 @@ import torch
 import torchvision.transforms as T
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
+from tests.conftest import write_image
 from tests.unit.test_fused_path import photo_like
 from tiacc_training.errors import CorruptRecordError
 from tiacc_training.tools import general_image_list, img2tfrecord
@@ -40,6 +41,7 @@ def index(tmp_path_factory) -> Path:
     for i in range(23):
         w, h = sizes[i % len(sizes)]
         photo_like(folder / f"c{i % 4}" / f"{i:03d}.jpg", w, h, i)
+    write_image(folder / "c1" / "png_000.png", 70, 50, 99, fmt="PNG")
     img_list = root / "list.txt"
     general_image_list.main(["--img_dir", str(folder), "--img_list", str(img_list)])
     items = img2tfrecord.read_image_list(str(folder), str(img_list))
@@ -264,3 +266,42 @@ def test_pin_memory(index: Path) -> None:
         images, _ = next(iter(loader))
     assert any("pin_memory" in str(w.message) for w in caught)
     assert not images.is_pinned()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_device_decode_path_on_the_cpu(index: Path, workers: int) -> None:
+    """decode_device runs the GPU path's code; on the CPU, torchvision decodes.
+
+    Same crops and flips as the CPU path (its draws), pixels within a few
+    levels (another IDCT, another resampling filter), and records that are
+    not JPEG take the CPU path in the same batch: those are exact.
+    """
+    ds = dataset(index)
+    png = next(i for i in range(len(ds)) if ds.location(i)[0] and _is_png(ds, i))
+    cpu = batches(DataLoader(ds, batch_size=6, num_workers=workers))
+    device = batches(DataLoader(ds, batch_size=6, num_workers=workers, decode_device="cpu"))
+    std = torch.tensor(STD).view(1, 3, 1, 1)
+    order = list(range(len(ds)))  # no shuffle: batch k holds records 6k..6k+5
+    for k, ((a, la), (b, lb)) in enumerate(zip(cpu, device)):
+        assert torch.equal(la, lb) and a.shape == b.shape and b.dtype == torch.float32
+        mean_abs = float(((a - b) * std).abs().mean())
+        assert mean_abs <= 3 / 255, (k, mean_abs)
+        for j, i in enumerate(order[6 * k : 6 * k + 6]):
+            if i == png:
+                assert torch.equal(a[j], b[j]), "the PNG took the CPU path"
+
+
+def _is_png(ds: IndexTFRDataset, i: int) -> bool:
+    return ds._data.image_bytes(i)[:4] == b"\x89PNG"
+
+
+def test_device_and_decode_device_arguments(index: Path) -> None:
+    ds = dataset(index)
+    with pytest.raises(ValueError, match="differs"):
+        DataLoader(ds, batch_size=4, device="cpu", decode_device="meta")
+    uint8 = dataset(index, transform=T.Compose([T.CenterCrop(32), T.PILToTensor()]))
+    with pytest.raises(ValueError, match="uint8"):
+        DataLoader(uint8, batch_size=4, device="cpu")
+    # uint8 plans decode on the device too, and stay uint8.
+    images, _ = next(iter(DataLoader(uint8, batch_size=4, decode_device="cpu")))
+    assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)

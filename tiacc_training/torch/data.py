@@ -31,10 +31,19 @@ the caller as itself (a ``CorruptRecordError`` naming the shard and offset),
 not wrapped. Breaking out of the loop, an exception or Ctrl-C stops the
 threads; forking afterwards is safe.
 
-``device="cuda"`` (an addition): the engine produces uint8 batches, they go
-to the GPU (a quarter of the bytes of float32) and are converted and
-normalised there, as DALI and FFCV do. The result equals the float32
-batches up to float rounding.
+Additions:
+
+* ``device="cuda"``: the engine produces uint8 batches, they go to the GPU
+  (a quarter of the bytes of float32) and are converted and normalised
+  there, as DALI and FFCV do. The result equals the float32 batches up to
+  float rounding.
+* ``decode_device="cuda"``: JPEGs are decoded on the GPU (nvJPEG, through
+  torchvision) and cropped, resized, flipped and normalised there in whole
+  batches; the CPU threads only read records. Non-JPEG records, and JPEGs
+  the GPU decoder refuses, take the CPU path in the same batch. Crops and
+  flips are the same draws as on the CPU; pixels differ from the CPU path
+  by a few levels of 255 (IDCT rounding, the resampling filter). See
+  ``_device_decode``.
 """
 
 from __future__ import annotations
@@ -64,29 +73,44 @@ class DataLoader(torch.utils.data.DataLoader):
             normalise them on that device; ``None`` (default) yields
             float32 batches on the host, as torch's loader does. Only the
             fast path honours it; elsewhere it is an error to ask for it.
+        decode_device: ``"cuda"`` to decode and augment on the GPU (see
+            the module docs); batches are then yielded there.
         **kwargs: As for ``torch.utils.data.DataLoader``.
 
     Raises:
-        ValueError: ``device`` was given but the fast path does not apply
-            (the message says why).
+        ValueError: ``device`` or ``decode_device`` was given but the fast
+            path does not apply (the message says why), or they disagree.
     """
 
-    def __init__(self, *args: Any, device: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, device: Any = None, decode_device: Any = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._tiacc_why_not = _why_not_fast(self)
         self._tiacc_iter: Optional[_ThreadedIter] = None
         self._tiacc_device: Optional[torch.device] = None
-        if device is not None:
-            if self._tiacc_why_not is not None:
+        self._tiacc_decoder: Any = None
+        for name, value in (("device", device), ("decode_device", decode_device)):
+            if value is not None and self._tiacc_why_not is not None:
                 raise ValueError(
-                    f"device={device!r} needs the fast path, which does not apply: "
+                    f"{name}={value!r} needs the fast path, which does not apply: "
                     f"{self._tiacc_why_not}"
                 )
-            self._tiacc_device = torch.device(device)
-            if self.dataset._plan.mean is None and not self.dataset._plan.to_float:
+        if decode_device is not None:
+            from tiacc_training.torch._device_decode import DeviceDecoder
+
+            if device is not None and torch.device(device) != torch.device(decode_device):
                 raise ValueError(
-                    f"device={device!r} converts on the device, but the transform already "
-                    "yields uint8 images"
+                    f"decode_device={decode_device!r} yields batches there; device={device!r} "
+                    "differs"
+                )
+            self._tiacc_decoder = DeviceDecoder(self.dataset, torch.device(decode_device))
+        elif device is not None:
+            self._tiacc_device = torch.device(device)
+            if not self.dataset._plan.to_float:
+                raise ValueError(
+                    f"device={device!r} converts on the device, but the transform yields "
+                    "uint8 images: move them with .to() instead"
                 )
 
     def check_worker_number_rationality(self) -> None:
@@ -246,6 +270,10 @@ class _ThreadedIter:
 
     def load(self, indices: list[int], generator: Optional[torch.Generator]) -> Any:
         """One batch: ``[images, targets]`` as the default collate gives it."""
+        decoder = self.loader._tiacc_decoder
+        if decoder is not None:
+            images, targets = decoder.batch(indices, generator)
+            return [images, default_collate(targets)]
         images, targets = self.dataset._fused_batch(
             indices,
             threads=1 if self.workers else 0,
@@ -256,6 +284,11 @@ class _ThreadedIter:
         return [images, default_collate(targets)]
 
     def _finish(self, batch: Any) -> Any:
+        images = batch[0]
+        if images.device.type == "cuda":
+            # Made on a worker thread's stream: the caching allocator must
+            # not reuse it before the consumer's stream is done with it.
+            images.record_stream(torch.cuda.current_stream(images.device))
         if self.device is None:
             return batch
         images, targets = batch
@@ -302,10 +335,18 @@ def _work(it: Any, worker: int, inbox: queue.SimpleQueue) -> None:
         while (job := inbox.get()) is not None:
             results.put((job[0], job[1], failure))
         return
+    stream = None
+    decoder = it.loader._tiacc_decoder
+    if decoder is not None and decoder.device.type == "cuda":
+        stream = torch.cuda.Stream(decoder.device)
     while (job := inbox.get()) is not None:
         epoch, k, indices = job
         try:
-            batch: Any = it.load(indices, generator)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    batch: Any = it.load(indices, generator)
+            else:
+                batch = it.load(indices, generator)
         except ReferenceError:
             return
         except BaseException as exc:

@@ -360,6 +360,28 @@ impl EncodedImages {
     pub fn sizes(&self) -> &[(u32, u32)] {
         &self.sizes
     }
+
+    /// The encoded bytes of each image, in order.
+    pub fn data(&self) -> &[Bytes] {
+        &self.data
+    }
+
+    /// The images at positions `positions`, in that order (no copy of the
+    /// bytes).
+    pub fn select(&self, positions: &[usize]) -> Result<EncodedImages> {
+        let n = self.indices.len();
+        if let Some(&bad) = positions.iter().find(|&&k| k >= n) {
+            return Err(Error::InvalidArgument(format!(
+                "position {bad} is out of range for {n} images"
+            )));
+        }
+        Ok(EncodedImages {
+            dataset: self.dataset,
+            indices: positions.iter().map(|&k| self.indices[k]).collect(),
+            data: positions.iter().map(|&k| self.data[k].clone()).collect(),
+            sizes: positions.iter().map(|&k| self.sizes[k]).collect(),
+        })
+    }
 }
 
 /// A whole batch's output buffer (`N` equal slots).

@@ -42,6 +42,24 @@ impl EncodedImages {
     fn indices(&self) -> Vec<usize> {
         self.inner.indices().to_vec()
     }
+
+    /// The encoded bytes of the image at `position`.
+    fn encoded<'py>(&self, py: Python<'py>, position: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let data = self.inner.data().get(position).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "position {position} is out of range for {} images",
+                self.inner.data().len()
+            ))
+        })?;
+        Ok(PyBytes::new(py, data))
+    }
+
+    /// The images at `positions`, in that order (the bytes are shared).
+    fn select(&self, positions: Vec<usize>) -> PyResult<EncodedImages> {
+        Ok(EncodedImages {
+            inner: self.inner.select(&positions).py()?,
+        })
+    }
 }
 
 /// `render_batch`'s geometry tuples.
