@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import signal
 import threading
 import time
 import warnings
@@ -217,6 +218,14 @@ def test_threads_stop_after_an_early_break_and_an_exception(index: Path) -> None
 
     with pytest.raises(OSError, match="cannot start"):
         list(DataLoader(dataset(index), batch_size=2, num_workers=2, worker_init_fn=fail))
+    assert_no_loader_threads()
+
+
+def test_ctrl_c_stops_the_threads(index: Path) -> None:
+    loader = DataLoader(dataset(index), batch_size=2, num_workers=2)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            signal.raise_signal(signal.SIGINT)  # what Ctrl-C does
     assert_no_loader_threads()
 
 
