@@ -92,3 +92,21 @@ def describe(ranks: list[Rank]) -> str:
         f"{r.stdout}\n{r.stderr[-3000:]}"
         for r in ranks
     )
+
+
+def exit_failed(exc: BaseException, linger: float = 0.0) -> None:
+    """A worker's way out after an error: the traceback, one ``WORKER_ERROR``
+    line the tests read, then exit code 3.
+
+    ``linger`` keeps the process (and, on rank 0, the store that holds the
+    job's failure board) up a moment, so ranks failing later can still read
+    the first failure.
+    """
+    import time
+    import traceback
+
+    traceback.print_exc()
+    print(f"WORKER_ERROR {type(exc).__name__}: {exc}", flush=True)
+    sys.stdout.flush()
+    time.sleep(linger)
+    os._exit(3)

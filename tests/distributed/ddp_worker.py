@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tiacc_training.torch.distributed as tdist
+from tests._launch import exit_failed
 from tiacc_training.torch.distributed import _engines
 
 
@@ -172,11 +172,9 @@ def main() -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    except Exception as exc:  # report the type and message for the test to check
-        traceback.print_exc()
-        print(f"WORKER_ERROR {type(exc).__name__}: {exc}", flush=True)
-        sys.stdout.flush()
-        os._exit(3)
+    except Exception as exc:  # the tests read the WORKER_ERROR line
+        exit_failed(exc)
+        return 3
 
 
 if __name__ == "__main__":

@@ -22,15 +22,13 @@ cross-rank check; ``--nan-rank`` puts a NaN into one bucket of that rank.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from tests._launch import exit_failed
 from tiacc_training import _engine
 from tiacc_training.torch.distributed import _config, _engines, _launch, _rendezvous
 from tiacc_training.torch.distributed._cuda import NcclChannels
@@ -142,14 +140,9 @@ def main() -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    except Exception as exc:
-        traceback.print_exc()
-        print(f"WORKER_ERROR {type(exc).__name__}: {exc}", flush=True)
-        sys.stdout.flush()
-        # Rank 0 hosts the store that holds the job's failure board: stay a
-        # moment so that ranks failing later can still read it.
-        time.sleep(3)
-        os._exit(3)
+    except Exception as exc:  # the tests read the WORKER_ERROR line
+        exit_failed(exc, linger=3)
+        return 3
 
 
 if __name__ == "__main__":

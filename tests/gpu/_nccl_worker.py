@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tiacc_training.torch.distributed as tdist
+from tests._launch import exit_failed
 
 
 def build_model(width: int) -> nn.Module:
@@ -102,14 +101,9 @@ def main() -> int:
         tdist.shutdown()
         dist.destroy_process_group()
         return 0
-    except Exception as exc:
-        traceback.print_exc()
-        print(f"WORKER_ERROR {type(exc).__name__}: {exc}", flush=True)
-        sys.stdout.flush()
-        # Rank 0 hosts the store that holds the job's failure board: stay a
-        # moment so that ranks failing later can still read it.
-        time.sleep(5)
-        os._exit(3)
+    except Exception as exc:  # the tests read the WORKER_ERROR line
+        exit_failed(exc, linger=5)
+        return 3
 
 
 if __name__ == "__main__":
