@@ -197,6 +197,14 @@ def _finish(pixels: torch.Tensor, plan: Any, to_float: bool) -> torch.Tensor:
     """Float 0..255 pixels as the plan's output: normalised float, or uint8."""
     if not to_float:
         return pixels.round_().clamp_(0, 255).to(torch.uint8)
+    return normalize_(pixels, plan)
+
+
+def normalize_(pixels: torch.Tensor, plan: Any) -> torch.Tensor:
+    """Float 0..255 pixels to the plan's float output, in place.
+
+    ``(v / 255 - mean) / std``: what ``ToTensor`` then ``Normalize`` give.
+    """
     pixels.div_(255.0)
     if plan.mean is not None:
         mean = torch.tensor(plan.mean, device=pixels.device).view(1, 3, 1, 1)

@@ -58,6 +58,8 @@ import torch
 import torch.utils.data
 from torch.utils.data._utils.collate import default_collate
 
+from tiacc_training.torch._device_decode import DeviceDecoder, normalize_
+
 __all__ = ["DataLoader"]
 
 
@@ -97,8 +99,6 @@ class DataLoader(torch.utils.data.DataLoader):
                     f"{self._tiacc_why_not}"
                 )
         if decode_device is not None:
-            from tiacc_training.torch._device_decode import DeviceDecoder
-
             if device is not None and torch.device(device) != torch.device(decode_device):
                 raise ValueError(
                     f"decode_device={decode_device!r} yields batches there; device={device!r} "
@@ -292,13 +292,8 @@ class _ThreadedIter:
         if self.device is None:
             return batch
         images, targets = batch
-        plan = self.dataset._plan
-        out = images.to(self.device, non_blocking=True).float().div_(255.0)
-        if plan.mean is not None:
-            mean = torch.tensor(plan.mean, device=self.device).view(1, 3, 1, 1)
-            std = torch.tensor(plan.std, device=self.device).view(1, 3, 1, 1)
-            out.sub_(mean).div_(std)
-        return [out, targets]
+        out = images.to(self.device, non_blocking=True).float()
+        return [normalize_(out, self.dataset._plan), targets]
 
     def close_unless_persistent(self) -> None:
         """Ends an epoch: the threads stop unless the workers persist."""
