@@ -60,3 +60,17 @@ def run_tool(module: str, *args: str, cwd: Path | None = None) -> subprocess.Com
         timeout=300,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def pack_folder(root: Path, records_per_shard: int) -> Path:
+    """Lists ``root / "imgs"`` and packs it into ``root / "tfr"`` with the
+    command-line tools' code, as a user would; returns the index path."""
+    from tiacc_training.tools import general_image_list, img2tfrecord
+
+    folder, img_list = root / "imgs", root / "list.txt"
+    general_image_list.main(["--img_dir", str(folder), "--img_list", str(img_list)])
+    items = img2tfrecord.read_image_list(str(folder), str(img_list))
+    img2tfrecord.pack(
+        items, str(root / "tfr"), "ds", records_per_shard=records_per_shard, show_progress=False
+    )
+    return root / "tfr" / "ds.index"

@@ -21,10 +21,9 @@ import torch
 import torchvision.transforms as T
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
-from tests.conftest import write_image
+from tests.conftest import pack_folder, write_image
 from tests.unit.test_fused_path import photo_like
 from tiacc_training.errors import CorruptRecordError
-from tiacc_training.tools import general_image_list, img2tfrecord
 from tiacc_training.torch.data import DataLoader
 from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
 
@@ -43,11 +42,7 @@ def index(tmp_path_factory) -> Path:
         w, h = sizes[i % len(sizes)]
         photo_like(folder / f"c{i % 4}" / f"{i:03d}.jpg", w, h, i)
     write_image(folder / "c1" / "png_000.png", 70, 50, 99, fmt="PNG")
-    img_list = root / "list.txt"
-    general_image_list.main(["--img_dir", str(folder), "--img_list", str(img_list)])
-    items = img2tfrecord.read_image_list(str(folder), str(img_list))
-    img2tfrecord.pack(items, str(root / "tfr"), "ds", records_per_shard=8, show_progress=False)
-    return root / "tfr" / "ds.index"
+    return pack_folder(root, records_per_shard=8)
 
 
 def dataset(index: Path, transform=TRAIN, **kwargs) -> IndexTFRDataset:

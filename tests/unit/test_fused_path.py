@@ -11,8 +11,7 @@ import torchvision.transforms as T
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from tests.conftest import write_image
-from tiacc_training.tools import general_image_list, img2tfrecord
+from tests.conftest import pack_folder, write_image
 from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -38,11 +37,7 @@ def packed(tmp_path_factory) -> Path:
         w, h = sizes[i % len(sizes)]
         photo_like(folder / f"c{i % 3}" / f"{i:03d}.jpg", w, h, i)
     write_image(folder / "c0" / "png_000.png", 300, 200, 99, fmt="PNG")
-    img_list = root / "list.txt"
-    general_image_list.main(["--img_dir", str(folder), "--img_list", str(img_list)])
-    items = img2tfrecord.read_image_list(str(folder), str(img_list))
-    img2tfrecord.pack(items, str(root / "tfr"), "ds", records_per_shard=4, show_progress=False)
-    return root / "tfr" / "ds.index"
+    return pack_folder(root, records_per_shard=4)
 
 
 def pair(index: Path, transform, **kwargs):

@@ -17,8 +17,8 @@ from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
+from tests.conftest import pack_folder
 from tests.unit.test_fused_path import MEAN, STD, mean_abs_01, pair, photo_like, same_seed_items
-from tiacc_training.tools import general_image_list, img2tfrecord
 from tiacc_training.torch import _fused
 from tiacc_training.torch._fused import FusedPlan
 from tiacc_training.torch._random_params import flip_draw
@@ -36,11 +36,7 @@ def packed(tmp_path_factory) -> Path:
     for i in range(8):
         w, h = sizes[i % len(sizes)]
         photo_like(folder / f"c{i % 2}" / f"{i:03d}.jpg", w, h, 100 + i)
-    img_list = root / "list.txt"
-    general_image_list.main(["--img_dir", str(folder), "--img_list", str(img_list)])
-    items = img2tfrecord.read_image_list(str(folder), str(img_list))
-    img2tfrecord.pack(items, str(root / "tfr"), "ds", records_per_shard=3, show_progress=False)
-    return root / "tfr" / "ds.index"
+    return pack_folder(root, records_per_shard=3)
 
 
 @pytest.fixture
