@@ -1,7 +1,8 @@
 """Runs one multi-rank job on the emulated two-node cluster.
 
-Shared by the DDP benchmarks: ranks ``0 .. k-1`` on node 0 and ``k .. 2k-1``
-on node 1, torchrun-style variables, each node's link settings
+Shared by the DDP benchmarks: ranks ``0 .. k-1`` on the first node given,
+``k .. 2k-1`` on the second (a single node runs the whole job over its own
+loopback), torchrun-style variables, each node's link settings
 (``netns_cluster.Node.env``), and the shapers' counters read around the job.
 """
 
@@ -26,11 +27,14 @@ def run_job(
     env_extra: dict[str, str],
     ranks_per_node: int = 2,
     timeout: float = 900,
+    stderr_prefixes: Sequence[str] = (),
 ) -> dict:
     """Runs ``worker`` on every rank and returns rank 0's ``RESULT`` JSON.
 
     The result gains ``link_sent_bytes`` and ``link_dropped_packets``: what
-    the two shapers saw during the whole job.
+    the two shapers saw during the whole job. With ``stderr_prefixes`` it
+    also gains ``rank0_stderr_lines``: rank 0's stderr lines that start with
+    one of them (stderr is otherwise only shown when a rank fails).
 
     Raises:
         RuntimeError: a rank failed (its output is in the message).
@@ -84,4 +88,8 @@ def run_job(
     result = json.loads(line[len("RESULT ") :])
     result["link_dropped_packets"] = after["dropped_packets"] - before["dropped_packets"]
     result["link_sent_bytes"] = after["sent_bytes"] - before["sent_bytes"]
+    if stderr_prefixes:
+        result["rank0_stderr_lines"] = [
+            x for x in outputs[0][1].splitlines() if x.startswith(tuple(stderr_prefixes))
+        ]
     return result

@@ -1,14 +1,15 @@
 """One rank of the DDP benchmarks (launched by bench_ddp.py and bench_nccl.py).
 
-Trains a stack of square Linear layers (``--layers`` x ``--width``; the
-default 4 x 1024 is about 16.8 MB of float32 gradients) with
-DistributedDataParallel, natively or through the tiacc engine, and prints
-the per-step wall times of rank 0 as JSON. On ``--device cpu`` native runs
-use gloo; on ``--device cuda`` (every rank on ``cuda:LOCAL_RANK %
-device_count``) native runs use NCCL. Native runs may register one of
-torch's own communication hooks (``--hook``). Rank 0 also reads its node's
-link counters around the timed steps, which gives the bytes that crossed
-between the nodes per step.
+Trains one of three models (``--model``, see :func:`build_model`) with
+DistributedDataParallel, natively or through the tiacc engine, or without
+DDP at all (``--mode none``: the same model, batch and optimizer with no
+gradient communication; the process group only serves the barriers around
+the timed steps), and prints the per-step wall times of rank 0 as JSON. On
+``--device cpu`` native runs use gloo; on ``--device cuda`` (every rank on
+``cuda:LOCAL_RANK % device_count``) native runs use NCCL. Native runs may
+register one of torch's own communication hooks (``--hook``). Rank 0 also
+reads its node's link counters around the timed steps, which gives the
+bytes that crossed between the nodes per step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,109 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+
+MODELS = ("mlp", "dominant", "tiny")
+SMALL_PARAM_BYTES = 4096
+
+
+class _Residual(nn.Module):
+    """``x + relu(linear(norm(x)))``: one narrow block of the tiny model."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.linear(self.norm(x)))
+
+
+def build_model(
+    name: str, batch: int, layers: int = 4, width: int = 1024
+) -> tuple[nn.Module, torch.Tensor, str]:
+    """The model, one input batch for it, and a one-line description.
+
+    - ``mlp``: ``layers`` x Linear(width, width) + ReLU (4 x 1024: 16.8 MB
+      of float32 gradients in 8 equal-sized pairs of tensors);
+    - ``dominant``: three stride-2 Conv2d on 32x32 RGB images, then Linear
+      1024 -> 3072 -> 512 -> 256 -> 10; the 1024 x 3072 layer holds about
+      65% of the 19.5 MB of gradients, so DDP forms few, large buckets;
+    - ``tiny``: Linear 1024 -> 1024 -> 24 (the bulk, 4.3 MB), then 60
+      residual blocks of LayerNorm(24) + Linear(24, 24) and a Linear(24, 10)
+      head: 243 of its 246 parameter tensors are under 4 KB, so the cost per
+      parameter and per bucket shows.
+
+    ``layers`` and ``width`` apply to ``mlp`` only.
+    """
+    if name == "mlp":
+        stack: list[nn.Module] = []
+        for _ in range(layers):
+            stack += [nn.Linear(width, width), nn.ReLU()]
+        return (
+            nn.Sequential(*stack),
+            torch.randn(batch, width),
+            f"{layers} x Linear({width}, {width}) + ReLU",
+        )
+    if name == "dominant":
+        model = nn.Sequential(
+            nn.Conv2d(3, 16, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(64 * 4 * 4, 3072),
+            nn.ReLU(),
+            nn.Linear(3072, 512),
+            nn.ReLU(),
+            nn.Linear(512, 256),
+            nn.ReLU(),
+            nn.Linear(256, 10),
+        )
+        description = (
+            "Conv2d 3->16->32->64 (3x3, stride 2) on 32x32 images, "
+            "Linear 1024->3072->512->256->10, ReLU"
+        )
+        return model, torch.randn(batch, 3, 32, 32), description
+    if name == "tiny":
+        blocks, narrow = 60, 24
+        model = nn.Sequential(
+            nn.Linear(1024, 1024),
+            nn.ReLU(),
+            nn.Linear(1024, narrow),
+            *[_Residual(narrow) for _ in range(blocks)],
+            nn.Linear(narrow, 10),
+        )
+        description = (
+            f"Linear 1024->1024->{narrow}, {blocks} x (x + ReLU(Linear({narrow}, {narrow})"
+            f"(LayerNorm({narrow})(x)))), Linear({narrow}, 10)"
+        )
+        return model, torch.randn(batch, 1024), description
+    raise ValueError(f"unknown model {name!r}: expected one of {MODELS}")
+
+
+def model_stats(model: nn.Module) -> dict:
+    """Gradient bytes, parameter counts, small tensors and the largest layer."""
+    params = list(model.parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    layers = [
+        (name, sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)))
+        for name, m in model.named_modules()
+        if any(True for _ in m.parameters(recurse=False))
+    ]
+    largest_name, largest_bytes = max(layers, key=lambda x: x[1])
+    largest = dict(model.named_modules())[largest_name]
+    return {
+        "grad_bytes": grad_bytes,
+        "parameter_tensors": len(params),
+        "parameter_elements": sum(p.numel() for p in params),
+        "params_under_4kb": sum(p.numel() * p.element_size() < SMALL_PARAM_BYTES for p in params),
+        "layers_with_parameters": len(layers),
+        "largest_layer": f"{largest_name}: {largest}",
+        "largest_layer_bytes": largest_bytes,
+        "largest_layer_share": round(largest_bytes / grad_bytes, 4),
+    }
 
 
 def link_bytes() -> int:
@@ -59,10 +163,11 @@ def register_torch_hook(ddp: nn.parallel.DistributedDataParallel, hook: str) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["native", "tiacc"], required=True)
+    parser.add_argument("--mode", choices=["native", "tiacc", "none"], required=True)
+    parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4, help="mlp only")
+    parser.add_argument("--width", type=int, default=1024, help="mlp only")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -81,19 +186,22 @@ def main() -> None:
     else:
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(args.layers):
-        layers += [nn.Linear(args.width, args.width), nn.ReLU()]
-    model = nn.Sequential(*layers).to(device)
-    # PowerSGD chains allreduces inside future callbacks, whose order gloo
-    # does not keep the same on every rank once there are several buckets
-    # (ranks then abort on mismatched messages): it gets a single bucket.
-    bucket_cap_mb = 64 if args.hook == "powersgd" and not cuda else None
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    if args.hook != "none":
-        register_torch_hook(ddp, args.hook)
+    model, x, _ = build_model(args.model, args.batch, args.layers, args.width)
+    model = model.to(device)
+    x = x.to(device)
+    if args.mode == "none":
+        # The compute floor: no DDP, so no gradient leaves the rank.
+        ddp: nn.Module = model
+    else:
+        # PowerSGD chains allreduces inside future callbacks, whose order
+        # gloo does not keep the same on every rank once there are several
+        # buckets (ranks then abort on mismatched messages): it gets a
+        # single bucket.
+        bucket_cap_mb = 64 if args.hook == "powersgd" and not cuda else None
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        if args.hook != "none":
+            register_torch_hook(ddp, args.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    x = torch.randn(args.batch, args.width, device=device)
     times = []
     cpu_start = 0.0
     link_start = 0
@@ -117,7 +225,7 @@ def main() -> None:
     link_per_step = (link_bytes() - link_start) / args.steps
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu_per_step = (usage.ru_utime + usage.ru_stime - cpu_start) / args.steps
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    stats = model_stats(model)
     checksum = float(sum(p.double().sum() for p in model.parameters()))
     if dist.get_rank() == 0:
         print(
@@ -125,8 +233,8 @@ def main() -> None:
             + json.dumps(
                 {
                     "step_s": times,
-                    "grad_bytes": grad_bytes,
-                    "bucket_bytes_cap": ddp.bucket_bytes_cap,
+                    "grad_bytes": stats["grad_bytes"],
+                    "bucket_bytes_cap": getattr(ddp, "bucket_bytes_cap", None),
                     "checksum": checksum,
                     "rank0_cpu_s_per_step": cpu_per_step,
                     "link_bytes_per_step": link_per_step,
