@@ -167,6 +167,7 @@ def main() -> int:
         print(f"ENGINE_CHANNELS={engine.num_channels if engine else 0}", flush=True)
         print(f"ENGINE_COMPRESSION={engine.compression if engine else None}", flush=True)
         print(f"ENGINE_2D={engine.two_d_members if engine else None}", flush=True)
+        print(f"ENGINE_USES_2D={engine.two_d if engine else None}", flush=True)
         if engine is not None:
             check_dtypes(engine)
         dist.barrier()

@@ -263,6 +263,33 @@ def test_two_d_allreduce_on_two_emulated_nodes(tmp_path: Path, extra: dict[str, 
         torch.testing.assert_close(ours[name], value, msg=name, **tolerance)
 
 
+@pytest.mark.parametrize("algorithm", ["auto", "flat"])
+def test_auto_measures_flat_against_2d_and_says_why(tmp_path: Path, algorithm: str) -> None:
+    """2 nodes x 2 ranks by local size: by default the engine connects the 2D
+    groups, times flat against 2D at start-up, logs its choice once (rank 0)
+    and trains like native DDP; a forced choice connects and probes nothing."""
+    env = {"TIACC_TRAINING_TIMEOUT": "60", "TIACC_TRAINING_NUM_NCCL_STREAMS": "2"}
+    if algorithm != "auto":
+        env["TIACC_TRAINING_ALGORITHM"] = algorithm
+    ranks = run_ranks(4, ["--out", str(tmp_path), "--steps", "10"], env=env, local_size=2)
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    lines = [line for line in ranks[0].stderr.splitlines() if "auto: chose" in line]
+    if algorithm == "auto":
+        assert len(lines) == 1, describe(ranks)
+        chose_2d = "auto: chose 2d" in lines[0]
+        assert f"ENGINE_USES_2D={chose_2d}" in ranks[0].stdout, describe(ranks)
+        assert "ENGINE_2D=([0, 1], [0, 2])" in ranks[0].stdout, describe(ranks)
+        assert "inter-node" in lines[0] and "fp16 would take" in lines[0], lines[0]
+    else:
+        assert lines == [], describe(ranks)
+        assert "ENGINE_2D=None" in ranks[0].stdout, describe(ranks)
+    assert not any("auto: chose" in r.stderr for r in ranks[1:]), describe(ranks)
+    assert_bitwise_identical_across_ranks(tmp_path, 4)
+    native, ours = load(tmp_path, "native", 0), load(tmp_path, "tiacc", 0)
+    for name, value in native.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_two_d_refuses_a_world_that_does_not_split_into_nodes(tmp_path: Path) -> None:
     ranks = run_ranks(
         3,

@@ -15,13 +15,14 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use tiacc_core::comm::auto;
 use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::tcp::{self, GroupListeners, TOKEN_LEN};
 use tiacc_core::comm::{
     AlgoSettings, Collective, Completion, DType, Deadline, Engine, FailureBoard, Job, Layout,
     RawBuf,
 };
-use tiacc_core::config;
+use tiacc_core::config::{self, AlgorithmChoice};
 
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
@@ -223,6 +224,10 @@ pub(crate) struct EngineInfo {
     pub(crate) settings: AlgoSettings,
     /// The 2D layout, when `intra_size` was given.
     pub(crate) layout: Option<Layout>,
+    /// Whether the job spans nodes (unknown counts as yes).
+    pub(crate) spans_nodes: bool,
+    /// Ranks per node, when the launcher said.
+    pub(crate) local_size: Option<usize>,
 }
 
 impl EngineInfo {
@@ -252,6 +257,8 @@ impl EngineInfo {
             num_channels: c.num_streams,
             settings: AlgoSettings::from_config(c, size, local_size, layout.is_some()),
             layout,
+            spans_nodes: config::spans_nodes(size, local_size),
+            local_size,
             config: config.unbind(),
         })
     }
@@ -273,6 +280,8 @@ pub struct CommEngine {
     tcp: TcpSetup,
     board: Option<Arc<dyn FailureBoard>>,
     engine: Option<Engine>,
+    /// What `TIACC_TRAINING_ALGORITHM=auto` measured and chose, when it ran.
+    auto_choice: Option<String>,
 }
 
 #[pymethods]
@@ -294,6 +303,7 @@ impl CommEngine {
             info,
             board: PyBoard::wrap(board),
             engine: None,
+            auto_choice: None,
         })
     }
 
@@ -366,6 +376,21 @@ impl CommEngine {
         channel_of(bucket, self.info.num_channels)
     }
 
+    /// The line explaining what `TIACC_TRAINING_ALGORITHM=auto` measured and
+    /// chose at `connect`, or `None` when it did not run (a forced choice,
+    /// or a job on one node).
+    #[getter]
+    fn auto_choice(&self) -> Option<String> {
+        self.auto_choice.clone()
+    }
+
+    /// Whether buckets take the 2D allreduce (up to the hierarchical
+    /// threshold), as forced or as `auto` chose.
+    #[getter]
+    fn two_d(&self) -> bool {
+        self.info.settings.hierarchical_threshold.is_some()
+    }
+
     /// Forms the rings with every rank's `addresses` (indexed by rank) and
     /// the job `token`, then starts the channel threads. Blocks (without the
     /// GIL) until every connection is up or the timeout passes.
@@ -390,12 +415,28 @@ impl CommEngine {
             self.info.num_channels,
             self.info.timeout,
         )?;
+        let mut groups = groups;
+        let config = self.info.config.get().inner.clone();
+        let probe_2d = self.info.layout.is_some() && !groups.is_empty();
+        if config.algorithm == AlgorithmChoice::Auto && probe_2d {
+            let first = groups.remove(0);
+            let bytes = config.fusion_threshold.min(usize::MAX as u64) as usize;
+            let deadline = Deadline::after(self.info.timeout);
+            let (first, probe) = py.detach(move || auto::measure(first, bytes, deadline));
+            groups.insert(0, first);
+            let decision = probe.py()?.decide(self.info.num_channels);
+            let (size, local_size) = (self.info.size, self.info.local_size);
+            self.info.settings =
+                AlgoSettings::from_config(&config, size, local_size, decision.two_d);
+            self.auto_choice = Some(decision.line);
+        }
         let settings = self.info.settings;
         let spec = groups.into_iter().map(|g| (g, settings)).collect();
         let board = self.board.clone();
         let timeout = self.info.timeout;
+        let turns = self.info.spans_nodes;
         let engine = py
-            .detach(move || Engine::with_channels(spec, timeout, board))
+            .detach(move || Engine::with_channels(spec, timeout, board, turns))
             .py()?;
         self.engine = Some(engine);
         Ok(())

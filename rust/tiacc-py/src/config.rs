@@ -104,7 +104,7 @@ impl PyCommConfig {
         d.set_item("compression_inter_only", c.compression_inter_only)?;
         d.set_item("compression_scale", c.compression_scale)?;
         d.set_item("nan_check", c.nan_check)?;
-        d.set_item("two_d", c.two_d)?;
+        d.set_item("algorithm", c.algorithm.name())?;
         d.set_item("intra_size", c.intra_size)?;
         d.set_item("hierarchical_threshold", c.hierarchical_threshold)?;
         d.set_item("topk", c.topk)?;
@@ -153,9 +153,17 @@ impl PyCommConfig {
             .map(|p| p.to_string_lossy().into_owned())
     }
 
+    /// `auto`, `flat` or `2d`.
     #[getter]
-    fn two_d(&self) -> bool {
-        self.inner.two_d
+    fn algorithm(&self) -> &'static str {
+        self.inner.algorithm.name()
+    }
+
+    /// Whether an engine of a `world`-rank job with `local_size` ranks per
+    /// node connects the 2D groups (`measures`: it can run the start-up
+    /// probe that `auto` needs, as the TCP engine does).
+    fn two_d_groups(&self, world: usize, local_size: Option<usize>, measures: bool) -> bool {
+        self.inner.two_d_groups(world, local_size, measures)
     }
 
     /// Ranks per node for the 2D allreduce: `LIGHT_INTRA_SIZE`, else the

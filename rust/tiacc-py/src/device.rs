@@ -899,6 +899,17 @@ impl Backend for DeviceBackend<'_, '_> {
         Ok(())
     }
 
+    /// Stream-ordered: the chunks run one after another on the channel's
+    /// stream (the algorithm hands over a single chunk, see `pipelines`).
+    fn two_d(
+        &mut self,
+        dtype: DType,
+        chunks: &[Mem],
+        inter: &tiacc_core::comm::algo::InterStep,
+    ) -> tiacc_core::Result<()> {
+        tiacc_core::comm::algo::two_d_in_order(self, dtype, chunks, inter)
+    }
+
     fn alloc(&mut self, bytes: usize) -> tiacc_core::Result<Mem> {
         let slot = self.new_slot(bytes)?;
         let mem = slot.mem;

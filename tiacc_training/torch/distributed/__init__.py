@@ -72,7 +72,7 @@ def comm_config() -> dict[str, Any]:
     Returns:
         Every setting by name (``enabled``, ``fusion_threshold``,
         ``num_streams``, ``timeout``, ``transport``, ``compression``,
-        ``two_d``, ``topk``, ...).
+        ``algorithm``, ``topk``, ...).
 
     Raises:
         ConfigError: an environment variable has a value that does not parse.

@@ -19,7 +19,7 @@ from ._kernels import TorchKernels
 from ._launch import DEFAULT_MASTER_PORT
 from ._nccl import check_gpu_placement, nccl_search_dirs
 from ._rendezvous import FailureBoard, connect_tcp, default_store, nccl_ids, node_intra_size
-from ._state import state
+from ._state import logger, state
 
 
 def _next_prefix(kind: str) -> str:
@@ -45,9 +45,11 @@ def world_engine(config: Any) -> Any:
         advertised_host(config),
         board=FailureBoard(store, f"{prefix}/first_failure"),
         local_size=launch.get("local_size"),
-        intra_size=node_intra_size(config, launch, store, prefix, rank, world),
+        intra_size=node_intra_size(config, launch, store, prefix, rank, world, measures=True),
     )
     connect_tcp(engine, store, prefix, rank, world, config.timeout)
+    if rank == 0 and engine.auto_choice is not None:
+        logger.info("%s", engine.auto_choice)
     state.engine = engine
     return engine
 
@@ -98,7 +100,7 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
         "nccl",
         board=FailureBoard(store, f"{prefix}/first_failure"),
         local_size=launch.get("local_size"),
-        intra_size=node_intra_size(config, launch, store, prefix, rank, world),
+        intra_size=node_intra_size(config, launch, store, prefix, rank, world, measures=False),
     )
     dirs = nccl_search_dirs()
 

@@ -74,7 +74,13 @@ class FailureBoard:
 
 
 def node_intra_size(
-    config: Any, launch: dict[str, Any], store: Any, prefix: str, rank: int, world: int
+    config: Any,
+    launch: dict[str, Any],
+    store: Any,
+    prefix: str,
+    rank: int,
+    world: int,
+    measures: bool,
 ) -> int | None:
     """Ranks per node for the 2D allreduce, checked against every rank's host.
 
@@ -83,10 +89,21 @@ def node_intra_size(
     host name and local rank, and a node whose ranks are on different hosts
     (or out of local-rank order) is a ``ConfigError``.
 
+    Args:
+        config: the engine configuration.
+        launch: the launcher's view (``local_size``, ``local_rank``).
+        store: the c10d store the ranks exchange host names through.
+        prefix: the store key prefix of this engine.
+        rank: this rank.
+        world: the number of ranks.
+        measures: the engine can measure flat against 2D at start-up (the
+            TCP engine), so ``TIACC_TRAINING_ALGORITHM=auto`` connects the
+            2D groups for it when the job spans nodes.
+
     Returns:
-        The ranks per node, or ``None`` when the 2D allreduce is off.
+        The ranks per node, or ``None`` when the engine connects no 2D groups.
     """
-    if not config.two_d:
+    if not config.two_d_groups(world, launch.get("local_size"), measures):
         return None
     size = config.intra_size_for(launch.get("local_size"))
     # Every rank can tell a world that does not split into nodes: raise

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use super::backend::{Backend, GroupId, Mem};
 use super::codec::Compression;
-use super::dtype::DType;
+use super::dtype::{shard_range, DType};
 use super::sparse::{sparse_allreduce, TopKOptions};
 use super::transport::OpTag;
 use crate::config::{self, CommConfig};
@@ -181,24 +181,83 @@ impl Algorithm {
         // Checking the tag inside every node and across nodes covers every rank.
         b.agree(GroupId::Intra, tag)?;
         b.agree(GroupId::Inter, tag)?;
-        let shards = b.reduce_scatter(GroupId::Intra, buf, dtype)?;
-        let mine = shards.mine;
-        match (sparse, self.settings.inter_compression.wire_dtype(dtype)) {
-            (Some(options), _) => {
-                let lens = &mut self.residual_lens;
-                sparse_allreduce(b, GroupId::Inter, tag.bucket, mine, &options, lens)?;
-            }
-            (None, None) => b.allreduce(GroupId::Inter, None, mine, dtype)?,
-            (None, Some(wire)) => {
-                let scale = self.settings.scale;
-                let half = b.alloc(mine.bytes / dtype.size() * wire.size())?;
-                b.encode(mine, dtype, scale, half, wire)?;
-                b.allreduce(GroupId::Inter, None, half, wire)?;
-                b.decode(half, wire, 1.0 / scale, mine, dtype)?;
-            }
+        if let Some(options) = sparse {
+            // One piece: the Top-K selection is over the whole bucket.
+            let shards = b.reduce_scatter(GroupId::Intra, buf, dtype)?;
+            let lens = &mut self.residual_lens;
+            sparse_allreduce(b, GroupId::Inter, tag.bucket, shards.mine, &options, lens)?;
+            return b.allgather(GroupId::Intra, shards, buf, dtype.size());
         }
-        b.allgather(GroupId::Intra, shards, buf, dtype.size())
+        let wire = self.settings.inter_compression.wire_dtype(dtype);
+        let scale = self.settings.scale;
+        let step = move |b: &mut dyn Backend, mine: Mem| inter_dense(b, mine, dtype, wire, scale);
+        let chunks = pipeline_chunks(buf, dtype, b.pipelines())?;
+        b.two_d(dtype, &chunks, &step)
     }
+}
+
+/// The inter-node step of the 2D allreduce on one shard: a plain sum
+/// across nodes, or through `wire` (half precision, scaled) when only the
+/// inter-node traffic is compressed.
+fn inter_dense(
+    b: &mut dyn Backend,
+    mine: Mem,
+    dtype: DType,
+    wire: Option<DType>,
+    scale: f64,
+) -> Result<()> {
+    let Some(wire) = wire else {
+        return b.allreduce(GroupId::Inter, None, mine, dtype);
+    };
+    let half = b.alloc(mine.bytes / dtype.size() * wire.size())?;
+    b.encode(mine, dtype, scale, half, wire)?;
+    b.allreduce(GroupId::Inter, None, half, wire)?;
+    b.decode(half, wire, 1.0 / scale, mine, dtype)
+}
+
+/// What the 2D allreduce does to each chunk's shard between the intra-node
+/// reduce-scatter and allgather (it may run on another thread).
+pub type InterStep<'a> = dyn Fn(&mut dyn Backend, Mem) -> Result<()> + Sync + 'a;
+
+/// Target size of one chunk of a pipelined 2D allreduce: small enough
+/// that the first reduce-scatter and the last allgather (the steps the
+/// pipeline cannot hide) are short, large enough that per-collective costs
+/// stay negligible.
+pub const PIPELINE_CHUNK_BYTES: usize = 2 << 20;
+/// Most chunks one bucket is cut into.
+pub const MAX_PIPELINE_CHUNKS: usize = 16;
+
+/// The chunks a 2D allreduce of `buf` runs in: consecutive, element-aligned
+/// and nearly equal, the same on every rank (they depend only on the
+/// length). One chunk when the backend does not pipeline.
+pub fn pipeline_chunks(buf: Mem, dtype: DType, pipelines: bool) -> Result<Vec<Mem>> {
+    let elems = buf.bytes / dtype.size();
+    let n = if pipelines {
+        (buf.bytes / PIPELINE_CHUNK_BYTES).clamp(1, MAX_PIPELINE_CHUNKS)
+    } else {
+        1
+    };
+    (0..n)
+        .map(|i| buf.elems(dtype, shard_range(elems, n, i)))
+        .collect()
+}
+
+/// The 2D allreduce of `chunks`, one after another: for each, the
+/// reduce-scatter inside the node, `inter` on this rank's shard, the
+/// allgather inside the node. Backends that cannot overlap the steps run
+/// this; the host backend pipelines the same steps.
+pub fn two_d_in_order(
+    b: &mut dyn Backend,
+    dtype: DType,
+    chunks: &[Mem],
+    inter: &InterStep,
+) -> Result<()> {
+    for &c in chunks {
+        let shards = b.reduce_scatter(GroupId::Intra, c, dtype)?;
+        inter(b, shards.mine)?;
+        b.allgather(GroupId::Intra, shards, c, dtype.size())?;
+    }
+    Ok(())
 }
 
 /// Which node each rank is on: ranks `node * intra_size .. (node + 1) *
@@ -320,6 +379,33 @@ mod tests {
         let order = hosts(&[("a", Some(1)), ("a", Some(0))]);
         let err = Layout::from_hosts(0, 2, &order).unwrap_err().to_string();
         assert!(err.contains("rank 0 has local rank 1, expected 0"), "{err}");
+    }
+
+    #[test]
+    fn pipeline_chunks_cover_the_buffer_in_whole_elements() {
+        let buf = Mem::new(4096, 9 * PIPELINE_CHUNK_BYTES + 12);
+        let chunks = pipeline_chunks(buf, DType::F32, true).unwrap();
+        assert_eq!(chunks.len(), 9);
+        assert_eq!(chunks[0].addr, buf.addr);
+        for pair in chunks.windows(2) {
+            assert_eq!(pair[0].end(), pair[1].addr);
+        }
+        assert_eq!(chunks[8].end(), buf.end());
+        assert!(chunks.iter().all(|c| c.bytes % 4 == 0));
+        let huge = Mem::new(0, 1000 * PIPELINE_CHUNK_BYTES);
+        assert_eq!(
+            pipeline_chunks(huge, DType::F16, true).unwrap().len(),
+            MAX_PIPELINE_CHUNKS
+        );
+        assert_eq!(
+            pipeline_chunks(huge, DType::F16, false).unwrap(),
+            vec![huge]
+        );
+        let small = Mem::new(0, 100);
+        assert_eq!(
+            pipeline_chunks(small, DType::F32, true).unwrap(),
+            vec![small]
+        );
     }
 
     #[test]

@@ -186,6 +186,18 @@ pub trait Backend {
         group: GroupId,
         bucket: u64,
     ) -> Result<()>;
+
+    /// Whether [`Backend::two_d`] overlaps the steps of consecutive chunks
+    /// (the algorithm then cuts buckets into several).
+    fn pipelines(&self) -> bool {
+        false
+    }
+    /// The 2D allreduce of `chunks` (consecutive spans of one buffer of
+    /// `dtype`): per chunk, a reduce-scatter inside the node, `inter` on
+    /// this rank's shard, an allgather inside the node. Backends that do
+    /// not pipeline call [`super::algo::two_d_in_order`].
+    fn two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &super::algo::InterStep)
+        -> Result<()>;
 }
 
 #[cfg(test)]

@@ -7,8 +7,12 @@
 //! concurrently without deadlock. Each collective first compares a tag
 //! (kind, per-channel sequence number, bucket, dtype, size) across ranks, so
 //! diverging ranks raise instead of mixing unrelated buffers.
+//!
+//! When the job spans nodes, the channels take turns on the link between
+//! nodes in submission order ([`super::turns`]), so several channels never
+//! make a step slower than one.
 
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -17,6 +21,7 @@ use super::dtype::DType;
 use super::failure::{FailureBoard, Failures};
 use super::host::{Groups, HostBackend};
 use super::transport::{Deadline, OpKind, OpTag, Transport};
+use super::turns::LinkTurns;
 use crate::error::{Error, Result};
 
 /// The channel of bucket `bucket` among `channels`: round-robin by bucket
@@ -86,7 +91,8 @@ pub struct Job {
 }
 
 struct Channel {
-    queue: Option<mpsc::Sender<Job>>,
+    /// Jobs with their submission number.
+    queue: Option<mpsc::Sender<(u64, Job)>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -96,6 +102,9 @@ pub struct Engine {
     size: usize,
     timeout: Duration,
     channels: Vec<Channel>,
+    /// Jobs submitted so far; numbers them (see [`super::turns`]). Locked
+    /// around numbering and queueing so numbers follow queue order.
+    submitted: Mutex<u64>,
     /// The process that started the channel threads: a forked child (a
     /// DataLoader worker) has a copy of this struct but not the threads.
     owner_pid: u32,
@@ -103,7 +112,7 @@ pub struct Engine {
 
 impl Engine {
     /// Starts one thread per channel, each owning one world transport and
-    /// running `settings` over it (flat: no 2D groups).
+    /// running `settings` over it (flat: no 2D groups; one node, no turns).
     pub fn new(
         transports: Vec<Box<dyn Transport>>,
         timeout: Duration,
@@ -114,14 +123,17 @@ impl Engine {
             .into_iter()
             .map(|world| (Groups::flat(world), settings))
             .collect();
-        Self::with_channels(channels, timeout, board)
+        Self::with_channels(channels, timeout, board, false)
     }
 
     /// Starts one thread per channel with its own groups and settings.
+    /// With `link_turns` (a job spanning nodes, several channels), the
+    /// channels take turns on the link between nodes.
     pub fn with_channels(
         channels_spec: Vec<(Groups, AlgoSettings)>,
         timeout: Duration,
         board: Option<Arc<dyn FailureBoard>>,
+        link_turns: bool,
     ) -> Result<Self> {
         let Some((first, _)) = channels_spec.first() else {
             return Err(Error::InvalidArgument(
@@ -131,15 +143,21 @@ impl Engine {
         let (rank, size) = (first.world.rank(), first.world.size());
         let failures = Arc::new(Failures::new(board));
         failures.add_aborters(channels_spec.iter().flat_map(|(g, _)| g.aborters()));
+        let turns = (link_turns && channels_spec.len() > 1).then(LinkTurns::new);
+        if let Some(t) = &turns {
+            failures.add_aborters([t.aborter()]);
+        }
         let mut channels = Vec::with_capacity(channels_spec.len());
         for (index, (groups, settings)) in channels_spec.into_iter().enumerate() {
-            let (tx, rx) = mpsc::channel::<Job>();
+            let (tx, rx) = mpsc::channel::<(u64, Job)>();
             let failures = Arc::clone(&failures);
+            let turns = turns.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("tiacc-comm-{index}"))
                 .spawn(move || {
                     let backend = HostBackend::new(groups, Deadline::after(timeout));
-                    channel_loop(backend, Algorithm::new(settings), rx, timeout, &failures)
+                    let algorithm = Algorithm::new(settings);
+                    channel_loop(backend, algorithm, rx, timeout, &failures, turns)
                 })
                 .map_err(|e| Error::Comm {
                     peer: None,
@@ -155,6 +173,7 @@ impl Engine {
             size,
             timeout,
             channels,
+            submitted: Mutex::new(0),
             owner_pid: std::process::id(),
         })
     }
@@ -197,10 +216,18 @@ impl Engine {
         }
         let channel = self.channel_of(job.bucket);
         let queue = self.channels[channel].queue.as_ref();
+        let mut submitted = self
+            .submitted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let rejected = match queue {
-            Some(q) => q.send(job).err().map(|e| e.0),
+            Some(q) => q.send((*submitted, job)).err().map(|e| e.0 .1),
             None => Some(job),
         };
+        if rejected.is_none() {
+            *submitted += 1;
+        }
+        drop(submitted);
         if let Some(job) = rejected {
             (job.done)(Err(Error::Comm {
                 peer: None,
@@ -264,12 +291,16 @@ impl Drop for Engine {
 fn channel_loop(
     mut backend: HostBackend,
     mut algorithm: Algorithm,
-    jobs: mpsc::Receiver<Job>,
+    jobs: mpsc::Receiver<(u64, Job)>,
     timeout: Duration,
     failures: &Failures,
+    turns: Option<Arc<LinkTurns>>,
 ) {
-    for (seq, mut job) in (1u64..).zip(jobs) {
+    for (seq, (number, mut job)) in (1u64..).zip(jobs) {
         let deadline = Deadline::after(timeout);
+        // Every job takes part in the turns, even one that fails before
+        // reaching the link: dropping its turn passes it on.
+        let mut turn = turns.as_ref().map(|t| t.turn(number));
         let dtype = job.dtype;
         let buf = job.buf.as_mut_slice();
         let kind = match job.op {
@@ -298,25 +329,28 @@ fn channel_loop(
                     // SAFETY: the job's buffer is the engine's alone until its
                     // completion runs (`RawBuf::new`'s contract), and that is
                     // after `end` below.
-                    let mem = unsafe { backend.begin(buf, deadline) };
+                    let mem = unsafe { backend.begin(buf, deadline, turn.take()) };
                     let result = algorithm.allreduce(&mut backend, &tag, mem, dtype, average);
                     backend.end();
                     result
                 }
                 Collective::Broadcast { root } => {
                     let world = backend.groups.world.as_mut();
-                    world
-                        .agree(&tag, deadline)
+                    turn.as_mut()
+                        .map_or(Ok(()), |t| t.take(deadline))
+                        .and_then(|()| world.agree(&tag, deadline))
                         .and_then(|()| world.broadcast(buf, root, deadline))
                 }
                 Collective::Barrier => {
                     let world = backend.groups.world.as_mut();
-                    world
-                        .agree(&tag, deadline)
+                    turn.as_mut()
+                        .map_or(Ok(()), |t| t.take(deadline))
+                        .and_then(|()| world.agree(&tag, deadline))
                         .and_then(|()| world.barrier(deadline))
                 }
             }
         };
+        drop(turn);
         let result = result.map_err(|err| {
             let err = failures.fail(err);
             backend.groups.abort();

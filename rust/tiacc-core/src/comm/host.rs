@@ -1,14 +1,22 @@
 //! The host backend: buffers in host memory, collectives over
 //! [`Transport`]s (TCP), kernels in Rust. Every call blocks until done.
+//!
+//! The 2D allreduce is pipelined here: while the inter-node step of chunk
+//! `k` runs on a helper thread, the channel thread runs the intra-node
+//! reduce-scatter of chunk `k + 1` and the allgather of chunk `k - 1`
+//! ([`HostBackend::two_d`]), so the link between nodes stays busy from the
+//! first chunk to the last.
 
 use std::collections::HashMap;
+use std::sync::mpsc;
 
-use super::algo::Layout;
+use super::algo::{two_d_in_order, InterStep, Layout};
 use super::backend::{Backend, GroupId, Mem, Shards};
 use super::codec;
 use super::dtype::DType;
 use super::sparse::{self, TopKBlock};
 use super::transport::{Aborter, Deadline, OpTag, Transport};
+use super::turns::Turn;
 use crate::error::{Error, Result};
 
 /// The groups one channel communicates over.
@@ -37,35 +45,6 @@ impl Groups {
         }
     }
 
-    /// The transport of `group`; the world stands in for absent 2D groups
-    /// (the algorithm only asks for those when [`Groups::hierarchy`] is set).
-    fn get(&mut self, group: GroupId) -> &mut dyn Transport {
-        match (group, self.hierarchy.as_mut()) {
-            (GroupId::Intra, Some(h)) => h.intra.as_mut(),
-            (GroupId::Inter, Some(h)) => h.inter.as_mut(),
-            _ => self.world.as_mut(),
-        }
-    }
-
-    fn get_ref(&self, group: GroupId) -> Option<&dyn Transport> {
-        match (group, self.hierarchy.as_ref()) {
-            (GroupId::World, _) => Some(self.world.as_ref()),
-            (GroupId::Intra, Some(h)) => Some(h.intra.as_ref()),
-            (GroupId::Inter, Some(h)) => Some(h.inter.as_ref()),
-            _ => None,
-        }
-    }
-
-    /// The world rank of member `index` of `group`.
-    pub fn world_rank(&self, group: GroupId, index: usize) -> usize {
-        let members = match (group, &self.hierarchy) {
-            (GroupId::Intra, Some(h)) => h.layout.intra_members(),
-            (GroupId::Inter, Some(h)) => h.layout.inter_members(),
-            _ => return index,
-        };
-        members.get(index).copied().unwrap_or(index)
-    }
-
     /// Breaks every transport after a failure.
     pub fn abort(&mut self) {
         self.world.abort();
@@ -86,16 +65,95 @@ impl Groups {
     }
 }
 
-/// [`Backend`] over host memory and blocking transports.
-///
-/// An operation starts with [`HostBackend::begin`], which lends the job's
-/// buffer, and ends with [`HostBackend::end`], which takes back the scratch
-/// memory. A [`Mem`] is only used after checking that it lies inside the
-/// lent buffer, a scratch allocation of the current operation or a
-/// residual.
-pub struct HostBackend {
-    pub groups: Groups,
-    deadline: Deadline,
+/// The transports a [`HostBackend`] runs its collectives on.
+pub trait GroupSet: Send {
+    /// The transport of `group`, if this set has it.
+    fn get(&mut self, group: GroupId) -> Option<&mut dyn Transport>;
+    /// [`GroupSet::get`], shared.
+    fn get_ref(&self, group: GroupId) -> Option<&dyn Transport>;
+    /// Whether the intra-node and inter-node groups are both here.
+    fn hierarchical(&self) -> bool;
+    /// The world rank of member `index` of `group`.
+    fn world_rank(&self, group: GroupId, index: usize) -> usize;
+    /// The intra-node and inter-node transports, borrowed apart (for the
+    /// pipelined 2D allreduce), and the layout they follow.
+    fn split_two_d(&mut self) -> Option<(&mut dyn Transport, &mut dyn Transport, Layout)>;
+}
+
+impl GroupSet for Groups {
+    /// The world stands in for absent 2D groups (the algorithm only asks
+    /// for those when [`Groups::hierarchy`] is set).
+    fn get(&mut self, group: GroupId) -> Option<&mut dyn Transport> {
+        Some(match (group, self.hierarchy.as_mut()) {
+            (GroupId::Intra, Some(h)) => h.intra.as_mut(),
+            (GroupId::Inter, Some(h)) => h.inter.as_mut(),
+            _ => self.world.as_mut(),
+        })
+    }
+
+    fn get_ref(&self, group: GroupId) -> Option<&dyn Transport> {
+        match (group, self.hierarchy.as_ref()) {
+            (GroupId::World, _) => Some(self.world.as_ref()),
+            (GroupId::Intra, Some(h)) => Some(h.intra.as_ref()),
+            (GroupId::Inter, Some(h)) => Some(h.inter.as_ref()),
+            _ => None,
+        }
+    }
+
+    fn hierarchical(&self) -> bool {
+        self.hierarchy.is_some()
+    }
+
+    fn world_rank(&self, group: GroupId, index: usize) -> usize {
+        let members = match (group, &self.hierarchy) {
+            (GroupId::Intra, Some(h)) => h.layout.intra_members(),
+            (GroupId::Inter, Some(h)) => h.layout.inter_members(),
+            _ => return index,
+        };
+        members.get(index).copied().unwrap_or(index)
+    }
+
+    fn split_two_d(&mut self) -> Option<(&mut dyn Transport, &mut dyn Transport, Layout)> {
+        let h = self.hierarchy.as_mut()?;
+        Some((h.intra.as_mut(), h.inter.as_mut(), h.layout))
+    }
+}
+
+/// The inter-node group alone, lent to the pipeline's helper thread.
+struct InterOnly<'a> {
+    inter: &'a mut dyn Transport,
+    layout: Layout,
+}
+
+impl GroupSet for InterOnly<'_> {
+    fn get(&mut self, group: GroupId) -> Option<&mut dyn Transport> {
+        (group == GroupId::Inter).then_some(&mut *self.inter)
+    }
+
+    fn get_ref(&self, group: GroupId) -> Option<&dyn Transport> {
+        (group == GroupId::Inter).then_some(&*self.inter)
+    }
+
+    fn hierarchical(&self) -> bool {
+        false
+    }
+
+    fn world_rank(&self, group: GroupId, index: usize) -> usize {
+        match group {
+            GroupId::Inter => self.layout.inter_members().get(index).copied(),
+            _ => None,
+        }
+        .unwrap_or(index)
+    }
+
+    fn split_two_d(&mut self) -> Option<(&mut dyn Transport, &mut dyn Transport, Layout)> {
+        None
+    }
+}
+
+/// The memory of one operation: the lent buffer, scratch and residuals.
+#[derive(Default)]
+struct HostMem {
     lent: Option<Mem>,
     in_use: Vec<Vec<u8>>,
     pool: Vec<Vec<u8>>,
@@ -105,8 +163,8 @@ pub struct HostBackend {
 /// A checked span as a mutable slice.
 ///
 /// # Safety
-/// `m` must have passed [`HostBackend::check`] in the current operation,
-/// and no other slice of the same bytes may be live while this one is.
+/// `m` must have passed [`HostMem::check`] in the current operation, and no
+/// other slice of the same bytes may be live while this one is.
 unsafe fn slice_of<'a>(m: Mem) -> &'a mut [u8] {
     if m.bytes == 0 {
         return &mut [];
@@ -121,36 +179,7 @@ fn span(v: &[u8]) -> Mem {
     Mem::new(v.as_ptr() as usize, v.len())
 }
 
-impl HostBackend {
-    pub fn new(groups: Groups, deadline: Deadline) -> Self {
-        HostBackend {
-            groups,
-            deadline,
-            lent: None,
-            in_use: Vec::new(),
-            pool: Vec::new(),
-            residuals: HashMap::new(),
-        }
-    }
-
-    /// Starts an operation on `buf`, bounded by `deadline`; returns its span.
-    ///
-    /// # Safety
-    /// `buf` must stay valid, and untouched by anything else, until
-    /// [`HostBackend::end`].
-    pub unsafe fn begin(&mut self, buf: &mut [u8], deadline: Deadline) -> Mem {
-        self.deadline = deadline;
-        let m = span(buf);
-        self.lent = Some(m);
-        m
-    }
-
-    /// Ends the operation: forgets the lent buffer, keeps scratch for reuse.
-    pub fn end(&mut self) {
-        self.lent = None;
-        self.pool.append(&mut self.in_use);
-    }
-
+impl HostMem {
     /// Errors unless `m` lies inside memory of the current operation.
     fn check(&self, m: Mem) -> Result<()> {
         let known = m.bytes == 0
@@ -170,7 +199,7 @@ impl HostBackend {
     fn slice(&mut self, m: Mem) -> Result<&mut [u8]> {
         self.check(m)?;
         // SAFETY: checked above; the slice borrows `self` mutably, so no
-        // other slice from this backend is live while it is.
+        // other slice from this memory is live while it is.
         Ok(unsafe { slice_of(m) })
     }
 
@@ -184,21 +213,188 @@ impl HostBackend {
             ));
         }
         // SAFETY: both checked above and disjoint; both borrow `self`
-        // mutably, so nothing else from this backend is live meanwhile.
+        // mutably, so nothing else from this memory is live meanwhile.
         Ok(unsafe { (&*slice_of(src), slice_of(dst)) })
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Mem {
+        let mut v = self.pool.pop().unwrap_or_default();
+        v.clear();
+        v.resize(bytes, 0);
+        let m = span(&v);
+        self.in_use.push(v);
+        m
+    }
+}
+
+/// [`Backend`] over host memory and blocking transports.
+///
+/// An operation starts with [`HostBackend::begin`], which lends the job's
+/// buffer, and ends with [`HostBackend::end`], which takes back the scratch
+/// memory. A [`Mem`] is only used after checking that it lies inside the
+/// lent buffer, a scratch allocation of the current operation or a
+/// residual.
+pub struct HostBackend<G: GroupSet = Groups> {
+    pub groups: G,
+    deadline: Deadline,
+    mem: HostMem,
+    /// This operation's turn on the link between nodes, when the engine
+    /// orders them (see [`super::turns`]): taken before the first
+    /// collective that crosses the link, passed on at [`HostBackend::end`].
+    turn: Option<Turn>,
+}
+
+impl<G: GroupSet> HostBackend<G> {
+    pub fn new(groups: G, deadline: Deadline) -> Self {
+        HostBackend {
+            groups,
+            deadline,
+            mem: HostMem::default(),
+            turn: None,
+        }
+    }
+
+    /// Starts an operation on `buf`, bounded by `deadline`; returns its span.
+    ///
+    /// # Safety
+    /// `buf` must stay valid, and untouched by anything else, until
+    /// [`HostBackend::end`].
+    pub unsafe fn begin(&mut self, buf: &mut [u8], deadline: Deadline, turn: Option<Turn>) -> Mem {
+        self.deadline = deadline;
+        self.turn = turn;
+        let m = span(buf);
+        self.mem.lent = Some(m);
+        m
+    }
+
+    /// Ends the operation: forgets the lent buffer, keeps scratch for reuse,
+    /// passes the link turn on.
+    pub fn end(&mut self) {
+        self.turn = None;
+        self.mem.lent = None;
+        let mem = &mut self.mem;
+        mem.pool.append(&mut mem.in_use);
+    }
+
+    /// `group`'s transport, once it is this operation's turn on the link
+    /// if `group` crosses it (every group but the intra-node one).
+    fn transport(&mut self, group: GroupId) -> Result<&mut dyn Transport> {
+        let crosses = group != GroupId::Intra || !self.groups.hierarchical();
+        if let Some(turn) = self.turn.as_mut().filter(|_| crosses) {
+            turn.take(self.deadline)?;
+        }
+        self.groups.get(group).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "host backend: no {} group in this stage",
+                group.name()
+            ))
+        })
     }
 
     /// `group`'s transport and a checked slice of `m`, borrowed together.
     fn comm(&mut self, group: GroupId, m: Mem) -> Result<(&mut dyn Transport, &mut [u8])> {
-        self.check(m)?;
+        self.mem.check(m)?;
         // SAFETY: checked above; the transport never touches backend memory
         // except through this slice.
         let buf = unsafe { slice_of(m) };
-        Ok((self.groups.get(group), buf))
+        Ok((self.transport(group)?, buf))
+    }
+
+    /// The pipelined 2D allreduce of `chunks` (see the module doc).
+    ///
+    /// The channel thread runs the intra-node steps in the fixed order
+    /// reduce-scatter 0, reduce-scatter 1, allgather 0, reduce-scatter 2,
+    /// allgather 1, ... (the same on every rank, so the intra ring never
+    /// sees two ranks disagree), and a helper thread runs `inter` on each
+    /// chunk's shard in chunk order once its reduce-scatter is done. The
+    /// allgather of chunk `k` waits for chunk `k`'s inter-node step.
+    fn pipelined_two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &InterStep) -> Result<()> {
+        for &c in chunks {
+            self.mem.check(c)?;
+        }
+        let deadline = self.deadline;
+        let lent = self.mem.lent;
+        let Some((intra, inter_transport, layout)) = self.groups.split_two_d() else {
+            return two_d_in_order(self, dtype, chunks, inter);
+        };
+        let abort_inter = inter_transport.aborter();
+        // The link is crossed by the helper: it takes the turn (if not
+        // already held) and passes it on when its last chunk is through.
+        let turn = self.turn.take();
+        let (isize, irank) = (intra.size(), intra.rank());
+        let (ready_tx, ready_rx) = mpsc::channel::<Mem>();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        std::thread::scope(|scope| {
+            let helper = scope.spawn(move || -> Result<()> {
+                let mut stage = HostBackend::new(
+                    InterOnly {
+                        inter: inter_transport,
+                        layout,
+                    },
+                    deadline,
+                );
+                stage.mem.lent = lent;
+                stage.turn = turn;
+                // Ends when the channel thread stops sending (done, or failed).
+                for shard in ready_rx {
+                    inter(&mut stage, shard)?;
+                    if done_tx.send(()).is_err() {
+                        break;
+                    }
+                }
+                Ok(())
+            });
+            let run = || -> Result<()> {
+                // SAFETY (every slice below): chunks are disjoint spans of the
+                // lent buffer (checked above). This thread touches chunk `k`
+                // (reduce-scatter) and chunk `k - 1` (allgather, after its
+                // inter-node step reported done); the helper only touches the
+                // shard of a chunk between its reduce-scatter and its done
+                // message, so no byte has two live slices at once.
+                let shard_of =
+                    |c: Mem| Shards::in_place(c, dtype.size(), isize, irank).map(|s| s.mine);
+                let gather = |intra: &mut dyn Transport, k: usize| -> Result<()> {
+                    done_rx.recv().map_err(|_| stage_stopped())?;
+                    intra.allgather(unsafe { slice_of(chunks[k]) }, dtype.size(), deadline)
+                };
+                for (k, &c) in chunks.iter().enumerate() {
+                    intra.reduce_scatter(unsafe { slice_of(c) }, dtype, deadline)?;
+                    ready_tx.send(shard_of(c)?).map_err(|_| stage_stopped())?;
+                    if k > 0 {
+                        gather(&mut *intra, k - 1)?;
+                    }
+                }
+                drop(ready_tx);
+                match chunks.len() {
+                    0 => Ok(()),
+                    n => gather(&mut *intra, n - 1),
+                }
+            };
+            let result = run();
+            if result.is_err() {
+                // The helper may wait on a peer for this chunk: end it now.
+                abort_inter();
+            }
+            let helped = helper.join().unwrap_or_else(|_| {
+                Err(Error::Comm {
+                    peer: None,
+                    message: "the inter-node stage of the 2D allreduce panicked".into(),
+                })
+            });
+            // The helper's own failure is the cause when both failed.
+            helped.and(result)
+        })
     }
 }
 
-impl Backend for HostBackend {
+fn stage_stopped() -> Error {
+    Error::Comm {
+        peer: None,
+        message: "the inter-node stage of the 2D allreduce stopped".into(),
+    }
+}
+
+impl<G: GroupSet> Backend for HostBackend<G> {
     fn rank(&self, group: GroupId) -> usize {
         self.groups.get_ref(group).map_or(0, |t| t.rank())
     }
@@ -208,12 +404,12 @@ impl Backend for HostBackend {
     }
 
     fn hierarchical(&self) -> bool {
-        self.groups.hierarchy.is_some()
+        self.groups.hierarchical()
     }
 
     fn agree(&mut self, group: GroupId, tag: &OpTag) -> Result<()> {
         let deadline = self.deadline;
-        self.groups.get(group).agree(tag, deadline)
+        self.transport(group)?.agree(tag, deadline)
     }
 
     fn allreduce(
@@ -251,16 +447,11 @@ impl Backend for HostBackend {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<Mem> {
-        let mut v = self.pool.pop().unwrap_or_default();
-        v.clear();
-        v.resize(bytes, 0);
-        let m = span(&v);
-        self.in_use.push(v);
-        Ok(m)
+        Ok(self.mem.alloc(bytes))
     }
 
     fn residual(&mut self, key: u64, bytes: usize) -> Result<Mem> {
-        let v = self.residuals.entry(key).or_default();
+        let v = self.mem.residuals.entry(key).or_default();
         if v.len() != bytes {
             *v = vec![0; bytes];
         }
@@ -268,33 +459,33 @@ impl Backend for HostBackend {
     }
 
     fn clear_residuals(&mut self) {
-        self.residuals.clear();
+        self.mem.residuals.clear();
     }
 
     fn div(&mut self, buf: Mem, dtype: DType, divisor: f64) -> Result<()> {
-        dtype.div_assign(self.slice(buf)?, divisor);
+        dtype.div_assign(self.mem.slice(buf)?, divisor);
         Ok(())
     }
 
     fn encode(&mut self, src: Mem, dtype: DType, factor: f64, dst: Mem, wire: DType) -> Result<()> {
-        let (s, d) = self.pair(src, dst)?;
+        let (s, d) = self.mem.pair(src, dst)?;
         codec::encode(s, dtype, factor, d, wire);
         Ok(())
     }
 
     fn decode(&mut self, src: Mem, wire: DType, factor: f64, dst: Mem, dtype: DType) -> Result<()> {
-        let (s, d) = self.pair(src, dst)?;
+        let (s, d) = self.mem.pair(src, dst)?;
         codec::decode(s, wire, factor, d, dtype);
         Ok(())
     }
 
     fn first_non_finite(&mut self, buf: Mem, dtype: DType) -> Result<Option<(usize, f64)>> {
-        Ok(codec::first_non_finite(self.slice(buf)?, dtype))
+        Ok(codec::first_non_finite(self.mem.slice(buf)?, dtype))
     }
 
     fn topk_pack(&mut self, data: Mem, residual: Mem, layout: TopKBlock, out: Mem) -> Result<()> {
         for m in [data, residual, out] {
-            self.check(m)?;
+            self.mem.check(m)?;
         }
         if data.overlaps(residual) || data.overlaps(out) || residual.overlaps(out) {
             return Err(Error::InvalidArgument(
@@ -320,10 +511,21 @@ impl Backend for HostBackend {
         let peers: Vec<usize> = (0..layout.parts)
             .map(|r| self.groups.world_rank(group, r))
             .collect();
-        let (g, o) = self.pair(gathered, out)?;
+        let (g, o) = self.mem.pair(gathered, out)?;
         sparse::sum(g, layout, o, |r| {
             let peer = peers.get(r).copied().unwrap_or(r);
             (peer, format!("rank {rank}: bucket {bucket}: rank {peer}"))
         })
+    }
+
+    fn pipelines(&self) -> bool {
+        true
+    }
+
+    fn two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &InterStep) -> Result<()> {
+        if chunks.len() < 2 {
+            return two_d_in_order(self, dtype, chunks, inter);
+        }
+        self.pipelined_two_d(dtype, chunks, inter)
     }
 }

@@ -10,6 +10,7 @@
 //! ```
 
 pub mod algo;
+pub mod auto;
 pub mod backend;
 pub mod codec;
 pub mod dtype;
@@ -20,6 +21,7 @@ pub mod nccl;
 pub mod sparse;
 pub mod tcp;
 pub mod transport;
+pub mod turns;
 
 pub use algo::{AlgoSettings, Algorithm, Layout};
 pub use backend::{Backend, GroupId, Mem, Shards};

@@ -373,6 +373,15 @@ fn on_engines<T: Send + 'static>(
     per_rank: Vec<Vec<ChannelSpec>>,
     f: impl Fn(usize, &Engine) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
+    on_engines_with_turns(per_rank, false, f)
+}
+
+/// [`on_engines`], the channels taking turns on the link when `turns`.
+fn on_engines_with_turns<T: Send + 'static>(
+    per_rank: Vec<Vec<ChannelSpec>>,
+    turns: bool,
+    f: impl Fn(usize, &Engine) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
     let handles: Vec<_> = per_rank
         .into_iter()
         .enumerate()
@@ -380,7 +389,7 @@ fn on_engines<T: Send + 'static>(
             let f = f.clone();
             std::thread::spawn(move || {
                 let engine =
-                    Engine::with_channels(channels, Duration::from_secs(20), None).unwrap();
+                    Engine::with_channels(channels, Duration::from_secs(20), None, turns).unwrap();
                 f(rank, &engine)
             })
         })
@@ -546,8 +555,9 @@ fn run_two_d(
 #[test]
 fn two_d_allreduce_equals_the_flat_sum_on_every_rank() {
     use super::codec::Compression;
-    // Uneven lengths: not divisible by the intra size, smaller than it.
-    for len in [0usize, 1, 3, 1001, 40_000] {
+    // Uneven lengths: not divisible by the intra size, smaller than it, and
+    // long enough to be pipelined in chunks (5.2 MB: 2 chunks).
+    for len in [0usize, 1, 3, 1001, 40_000, 1_300_001] {
         for threshold in [u64::MAX, 0] {
             let results = run_two_d(threshold, Compression::None, len);
             let inputs: Vec<Vec<f64>> = (0..4).map(|r| rank_values(r, len)).collect();
@@ -565,15 +575,100 @@ fn two_d_allreduce_equals_the_flat_sum_on_every_rank() {
 }
 
 #[test]
+fn channels_taking_turns_on_the_link_sum_every_bucket() {
+    use super::engine::{Job, RawBuf};
+    use std::sync::mpsc;
+    // 3 channels of 2D groups per rank; 7 buckets in flight at once, some
+    // pipelined in chunks, some flat (over the threshold), some tiny.
+    let settings = AlgoSettings {
+        hierarchical_threshold: Some(3 << 20),
+        ..Default::default()
+    };
+    let per_rank: Vec<Vec<ChannelSpec>> = {
+        let mut channels: Vec<Vec<ChannelSpec>> = (0..4).map(|_| Vec::new()).collect();
+        for _ in 0..3 {
+            for (rank, groups) in two_by_two_groups().into_iter().enumerate() {
+                channels[rank].push((groups, settings));
+            }
+        }
+        channels
+    };
+    let lens = [700_000usize, 10, 1_100_000, 3, 50_000, 700_001, 0];
+    let results = on_engines_with_turns(per_rank, true, move |rank, engine| {
+        let (tx, rx) = mpsc::channel();
+        let mut bufs: Vec<Vec<u8>> = lens
+            .iter()
+            .map(|&len| encode(DType::F32, &rank_values(rank, len)))
+            .collect();
+        for (bucket, buf) in bufs.iter_mut().enumerate() {
+            let tx = tx.clone();
+            engine.submit(Job {
+                op: Collective::Allreduce { average: false },
+                // SAFETY: `bufs` outlives every job: the loop below waits for
+                // all completions before reading or dropping it.
+                buf: unsafe { RawBuf::new(buf.as_mut_ptr(), buf.len()) },
+                dtype: DType::F32,
+                bucket: bucket as u64,
+                done: Box::new(move |r| tx.send((bucket, r)).unwrap()),
+            });
+        }
+        for _ in 0..lens.len() {
+            let (bucket, r) = rx.recv().unwrap();
+            r.unwrap_or_else(|e| panic!("rank {rank} bucket {bucket}: {e}"));
+        }
+        bufs.iter()
+            .map(|b| decode(DType::F32, b))
+            .collect::<Vec<_>>()
+    });
+    for (bucket, &len) in lens.iter().enumerate() {
+        let inputs: Vec<Vec<f64>> = (0..4).map(|r| rank_values(r, len)).collect();
+        let expected: Vec<f64> = (0..len)
+            .map(|i| inputs.iter().map(|v| v[i]).sum())
+            .collect();
+        for (rank, got) in results.iter().enumerate() {
+            assert_eq!(got[bucket], expected, "rank {rank} bucket {bucket}");
+        }
+    }
+}
+
+#[test]
+fn the_auto_probe_gives_every_rank_the_same_numbers() {
+    use super::auto::measure;
+    let handles: Vec<_> = two_by_two_groups()
+        .into_iter()
+        .map(|groups| {
+            std::thread::spawn(move || {
+                let (groups, probe) = measure(groups, 1 << 20, deadline());
+                assert!(groups.hierarchy.is_some());
+                probe.unwrap()
+            })
+        })
+        .collect();
+    let probes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(probes.iter().all(|p| *p == probes[0]), "{probes:?}");
+    let p = probes[0];
+    assert_eq!((p.bytes, p.intra_size, p.nodes), (1 << 20, 2, 2));
+    assert!(p.flat_s > 0.0 && p.two_d_s > 0.0 && p.fp16_s > 0.0 && p.inter_latency_s > 0.0);
+    let decision = p.decide(1);
+    assert_eq!(decision.two_d, p.two_d_s < p.flat_s);
+}
+
+#[test]
 fn two_d_can_compress_only_between_nodes() {
     use super::codec::Compression;
-    let results = run_two_d(u64::MAX, Compression::Fp16, 999);
-    let inputs: Vec<Vec<f64>> = (0..4).map(|r| rank_values(r, 999)).collect();
-    for (i, got) in results[0].iter().enumerate() {
-        let want: f64 = inputs.iter().map(|v| v[i]).sum();
-        assert!((got - want).abs() < 1e-2, "{i}: {got} vs {want}");
+    // 999 elements: one chunk; 1.3M: a pipeline of 2 chunks.
+    for len in [999, 1_300_001] {
+        let results = run_two_d(u64::MAX, Compression::Fp16, len);
+        let inputs: Vec<Vec<f64>> = (0..4).map(|r| rank_values(r, len)).collect();
+        for (i, got) in results[0].iter().enumerate() {
+            let want: f64 = inputs.iter().map(|v| v[i]).sum();
+            assert!(
+                (got - want).abs() < 1e-2 * want.abs().max(1.0),
+                "{i}: {got} vs {want}"
+            );
+        }
+        assert!(results.iter().all(|r| r == &results[0]));
     }
-    assert!(results.iter().all(|r| r == &results[0]));
 }
 
 #[test]
@@ -654,7 +749,7 @@ fn top_k_residuals_reset_when_a_bucket_changes_length() {
         };
         let mut buf = encode(DType::F32, values);
         // SAFETY: `buf` lives, untouched elsewhere, until `end`.
-        let mem = unsafe { backend.begin(&mut buf, deadline()) };
+        let mem = unsafe { backend.begin(&mut buf, deadline(), None) };
         let result = algorithm.allreduce(&mut backend, &tag, mem, DType::F32, false);
         backend.end();
         result.unwrap();

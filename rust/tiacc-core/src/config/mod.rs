@@ -48,7 +48,12 @@ pub const NAN_CHECK: &str = "TIACC_TRAINING_NAN_CHECK";
 pub const PERSEUS_NAN_CHECK: [&str; 2] =
     ["PERSEUS_ALLREDUCE_NANCHECK", "PERSEUS_ALLREDUCE_NANHECK"];
 
-/// `1`: hierarchical (2D) allreduce (LightCC's name).
+/// Which allreduce: `auto` (measured at start-up when the job spans
+/// nodes), `flat` (one ring over every rank) or `2d` (hierarchical).
+pub const ALGORITHM: &str = "TIACC_TRAINING_ALGORITHM";
+/// AIACC's name: `0` flat, `1` 2D; unset lets the engine choose.
+pub const PERSEUS_MODE: &str = "PERSEUS_ALLREDUCE_MODE";
+/// `1`: hierarchical (2D) allreduce, `0`: flat (LightCC's name).
 pub const TWO_D: &str = "LIGHT_2D_ALLREDUCE";
 /// Ranks per node for the 2D allreduce (default: the launcher's local size).
 pub const INTRA_SIZE: &str = "LIGHT_INTRA_SIZE";
@@ -108,6 +113,41 @@ impl TransportChoice {
     }
 }
 
+/// Which allreduce algorithm runs ([`ALGORITHM`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AlgorithmChoice {
+    /// Flat on one node; across nodes, whichever of flat and 2D the
+    /// start-up probe measures faster (CPU buckets), flat over NCCL (which
+    /// picks its own ring or tree per topology).
+    #[default]
+    Auto,
+    /// One ring over every rank.
+    Flat,
+    /// Reduce-scatter inside each node, allreduce across nodes, allgather.
+    TwoD,
+}
+
+impl AlgorithmChoice {
+    /// Parses `auto`, `flat` or `2d` (any case); errors name `variable`.
+    pub fn parse(variable: &str, value: &str) -> Result<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(AlgorithmChoice::Auto),
+            "flat" | "ring" => Ok(AlgorithmChoice::Flat),
+            "2d" | "hierarchical" => Ok(AlgorithmChoice::TwoD),
+            _ => Err(bad(variable, value, "auto, flat or 2d")),
+        }
+    }
+
+    /// The choice's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            AlgorithmChoice::Auto => "auto",
+            AlgorithmChoice::Flat => "flat",
+            AlgorithmChoice::TwoD => "2d",
+        }
+    }
+}
+
 /// NCCL's own switch for several ranks on one GPU (NCCL 2.30 and later).
 /// Read, never set: it decides whether ranks sharing a GPU may use NCCL.
 pub const NCCL_MULTI_RANK_GPU: &str = "NCCL_MULTI_RANK_GPU_ENABLE";
@@ -130,7 +170,7 @@ pub enum Setting {
     CompressionScope,
     CompressionScale,
     NanCheck,
-    TwoD,
+    Algorithm,
     IntraSize,
     HierarchicalThreshold,
     TopK,
@@ -155,7 +195,9 @@ pub const VARIABLES: &[&str] = &[
     COMPRESSION_SCOPE,
     PERSEUS_SCALE,
     COMPRESSION_SCALE,
+    PERSEUS_MODE,
     TWO_D,
+    ALGORITHM,
     INTRA_SIZE,
     HIERARCHICAL_THRESHOLD,
     TOPK,
@@ -205,8 +247,8 @@ pub struct CommConfig {
     pub compression_scale: f64,
     /// Refuse to send non-finite gradients.
     pub nan_check: bool,
-    /// Use the 2D allreduce.
-    pub two_d: bool,
+    /// Flat, 2D, or measured at start-up.
+    pub algorithm: AlgorithmChoice,
     /// Ranks per node for the 2D allreduce, when set.
     pub intra_size: Option<usize>,
     /// Largest bucket (bytes) that uses the 2D allreduce.
@@ -239,7 +281,7 @@ impl Default for CommConfig {
             compression_inter_only: false,
             compression_scale: 1.0,
             nan_check: false,
-            two_d: false,
+            algorithm: AlgorithmChoice::Auto,
             intra_size: None,
             hierarchical_threshold: DEFAULT_HIERARCHICAL_THRESHOLD,
             topk: false,
@@ -317,9 +359,27 @@ impl CommConfig {
             variable: INTRA_SIZE.to_string(),
             value: String::new(),
             expected: format!(
-                "the number of ranks per node, which {TWO_D}=1 needs and the launcher did not give"
+                "the number of ranks per node, which {}={} needs and the launcher did not give",
+                self.source(Setting::Algorithm).unwrap_or(ALGORITHM),
+                self.algorithm.name()
             ),
         })
+    }
+
+    /// Whether an engine of a `world`-rank job (`local_size` ranks per
+    /// node, when the launcher said) connects the 2D groups: always when
+    /// 2D is forced; under `auto`, when the job spans whole nodes of
+    /// several ranks each (the start-up probe then picks flat or 2D), and
+    /// only for engines that measure (`measures`: the TCP engine).
+    pub fn two_d_groups(&self, world: usize, local_size: Option<usize>, measures: bool) -> bool {
+        match self.algorithm {
+            AlgorithmChoice::TwoD => true,
+            AlgorithmChoice::Flat => false,
+            AlgorithmChoice::Auto => {
+                let per_node = self.intra_size.or(local_size).unwrap_or(1);
+                measures && per_node > 1 && per_node < world && world % per_node == 0
+            }
+        }
     }
 
     /// Parses `value` with `variable`'s parser into this configuration;
@@ -397,8 +457,23 @@ impl CommConfig {
                 Setting::CompressionScale
             }
             TWO_D => {
-                self.two_d = parse_bool(label, value)?;
-                Setting::TwoD
+                self.algorithm = match parse_bool(label, value)? {
+                    true => AlgorithmChoice::TwoD,
+                    false => AlgorithmChoice::Flat,
+                };
+                Setting::Algorithm
+            }
+            PERSEUS_MODE => {
+                self.algorithm = match value.trim() {
+                    "0" => AlgorithmChoice::Flat,
+                    "1" => AlgorithmChoice::TwoD,
+                    _ => return Err(bad(label, value, "0 (flat) or 1 (two levels)")),
+                };
+                Setting::Algorithm
+            }
+            ALGORITHM => {
+                self.algorithm = AlgorithmChoice::parse(label, value)?;
+                Setting::Algorithm
             }
             INTRA_SIZE => {
                 self.intra_size = Some(match value.trim().parse::<usize>() {
@@ -715,6 +790,38 @@ mod tests {
     }
 
     #[test]
+    fn the_algorithm_is_auto_unless_a_variable_forces_it() {
+        let algo = |pairs: &[(&str, &str)]| CommConfig::from_lookup(env(pairs)).unwrap();
+        assert_eq!(algo(&[]).algorithm, AlgorithmChoice::Auto);
+        assert_eq!(algo(&[(TWO_D, "1")]).algorithm, AlgorithmChoice::TwoD);
+        assert_eq!(algo(&[(TWO_D, "0")]).algorithm, AlgorithmChoice::Flat);
+        assert_eq!(
+            algo(&[(PERSEUS_MODE, "1")]).algorithm,
+            AlgorithmChoice::TwoD
+        );
+        // Our name wins over the aliases.
+        let c = algo(&[(PERSEUS_MODE, "1"), (ALGORITHM, "flat")]);
+        assert_eq!(c.algorithm, AlgorithmChoice::Flat);
+        assert_eq!(c.source(Setting::Algorithm), Some(ALGORITHM));
+        for (var, value) in [(ALGORITHM, "fastest"), (PERSEUS_MODE, "2")] {
+            let msg = CommConfig::from_lookup(env(&[(var, value)]))
+                .unwrap_err()
+                .to_string();
+            assert!(msg.contains(var) && msg.contains(value), "{msg}");
+        }
+        // Auto connects the 2D groups for measuring engines on whole nodes
+        // of several ranks, across nodes only.
+        let auto = algo(&[]);
+        assert!(auto.two_d_groups(8, Some(4), true));
+        assert!(!auto.two_d_groups(8, Some(4), false));
+        assert!(!auto.two_d_groups(4, Some(4), true));
+        assert!(!auto.two_d_groups(8, Some(1), true));
+        assert!(!auto.two_d_groups(8, None, true));
+        assert!(!auto.two_d_groups(6, Some(4), true));
+        assert!(algo(&[(TWO_D, "1")]).two_d_groups(4, Some(4), false));
+    }
+
+    #[test]
     fn compression_and_nan_check_with_aiacc_aliases() {
         let c = CommConfig::from_lookup(env(&[
             (COMPRESSION, "bf16"),
@@ -748,7 +855,7 @@ mod tests {
             (HIERARCHICAL_THRESHOLD, "2097152"),
         ]))
         .unwrap();
-        assert!(c.two_d);
+        assert_eq!(c.algorithm, AlgorithmChoice::TwoD);
         assert_eq!((c.intra_size, c.hierarchical_threshold), (Some(4), 2097152));
 
         let c = CommConfig::from_lookup(env(&[

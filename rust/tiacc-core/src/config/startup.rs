@@ -2,7 +2,7 @@
 //! and exactly what applies to it, and a warning for every setting that
 //! cannot apply (never silently ignored).
 
-use super::{spans_nodes, CommConfig, Setting, TransportChoice};
+use super::{spans_nodes, AlgorithmChoice, CommConfig, Setting, TransportChoice};
 use super::{
     COMPRESSION, COMPRESSION_SCALE, COMPRESSION_SCOPE, HIERARCHICAL_THRESHOLD, INTRA_SIZE,
     NCCL_LIBRARY, TOPK, TOPK_FP16, TOPK_RATIO, TOPK_THRESHOLD, TWO_D,
@@ -69,8 +69,7 @@ impl CommConfig {
             self.fusion_threshold as f64 / (1024.0 * 1024.0),
             self.timeout.as_secs_f64()
         )];
-        let what = self.applies(job);
-        lines.push(format!("  CPU buckets: tcp; {what}"));
+        lines.push(format!("  CPU buckets: tcp; {}", self.applies(job, true)));
         lines.push(match &job.cuda {
             None => "  CUDA buckets: none (torch sees no CUDA device)".to_string(),
             Some(route) => {
@@ -84,6 +83,8 @@ impl CommConfig {
                     .reason
                     .as_ref()
                     .map_or(String::new(), |r| format!(": {r}"));
+                // Host staging runs the CPU engine, which measures.
+                let what = self.applies(job, route.transport != TransportChoice::Nccl);
                 format!("  CUDA buckets: {transport} (transport {requested}{reason}); {what}")
             }
         });
@@ -93,20 +94,31 @@ impl CommConfig {
         }
     }
 
-    /// The algorithm, compression, Top-K and NaN check, as they apply.
-    fn applies(&self, job: &Job) -> String {
-        let algorithm = if self.two_d {
-            let per_node = match (self.intra_size, job.local_size) {
-                (Some(n), _) => format!("{n} ranks per node from {INTRA_SIZE}"),
-                (None, Some(n)) => format!("{n} ranks per node from the launcher"),
-                (None, None) => "ranks per node unknown".to_string(),
-            };
-            format!(
+    /// The algorithm, compression, Top-K and NaN check, as they apply on
+    /// an engine that can (`measures`) or cannot run the `auto` probe.
+    fn applies(&self, job: &Job, measures: bool) -> String {
+        let per_node = match (self.intra_size, job.local_size) {
+            (Some(n), _) => format!("{n} ranks per node from {INTRA_SIZE}"),
+            (None, Some(n)) => format!("{n} ranks per node from the launcher"),
+            (None, None) => "ranks per node unknown".to_string(),
+        };
+        let algorithm = match self.algorithm {
+            AlgorithmChoice::TwoD => format!(
                 "2d ({per_node}; buckets <= {} bytes, larger ones flat)",
                 self.hierarchical_threshold
-            )
-        } else {
-            "flat ring".to_string()
+            ),
+            AlgorithmChoice::Flat => "flat ring".to_string(),
+            AlgorithmChoice::Auto if self.two_d_groups(job.world, job.local_size, measures) => {
+                format!("auto (flat or 2d, measured when the engine connects; {per_node})")
+            }
+            AlgorithmChoice::Auto if !measures && spans_nodes(job.world, job.local_size) => {
+                format!("flat ring (auto: NCCL picks its own ring or tree; {TWO_D}=1 forces 2d)")
+            }
+            AlgorithmChoice::Auto => {
+                format!(
+                    "flat ring (auto: no whole nodes of several ranks to go 2d over; {per_node})"
+                )
+            }
         };
         let compression = match (self.compression, self.compression_inter_only) {
             (Compression::None, _) => "none".to_string(),
@@ -143,13 +155,18 @@ impl CommConfig {
             });
         };
         let compressing = self.compression != Compression::None;
-        if !self.two_d {
+        if self.algorithm == AlgorithmChoice::Flat {
             for (setting, name) in [
                 (Setting::IntraSize, INTRA_SIZE),
                 (Setting::HierarchicalThreshold, HIERARCHICAL_THRESHOLD),
             ] {
                 if self.source(setting).is_some() {
-                    warn(setting, name, format!("has no effect without {TWO_D}=1"));
+                    let by = self.source(Setting::Algorithm).unwrap_or(TWO_D);
+                    warn(
+                        setting,
+                        name,
+                        format!("has no effect: {by} makes the allreduce flat"),
+                    );
                 }
             }
         }
@@ -181,7 +198,11 @@ impl CommConfig {
         if job.world == 1 {
             for (on, setting, name) in [
                 (compressing, Setting::Compression, COMPRESSION),
-                (self.two_d, Setting::TwoD, TWO_D),
+                (
+                    self.algorithm == AlgorithmChoice::TwoD,
+                    Setting::Algorithm,
+                    TWO_D,
+                ),
                 (self.topk, Setting::TopK, TOPK),
             ] {
                 if on {
@@ -209,9 +230,9 @@ impl CommConfig {
             );
         }
         let one_node = !spans_nodes(job.world, job.local_size);
-        if self.two_d && one_node && self.intra_size.is_none() {
+        if self.algorithm == AlgorithmChoice::TwoD && one_node && self.intra_size.is_none() {
             warn(
-                Setting::TwoD,
+                Setting::Algorithm,
                 TWO_D,
                 format!(
                     "the job runs on one node ({} ranks per node): the 2D allreduce has no \
@@ -220,7 +241,11 @@ impl CommConfig {
                 ),
             );
         }
-        if compressing && self.compression_inter_only && !self.two_d && one_node {
+        if compressing
+            && self.compression_inter_only
+            && self.algorithm != AlgorithmChoice::TwoD
+            && one_node
+        {
             warn(
                 Setting::CompressionScope,
                 COMPRESSION_SCOPE,
@@ -246,6 +271,7 @@ impl CommConfig {
 
 #[cfg(test)]
 mod tests {
+    use super::super::ALGORITHM;
     use super::*;
     use std::collections::HashMap;
     use std::ffi::OsString;
@@ -273,6 +299,35 @@ mod tests {
             nccl_version: Some((2, 30, 7)),
             reason: None,
         })
+    }
+
+    #[test]
+    fn auto_is_measured_on_tcp_across_nodes_and_left_to_nccl_there() {
+        let s = config(&[]).startup(&job(8, Some(4), nccl()));
+        assert!(
+            s.lines[1].contains("algorithm=auto (flat or 2d, measured when the engine connects"),
+            "{}",
+            s.lines[1]
+        );
+        assert!(
+            s.lines[2].contains("algorithm=flat ring (auto: NCCL picks its own ring or tree"),
+            "{}",
+            s.lines[2]
+        );
+        let one_node = config(&[]).startup(&job(4, Some(4), None));
+        assert!(one_node.lines[1].contains("algorithm=flat ring (auto: no whole nodes"));
+        assert!(one_node.warnings.is_empty(), "{:?}", one_node.warnings);
+        let forced = config(&[(ALGORITHM, "flat"), (INTRA_SIZE, "2")]).startup(&job(4, None, None));
+        assert!(forced.lines[1].contains("algorithm=flat ring compression"));
+        let warned: Vec<&str> = forced
+            .warnings
+            .iter()
+            .map(|w| w.variable.as_str())
+            .collect();
+        assert_eq!(warned, vec![INTRA_SIZE]);
+        assert!(forced.warnings[0]
+            .message
+            .contains("TIACC_TRAINING_ALGORITHM makes the allreduce flat"));
     }
 
     #[test]
@@ -317,6 +372,7 @@ mod tests {
             s.warnings.iter().map(|w| w.variable.clone()).collect()
         };
         let c = config(&[
+            (TWO_D, "0"),
             (INTRA_SIZE, "2"),
             (TOPK_RATIO, "0.1"),
             (COMPRESSION_SCALE, "4"),
