@@ -313,7 +313,12 @@ impl<G: GroupSet> HostBackend<G> {
             self.mem.check(c)?;
         }
         let deadline = self.deadline;
-        let lent = self.mem.lent;
+        // The helper may touch the chunks (the lent buffer, or scratch
+        // holding its compressed copy) and nothing else of this operation.
+        let lent = match (chunks.first(), chunks.last()) {
+            (Some(first), Some(last)) => Some(Mem::new(first.addr, last.end() - first.addr)),
+            _ => None,
+        };
         let Some((intra, inter_transport, layout)) = self.groups.split_two_d() else {
             return two_d_in_order(self, dtype, chunks, inter);
         };

@@ -538,11 +538,17 @@ fn run_two_d(
     inter_compression: super::codec::Compression,
     len: usize,
 ) -> Vec<Vec<f64>> {
-    let settings = AlgoSettings {
-        hierarchical_threshold: Some(threshold),
-        inter_compression,
-        ..Default::default()
-    };
+    run_two_d_with(
+        AlgoSettings {
+            hierarchical_threshold: Some(threshold),
+            inter_compression,
+            ..Default::default()
+        },
+        len,
+    )
+}
+
+fn run_two_d_with(settings: AlgoSettings, len: usize) -> Vec<Vec<f64>> {
     let per_rank = two_by_two_groups()
         .into_iter()
         .map(|groups| vec![(groups, settings)])
@@ -651,6 +657,28 @@ fn the_auto_probe_gives_every_rank_the_same_numbers() {
     assert!(p.flat_s > 0.0 && p.two_d_s > 0.0 && p.fp16_s > 0.0 && p.inter_latency_s > 0.0);
     let decision = p.decide(1);
     assert_eq!(decision.two_d, p.two_d_s < p.flat_s);
+}
+
+#[test]
+fn two_d_pipelines_a_compressed_copy_of_the_bucket() {
+    use super::codec::Compression;
+    // Whole-bucket fp16: the chunks are scratch memory holding the cast.
+    let settings = AlgoSettings {
+        hierarchical_threshold: Some(u64::MAX),
+        compression: Compression::Fp16,
+        ..Default::default()
+    };
+    let len = 2_600_001;
+    let results = run_two_d_with(settings, len);
+    let inputs: Vec<Vec<f64>> = (0..4).map(|r| rank_values(r, len)).collect();
+    for (i, got) in results[0].iter().enumerate() {
+        let want: f64 = inputs.iter().map(|v| v[i]).sum();
+        assert!(
+            (got - want).abs() < 1e-2 * want.abs().max(1.0),
+            "{i}: {got} vs {want}"
+        );
+    }
+    assert!(results.iter().all(|r| r == &results[0]));
 }
 
 #[test]
