@@ -3,11 +3,12 @@
 //! the same bytes.
 //!
 //! ```text
-//! cargo run --release -p tiacc-core --example topk_kernels -- [n] [ratio] [iterations]
+//! cargo run --release -p tiacc-core --example topk_kernels -- [n] [ratio] [iterations] [threads]
 //! ```
 //!
 //! Defaults: 5M float32 (20 MB), ratio 0.01, 15 timed iterations, 4 ranks'
-//! blocks summed. Each configuration runs in rayon pools of 1 and 2 threads.
+//! blocks summed, run in a rayon pool of 1 thread (`threads` lists pool
+//! sizes to compare, e.g. `1,2`; only code that uses rayon sees them).
 
 use std::time::Instant;
 
@@ -215,7 +216,7 @@ fn main() {
     let n: usize = args.get(1).map_or(5_000_000, |s| s.parse().expect("n"));
     let ratio: f64 = args.get(2).map_or(0.01, |s| s.parse().expect("ratio"));
     let iterations: usize = args.get(3).map_or(15, |s| s.parse().expect("iterations"));
-    let pools: Vec<usize> = args.get(4).map_or(vec![1, 2], |s| {
+    let pools: Vec<usize> = args.get(4).map_or(vec![1], |s| {
         s.split(',').map(|t| t.parse().expect("threads")).collect()
     });
     let ranks = 4;
