@@ -188,6 +188,20 @@ impl HostBackend {
         Ok(unsafe { (&*slice_of(src), slice_of(dst)) })
     }
 
+    /// Two buffers that do not overlap, both writable.
+    fn pair_mut(&mut self, a: Mem, b: Mem) -> Result<(&mut [u8], &mut [u8])> {
+        self.check(a)?;
+        self.check(b)?;
+        if a.overlaps(b) {
+            return Err(Error::InvalidArgument(
+                "host backend: element-wise operands overlap".into(),
+            ));
+        }
+        // SAFETY: both checked above and disjoint; both borrow `self`
+        // mutably, so nothing else from this backend is live meanwhile.
+        Ok(unsafe { (slice_of(a), slice_of(b)) })
+    }
+
     /// `group`'s transport and a checked slice of `m`, borrowed together.
     fn comm(&mut self, group: GroupId, m: Mem) -> Result<(&mut dyn Transport, &mut [u8])> {
         self.check(m)?;
@@ -325,5 +339,47 @@ impl Backend for HostBackend {
             let peer = peers.get(r).copied().unwrap_or(r);
             (peer, format!("rank {rank}: bucket {bucket}: rank {peer}"))
         })
+    }
+
+    fn clip_norm(&mut self, buf: Mem, max_norm: f64) -> Result<()> {
+        sparse::clip_norm(self.slice(buf)?, max_norm);
+        Ok(())
+    }
+
+    fn momentum_step(&mut self, velocity: Mem, data: Mem, momentum: f64) -> Result<()> {
+        same_length(velocity, data)?;
+        let (d, u) = self.pair(data, velocity)?;
+        sparse::momentum_step(u, d, momentum);
+        Ok(())
+    }
+
+    fn topk_mask(&mut self, block: Mem, layout: TopKBlock, buf: Mem) -> Result<()> {
+        if block.bytes < layout.values_offset() {
+            return Err(Error::InvalidArgument(
+                "host backend: a Top-K block shorter than its indices".into(),
+            ));
+        }
+        let (k, b) = self.pair(block, buf)?;
+        sparse::mask_sent(k, layout, b);
+        Ok(())
+    }
+
+    fn momentum_correct(&mut self, data: Mem, previous: Mem, momentum: f64) -> Result<()> {
+        same_length(data, previous)?;
+        let (d, p) = self.pair_mut(data, previous)?;
+        sparse::momentum_correct(d, p, momentum);
+        Ok(())
+    }
+}
+
+/// Errors unless two element-wise operands have the same length.
+fn same_length(a: Mem, b: Mem) -> Result<()> {
+    if a.bytes == b.bytes {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "host backend: element-wise operands of {} and {} bytes",
+            a.bytes, b.bytes
+        )))
     }
 }
