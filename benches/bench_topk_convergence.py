@@ -6,7 +6,7 @@ held-out loss every ``--eval-every`` steps. Two tasks
 (``benches/_topk_convergence_worker.py``):
 
 * ``mlp``: the learnable task of ``tests/distributed/ddp_worker.py``
-  (41,866 parameters in 20 KB buckets), 300 steps;
+  (41,386 parameters in 20 KB buckets), 300 steps;
 * ``cnn``: a convolutional classifier of shifted noisy templates
   (188,234 parameters in 256 KB buckets), 400 steps.
 
