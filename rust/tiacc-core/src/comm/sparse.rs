@@ -11,8 +11,9 @@
 //! Gradient Compression, Lin et al. 2018): momentum correction (each rank
 //! keeps a velocity `u = m * u + g` and accumulates `v += u`; Top-K selects
 //! from `v`), optionally momentum factor masking (what was sent is zeroed
-//! in `u` as in `v`), local gradient clipping, and a warm-up from a high
-//! density to the ratio. The user's optimiser keeps its own momentum `m`: with `S_t` the
+//! in `u` as in `v`, where float16 values leave only their rounding),
+//! local gradient clipping, and a warm-up from a high density to the
+//! ratio. The user's optimiser keeps its own momentum `m`: with `S_t` the
 //! averaged sparse sum of step `t`, DDP is handed `G_t = S_t - m * S_{t-1}`,
 //! so its momentum buffer `m * M_{t-1} + G_t` equals `S_t` (by induction
 //! from `M_0 = G_0 = S_0`) and the optimiser's step is DGC's step.
