@@ -11,7 +11,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build demo test test-rust test-python bench bench-ddp bench-nccl lint fmt fuzz clean
+.PHONY: help setup build demo test test-rust test-python bench bench-ddp bench-nccl bench-topk lint fmt fuzz clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -66,6 +66,9 @@ bench-ddp: setup ## DDP step time on an emulated 2-node cluster, native vs tiacc
 
 bench-nccl: setup ## DDP on CUDA: world-of-one overhead, GPU codecs, 2-node cluster on one GPU (root, NCCL >= 2.30)
 	$(PY) benches/bench_nccl.py
+
+bench-topk: setup ## Top-K with momentum SGD: held-out loss of native, Top-K, Top-K + momentum correction (4 CPU ranks)
+	$(PY) benches/bench_topk_convergence.py
 
 lint: setup ## rustfmt, clippy -D warnings, ruff
 	cargo fmt --all --check

@@ -2,7 +2,9 @@
 
 Launched by the tests (plain processes with torchrun-style variables), by
 torchrun and by mpirun. Trains a small MLP for a few steps natively and/or
-through the tiacc engine and saves the final parameters per rank.
+through the tiacc engine and saves the final parameters per rank. Mode
+``dgc`` is the engine with Top-K's momentum correction for the optimiser's
+momentum (``topk_momentum=0.9``; Top-K itself comes from the environment).
 
 Fault injection (``--fault``): ``kill`` and ``stop`` make ``--fault-rank``
 SIGKILL or SIGSTOP itself at ``--fault-step``; ``layout`` makes that rank
@@ -29,6 +31,9 @@ from torch import nn
 import tiacc_training.torch.distributed as tdist
 from tests._launch import exit_failed
 from tiacc_training.torch.distributed import _engines
+
+# The optimiser's momentum (mode ``dgc`` tells the engine).
+MOMENTUM = 0.9
 
 
 def build_model(width: int = 96) -> nn.Module:
@@ -96,7 +101,7 @@ def train(args: argparse.Namespace, mode: str) -> nn.Module:
         n = 1000 if rank == args.fault_rank else 1024
         grad = torch.ones(n)
         tdist.get_engine().allreduce(grad.data_ptr(), n * 4, "float32", 0, True)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=MOMENTUM)
     gen = torch.Generator().manual_seed(100 + rank)
     # A learnable task: labels from a fixed random linear map of the input.
     teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
@@ -158,7 +163,10 @@ def main() -> int:
     args = parser.parse_args()
     try:
         for mode in args.modes.split(","):
-            tdist.init_tiacc_training(enable=(mode == "tiacc"))
+            if mode == "dgc":
+                tdist.init_tiacc_training(enable=True, topk_momentum=MOMENTUM)
+            else:
+                tdist.init_tiacc_training(enable=(mode == "tiacc"))
             model = train(args, mode)
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             args.out.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,24 @@ ALGORITHMS = {
         "LIGHT_TOPK_FP16": "1",
         "LIGHT_2D_ALLREDUCE": "1",
     },
+    # Momentum correction with the warm-up (densities 25%, 11%, 5%) and
+    # clipping (the large buckets are clipped, the small ones not).
+    "topk-dgc": {
+        "LIGHT_TOPK_ALLREDUCE": "1",
+        "LIGHT_TOPK_RATIO": "0.05",
+        "LIGHT_TOPK_THRESHOLD": "0",
+        "TIACC_TRAINING_TOPK_MOMENTUM": "0.9",
+        "TIACC_TRAINING_TOPK_WARMUP_STEPS": "2",
+        "TIACC_TRAINING_TOPK_CLIP_NORM": "20",
+    },
+    "topk-dgc-masking-2d-fp16-values": {
+        "LIGHT_TOPK_ALLREDUCE": "1",
+        "LIGHT_TOPK_THRESHOLD": "4000",
+        "LIGHT_TOPK_FP16": "1",
+        "LIGHT_2D_ALLREDUCE": "1",
+        "TIACC_TRAINING_TOPK_MOMENTUM": "0.9",
+        "TIACC_TRAINING_TOPK_MOMENTUM_MASKING": "1",
+    },
 }
 
 

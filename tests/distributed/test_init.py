@@ -73,6 +73,8 @@ def test_disable_switch_leaves_ddp_native() -> None:
         ("PERSEUS_ALLREDUCE_DTYPE", "7"),
         ("TIACC_TRAINING_NAN_CHECK", "maybe"),
         ("TIACC_TRAINING_TRANSPORT", "infiniband"),
+        ("TIACC_TRAINING_TOPK_MOMENTUM", "1.0"),
+        ("TIACC_TRAINING_TOPK_CLIP_NORM", "0"),
     ],
 )
 def test_a_bad_env_value_raises_config_error_naming_it(
@@ -141,6 +143,9 @@ def test_a_bad_launcher_value_raises_config_error(monkeypatch: pytest.MonkeyPatc
         ("timeout", -1),
         ("compression", "int8"),
         ("transport", "udp"),
+        ("topk_momentum", 1.5),
+        ("topk_warmup_steps", -1),
+        ("topk_clip_norm", 0.0),
     ],
 )
 def test_a_bad_argument_value_is_a_value_error_naming_it(argument: str, value: object) -> None:
@@ -157,6 +162,9 @@ def test_a_bad_argument_value_is_a_value_error_naming_it(argument: str, value: o
         ("timeout", "soon"),
         ("compression", 16),
         ("enable", "yes"),
+        ("topk_momentum", "0.9"),
+        ("topk_warmup_steps", 2.5),
+        ("topk_momentum_masking", "on"),
     ],
 )
 def test_an_argument_of_the_wrong_type_is_a_type_error(argument: str, value: object) -> None:
@@ -170,3 +178,9 @@ def test_arguments_are_parsed_like_their_variables() -> None:
     config = _config.effective_config(compression="FP16", transport=" NCCL ", num_streams=3)
     assert (config.to_dict()["compression"], config.transport) == ("fp16", "nccl")
     assert config.num_streams == 3
+    config = _config.effective_config(
+        topk_momentum=0.9, topk_momentum_masking=True, topk_warmup_steps=50, topk_clip_norm=2
+    )
+    settings = config.to_dict()
+    assert (settings["topk_momentum"], settings["topk_momentum_masking"]) == (0.9, True)
+    assert (settings["topk_warmup_steps"], settings["topk_clip_norm"]) == (50, 2.0)

@@ -47,6 +47,14 @@ ALGORITHMS = {
         "LIGHT_TOPK_FP16": "1",
         "LIGHT_2D_ALLREDUCE": "1",
     },
+    "topk-dgc": {
+        "LIGHT_TOPK_ALLREDUCE": "1",
+        "LIGHT_TOPK_RATIO": "0.05",
+        "LIGHT_TOPK_THRESHOLD": "0",
+        "TIACC_TRAINING_TOPK_MOMENTUM": "0.9",
+        "TIACC_TRAINING_TOPK_WARMUP_STEPS": "2",
+        "TIACC_TRAINING_TOPK_CLIP_NORM": "20",
+    },
 }
 
 

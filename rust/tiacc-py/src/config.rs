@@ -32,15 +32,23 @@ fn argument_text(name: &str, value: &Bound<'_, PyAny>) -> PyResult<String> {
         ))
     };
     match name {
-        "enable" | "nan_check" if is_bool || is_int => {
+        "enable" | "nan_check" | "topk_momentum_masking" if is_bool || is_int => {
             Ok(if value.is_truthy()? { "1" } else { "0" }.into())
         }
-        "enable" | "nan_check" => Err(wrong("a bool")),
-        "fusion_threshold" | "num_streams" if is_int => Ok(value.str()?.to_string()),
+        "enable" | "nan_check" | "topk_momentum_masking" => Err(wrong("a bool")),
+        "fusion_threshold" | "num_streams" | "topk_warmup_steps" if is_int => {
+            Ok(value.str()?.to_string())
+        }
         "fusion_threshold" => Err(wrong("an int (bytes)")),
         "num_streams" => Err(wrong("an int")),
-        "timeout" if is_int || value.is_instance_of::<PyFloat>() => Ok(value.str()?.to_string()),
+        "topk_warmup_steps" => Err(wrong("an int (steps)")),
+        "timeout" | "topk_momentum" | "topk_clip_norm"
+            if is_int || value.is_instance_of::<PyFloat>() =>
+        {
+            Ok(value.str()?.to_string())
+        }
         "timeout" => Err(wrong("a number of seconds")),
+        "topk_momentum" | "topk_clip_norm" => Err(wrong("a number")),
         _ if value.is_instance_of::<PyString>() => Ok(value.str()?.to_string()),
         _ => Err(wrong("a str")),
     }
@@ -111,6 +119,10 @@ impl PyCommConfig {
         d.set_item("topk_ratio", c.topk_ratio)?;
         d.set_item("topk_threshold", c.topk_threshold)?;
         d.set_item("topk_fp16", c.topk_fp16)?;
+        d.set_item("topk_momentum", c.topk_momentum)?;
+        d.set_item("topk_momentum_masking", c.topk_momentum_masking)?;
+        d.set_item("topk_warmup_steps", c.topk_warmup_steps)?;
+        d.set_item("topk_clip_norm", c.topk_clip_norm)?;
         d.set_item("nccl_multi_rank_gpu", c.nccl_multi_rank_gpu)?;
         Ok(d)
     }

@@ -1017,4 +1017,53 @@ impl Backend for DeviceBackend<'_, '_> {
         );
         self.kernel("topk_sum", args).map(drop)
     }
+
+    fn clip_norm(&mut self, buf: Mem, max_norm: f64) -> tiacc_core::Result<()> {
+        let (t, o, n) = self.arg(buf)?;
+        self.kernel("clip_norm", (t, o, n / 4, max_norm)).map(drop)
+    }
+
+    fn momentum_step(&mut self, velocity: Mem, data: Mem, momentum: f64) -> tiacc_core::Result<()> {
+        let (u, uo, n) = self.arg(velocity)?;
+        let (d, dof, dn) = self.arg(data)?;
+        same_length(n, dn)?;
+        self.kernel("momentum_step", (u, uo, d, dof, n / 4, momentum))
+            .map(drop)
+    }
+
+    fn topk_mask(&mut self, block: Mem, layout: TopKBlock, buf: Mem) -> tiacc_core::Result<()> {
+        let (k, ko, kn) = self.arg(block)?;
+        let (b, bo, bn) = self.arg(buf)?;
+        if kn < layout.values_offset() {
+            return Err(Error::InvalidArgument(
+                "device backend: a Top-K block shorter than its indices".into(),
+            ));
+        }
+        self.kernel("topk_mask", (k, ko, layout.k, b, bo, bn / 4))
+            .map(drop)
+    }
+
+    fn momentum_correct(
+        &mut self,
+        data: Mem,
+        previous: Mem,
+        momentum: f64,
+    ) -> tiacc_core::Result<()> {
+        let (d, dof, n) = self.arg(data)?;
+        let (p, po, pn) = self.arg(previous)?;
+        same_length(n, pn)?;
+        self.kernel("momentum_correct", (d, dof, p, po, n / 4, momentum))
+            .map(drop)
+    }
+}
+
+/// Errors unless two element-wise operands have the same length in bytes.
+fn same_length(a: usize, b: usize) -> tiacc_core::Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "device backend: element-wise operands of {a} and {b} bytes"
+        )))
+    }
 }

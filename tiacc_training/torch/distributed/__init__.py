@@ -90,6 +90,10 @@ def init_tiacc_training(
     compression: str | None = None,
     nan_check: bool | None = None,
     transport: str | None = None,
+    topk_momentum: float | None = None,
+    topk_momentum_masking: bool | None = None,
+    topk_warmup_steps: int | None = None,
+    topk_clip_norm: float | None = None,
 ) -> None:
     """Initialise distributed training and route DDP through the engine.
 
@@ -116,6 +120,17 @@ def init_tiacc_training(
             overrides ``TIACC_TRAINING_NAN_CHECK``.
         transport: ``"auto"``, ``"nccl"`` or ``"tcp"``: the transport of
             CUDA gradients; overrides ``TIACC_TRAINING_TRANSPORT``.
+        topk_momentum: the momentum of your optimiser (``SGD(momentum=...)``)
+            when Top-K is on: turns on Top-K's momentum correction (DGC);
+            0 turns it off; overrides ``TIACC_TRAINING_TOPK_MOMENTUM``.
+        topk_momentum_masking: with the momentum correction, also zero the
+            velocity of entries that were sent (DGC's momentum factor
+            masking); overrides ``TIACC_TRAINING_TOPK_MOMENTUM_MASKING``.
+        topk_warmup_steps: steps over which Top-K's density falls from 25%
+            to its ratio; overrides ``TIACC_TRAINING_TOPK_WARMUP_STEPS``.
+        topk_clip_norm: clip each bucket's gradient to this norm before
+            Top-K accumulates it (DGC's local clipping); overrides
+            ``TIACC_TRAINING_TOPK_CLIP_NORM``.
 
     Raises:
         ConfigError: an environment variable or the launcher's variables
@@ -135,6 +150,10 @@ def init_tiacc_training(
         compression=compression,
         nan_check=nan_check,
         transport=transport,
+        topk_momentum=topk_momentum,
+        topk_momentum_masking=topk_momentum_masking,
+        topk_warmup_steps=topk_warmup_steps,
+        topk_clip_norm=topk_clip_norm,
     )
     with state.lock:
         if not dist.is_available():

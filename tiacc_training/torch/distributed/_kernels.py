@@ -12,7 +12,9 @@ run at once.
 The arithmetic matches the CPU engine's Rust kernels: casts round to
 nearest even, Top-K picks the largest magnitudes of ``data + residual`` and
 feeds back what it did not send, and sums add each rank's pairs in rank
-order (so every rank gets the same bits).
+order (so every rank gets the same bits). The momentum correction's kernels
+round every product and sum to float32 on its own (separate torch
+operations, never a fused multiply-add), as the Rust kernels do.
 """
 
 from __future__ import annotations
@@ -150,3 +152,59 @@ class TorchKernels:
             index = _view(gathered, base, 4 * k, torch.int32).to(torch.int64)
             values = _view(gathered, base + 4 * k, size * k, kind).to(torch.float32)
             o.index_put_((index,), values, accumulate=True)
+
+    def clip_norm(self, t: torch.Tensor, off: int, n: int, max_norm: float) -> None:
+        """Scales ``n`` float32 values so that their L2 norm is at most ``max_norm``.
+
+        The sum of squares is taken in float64 and the norm rounded to
+        float32; when it exceeds ``max_norm`` (as float32) every value is
+        multiplied by ``max_norm / norm`` in float32. Nothing waits on the
+        device: the factor stays a tensor.
+        """
+        v = _view(t, off, 4 * n, torch.float32)
+        wide = v.to(torch.float64)
+        norm = torch.dot(wide, wide).sqrt().to(torch.float32)
+        limit = torch.full((), max_norm, dtype=torch.float32, device=v.device)
+        one = torch.ones((), dtype=torch.float32, device=v.device)
+        v.mul_(torch.where(norm > limit, limit / norm, one))
+
+    def momentum_step(
+        self,
+        velocity: torch.Tensor,
+        velocity_off: int,
+        data: torch.Tensor,
+        data_off: int,
+        n: int,
+        momentum: float,
+    ) -> None:
+        """``velocity = momentum * velocity + data`` on ``n`` float32 values."""
+        u = _view(velocity, velocity_off, 4 * n, torch.float32)
+        u.mul_(momentum).add_(_view(data, data_off, 4 * n, torch.float32))
+
+    def topk_mask(
+        self, block: torch.Tensor, block_off: int, k: int, t: torch.Tensor, off: int, n: int
+    ) -> None:
+        """Zeroes the ``n`` float32 values of ``t`` at the block's ``k`` indices."""
+        index = _view(block, block_off, 4 * k, torch.int32).to(torch.int64)
+        _view(t, off, 4 * n, torch.float32).index_fill_(0, index, 0.0)
+
+    def momentum_correct(
+        self,
+        data: torch.Tensor,
+        data_off: int,
+        previous: torch.Tensor,
+        previous_off: int,
+        n: int,
+        momentum: float,
+    ) -> None:
+        """``(data, previous) = (data - momentum * previous, data)``, float32.
+
+        ``data`` holds this step's averaged sparse sum ``S_t``, ``previous``
+        the last one; an optimiser with momentum ``momentum`` that is handed
+        the result makes the step of DGC's momentum correction.
+        """
+        d = _view(data, data_off, 4 * n, torch.float32)
+        p = _view(previous, previous_off, 4 * n, torch.float32)
+        product = p * momentum
+        p.copy_(d)
+        d.sub_(product)

@@ -8,12 +8,10 @@
 //! optionally Top-K sparse. The CPU path (TCP) and the CUDA path (NCCL) run
 //! this same code; only their [`Backend`]s differ.
 
-use std::collections::HashMap;
-
 use super::backend::{Backend, GroupId, Mem};
 use super::codec::Compression;
 use super::dtype::{shard_range, DType};
-use super::sparse::{sparse_allreduce, TopKOptions};
+use super::sparse::{sparse_allreduce, DgcOptions, SparseState, TopKOptions};
 use super::transport::OpTag;
 use crate::config::{self, CommConfig};
 use crate::error::{Error, Result};
@@ -35,6 +33,8 @@ pub struct AlgoSettings {
     pub hierarchical_threshold: Option<u64>,
     /// Top-K sparsification, when on.
     pub topk: Option<TopKOptions>,
+    /// Top-K's momentum correction, clipping and warm-up.
+    pub dgc: DgcOptions,
 }
 
 impl Default for AlgoSettings {
@@ -46,6 +46,7 @@ impl Default for AlgoSettings {
             nan_check: false,
             hierarchical_threshold: None,
             topk: None,
+            dgc: DgcOptions::default(),
         }
     }
 }
@@ -82,6 +83,12 @@ impl AlgoSettings {
                 threshold: config.topk_threshold,
                 fp16_values: config.topk_fp16,
             }),
+            dgc: DgcOptions {
+                momentum: config.topk_momentum,
+                masking: config.topk_momentum_masking,
+                warmup_steps: config.topk_warmup_steps,
+                clip_norm: config.topk_clip_norm,
+            },
         }
     }
 }
@@ -90,15 +97,15 @@ impl AlgoSettings {
 #[derive(Debug, Clone)]
 pub struct Algorithm {
     settings: AlgoSettings,
-    /// Elements of each bucket's Top-K residual.
-    residual_lens: HashMap<u64, usize>,
+    /// Each bucket's Top-K length and step count.
+    sparse: SparseState,
 }
 
 impl Algorithm {
     pub fn new(settings: AlgoSettings) -> Self {
         Algorithm {
             settings,
-            residual_lens: HashMap::new(),
+            sparse: SparseState::default(),
         }
     }
 
@@ -173,8 +180,8 @@ impl Algorithm {
                 None => b.allreduce(GroupId::World, Some(tag), buf, dtype),
                 Some(options) => {
                     b.agree(GroupId::World, tag)?;
-                    let lens = &mut self.residual_lens;
-                    sparse_allreduce(b, GroupId::World, tag.bucket, buf, &options, lens)
+                    let (dgc, state) = (&self.settings.dgc, &mut self.sparse);
+                    sparse_allreduce(b, GroupId::World, tag.bucket, buf, &options, dgc, state)
                 }
             };
         }
@@ -184,8 +191,16 @@ impl Algorithm {
         if let Some(options) = sparse {
             // One piece: the Top-K selection is over the whole bucket.
             let shards = b.reduce_scatter(GroupId::Intra, buf, dtype)?;
-            let lens = &mut self.residual_lens;
-            sparse_allreduce(b, GroupId::Inter, tag.bucket, shards.mine, &options, lens)?;
+            let (dgc, state) = (&self.settings.dgc, &mut self.sparse);
+            sparse_allreduce(
+                b,
+                GroupId::Inter,
+                tag.bucket,
+                shards.mine,
+                &options,
+                dgc,
+                state,
+            )?;
             return b.allgather(GroupId::Intra, shards, buf, dtype.size());
         }
         let wire = self.settings.inter_compression.wire_dtype(dtype);

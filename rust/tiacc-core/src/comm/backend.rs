@@ -3,7 +3,8 @@
 //! The algorithms ([`super::algo::Algorithm`]) are written once against
 //! [`Backend`]: collectives on the world, intra-node and inter-node groups,
 //! and the few element-wise kernels around them (averaging, half-precision
-//! casts, the non-finite check, Top-K packing). Two backends implement it:
+//! casts, the non-finite check, Top-K packing and its momentum correction).
+//! Two backends implement it:
 //!
 //! * [`super::host::HostBackend`]: host memory, TCP transports, kernels in
 //!   Rust. Collectives block until done (CPU tensors, and CUDA tensors
@@ -150,9 +151,11 @@ pub trait Backend {
 
     /// Scratch memory for the current operation (zeroed), released when it ends.
     fn alloc(&mut self, bytes: usize) -> Result<Mem>;
-    /// The Top-K residual of `key` (`bytes` bytes of float32, zero when new).
+    /// The Top-K residual of `key` (`bytes` bytes of float32, zero when new;
+    /// [`super::sparse::StateBuf::key`] names a bucket's other buffers that
+    /// live across steps, which are kept the same way).
     fn residual(&mut self, key: u64, bytes: usize) -> Result<Mem>;
-    /// Drops every Top-K residual.
+    /// Drops every Top-K residual (and the other buffers kept with them).
     fn clear_residuals(&mut self);
 
     /// `buf[i] /= divisor`.
@@ -198,6 +201,20 @@ pub trait Backend {
     /// not pipeline call [`super::algo::two_d_in_order`].
     fn two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &super::algo::InterStep)
         -> Result<()>;
+    /// Scales float32 `buf` so that its L2 norm is at most `max_norm`: the
+    /// sum of squares in float64, the norm rounded to float32, and when it
+    /// is above `max_norm` (as float32) every element multiplied by
+    /// `max_norm / norm` (float32).
+    fn clip_norm(&mut self, buf: Mem, max_norm: f64) -> Result<()>;
+    /// `velocity = (float32) momentum * velocity + data`, float32, rounding
+    /// the product and the sum separately (no fused multiply-add).
+    fn momentum_step(&mut self, velocity: Mem, data: Mem, momentum: f64) -> Result<()>;
+    /// Zeroes the float32 entries of `buf` at the indices of `block`, one
+    /// rank's block laid out as `layout` says (momentum factor masking).
+    fn topk_mask(&mut self, block: Mem, layout: super::sparse::TopKBlock, buf: Mem) -> Result<()>;
+    /// `(data, previous) = (data - (float32) momentum * previous, data)`,
+    /// float32, the product and the difference rounded separately.
+    fn momentum_correct(&mut self, data: Mem, previous: Mem, momentum: f64) -> Result<()>;
 }
 
 #[cfg(test)]

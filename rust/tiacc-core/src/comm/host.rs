@@ -217,6 +217,20 @@ impl HostMem {
         Ok(unsafe { (&*slice_of(src), slice_of(dst)) })
     }
 
+    /// Two buffers that do not overlap, both writable.
+    fn pair_mut(&mut self, a: Mem, b: Mem) -> Result<(&mut [u8], &mut [u8])> {
+        self.check(a)?;
+        self.check(b)?;
+        if a.overlaps(b) {
+            return Err(Error::InvalidArgument(
+                "host backend: element-wise operands overlap".into(),
+            ));
+        }
+        // SAFETY: both checked above and disjoint; both borrow `self`
+        // mutably, so nothing else from this backend is live meanwhile.
+        Ok(unsafe { (slice_of(a), slice_of(b)) })
+    }
+
     fn alloc(&mut self, bytes: usize) -> Mem {
         let mut v = self.pool.pop().unwrap_or_default();
         v.clear();
@@ -532,5 +546,47 @@ impl<G: GroupSet> Backend for HostBackend<G> {
             return two_d_in_order(self, dtype, chunks, inter);
         }
         self.pipelined_two_d(dtype, chunks, inter)
+    }
+
+    fn clip_norm(&mut self, buf: Mem, max_norm: f64) -> Result<()> {
+        sparse::clip_norm(self.mem.slice(buf)?, max_norm);
+        Ok(())
+    }
+
+    fn momentum_step(&mut self, velocity: Mem, data: Mem, momentum: f64) -> Result<()> {
+        same_length(velocity, data)?;
+        let (d, u) = self.mem.pair(data, velocity)?;
+        sparse::momentum_step(u, d, momentum);
+        Ok(())
+    }
+
+    fn topk_mask(&mut self, block: Mem, layout: TopKBlock, buf: Mem) -> Result<()> {
+        if block.bytes < layout.values_offset() {
+            return Err(Error::InvalidArgument(
+                "host backend: a Top-K block shorter than its indices".into(),
+            ));
+        }
+        let (k, b) = self.mem.pair(block, buf)?;
+        sparse::mask_sent(k, layout, b);
+        Ok(())
+    }
+
+    fn momentum_correct(&mut self, data: Mem, previous: Mem, momentum: f64) -> Result<()> {
+        same_length(data, previous)?;
+        let (d, p) = self.mem.pair_mut(data, previous)?;
+        sparse::momentum_correct(d, p, momentum);
+        Ok(())
+    }
+}
+
+/// Errors unless two element-wise operands have the same length.
+fn same_length(a: Mem, b: Mem) -> Result<()> {
+    if a.bytes == b.bytes {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "host backend: element-wise operands of {} and {} bytes",
+            a.bytes, b.bytes
+        )))
     }
 }

@@ -7,10 +7,23 @@
 //! ranks end with identical bytes. With the 2D hierarchy the node first
 //! reduces densely and only the inter-node step is sparse.
 //!
+//! Opt-in, for optimisers with momentum ([`DgcOptions`], after Deep
+//! Gradient Compression, Lin et al. 2018): momentum correction (each rank
+//! keeps a velocity `u = m * u + g` and accumulates `v += u`; Top-K selects
+//! from `v`), optionally momentum factor masking (what was sent is zeroed
+//! in `u` as in `v`, where float16 values leave only their rounding),
+//! local gradient clipping, and a warm-up from a high density to the
+//! ratio. The user's optimiser keeps its own momentum `m`: with `S_t` the
+//! averaged sparse sum of step `t`, DDP is handed `G_t = S_t - m * S_{t-1}`,
+//! so its momentum buffer `m * M_{t-1} + G_t` equals `S_t` (by induction
+//! from `M_0 = G_0 = S_0`) and the optimiser's step is DGC's step.
+//!
 //! The step itself ([`sparse_allreduce`]) runs on any [`Backend`]; this
-//! module also holds the host kernels ([`pack`], [`sum`]) that the host
-//! backend runs for it. The device backend runs the same kernels as torch
-//! operations, on the same wire layout ([`TopKBlock`]).
+//! module also holds the host kernels ([`pack`], [`sum`], and for the
+//! momentum correction [`clip_norm`], [`momentum_step`], [`mask_sent`],
+//! [`momentum_correct`]) that the host backend runs for it. The device
+//! backend runs the same kernels as torch operations, on the same wire
+//! layout ([`TopKBlock`]).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -38,6 +51,91 @@ impl TopKOptions {
     pub fn applies(&self, dtype: DType, bytes: usize) -> bool {
         dtype == DType::F32 && bytes as u64 >= self.threshold
     }
+}
+
+/// The density a Top-K warm-up starts from (DGC's first stage, 25%), or the
+/// ratio when that is higher.
+pub const WARMUP_START_DENSITY: f64 = 0.25;
+
+/// Momentum correction, clipping and warm-up for Top-K (see the module
+/// docs). The default changes nothing: plain Top-K with error feedback.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DgcOptions {
+    /// The optimiser's momentum; 0 turns the correction off.
+    pub momentum: f64,
+    /// Zero the velocity where entries were sent (momentum factor masking).
+    pub masking: bool,
+    /// Allreduces of a bucket over which its density falls from
+    /// [`WARMUP_START_DENSITY`] to the ratio; 0: no warm-up.
+    pub warmup_steps: u64,
+    /// Each rank scales its share of the averaged gradient of a bucket to
+    /// an L2 norm of at most `clip_norm / sqrt(ranks exchanging)`.
+    pub clip_norm: Option<f64>,
+}
+
+impl Default for DgcOptions {
+    fn default() -> Self {
+        DgcOptions {
+            momentum: 0.0,
+            masking: false,
+            warmup_steps: 0,
+            clip_norm: None,
+        }
+    }
+}
+
+impl DgcOptions {
+    /// The density of allreduce `step` (0-based) of a bucket: during the
+    /// warm-up it falls geometrically from [`WARMUP_START_DENSITY`] (at step
+    /// 0) towards `ratio` (reached at `warmup_steps`). Every rank computes
+    /// the same value from the same step count.
+    pub fn density(&self, ratio: f64, step: u64) -> f64 {
+        let start = WARMUP_START_DENSITY.max(ratio);
+        if step >= self.warmup_steps {
+            return ratio;
+        }
+        let progress = step as f64 / self.warmup_steps as f64;
+        start * (ratio / start).powf(progress)
+    }
+}
+
+/// A bucket's per-rank buffers that live across steps (in the backend,
+/// like the residual).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateBuf {
+    /// Error feedback: what was not sent yet (`v` with momentum correction).
+    Residual,
+    /// The momentum correction's velocity `u`.
+    Velocity,
+    /// The last averaged sparse sum `S_{t-1}`.
+    PreviousSum,
+}
+
+impl StateBuf {
+    /// The key of `bucket`'s buffer in [`Backend::residual`]: the bucket
+    /// itself for the residual, the top bits tell the others apart.
+    pub fn key(self, bucket: u64) -> Result<u64> {
+        if bucket >> 60 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "Top-K: bucket index {bucket} is too large"
+            )));
+        }
+        Ok(match self {
+            StateBuf::Residual => bucket,
+            StateBuf::Velocity => bucket | 1 << 62,
+            StateBuf::PreviousSum => bucket | 2 << 62,
+        })
+    }
+}
+
+/// The bookkeeping of one channel's sparse allreduces.
+#[derive(Debug, Clone, Default)]
+pub struct SparseState {
+    /// Elements of each bucket's state buffers: when one changes (DDP
+    /// rebuilt its buckets) every buffer is dropped.
+    lens: HashMap<u64, usize>,
+    /// Sparse allreduces of each bucket so far (the same on every rank).
+    steps: HashMap<u64, u64>,
 }
 
 /// One rank's block of (index, value) pairs in the allgathered buffer: `k`
@@ -202,34 +300,59 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<u32> {
 }
 
 /// The sparse allreduce of float32 `data` over `group`, with error
-/// feedback. `residual_lens` remembers each bucket's length: when one
-/// changes (DDP rebuilt its buckets) every residual is dropped.
+/// feedback and, when `dgc` asks, momentum correction. `state` remembers
+/// each bucket's length (when one changes, DDP rebuilt its buckets and every
+/// residual is dropped) and step count (for the warm-up).
 pub fn sparse_allreduce(
     b: &mut dyn Backend,
     group: GroupId,
     bucket: u64,
     data: Mem,
     options: &TopKOptions,
-    residual_lens: &mut HashMap<u64, usize>,
+    dgc: &DgcOptions,
+    state: &mut SparseState,
 ) -> Result<()> {
     let n = data.bytes / 4;
     if n == 0 {
         return Ok(());
     }
-    if residual_lens.get(&bucket).is_some_and(|&len| len != n) {
+    if state.lens.get(&bucket).is_some_and(|&len| len != n) {
         b.clear_residuals();
-        residual_lens.clear();
+        state.lens.clear();
     }
-    residual_lens.insert(bucket, n);
-    let residual = b.residual(bucket, n * 4)?;
+    state.lens.insert(bucket, n);
+    let step = state.steps.entry(bucket).or_insert(0);
+    let density = dgc.density(options.ratio, *step);
+    *step += 1;
+    let residual = b.residual(StateBuf::Residual.key(bucket)?, n * 4)?;
     let (size, rank) = (b.size(group), b.rank(group));
-    let layout = TopKBlock::new(n, options.ratio, options.fp16_values, size);
+    let layout = TopKBlock::new(n, density, options.fp16_values, size);
     let gathered = b.alloc(layout.bytes() * size)?;
     // Equal blocks: shard r of the gathered buffer is rank r's block.
     let shards = Shards::in_place(gathered, 1, size, rank)?;
-    b.topk_pack(data, residual, layout, shards.mine)?;
+    if let Some(norm) = dgc.clip_norm {
+        // DGC's local clipping: `data` is this rank's share of the average,
+        // so the threshold of the sum is split as sqrt(size).
+        b.clip_norm(data, norm / (size as f64).sqrt())?;
+    }
+    let momentum = dgc.momentum != 0.0;
+    if !momentum {
+        b.topk_pack(data, residual, layout, shards.mine)?;
+    } else {
+        let velocity = b.residual(StateBuf::Velocity.key(bucket)?, n * 4)?;
+        b.momentum_step(velocity, data, dgc.momentum)?;
+        b.topk_pack(velocity, residual, layout, shards.mine)?;
+        if dgc.masking {
+            b.topk_mask(shards.mine, layout, velocity)?;
+        }
+    }
     b.allgather(group, shards, gathered, 1)?;
-    b.topk_sum(gathered, layout, data, group, bucket)
+    b.topk_sum(gathered, layout, data, group, bucket)?;
+    if momentum {
+        let previous = b.residual(StateBuf::PreviousSum.key(bucket)?, n * 4)?;
+        b.momentum_correct(data, previous, dgc.momentum)?;
+    }
+    Ok(())
 }
 
 /// `bytes` as native-endian float32s, when aligned and a whole number of them.
@@ -713,6 +836,61 @@ fn scatter(blocks: &[Block], ascending: bool, out: &mut [f32]) {
     }
 }
 
+/// Host kernel of [`Backend::clip_norm`]: scales float32 `buf` by
+/// `max_norm / norm` when its L2 norm is above `max_norm`. The sum of
+/// squares is taken in float64 (so its order does not show in float32),
+/// the norm, threshold and factor in float32.
+pub fn clip_norm(buf: &mut [u8], max_norm: f64) {
+    let sum: f64 = buf
+        .chunks_exact(4)
+        .map(|c| {
+            let x = f32_at(c, 0) as f64;
+            x * x
+        })
+        .sum();
+    let (norm, max) = (sum.sqrt() as f32, max_norm as f32);
+    if norm > max {
+        let scale = max / norm;
+        for c in buf.chunks_exact_mut(4) {
+            c.copy_from_slice(&(f32_at(c, 0) * scale).to_ne_bytes());
+        }
+    }
+}
+
+/// Host kernel of [`Backend::momentum_step`]: `velocity = momentum *
+/// velocity + data` (float32, each operation rounded).
+pub fn momentum_step(velocity: &mut [u8], data: &[u8], momentum: f64) {
+    let m = momentum as f32;
+    for (u, d) in velocity.chunks_exact_mut(4).zip(data.chunks_exact(4)) {
+        let product = m * f32_at(u, 0);
+        u.copy_from_slice(&(product + f32_at(d, 0)).to_ne_bytes());
+    }
+}
+
+/// Host kernel of [`Backend::topk_mask`]: zeroes the entries of float32
+/// `buf` named by the indices of `block` (one rank's [`TopKBlock`]).
+pub fn mask_sent(block: &[u8], layout: TopKBlock, buf: &mut [u8]) {
+    let n = buf.len() / 4;
+    for c in block[..layout.values_offset()].chunks_exact(4) {
+        let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
+        if i < n {
+            buf[i * 4..i * 4 + 4].fill(0);
+        }
+    }
+}
+
+/// Host kernel of [`Backend::momentum_correct`]: `(data, previous) =
+/// (data - momentum * previous, data)` (float32, each operation rounded).
+pub fn momentum_correct(data: &mut [u8], previous: &mut [u8], momentum: f64) {
+    let m = momentum as f32;
+    for (d, p) in data.chunks_exact_mut(4).zip(previous.chunks_exact_mut(4)) {
+        let sum = f32_at(d, 0);
+        let product = m * f32_at(p, 0);
+        d.copy_from_slice(&(sum - product).to_ne_bytes());
+        p.copy_from_slice(&sum.to_ne_bytes());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1170,5 +1348,107 @@ mod tests {
             err.to_string().contains("rank 11 sent Top-K index 9"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_warm_up_falls_geometrically_to_the_ratio() {
+        let dgc = DgcOptions {
+            warmup_steps: 3,
+            ..DgcOptions::default()
+        };
+        let d: Vec<f64> = (0..5).map(|t| dgc.density(1.0 / 256.0, t)).collect();
+        // 25%, then a factor 4 per step down to 1/256 at step 3 (DGC's stages).
+        let want = [0.25, 1.0 / 16.0, 1.0 / 64.0, 1.0 / 256.0, 1.0 / 256.0];
+        for (got, want) in d.iter().zip(want) {
+            assert!((got - want).abs() < 1e-12 * want, "{d:?}");
+        }
+        assert_eq!(d[3], 1.0 / 256.0);
+        // A ratio above the start density has nothing to warm up from.
+        assert_eq!(dgc.density(0.5, 0), 0.5);
+        assert_eq!(DgcOptions::default().density(0.01, 0), 0.01);
+    }
+
+    #[test]
+    fn state_buffers_have_distinct_keys() {
+        let keys: Vec<u64> = [
+            StateBuf::Residual,
+            StateBuf::Velocity,
+            StateBuf::PreviousSum,
+        ]
+        .iter()
+        .flat_map(|s| [0, 7].map(|b| s.key(b).unwrap()))
+        .collect();
+        let mut unique = keys.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), keys.len(), "{keys:?}");
+        assert_eq!(StateBuf::Residual.key(7).unwrap(), 7);
+        assert!(StateBuf::Velocity.key(1 << 60).is_err());
+    }
+
+    #[test]
+    fn clipping_scales_down_to_the_norm_and_leaves_small_buckets() {
+        let mut buf = f32s(&[3.0, -4.0]);
+        clip_norm(&mut buf, 1.0);
+        assert_eq!(read(&buf), vec![3.0 * 0.2, -4.0 * 0.2]);
+        let mut small = f32s(&[0.3, 0.4]);
+        clip_norm(&mut small, 1.0);
+        assert_eq!(read(&small), vec![0.3, 0.4]);
+    }
+
+    #[test]
+    fn velocity_masking_and_correction_kernels() {
+        let mut u = f32s(&[1.0, 2.0, -4.0]);
+        momentum_step(&mut u, &f32s(&[0.5, 0.0, 1.0]), 0.5);
+        assert_eq!(read(&u), vec![1.0, 1.0, -1.0]);
+        let layout = TopKBlock::new(3, 0.5, false, 1);
+        let mut block = vec![0u8; layout.bytes()];
+        block[..8].copy_from_slice(&[2, 0, 0, 0, 0, 0, 0, 0]);
+        mask_sent(&block, layout, &mut u);
+        assert_eq!(read(&u), vec![0.0, 1.0, 0.0]);
+        let (mut data, mut previous) = (f32s(&[1.0, 2.0, 0.0]), f32s(&[2.0, 0.0, -1.0]));
+        momentum_correct(&mut data, &mut previous, 0.5);
+        assert_eq!(read(&data), vec![0.0, 2.0, 0.5]);
+        assert_eq!(read(&previous), vec![1.0, 2.0, 0.0]);
+    }
+
+    /// What the correction is for: an optimiser with momentum `m` (torch's
+    /// SGD: `M_0 = G_0`, `M_t = m * M_{t-1} + G_t`) that is handed `G_t =
+    /// S_t - m * S_{t-1}` holds `M_t = S_t`, so it steps by DGC's sums.
+    #[test]
+    fn an_optimiser_with_momentum_handed_the_corrected_sums_steps_by_the_sums() {
+        let m = 0.9;
+        let n = 64;
+        let mut previous = vec![0u8; 4 * n];
+        let mut buffer: Option<Vec<f32>> = None;
+        for t in 0..200u32 {
+            // Sparse-looking sums: most entries zero, some large.
+            let sums: Vec<f32> = (0..n as u32)
+                .map(|i| {
+                    let h = (i.wrapping_mul(2654435761) ^ t.wrapping_mul(40503))
+                        .wrapping_mul(2246822519)
+                        >> 16;
+                    if h % 5 == 0 {
+                        (h % 2001) as f32 / 100.0 - 10.0
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let mut grad = f32s(&sums);
+            momentum_correct(&mut grad, &mut previous, m);
+            let grad = read(&grad);
+            let buf = match buffer.take() {
+                None => grad,
+                Some(b) => b.iter().zip(&grad).map(|(b, g)| m as f32 * b + g).collect(),
+            };
+            for (got, want) in buf.iter().zip(&sums) {
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "step {t}: {got} vs {want}"
+                );
+            }
+            buffer = Some(buf);
+        }
     }
 }

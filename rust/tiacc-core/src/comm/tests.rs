@@ -793,3 +793,82 @@ fn top_k_residuals_reset_when_a_bucket_changes_length() {
     // DDP rebuilt its buckets (new length): old residuals are dropped.
     assert_eq!(step(&[1., 0., 0., 9.]), vec![0., 0., 0., 9.]);
 }
+
+#[test]
+fn top_k_momentum_correction_matches_a_local_reference_on_every_rank() {
+    use super::sparse::{top_k, DgcOptions, TopKBlock, TopKOptions};
+    let (p, n, steps) = (3, 200, 6);
+    let data = move |rank: usize, step: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 13 + rank * 7 + step * 3) % 23) as f32 - 11.0) * 0.25 * step as f32)
+            .collect()
+    };
+    for masking in [false, true] {
+        let dgc = DgcOptions {
+            momentum: 0.9,
+            masking,
+            warmup_steps: 3,
+            clip_norm: Some(60.0),
+        };
+        let options = TopKOptions {
+            ratio: 0.05,
+            threshold: 0,
+            fp16_values: false,
+        };
+        let settings = AlgoSettings {
+            topk: Some(options),
+            dgc,
+            ..Default::default()
+        };
+        let results = with_engines(p, 1, settings, move |rank, engine| {
+            (0..steps)
+                .map(|step| {
+                    let values: Vec<f64> = data(rank, step).iter().map(|&v| v as f64).collect();
+                    allreduce_f32(engine, &values, false, 4)
+                })
+                .collect::<Vec<_>>()
+        });
+        assert!(results.iter().all(|r| r == &results[0]), "ranks differ");
+
+        // Reference: clip, velocity, accumulation, selection, masking, the
+        // rank-order sum and the correction, in the kernels' float32 order.
+        let m = 0.9f32;
+        let max = (60.0 / (p as f64).sqrt()) as f32;
+        let (mut u, mut v) = (vec![vec![0f32; n]; p], vec![vec![0f32; n]; p]);
+        let mut previous = vec![0f32; n];
+        let mut clipped = 0;
+        for (step, got) in results[0].iter().enumerate() {
+            let k = TopKBlock::new(n, dgc.density(0.05, step as u64), false, p).k;
+            let mut sum = vec![0f32; n];
+            for rank in 0..p {
+                let mut g = data(rank, step);
+                let sq: f64 = g.iter().map(|&x| x as f64 * x as f64).sum();
+                let norm = sq.sqrt() as f32;
+                if norm > max {
+                    clipped += 1;
+                    g.iter_mut().for_each(|x| *x *= max / norm);
+                }
+                for i in 0..n {
+                    u[rank][i] = m * u[rank][i] + g[i];
+                    v[rank][i] += u[rank][i];
+                }
+                for &i in &top_k(&v[rank], k) {
+                    let i = i as usize;
+                    sum[i] += v[rank][i];
+                    v[rank][i] = 0.0;
+                    if masking {
+                        u[rank][i] = 0.0;
+                    }
+                }
+            }
+            let expected: Vec<f64> = sum
+                .iter()
+                .zip(&previous)
+                .map(|(s, q)| (s - m * q) as f64)
+                .collect();
+            previous = sum;
+            assert_eq!(got, &expected, "masking {masking} step {step} (k {k})");
+        }
+        assert!(clipped > 0 && clipped < p * steps, "clipped {clipped}");
+    }
+}

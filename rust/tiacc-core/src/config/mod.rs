@@ -67,6 +67,14 @@ pub const TOPK_RATIO: &str = "LIGHT_TOPK_RATIO";
 pub const TOPK_THRESHOLD: &str = "LIGHT_TOPK_THRESHOLD";
 /// `1`: Top-K values travel as float16.
 pub const TOPK_FP16: &str = "LIGHT_TOPK_FP16";
+/// The optimiser's momentum: Top-K with momentum correction (DGC); 0 = off.
+pub const TOPK_MOMENTUM: &str = "TIACC_TRAINING_TOPK_MOMENTUM";
+/// `1`: momentum correction with DGC's momentum factor masking.
+pub const TOPK_MOMENTUM_MASKING: &str = "TIACC_TRAINING_TOPK_MOMENTUM_MASKING";
+/// Steps over which Top-K's density falls from 25% to the ratio.
+pub const TOPK_WARMUP_STEPS: &str = "TIACC_TRAINING_TOPK_WARMUP_STEPS";
+/// Norm each bucket's averaged gradient is clipped to before Top-K.
+pub const TOPK_CLIP_NORM: &str = "TIACC_TRAINING_TOPK_CLIP_NORM";
 
 /// LightCC's default hierarchical threshold (1 GiB).
 pub const DEFAULT_HIERARCHICAL_THRESHOLD: u64 = 1 << 30;
@@ -177,6 +185,10 @@ pub enum Setting {
     TopKRatio,
     TopKThreshold,
     TopKFp16,
+    TopKMomentum,
+    TopKMomentumMasking,
+    TopKWarmupSteps,
+    TopKClipNorm,
     NcclMultiRankGpu,
 }
 
@@ -204,6 +216,10 @@ pub const VARIABLES: &[&str] = &[
     TOPK_RATIO,
     TOPK_THRESHOLD,
     TOPK_FP16,
+    TOPK_MOMENTUM,
+    TOPK_MOMENTUM_MASKING,
+    TOPK_WARMUP_STEPS,
+    TOPK_CLIP_NORM,
     PERSEUS_NAN_CHECK[0],
     PERSEUS_NAN_CHECK[1],
     NAN_CHECK,
@@ -220,6 +236,10 @@ pub const ARGUMENTS: &[(&str, &str)] = &[
     ("transport", TRANSPORT),
     ("compression", COMPRESSION),
     ("nan_check", NAN_CHECK),
+    ("topk_momentum", TOPK_MOMENTUM),
+    ("topk_momentum_masking", TOPK_MOMENTUM_MASKING),
+    ("topk_warmup_steps", TOPK_WARMUP_STEPS),
+    ("topk_clip_norm", TOPK_CLIP_NORM),
 ];
 
 /// The communication engine's configuration.
@@ -261,6 +281,14 @@ pub struct CommConfig {
     pub topk_threshold: u64,
     /// Send Top-K values as float16.
     pub topk_fp16: bool,
+    /// The optimiser's momentum for Top-K's momentum correction (0: off).
+    pub topk_momentum: f64,
+    /// Zero the velocity where Top-K sent (momentum factor masking).
+    pub topk_momentum_masking: bool,
+    /// Top-K warm-up, in allreduces of a bucket (0: none).
+    pub topk_warmup_steps: u64,
+    /// Top-K's local gradient clipping threshold, when set.
+    pub topk_clip_norm: Option<f64>,
     /// NCCL may run several ranks on one GPU ([`NCCL_MULTI_RANK_GPU`]).
     pub nccl_multi_rank_gpu: bool,
     /// The variable or argument that set each setting not at its default.
@@ -288,6 +316,10 @@ impl Default for CommConfig {
             topk_ratio: 0.01,
             topk_threshold: 1 << 20,
             topk_fp16: false,
+            topk_momentum: 0.0,
+            topk_momentum_masking: false,
+            topk_warmup_steps: 0,
+            topk_clip_norm: None,
             nccl_multi_rank_gpu: false,
             set_by: BTreeMap::new(),
         }
@@ -507,6 +539,31 @@ impl CommConfig {
             TOPK_FP16 => {
                 self.topk_fp16 = parse_bool(label, value)?;
                 Setting::TopKFp16
+            }
+            TOPK_MOMENTUM => {
+                self.topk_momentum = match value.trim().parse::<f64>() {
+                    Ok(m) if (0.0..1.0).contains(&m) => m,
+                    _ => return Err(bad(label, value, "the optimiser's momentum, in [0, 1)")),
+                };
+                Setting::TopKMomentum
+            }
+            TOPK_MOMENTUM_MASKING => {
+                self.topk_momentum_masking = parse_bool(label, value)?;
+                Setting::TopKMomentumMasking
+            }
+            TOPK_WARMUP_STEPS => {
+                self.topk_warmup_steps = value
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(label, value, "a number of steps"))?;
+                Setting::TopKWarmupSteps
+            }
+            TOPK_CLIP_NORM => {
+                self.topk_clip_norm = match value.trim().parse::<f64>() {
+                    Ok(c) if c.is_finite() && c > 0.0 => Some(c),
+                    _ => return Err(bad(label, value, "a positive norm")),
+                };
+                Setting::TopKClipNorm
             }
             NAN_CHECK => {
                 self.nan_check = parse_bool(label, value)?;
@@ -1044,5 +1101,55 @@ mod tests {
         assert!(err.to_string().contains("RANK"));
         let err = launch_env_from(env(&[("MASTER_PORT", "99999")])).unwrap_err();
         assert!(err.to_string().contains("MASTER_PORT"));
+    }
+
+    #[test]
+    fn top_k_momentum_correction_settings() {
+        let c = CommConfig::from_lookup(env(&[])).unwrap();
+        assert_eq!(c.topk_momentum, 0.0);
+        assert!(!c.topk_momentum_masking);
+        assert_eq!((c.topk_warmup_steps, c.topk_clip_norm), (0, None));
+        let c = CommConfig::from_lookup(env(&[
+            (TOPK_MOMENTUM, "0.9"),
+            (TOPK_MOMENTUM_MASKING, "1"),
+            (TOPK_WARMUP_STEPS, "200"),
+            (TOPK_CLIP_NORM, "2.5"),
+        ]))
+        .unwrap();
+        assert_eq!(c.topk_momentum, 0.9);
+        assert!(c.topk_momentum_masking);
+        assert_eq!((c.topk_warmup_steps, c.topk_clip_norm), (200, Some(2.5)));
+        assert_eq!(c.source(Setting::TopKMomentum), Some(TOPK_MOMENTUM));
+        for (var, value) in [
+            (TOPK_MOMENTUM, "1"),
+            (TOPK_MOMENTUM, "-0.1"),
+            (TOPK_MOMENTUM, "high"),
+            (TOPK_MOMENTUM_MASKING, "2"),
+            (TOPK_WARMUP_STEPS, "-3"),
+            (TOPK_WARMUP_STEPS, "1.5"),
+            (TOPK_CLIP_NORM, "0"),
+            (TOPK_CLIP_NORM, "inf"),
+        ] {
+            let err = CommConfig::from_lookup(env(&[(var, value)])).unwrap_err();
+            assert!(err.to_string().contains(var), "{err}");
+        }
+        let o = c
+            .with_overrides(&[
+                ("topk_momentum", "0.95"),
+                ("topk_momentum_masking", "0"),
+                ("topk_warmup_steps", "10"),
+                ("topk_clip_norm", "1"),
+            ])
+            .unwrap();
+        assert_eq!((o.topk_momentum, o.topk_warmup_steps), (0.95, 10));
+        assert_eq!(
+            (o.topk_momentum_masking, o.topk_clip_norm),
+            (false, Some(1.0))
+        );
+        assert_eq!(o.source(Setting::TopKClipNorm), Some("topk_clip_norm"));
+        match c.with_overrides(&[("topk_momentum", "1.5")]).unwrap_err() {
+            Error::Config { variable, .. } => assert_eq!(variable, "topk_momentum"),
+            other => panic!("{other:?}"),
+        }
     }
 }

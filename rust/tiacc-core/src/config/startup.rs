@@ -5,7 +5,8 @@
 use super::{spans_nodes, AlgorithmChoice, CommConfig, Setting, TransportChoice};
 use super::{
     COMPRESSION, COMPRESSION_SCALE, COMPRESSION_SCOPE, HIERARCHICAL_THRESHOLD, INTRA_SIZE,
-    NCCL_LIBRARY, TOPK, TOPK_FP16, TOPK_RATIO, TOPK_THRESHOLD, TWO_D,
+    NCCL_LIBRARY, TOPK, TOPK_CLIP_NORM, TOPK_FP16, TOPK_MOMENTUM, TOPK_MOMENTUM_MASKING,
+    TOPK_RATIO, TOPK_THRESHOLD, TOPK_WARMUP_STEPS, TWO_D,
 };
 use crate::comm::codec::Compression;
 
@@ -132,10 +133,11 @@ impl CommConfig {
         };
         let topk = if self.topk {
             format!(
-                "{} of float32 buckets >= {} bytes, {} values, error feedback",
+                "{} of float32 buckets >= {} bytes, {} values, error feedback{}",
                 self.topk_ratio,
                 self.topk_threshold,
-                if self.topk_fp16 { "float16" } else { "float32" }
+                if self.topk_fp16 { "float16" } else { "float32" },
+                self.topk_dgc()
             )
         } else {
             "off".to_string()
@@ -144,6 +146,29 @@ impl CommConfig {
         format!(
             "algorithm={algorithm} compression={compression}{scale} top-k={topk} nan_check={nan}"
         )
+    }
+
+    /// Top-K's momentum correction, warm-up and clipping, as they apply.
+    fn topk_dgc(&self) -> String {
+        let mut out = String::new();
+        if self.topk_momentum != 0.0 {
+            out += &format!(
+                ", momentum correction for an optimiser with momentum {} (DGC{})",
+                self.topk_momentum,
+                if self.topk_momentum_masking {
+                    ", momentum factor masking"
+                } else {
+                    ""
+                }
+            );
+        }
+        if self.topk_warmup_steps > 0 {
+            out += &format!(", warm-up over {} steps", self.topk_warmup_steps);
+        }
+        if let Some(norm) = self.topk_clip_norm {
+            out += &format!(", local clipping to norm {norm}");
+        }
+        out
     }
 
     fn warnings(&self, job: &Job) -> Vec<Warning> {
@@ -175,10 +200,21 @@ impl CommConfig {
                 (Setting::TopKRatio, TOPK_RATIO),
                 (Setting::TopKThreshold, TOPK_THRESHOLD),
                 (Setting::TopKFp16, TOPK_FP16),
+                (Setting::TopKMomentum, TOPK_MOMENTUM),
+                (Setting::TopKMomentumMasking, TOPK_MOMENTUM_MASKING),
+                (Setting::TopKWarmupSteps, TOPK_WARMUP_STEPS),
+                (Setting::TopKClipNorm, TOPK_CLIP_NORM),
             ] {
                 if self.source(setting).is_some() {
                     warn(setting, name, format!("has no effect without {TOPK}=1"));
                 }
+            }
+        }
+        if self.topk && self.topk_momentum == 0.0 {
+            let setting = Setting::TopKMomentumMasking;
+            if self.source(setting).is_some() {
+                let message = format!("has no effect while {TOPK_MOMENTUM} is 0");
+                warn(setting, TOPK_MOMENTUM_MASKING, message);
             }
         }
         if !compressing {
@@ -420,5 +456,46 @@ mod tests {
         let s = config(&[("TIACC_TRAINING_DISABLE", "1")]).startup(&job(2, None, None));
         assert_eq!(s.lines.len(), 1);
         assert!(s.lines[0].starts_with("tiacc engine disabled"));
+    }
+
+    #[test]
+    fn top_k_momentum_correction_is_reported_and_warned_about_without_top_k() {
+        let c = config(&[
+            (TOPK, "1"),
+            (TOPK_MOMENTUM, "0.9"),
+            (TOPK_WARMUP_STEPS, "100"),
+            (TOPK_CLIP_NORM, "2"),
+        ]);
+        let s = c.startup(&job(4, Some(4), None));
+        assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+        assert!(
+            s.lines[1].contains(
+                "error feedback, momentum correction for an optimiser with momentum 0.9 (DGC), \
+                 warm-up over 100 steps, local clipping to norm 2"
+            ),
+            "{}",
+            s.lines[1]
+        );
+        let s =
+            config(&[(TOPK_MOMENTUM, "0.9"), (TOPK_CLIP_NORM, "2")]).startup(&job(4, None, None));
+        let names: Vec<&str> = s.warnings.iter().map(|w| w.variable.as_str()).collect();
+        assert_eq!(names, vec![TOPK_MOMENTUM, TOPK_CLIP_NORM]);
+        assert!(s.warnings[0]
+            .message
+            .contains("without LIGHT_TOPK_ALLREDUCE=1"));
+        let s = config(&[(TOPK, "1"), (TOPK_MOMENTUM_MASKING, "1")]).startup(&job(4, None, None));
+        assert_eq!(s.warnings.len(), 1);
+        assert_eq!(s.warnings[0].variable, TOPK_MOMENTUM_MASKING);
+        let c = config(&[
+            (TOPK, "1"),
+            (TOPK_MOMENTUM, "0.9"),
+            (TOPK_MOMENTUM_MASKING, "1"),
+        ]);
+        let s = c.startup(&job(4, None, None));
+        assert!(
+            s.lines[1].contains("(DGC, momentum factor masking)"),
+            "{}",
+            s.lines[1]
+        );
     }
 }
