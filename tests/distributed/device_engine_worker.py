@@ -83,7 +83,9 @@ def main() -> int:
                 "tcp",
                 board=_rendezvous.FailureBoard(store, f"{prefix}/first_failure"),
                 local_size=launch["local_size"],
-                intra_size=_rendezvous.node_intra_size(config, launch, store, prefix, rank, world),
+                intra_size=_rendezvous.node_intra_size(
+                    config, launch, store, prefix, rank, world, measures=False
+                ),
                 host="127.0.0.1",
             )
             _rendezvous.connect_tcp(device, store, prefix, rank, world, config.timeout)

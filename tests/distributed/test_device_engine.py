@@ -17,10 +17,14 @@ from _launch import describe, run_ranks
 
 WORKER = Path(__file__).resolve().parent / "device_engine_worker.py"
 
+# The flat variants force flat: on 2 x 2 ranks the host engine's auto would
+# time flat against 2D and could pick either, the device engine (like NCCL)
+# stays flat.
+FLAT = {"TIACC_TRAINING_ALGORITHM": "flat"}
 ALGORITHMS = {
-    "flat": {},
-    "fp16": {"TIACC_TRAINING_COMPRESSION": "fp16", "TIACC_TRAINING_COMPRESSION_SCALE": "4"},
-    "bf16": {"TIACC_TRAINING_COMPRESSION": "bf16"},
+    "flat": FLAT,
+    "fp16": {**FLAT, "TIACC_TRAINING_COMPRESSION": "fp16", "TIACC_TRAINING_COMPRESSION_SCALE": "4"},
+    "bf16": {**FLAT, "TIACC_TRAINING_COMPRESSION": "bf16"},
     "2d": {"LIGHT_2D_ALLREDUCE": "1", "LIGHT_HIERARCHICAL_THRESHOLD": "100000"},
     "2d-fp16-between-nodes": {
         "LIGHT_2D_ALLREDUCE": "1",
@@ -28,7 +32,12 @@ ALGORITHMS = {
         "TIACC_TRAINING_COMPRESSION_SCOPE": "inter",
     },
     "2d-fp16": {"LIGHT_2D_ALLREDUCE": "1", "PERSEUS_ALLREDUCE_DTYPE": "0"},
-    "topk": {"LIGHT_TOPK_ALLREDUCE": "1", "LIGHT_TOPK_RATIO": "0.05", "LIGHT_TOPK_THRESHOLD": "0"},
+    "topk": {
+        **FLAT,
+        "LIGHT_TOPK_ALLREDUCE": "1",
+        "LIGHT_TOPK_RATIO": "0.05",
+        "LIGHT_TOPK_THRESHOLD": "0",
+    },
     "topk-2d-fp16-values": {
         "LIGHT_TOPK_ALLREDUCE": "1",
         "LIGHT_TOPK_THRESHOLD": "4000",
@@ -38,6 +47,7 @@ ALGORITHMS = {
     # Momentum correction with the warm-up (densities 25%, 11%, 5%) and
     # clipping (the large buckets are clipped, the small ones not).
     "topk-dgc": {
+        **FLAT,
         "LIGHT_TOPK_ALLREDUCE": "1",
         "LIGHT_TOPK_RATIO": "0.05",
         "LIGHT_TOPK_THRESHOLD": "0",

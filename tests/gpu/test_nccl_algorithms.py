@@ -30,17 +30,25 @@ TESTS = Path(__file__).resolve().parents[1]
 DDP_WORKER = Path(__file__).resolve().parent / "_nccl_worker.py"
 DEVICE_WORKER = TESTS / "distributed" / "device_engine_worker.py"
 
+# Flat variants force flat: the host engine's auto could take 2D on 2 x 2
+# ranks, while NCCL stays flat.
+FLAT = {"TIACC_TRAINING_ALGORITHM": "flat"}
 ALGORITHMS = {
-    "flat": {},
-    "fp16": {"TIACC_TRAINING_COMPRESSION": "fp16"},
-    "bf16": {"TIACC_TRAINING_COMPRESSION": "bf16"},
+    "flat": FLAT,
+    "fp16": {**FLAT, "TIACC_TRAINING_COMPRESSION": "fp16"},
+    "bf16": {**FLAT, "TIACC_TRAINING_COMPRESSION": "bf16"},
     "2d": {"LIGHT_2D_ALLREDUCE": "1"},
     "2d-fp16": {
         "LIGHT_2D_ALLREDUCE": "1",
         "TIACC_TRAINING_COMPRESSION": "fp16",
         "TIACC_TRAINING_COMPRESSION_SCOPE": "inter",
     },
-    "topk": {"LIGHT_TOPK_ALLREDUCE": "1", "LIGHT_TOPK_RATIO": "0.05", "LIGHT_TOPK_THRESHOLD": "0"},
+    "topk": {
+        **FLAT,
+        "LIGHT_TOPK_ALLREDUCE": "1",
+        "LIGHT_TOPK_RATIO": "0.05",
+        "LIGHT_TOPK_THRESHOLD": "0",
+    },
     "topk-2d-fp16-values": {
         "LIGHT_TOPK_ALLREDUCE": "1",
         "LIGHT_TOPK_THRESHOLD": "0",
@@ -48,6 +56,7 @@ ALGORITHMS = {
         "LIGHT_2D_ALLREDUCE": "1",
     },
     "topk-dgc": {
+        **FLAT,
         "LIGHT_TOPK_ALLREDUCE": "1",
         "LIGHT_TOPK_RATIO": "0.05",
         "LIGHT_TOPK_THRESHOLD": "0",
