@@ -173,6 +173,7 @@ impl TcpSetup {
         intra_addresses: Option<Vec<String>>,
         inter_addresses: Option<Vec<String>>,
         channels: usize,
+        shared_memory: bool,
         timeout: Duration,
     ) -> PyResult<Vec<tiacc_core::comm::host::Groups>> {
         if addresses.len() != self.size {
@@ -206,6 +207,7 @@ impl TcpSetup {
                 two_d,
                 &token,
                 channels,
+                shared_memory,
                 Deadline::after(timeout),
             )
         })
@@ -413,6 +415,7 @@ impl CommEngine {
             intra_addresses,
             inter_addresses,
             self.info.num_channels,
+            self.info.config.get().inner.shared_memory,
             self.info.timeout,
         )?;
         let mut groups = groups;

@@ -112,6 +112,7 @@ impl PyCommConfig {
         d.set_item("compression_inter_only", c.compression_inter_only)?;
         d.set_item("compression_scale", c.compression_scale)?;
         d.set_item("nan_check", c.nan_check)?;
+        d.set_item("shared_memory", c.shared_memory)?;
         d.set_item("algorithm", c.algorithm.name())?;
         d.set_item("intra_size", c.intra_size)?;
         d.set_item("hierarchical_threshold", c.hierarchical_threshold)?;

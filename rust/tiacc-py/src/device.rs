@@ -395,6 +395,7 @@ impl DeviceEngine {
             intra_addresses,
             inter_addresses,
             self.info.num_channels,
+            self.info.config.get().inner.shared_memory,
             self.info.timeout,
         )?;
         self.failures

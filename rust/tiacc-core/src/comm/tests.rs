@@ -872,3 +872,166 @@ fn top_k_momentum_correction_matches_a_local_reference_on_every_rank() {
         assert!(clipped > 0 && clipped < p * steps, "clipped {clipped}");
     }
 }
+
+/// One channel's ring per member, moved to shared memory (all members are
+/// threads of this process, so they share the host); result[rank].
+fn shm_groups(p: usize) -> Vec<Box<dyn Transport>> {
+    let handles: Vec<_> = rings(p, 1)
+        .into_iter()
+        .map(|mut chans| {
+            let ring = chans.remove(0);
+            std::thread::spawn(move || {
+                let mut why = None;
+                let group = super::shm::attach(ring, deadline(), &mut why).unwrap();
+                assert!(why.is_none(), "shared memory refused: {why:?}");
+                group
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Runs `f(rank, group)` on every member of a shared-memory group.
+fn on_every_member<T: Send + 'static>(
+    p: usize,
+    f: impl Fn(usize, &mut dyn Transport) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let handles: Vec<_> = shm_groups(p)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut group)| {
+            let f = f.clone();
+            std::thread::spawn(move || f(rank, group.as_mut()))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Order-dependent values, so a different summation order shows.
+fn wavy(rank: usize, len: usize, dtype: DType) -> Vec<u8> {
+    let values: Vec<f64> = (0..len)
+        .map(|i| ((i * 31 + rank * 7) as f64).sin() * 1e3)
+        .collect();
+    encode(dtype, &values)
+}
+
+/// Every collective of a sequence, on one transport per member: two
+/// allreduces (several pieces each), a reduce-scatter, an allgather, a
+/// broadcast from the last member and a barrier.
+fn collective_sequence(
+    rank: usize,
+    p: usize,
+    len: usize,
+    dtype: DType,
+    t: &mut dyn Transport,
+) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for round in 0..2 {
+        let mut buf = wavy(rank + round, len, dtype);
+        let tag = OpTag {
+            kind: OpKind::Allreduce,
+            seq: round as u64,
+            bucket: 0,
+            dtype: dtype.code(),
+            bytes: buf.len() as u64,
+        };
+        t.allreduce_checked(&tag, &mut buf, dtype, deadline())
+            .unwrap();
+        out.push(buf);
+    }
+    let mut rs = wavy(rank + 5, len, dtype);
+    t.reduce_scatter(&mut rs, dtype, deadline()).unwrap();
+    let mine = shard_range(len, p, rank);
+    let e = dtype.size();
+    out.push(rs[mine.start * e..mine.end * e].to_vec());
+    let mut ag = wavy(rank + 9, len, dtype);
+    t.allgather(&mut ag, e, deadline()).unwrap();
+    out.push(ag);
+    let mut bc = wavy(rank + 11, len, dtype);
+    t.broadcast(&mut bc, p - 1, deadline()).unwrap();
+    out.push(bc);
+    t.barrier(deadline()).unwrap();
+    out
+}
+
+#[test]
+fn shared_memory_gives_the_tcp_rings_bytes_for_every_collective() {
+    for p in [2usize, 3, 4] {
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            // Up to several pieces per collective (a piece carries 4 MiB / p).
+            for len in [0usize, 1, p + 1, 1000, 700_003] {
+                let tcp = on_every_rank(p, move |rank, ring| {
+                    collective_sequence(rank, p, len, dtype, ring)
+                });
+                let shm = on_every_member(p, move |rank, group| {
+                    collective_sequence(rank, p, len, dtype, group)
+                });
+                assert_eq!(shm, tcp, "p={p} {dtype:?} len={len}");
+            }
+        }
+    }
+}
+
+#[test]
+fn shared_memory_names_the_rank_that_issued_another_collective() {
+    let errors = on_every_member(3, |rank, group| {
+        let tag = OpTag {
+            kind: OpKind::Allreduce,
+            seq: 0,
+            bucket: if rank == 1 { 9 } else { 4 },
+            dtype: DType::F32.code(),
+            bytes: 8,
+        };
+        group.agree(&tag, deadline()).unwrap_err()
+    });
+    for err in errors {
+        assert!(matches!(err, Error::Comm { peer: Some(1), .. }), "{err}");
+        assert!(err.to_string().contains("rank 1 issued"), "{err}");
+    }
+}
+
+#[test]
+fn shared_memory_times_out_naming_the_missing_rank_and_aborts_wake_waiters() {
+    let mut groups = shm_groups(3);
+    let absent = groups.pop().unwrap(); // rank 2 never calls
+    let mut one = groups.pop().unwrap();
+    let mut zero = groups.pop().unwrap();
+    let short = || Deadline::after(Duration::from_millis(300));
+    let waiter = std::thread::spawn(move || {
+        let started = Instant::now();
+        let err = one
+            .barrier(Deadline::after(Duration::from_secs(20)))
+            .unwrap_err();
+        (err, started.elapsed())
+    });
+    let err = zero.barrier(short()).unwrap_err();
+    assert!(matches!(err, Error::CommTimeout { peer: 2, .. }), "{err}");
+    assert!(err.to_string().contains("waiting for rank 2"), "{err}");
+    // Rank 0's failure aborts the group: rank 1 stops long before its own
+    // deadline, naming rank 2.
+    let (err, waited) = waiter.join().unwrap();
+    assert!(matches!(err, Error::Comm { peer: Some(2), .. }), "{err}");
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+    // Later calls fail at once.
+    assert!(zero.barrier(short()).is_err());
+    drop(absent);
+}
+
+#[test]
+fn an_aborter_ends_a_wait_on_shared_memory_from_another_thread() {
+    let mut groups = shm_groups(2);
+    let _absent = groups.pop().unwrap();
+    let mut zero = groups.pop().unwrap();
+    let abort = zero.aborter();
+    let started = Instant::now();
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        abort();
+    });
+    let err = zero
+        .barrier(Deadline::after(Duration::from_secs(20)))
+        .unwrap_err();
+    killer.join().unwrap();
+    assert!(matches!(err, Error::Comm { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

@@ -116,6 +116,49 @@ impl OpTag {
     }
 }
 
+/// Why the members' tags differ: the members grouped by what they issued,
+/// the largest group (the first on a tie) taken as the intended collective
+/// and the first member of another group returned as the culprit (as a
+/// world rank, through `world`).
+pub(crate) fn disagreement(
+    tags: &[Option<OpTag>],
+    world: impl Fn(usize) -> usize,
+) -> (Option<usize>, String) {
+    let mut groups: Vec<(Option<OpTag>, Vec<usize>)> = Vec::new();
+    for (r, t) in tags.iter().enumerate() {
+        let r = world(r);
+        match groups.iter_mut().find(|(g, _)| g == t) {
+            Some((_, ranks)) => ranks.push(r),
+            None => groups.push((*t, vec![r])),
+        }
+    }
+    let majority = (0..groups.len())
+        .max_by_key(|&i| (groups[i].1.len(), std::cmp::Reverse(i)))
+        .unwrap_or(0);
+    let odd = groups
+        .iter()
+        .enumerate()
+        .find(|(i, _)| *i != majority)
+        .and_then(|(_, (_, ranks))| ranks.first().copied());
+    let described: Vec<String> = groups
+        .iter()
+        .map(|(t, ranks)| {
+            let what = t.map_or("an unreadable header".to_string(), |t| t.describe());
+            let names: Vec<String> = ranks.iter().map(usize::to_string).collect();
+            let noun = if ranks.len() == 1 { "rank" } else { "ranks" };
+            format!("{noun} {} issued {what}", names.join(", "))
+        })
+        .collect();
+    (
+        odd,
+        format!(
+            "ranks disagree on the next collective (different bucket layouts or a different \
+             order of calls): {}",
+            described.join("; ")
+        ),
+    )
+}
+
 /// Collective primitives over one group of ranks on one channel.
 pub trait Transport: Send {
     /// This process's rank in the group.

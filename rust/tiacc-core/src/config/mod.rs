@@ -30,6 +30,9 @@ pub const SOCKET_ADDR: &str = "TIACC_TRAINING_SOCKET_ADDR";
 pub const TRANSPORT: &str = "TIACC_TRAINING_TRANSPORT";
 /// Path of the NCCL library to load instead of searching for one.
 pub const NCCL_LIBRARY: &str = "TIACC_TRAINING_NCCL_LIBRARY";
+/// `1` (default): ranks of one host exchange CPU gradients through shared
+/// memory; `0`: through loopback TCP.
+pub const SHM: &str = "TIACC_TRAINING_SHM";
 
 /// Gradient compression on the wire: `none`, `fp16` or `bf16`.
 pub const COMPRESSION: &str = "TIACC_TRAINING_COMPRESSION";
@@ -174,6 +177,7 @@ pub enum Setting {
     SocketAddr,
     Transport,
     NcclLibrary,
+    SharedMemory,
     Compression,
     CompressionScope,
     CompressionScale,
@@ -202,6 +206,7 @@ pub const VARIABLES: &[&str] = &[
     SOCKET_ADDR,
     TRANSPORT,
     NCCL_LIBRARY,
+    SHM,
     PERSEUS_DTYPE,
     COMPRESSION,
     COMPRESSION_SCOPE,
@@ -267,6 +272,8 @@ pub struct CommConfig {
     pub compression_scale: f64,
     /// Refuse to send non-finite gradients.
     pub nan_check: bool,
+    /// Whether ranks of one host use shared memory for CPU gradients.
+    pub shared_memory: bool,
     /// Flat, 2D, or measured at start-up.
     pub algorithm: AlgorithmChoice,
     /// Ranks per node for the 2D allreduce, when set.
@@ -309,6 +316,7 @@ impl Default for CommConfig {
             compression_inter_only: false,
             compression_scale: 1.0,
             nan_check: false,
+            shared_memory: true,
             algorithm: AlgorithmChoice::Auto,
             intra_size: None,
             hierarchical_threshold: DEFAULT_HIERARCHICAL_THRESHOLD,
@@ -568,6 +576,10 @@ impl CommConfig {
             NAN_CHECK => {
                 self.nan_check = parse_bool(label, value)?;
                 Setting::NanCheck
+            }
+            SHM => {
+                self.shared_memory = value.trim() == "auto" || parse_bool(label, value)?;
+                Setting::SharedMemory
             }
             v if PERSEUS_NAN_CHECK.contains(&v) => {
                 self.nan_check = parse_bool(label, value)?;
@@ -938,10 +950,20 @@ mod tests {
             (COMPRESSION_SCALE, "0"),
             (PERSEUS_DTYPE, "3"),
             (NAN_CHECK, "sometimes"),
+            (SHM, "maybe"),
         ] {
             let err = CommConfig::from_lookup(env(&[(var, value)])).unwrap_err();
             assert!(err.to_string().contains(var), "{err}");
         }
+    }
+
+    #[test]
+    fn shared_memory_is_on_unless_turned_off() {
+        let on =
+            |pairs: &[(&str, &str)]| CommConfig::from_lookup(env(pairs)).unwrap().shared_memory;
+        assert!(on(&[]));
+        assert!(on(&[(SHM, "auto")]) && on(&[(SHM, "1")]));
+        assert!(!on(&[(SHM, "0")]) && !on(&[(SHM, "off")]));
     }
 
     #[test]

@@ -4,9 +4,11 @@
 use std::net::{IpAddr, SocketAddr};
 
 use super::rendezvous::{RingListener, TOKEN_LEN};
+use super::ring::TcpRing;
 use crate::comm::algo::Layout;
 use crate::comm::host::{Groups, Hierarchy};
-use crate::comm::transport::Deadline;
+use crate::comm::shm;
+use crate::comm::transport::{Deadline, Transport};
 use crate::error::{Error, Result};
 
 /// Bound listeners for one rank's groups, before the rings are formed.
@@ -53,6 +55,12 @@ impl GroupListeners {
     /// Forms `channels` sets of rings. `world` holds every rank's world
     /// address; `two_d` the intra-node and inter-node members' addresses (in
     /// [`Layout::intra_members`] and [`Layout::inter_members`] order).
+    ///
+    /// With `shared_memory`, the world group (when the whole job is on this
+    /// host) and the intra-node group move their data through shared memory
+    /// instead of their TCP ring ([`shm::attach`]); the inter-node group
+    /// always uses TCP.
+    #[allow(clippy::too_many_arguments)]
     pub fn connect(
         self,
         rank: usize,
@@ -60,14 +68,13 @@ impl GroupListeners {
         two_d: Option<(&[SocketAddr], &[SocketAddr])>,
         token: &[u8; TOKEN_LEN],
         channels: usize,
+        shared_memory: bool,
         deadline: Deadline,
     ) -> Result<Vec<Groups>> {
         let world_rings = self.world.connect(world, rank, token, channels, deadline)?;
+        let world_groups = over_shared_memory(world_rings, shared_memory, deadline)?;
         let Some((layout, intra, inter)) = self.two_d else {
-            return Ok(world_rings
-                .into_iter()
-                .map(|r| Groups::flat(Box::new(r)))
-                .collect());
+            return Ok(world_groups.into_iter().map(Groups::flat).collect());
         };
         let Some((intra_addrs, inter_addrs)) = two_d else {
             return Err(Error::InvalidArgument(
@@ -83,20 +90,54 @@ impl GroupListeners {
                 inter_addrs.len()
             )));
         }
-        let intra_rings =
-            intra.connect(intra_addrs, layout.local_rank(), token, channels, deadline)?;
-        let inter_rings = inter.connect(inter_addrs, layout.node(), token, channels, deadline)?;
-        Ok(world_rings
+        let intra_rings = intra
+            .connect(intra_addrs, layout.local_rank(), token, channels, deadline)?
             .into_iter()
-            .zip(intra_rings.into_iter().zip(inter_rings))
-            .map(|(w, (a, e))| Groups {
-                world: Box::new(w),
+            .map(|a| a.with_members("intra-node", layout.intra_members()))
+            .collect();
+        let intra_groups = over_shared_memory(intra_rings, shared_memory, deadline)?;
+        let inter_rings = inter.connect(inter_addrs, layout.node(), token, channels, deadline)?;
+        Ok(world_groups
+            .into_iter()
+            .zip(intra_groups.into_iter().zip(inter_rings))
+            .map(|(world, (intra, e))| Groups {
+                world,
                 hierarchy: Some(Hierarchy {
-                    intra: Box::new(a.with_members("intra-node", layout.intra_members())),
+                    intra,
                     inter: Box::new(e.with_members("inter-node", layout.inter_members())),
                     layout,
                 }),
             })
             .collect())
     }
+}
+
+/// Each channel's ring, moved to shared memory where [`shm::attach`] can
+/// (channel by channel, in the same order on every member). A failure to
+/// set it up where it should work is reported once, by the group's first
+/// member, and the ring is kept.
+fn over_shared_memory(
+    rings: Vec<TcpRing>,
+    shared_memory: bool,
+    deadline: Deadline,
+) -> Result<Vec<Box<dyn Transport>>> {
+    let mut out: Vec<Box<dyn Transport>> = Vec::with_capacity(rings.len());
+    for ring in rings {
+        if !shared_memory {
+            out.push(Box::new(ring));
+            continue;
+        }
+        let (first, group, channel) = (ring.rank() == 0, ring.group(), ring.channel());
+        let mut why = None;
+        let transport = shm::attach(ring, deadline, &mut why)?;
+        if let (true, Some(why)) = (first, why) {
+            if !why.contains("not all on one host") && channel == 0 {
+                eprintln!(
+                    "tiacc_training: the {group} group keeps TCP instead of shared memory: {why}"
+                );
+            }
+        }
+        out.push(transport);
+    }
+    Ok(out)
 }

@@ -13,7 +13,7 @@ use std::ops::Range;
 use std::os::fd::AsRawFd;
 
 use crate::comm::dtype::{shard_range, DType};
-use crate::comm::transport::{Aborter, Deadline, OpTag, Transport};
+use crate::comm::transport::{disagreement, Aborter, Deadline, OpTag, Transport};
 use crate::error::{Error, Result};
 
 /// One ring step: send `send` (bytes of the buffer) to the next rank while
@@ -77,6 +77,21 @@ impl TcpRing {
             self.group = group;
         }
         self
+    }
+
+    /// The channel this ring serves.
+    pub fn channel(&self) -> usize {
+        self.channel
+    }
+
+    /// The world rank of each member.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// The group's name in messages ("world", "intra-node", "inter-node").
+    pub fn group(&self) -> &'static str {
+        self.group
     }
 
     /// The world rank of member `r`.
@@ -481,40 +496,10 @@ impl Transport for TcpRing {
             if tags.iter().all(|t| *t == Some(*tag)) {
                 return Ok(());
             }
-            // Group ranks by what they issued; the largest group (rank 0's on
-            // a tie) is taken as the intended collective, the rest named.
-            let mut groups: Vec<(Option<OpTag>, Vec<usize>)> = Vec::new();
-            for (r, t) in tags.iter().enumerate() {
-                let r = ring.world(r);
-                match groups.iter_mut().find(|(g, _)| g == t) {
-                    Some((_, ranks)) => ranks.push(r),
-                    None => groups.push((*t, vec![r])),
-                }
-            }
-            let majority = (0..groups.len())
-                .max_by_key(|&i| (groups[i].1.len(), std::cmp::Reverse(i)))
-                .unwrap_or(0);
-            let odd = groups
-                .iter()
-                .enumerate()
-                .find(|(i, _)| *i != majority)
-                .and_then(|(_, (_, ranks))| ranks.first().copied());
-            let described: Vec<String> = groups
-                .iter()
-                .map(|(t, ranks)| {
-                    let what = t.map_or("an unreadable header".to_string(), |t| t.describe());
-                    let names: Vec<String> = ranks.iter().map(usize::to_string).collect();
-                    let noun = if ranks.len() == 1 { "rank" } else { "ranks" };
-                    format!("{noun} {} issued {what}", names.join(", "))
-                })
-                .collect();
+            let (peer, message) = disagreement(&tags, |r| ring.world(r));
             Err(Error::Comm {
-                peer: odd,
-                message: ring.ctx(&format!(
-                    "ranks disagree on the next collective (different bucket layouts or a \
-                     different order of calls): {}",
-                    described.join("; ")
-                )),
+                peer,
+                message: ring.ctx(&message),
             })
         })
     }

@@ -1,0 +1,809 @@
+//! Shared memory between the ranks of one host.
+//!
+//! A group whose members all run on the same host (the world on one node,
+//! or the intra-node group of the 2D allreduce) moves its data through one
+//! shared mapping per channel instead of loopback TCP: no system call and
+//! no kernel copy per byte, only memory copies and the sums.
+//!
+//! The group is first formed as a TCP ring ([`super::tcp`]); [`attach`]
+//! then checks over that ring that every member sees the same host, and
+//! member 0 creates the mapping. If any step fails (another host, another
+//! user, a full `/dev/shm`), every member keeps the TCP ring, so the choice
+//! is always the same on all members.
+//!
+//! # Layout and protocol
+//!
+//! ```text
+//! control page   per member: the barrier count it reached (own cache line)
+//!                the wake-up word (a futex), the abort word
+//! tags           two sets x members x 32 bytes (collective headers)
+//! data           two sets x members x slot bytes
+//! ```
+//!
+//! A collective runs in pieces. For piece k every member writes its part
+//! into its slot of set `k % 2`, waits at a barrier, then reads what it
+//! needs from the others' slots. A buffer's elements are split into the
+//! same shards as the ring's ([`shard_range`]), and each slot holds a
+//! sub-chunk of every shard, so member `s` alone sums shard `s`, in the
+//! ring's order (member `s + 1` first, `s` last): results are bit for bit
+//! those of the TCP ring. A set is written again two pieces later, after a
+//! barrier every member reaches only once done reading it.
+//!
+//! Waits spin briefly, then sleep on the futex; the last member to arrive
+//! wakes the others. While sleeping, a member checks the deadline, the
+//! abort word and whether the members it waits for still exist (their
+//! process ids), so a killed peer is named at once and a stopped one at the
+//! timeout, as with TCP.
+
+use std::ffi::CString;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::dtype::{shard_range, DType};
+use super::tcp::TcpRing;
+use super::transport::{disagreement, Aborter, Deadline, OpTag, Transport};
+use crate::error::{Error, Result};
+
+/// Bytes of one set of slots (all members together); a piece of a
+/// collective moves at most this much per member and set.
+const SET_BYTES: usize = 4 << 20;
+/// Smallest slot, for groups of many members.
+const MIN_SLOT: usize = 64 << 10;
+/// Members one control page holds (one cache line each after the header).
+pub const MAX_MEMBERS: usize = 60;
+const PAGE: usize = 4096;
+const LINE: usize = 64;
+const MAGIC: u64 = 0x5449_4143_4353_484d; // "TIACCSHM"
+/// Offsets in the control page.
+const WAKE: usize = LINE;
+const ABORT: usize = 2 * LINE;
+const WAITERS: usize = 3 * LINE;
+const ARRIVED: usize = 4 * LINE;
+/// How long one sleep lasts before the deadline, the abort word and the
+/// peers' processes are checked again.
+const SLEEP_SLICE: Duration = Duration::from_millis(20);
+/// Busy polls before sleeping: short, since ranks may share cores.
+const SPINS: u32 = 64;
+/// Abort word of an abort that names no member.
+const NO_CULPRIT: u32 = u32::MAX;
+
+/// The mapping, shared by the group and its aborter.
+struct Segment {
+    base: *mut u8,
+    len: usize,
+    members: usize,
+    slot: usize,
+}
+
+// SAFETY: the mapping is plain shared memory that lives until `Drop`; every
+// access from several threads goes through atomics (control page) or
+// follows the barrier protocol above, which gives each byte of the data
+// area one writer at a time.
+unsafe impl Send for Segment {}
+// SAFETY: as above; `&Segment` only exposes atomics and raw pointers.
+unsafe impl Sync for Segment {}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are the mapping created in `Segment::map`,
+        // unmapped only here, once.
+        unsafe {
+            libc::munmap(self.base.cast(), self.len);
+        }
+    }
+}
+
+impl Segment {
+    fn layout(members: usize) -> (usize, usize) {
+        let slot = (SET_BYTES / members).max(MIN_SLOT) / LINE * LINE;
+        let tags = (2 * members * OpTag::LEN).div_ceil(PAGE) * PAGE;
+        (slot, PAGE + tags + 2 * members * slot)
+    }
+
+    /// Maps the file `fd` (of `Segment::layout(members).1` bytes).
+    fn map(fd: i32, members: usize) -> std::io::Result<Segment> {
+        let (slot, len) = Segment::layout(members);
+        // SAFETY: a fresh shared mapping of an open file descriptor; the
+        // kernel picks the address; the result is checked below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Segment {
+            base: base.cast(),
+            len,
+            members,
+            slot,
+        })
+    }
+
+    fn u64_at(&self, offset: usize) -> &AtomicU64 {
+        debug_assert!(offset % LINE == 0 && offset + 8 <= PAGE);
+        // SAFETY: the offset is inside the control page, 8-byte aligned (the
+        // mapping is page aligned), and that memory is only ever accessed
+        // through atomics of this width, by every process.
+        unsafe { &*(self.base.add(offset) as *const AtomicU64) }
+    }
+
+    fn u32_at(&self, offset: usize) -> &AtomicU32 {
+        debug_assert!(offset % LINE == 0 && offset + 4 <= PAGE);
+        // SAFETY: as in `u64_at`, for a 4-byte atomic.
+        unsafe { &*(self.base.add(offset) as *const AtomicU32) }
+    }
+
+    fn arrived(&self, member: usize) -> &AtomicU64 {
+        self.u64_at(ARRIVED + member * LINE)
+    }
+
+    fn tag_ptr(&self, set: usize, member: usize) -> *mut u8 {
+        let at = PAGE + (set * self.members + member) * OpTag::LEN;
+        // SAFETY: inside the tag area of the mapping (see `layout`).
+        unsafe { self.base.add(at) }
+    }
+
+    fn slot_ptr(&self, set: usize, member: usize) -> *mut u8 {
+        let tags = (2 * self.members * OpTag::LEN).div_ceil(PAGE) * PAGE;
+        let at = PAGE + tags + (set * self.members + member) * self.slot;
+        // SAFETY: inside the data area of the mapping (see `layout`).
+        unsafe { self.base.add(at) }
+    }
+
+    /// Sets the abort word (first caller wins) and wakes every sleeper.
+    fn abort(&self, code: u32) {
+        let _ = self
+            .u32_at(ABORT)
+            .compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
+        self.wake();
+    }
+
+    fn wake(&self) {
+        self.u32_at(WAKE).fetch_add(1, Ordering::SeqCst);
+        if self.u32_at(WAITERS).load(Ordering::SeqCst) > 0 {
+            futex_wake(self.u32_at(WAKE));
+        }
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a valid, aligned 4-byte word of a shared
+    // mapping (not FUTEX_PRIVATE: waiters are other processes).
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0,
+        );
+    }
+}
+
+/// Sleeps while `word` holds `expected`, at most `timeout`.
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT on a valid, aligned 4-byte word of a shared
+    // mapping with a relative timeout that outlives the call. Every outcome
+    // (woken, timed out, value changed, interrupted) is handled by the
+    // caller re-checking its condition.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0,
+        );
+    }
+}
+
+/// Whether process `pid` is still running: gone, or a zombie not yet
+/// reaped by its launcher, means it exited.
+fn process_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which ends at the last ')'.
+        Ok(stat) => !matches!(
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next()),
+            Some('Z' | 'X')
+        ),
+        Err(_) => false,
+    }
+}
+
+/// What identifies this host and its namespaces: members that agree on it
+/// see the same `/dev/shm` and each other's process ids. The network
+/// namespace is part of it, so nodes emulated with namespaces on one
+/// machine stay apart, as real nodes are.
+fn host_key() -> u64 {
+    let mut text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    for ns in [
+        "/proc/self/ns/pid",
+        "/proc/self/ns/ipc",
+        "/proc/self/ns/mnt",
+        "/proc/self/ns/net",
+    ] {
+        text.push('|');
+        text.push_str(
+            &std::fs::read_link(ns)
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+        );
+    }
+    // FNV-1a: a stable fingerprint, not a security measure.
+    text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// A group of members on one host, moving data through shared memory.
+pub struct ShmGroup {
+    seg: Arc<Segment>,
+    rank: usize,
+    size: usize,
+    channel: usize,
+    /// Process id of each member, to tell a dead peer from a slow one.
+    pids: Vec<i32>,
+    /// World rank of each member and the group's name, for messages.
+    members: Vec<usize>,
+    group: &'static str,
+    /// Barriers this member has passed.
+    barriers: u64,
+    /// Pieces run so far (the set of piece k is `k % 2`).
+    pieces: u64,
+    /// Tag exchanges so far.
+    agreements: u64,
+    broken: Option<(Option<usize>, String)>,
+}
+
+/// Forms the shared-memory group over `ring`'s members when they are all
+/// on this host, else returns the ring. Every member returns the same kind.
+/// `reason` receives why shared memory was not used, when it was wanted.
+pub fn attach(
+    mut ring: TcpRing,
+    deadline: Deadline,
+    reason: &mut Option<String>,
+) -> Result<Box<dyn Transport>> {
+    let size = ring.size();
+    if !(2..=MAX_MEMBERS).contains(&size) {
+        return Ok(Box::new(ring));
+    }
+    let rank = ring.rank();
+    // 1. Who is where: host key and process id of every member.
+    let mut who = vec![0u8; 16 * size];
+    who[16 * rank..16 * rank + 8].copy_from_slice(&host_key().to_le_bytes());
+    who[16 * rank + 8..16 * rank + 12].copy_from_slice(&(std::process::id() as i32).to_le_bytes());
+    ring.allgather(&mut who, 16, deadline)?;
+    let keys: Vec<u64> = who
+        .chunks_exact(16)
+        .map(|c| u64::from_le_bytes(c[..8].try_into().unwrap_or([0; 8])))
+        .collect();
+    if keys.iter().any(|k| *k != keys[0]) {
+        *reason = Some("its members are not all on one host".into());
+        return Ok(Box::new(ring));
+    }
+    let pids: Vec<i32> = who
+        .chunks_exact(16)
+        .map(|c| i32::from_le_bytes(c[8..12].try_into().unwrap_or([0; 4])))
+        .collect();
+
+    // 2. Member 0 creates the file and sends its name (empty: failed).
+    let mut name = [0u8; 128];
+    let mut created = None;
+    if rank == 0 {
+        match create_file(size) {
+            Ok((path, fd)) => {
+                let bytes = path.as_bytes();
+                name[..bytes.len()].copy_from_slice(bytes);
+                created = Some((path, fd));
+            }
+            Err(why) => *reason = Some(why),
+        }
+    }
+    ring.broadcast(&mut name, 0, deadline)?;
+    let len = name.iter().position(|b| *b == 0).unwrap_or(name.len());
+    if len == 0 {
+        reason.get_or_insert_with(|| "member 0 could not create the shared segment".into());
+        return Ok(Box::new(ring));
+    }
+    let path = String::from_utf8_lossy(&name[..len]).into_owned();
+
+    // 3. Everyone maps it and says whether that worked.
+    let mapped = match created {
+        Some((_, fd)) => map_and_close(fd, size),
+        None => open_file(&path).and_then(|fd| map_and_close(fd, size)),
+    };
+    let mut oks = vec![0u8; size];
+    oks[rank] = u8::from(mapped.is_ok());
+    ring.allgather(&mut oks, 1, deadline)?;
+    if rank == 0 {
+        // Every member has opened it (or given up): the name can go, and the
+        // memory is freed when the last member unmaps it, even after a crash.
+        let _ = std::fs::remove_file(&path);
+    }
+    if let Some(bad) = oks.iter().position(|ok| *ok == 0) {
+        *reason = Some(match &mapped {
+            Err(e) => e.clone(),
+            Ok(_) => format!("member {bad} could not map {path}"),
+        });
+        return Ok(Box::new(ring));
+    }
+    let seg = mapped.map_err(|e| Error::Comm {
+        peer: None,
+        message: e,
+    })?;
+    let mut group = ShmGroup {
+        seg: Arc::new(seg),
+        rank,
+        size,
+        channel: ring.channel(),
+        pids,
+        members: ring.members().to_vec(),
+        group: ring.group(),
+        barriers: 0,
+        pieces: 0,
+        agreements: 0,
+        broken: None,
+    };
+    if rank == 0 {
+        group.seg.u64_at(0).store(MAGIC, Ordering::SeqCst);
+    }
+    // 4. A first barrier through the mapping proves it is shared.
+    group.barrier(deadline)?;
+    if group.seg.u64_at(0).load(Ordering::SeqCst) != MAGIC {
+        return Err(Error::Comm {
+            peer: Some(group.world(0)),
+            message: group.ctx("the shared segment does not hold member 0's mark"),
+        });
+    }
+    Ok(Box::new(group))
+}
+
+/// Creates and sizes (with real pages: a full `/dev/shm` fails here, not
+/// later with SIGBUS) a file for a group of `members`.
+fn create_file(members: usize) -> std::result::Result<(String, i32), String> {
+    let (_, len) = Segment::layout(members);
+    let mut random = [0u8; 8];
+    let suffix = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut random))
+        .map(|()| {
+            random
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        })
+        .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
+    let path = format!("/dev/shm/tiacc-{}-{suffix}", std::process::id());
+    let c = CString::new(path.clone()).map_err(|e| e.to_string())?;
+    // SAFETY: a NUL-terminated path; O_EXCL so we never reuse a stranger's file.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+            0o600,
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "cannot create {path}: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: `fd` is the file just opened; posix_fallocate returns an errno.
+    let rc = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+    if rc != 0 {
+        // SAFETY: closing our own descriptor once.
+        unsafe { libc::close(fd) };
+        let _ = std::fs::remove_file(&path);
+        return Err(format!(
+            "cannot reserve {} MiB in /dev/shm for {path}: {} (a container may need a \
+             larger --shm-size)",
+            len >> 20,
+            std::io::Error::from_raw_os_error(rc)
+        ));
+    }
+    Ok((path, fd))
+}
+
+fn open_file(path: &str) -> std::result::Result<i32, String> {
+    let c = CString::new(path).map_err(|e| e.to_string())?;
+    // SAFETY: a NUL-terminated path.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(format!(
+            "cannot open {path}: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(fd)
+}
+
+fn map_and_close(fd: i32, members: usize) -> std::result::Result<Segment, String> {
+    let (_, len) = Segment::layout(members);
+    // SAFETY: `fd` is an open descriptor we own; fstat fills `st`.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let size_ok = unsafe { libc::fstat(fd, &mut st) } == 0 && st.st_size as usize == len;
+    let mapped = if size_ok {
+        Segment::map(fd, members).map_err(|e| format!("cannot map the shared segment: {e}"))
+    } else {
+        Err("the shared segment has an unexpected size".to_string())
+    };
+    // SAFETY: closing our own descriptor once; the mapping stays valid.
+    unsafe { libc::close(fd) };
+    mapped
+}
+
+impl ShmGroup {
+    fn world(&self, member: usize) -> usize {
+        self.members.get(member).copied().unwrap_or(member)
+    }
+
+    fn ctx(&self, what: &str) -> String {
+        let group = if self.group == "world" {
+            "shared memory".to_string()
+        } else {
+            format!("{} ring, shared memory", self.group)
+        };
+        format!(
+            "rank {} channel {} ({group}): {what}",
+            self.world(self.rank),
+            self.channel
+        )
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some((peer, why)) => Err(Error::Comm {
+                peer: *peer,
+                message: self.ctx(&format!(
+                    "the channel is unusable after an earlier failure: {why}"
+                )),
+            }),
+        }
+    }
+
+    /// Runs `f`; a failure marks the group unusable and tells the peers.
+    fn guarded(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+        self.check_usable()?;
+        let result = f(self);
+        if let Err(err) = &result {
+            let peer = match err {
+                Error::Comm { peer, .. } => *peer,
+                Error::CommTimeout { peer, .. } => Some(*peer),
+                _ => None,
+            };
+            self.broken = Some((peer, err.to_string()));
+            // Peers blocked in this group stop at once, naming the culprit.
+            let culprit = peer
+                .and_then(|p| self.members.iter().position(|m| *m == p))
+                .unwrap_or(self.rank);
+            self.seg.abort(1 + culprit as u32);
+        }
+        result
+    }
+
+    /// Waits until every member has passed as many barriers as this one.
+    fn barrier_wait(&mut self, deadline: Deadline, what: &str) -> Result<()> {
+        self.barriers += 1;
+        let target = self.barriers;
+        let seg = Arc::clone(&self.seg);
+        seg.arrived(self.rank).store(target, Ordering::SeqCst);
+        let all_in =
+            |seg: &Segment| (0..self.size).all(|m| seg.arrived(m).load(Ordering::SeqCst) >= target);
+        if all_in(&seg) {
+            seg.wake();
+            return self.check_abort();
+        }
+        let mut spins = 0u32;
+        loop {
+            let seen = seg.u32_at(WAKE).load(Ordering::SeqCst);
+            if all_in(&seg) {
+                return Ok(());
+            }
+            self.check_abort()?;
+            if spins < SPINS {
+                spins += 1;
+                if spins % 16 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            let remaining = deadline.remaining();
+            let late: Vec<usize> = (0..self.size)
+                .filter(|&m| seg.arrived(m).load(Ordering::SeqCst) < target)
+                .collect();
+            if let Some(&dead) = late.iter().find(|&&m| !process_alive(self.pids[m])) {
+                let peer = self.world(dead);
+                return Err(Error::Comm {
+                    peer: Some(peer),
+                    message: self.ctx(&format!(
+                        "rank {peer} (process {}) exited during {what} (it was killed or \
+                         failed; see its own error)",
+                        self.pids[dead]
+                    )),
+                });
+            }
+            if remaining.is_zero() {
+                let names: Vec<String> = late.iter().map(|&m| self.world(m).to_string()).collect();
+                let first = late.first().map_or(0, |&m| self.world(m));
+                return Err(Error::CommTimeout {
+                    peer: first,
+                    message: self.ctx(&format!(
+                        "timed out after {:.1}s waiting for rank {} during {what} (ranks that \
+                         had not arrived: {})",
+                        deadline.timeout.as_secs_f64(),
+                        first,
+                        names.join(", ")
+                    )),
+                });
+            }
+            let waiters = seg.u32_at(WAITERS);
+            waiters.fetch_add(1, Ordering::SeqCst);
+            if !all_in(&seg) && seg.u32_at(ABORT).load(Ordering::SeqCst) == 0 {
+                futex_wait(seg.u32_at(WAKE), seen, remaining.min(SLEEP_SLICE));
+            }
+            waiters.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn check_abort(&self) -> Result<()> {
+        let code = self.seg.u32_at(ABORT).load(Ordering::SeqCst);
+        if code == 0 {
+            return Ok(());
+        }
+        let member = code.wrapping_sub(1) as usize;
+        if code == NO_CULPRIT || member == self.rank || member >= self.size {
+            return Err(Error::Comm {
+                peer: None,
+                message: self.ctx("the group was aborted after a failure on another channel"),
+            });
+        }
+        let peer = self.world(member);
+        Err(Error::Comm {
+            peer: Some(peer),
+            message: self.ctx(&format!(
+                "the group was aborted after a failure involving rank {peer} (see the first \
+                 error reported)"
+            )),
+        })
+    }
+
+    /// Elements of every shard that one piece carries.
+    fn piece_elems(&self, elem: usize) -> usize {
+        (self.seg.slot / self.size / elem).max(1)
+    }
+
+    fn next_set(&mut self) -> usize {
+        let set = (self.pieces % 2) as usize;
+        self.pieces += 1;
+        set
+    }
+
+    /// The shards of `elems` elements, and how many pieces carry them.
+    fn plan(&self, elems: usize, elem: usize) -> (Vec<Range<usize>>, usize, usize) {
+        let shards: Vec<Range<usize>> = (0..self.size)
+            .map(|s| shard_range(elems, self.size, s))
+            .collect();
+        let c = self.piece_elems(elem);
+        let pieces = shards[0].len().div_ceil(c);
+        (shards, c, pieces)
+    }
+
+    /// The part of shard `s` that piece `k` carries, in elements.
+    fn part(shard: &Range<usize>, k: usize, c: usize) -> Range<usize> {
+        let start = (shard.start + k * c).min(shard.end);
+        start..(start + c).min(shard.end)
+    }
+
+    /// Copies `len` bytes of member `m`'s slot (set `set`, sub-chunk `j`)
+    /// into `dst`.
+    fn read_slot(&self, set: usize, m: usize, j: usize, c_bytes: usize, dst: &mut [u8]) {
+        // SAFETY: the source lies inside member m's slot (j * c_bytes +
+        // dst.len() <= slot bytes by `piece_elems`); by the protocol no
+        // member writes it until every member passes the next barrier.
+        unsafe {
+            let src = self.seg.slot_ptr(set, m).add(j * c_bytes);
+            std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+        }
+    }
+
+    /// Copies `src` into this member's slot (set `set`, sub-chunk `j`).
+    fn write_slot(&self, set: usize, j: usize, c_bytes: usize, src: &[u8]) {
+        // SAFETY: the destination lies inside our own slot; by the protocol
+        // no member reads it until we pass the next barrier.
+        unsafe {
+            let dst = self.seg.slot_ptr(set, self.rank).add(j * c_bytes);
+            std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+        }
+    }
+
+    /// Sums or gathers `buf` (`elems` of `elem` bytes) through the slots.
+    /// `reduce`: sum this member's shard (ring order); `gather`: copy every
+    /// other member's shard back. Allreduce is both, reduce-scatter the
+    /// first, allgather the second.
+    fn pieces_through(
+        &mut self,
+        buf: &mut [u8],
+        dtype: Option<DType>,
+        elem: usize,
+        gather: bool,
+        what: &str,
+        deadline: Deadline,
+    ) -> Result<()> {
+        let reduce = dtype.is_some();
+        let (shards, c, pieces) = self.plan(buf.len() / elem, elem);
+        let c_bytes = c * elem;
+        let (p, r) = (self.size, self.rank);
+        for k in 0..pieces {
+            let set = self.next_set();
+            // Write: every shard's part (reduce) or only our own (gather).
+            for (j, shard) in shards.iter().enumerate() {
+                if reduce || j == r {
+                    let part = Self::part(shard, k, c);
+                    self.write_slot(set, j, c_bytes, &buf[part.start * elem..part.end * elem]);
+                }
+            }
+            self.barrier_wait(deadline, what)?;
+            if let Some(dtype) = dtype {
+                let part = Self::part(&shards[r], k, c);
+                let mine = &mut buf[part.start * elem..part.end * elem];
+                self.read_slot(set, (r + 1) % p, r, c_bytes, mine);
+                for step in 2..=p {
+                    let m = (r + step) % p;
+                    // SAFETY: inside member m's slot, see `read_slot`.
+                    let src = unsafe {
+                        std::slice::from_raw_parts(
+                            self.seg.slot_ptr(set, m).add(r * c_bytes),
+                            mine.len(),
+                        )
+                    };
+                    dtype.add_assign(mine, src);
+                }
+                if gather {
+                    self.write_slot(set, r, c_bytes, mine);
+                    self.barrier_wait(deadline, what)?;
+                }
+            }
+            if gather {
+                for (j, shard) in shards.iter().enumerate() {
+                    if j != r {
+                        let part = Self::part(shard, k, c);
+                        let dst = &mut buf[part.start * elem..part.end * elem];
+                        self.read_slot(set, j, j, c_bytes, dst);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Transport for ShmGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()> {
+        self.guarded(|g| {
+            let set = (g.agreements % 2) as usize;
+            g.agreements += 1;
+            let mine = tag.encode();
+            // SAFETY: our own 32-byte tag cell; no member reads it before the
+            // barrier below, nor writes it (same parity) before the next one.
+            unsafe {
+                std::ptr::copy_nonoverlapping(mine.as_ptr(), g.seg.tag_ptr(set, g.rank), mine.len())
+            };
+            g.barrier_wait(deadline, "exchanging collective headers")?;
+            let mut tags = Vec::with_capacity(g.size);
+            for m in 0..g.size {
+                let mut bytes = [0u8; OpTag::LEN];
+                // SAFETY: member m's tag cell, written before the barrier.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        g.seg.tag_ptr(set, m),
+                        bytes.as_mut_ptr(),
+                        bytes.len(),
+                    )
+                };
+                tags.push(OpTag::decode(&bytes));
+            }
+            if tags.iter().all(|t| *t == Some(*tag)) {
+                return Ok(());
+            }
+            let (peer, message) = disagreement(&tags, |m| g.world(m));
+            Err(Error::Comm {
+                peer,
+                message: g.ctx(&message),
+            })
+        })
+    }
+
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
+        self.guarded(|g| {
+            g.pieces_through(buf, Some(dtype), dtype.size(), true, "allreduce", deadline)
+        })
+    }
+
+    fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
+        self.guarded(|g| {
+            g.pieces_through(
+                buf,
+                Some(dtype),
+                dtype.size(),
+                false,
+                "reduce-scatter",
+                deadline,
+            )
+        })
+    }
+
+    fn allgather(&mut self, buf: &mut [u8], elem_size: usize, deadline: Deadline) -> Result<()> {
+        let elem = elem_size.max(1);
+        self.guarded(|g| g.pieces_through(buf, None, elem, true, "allgather", deadline))
+    }
+
+    fn broadcast(&mut self, buf: &mut [u8], root: usize, deadline: Deadline) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "broadcast root {root} is not a rank of a group of {}",
+                self.size
+            )));
+        }
+        self.guarded(|g| {
+            let slot = g.seg.slot;
+            for start in (0..buf.len()).step_by(slot) {
+                let piece = start..(start + slot).min(buf.len());
+                let set = g.next_set();
+                if g.rank == root {
+                    g.write_slot(set, 0, 0, &buf[piece.clone()]);
+                }
+                g.barrier_wait(deadline, "broadcast")?;
+                if g.rank != root {
+                    g.read_slot(set, root, 0, 0, &mut buf[piece]);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn barrier(&mut self, deadline: Deadline) -> Result<()> {
+        self.guarded(|g| g.barrier_wait(deadline, "barrier"))
+    }
+
+    fn abort(&mut self) {
+        self.seg.abort(NO_CULPRIT);
+        if self.broken.is_none() {
+            self.broken = Some((None, "the channel was aborted".to_string()));
+        }
+    }
+
+    fn aborter(&self) -> Aborter {
+        let seg = Arc::clone(&self.seg);
+        Box::new(move || seg.abort(NO_CULPRIT))
+    }
+}
