@@ -241,6 +241,12 @@ pub type InterStep<'a> = dyn Fn(&mut dyn Backend, Mem) -> Result<()> + Sync + 'a
 pub const PIPELINE_CHUNK_BYTES: usize = 2 << 20;
 /// Most chunks one bucket is cut into.
 pub const MAX_PIPELINE_CHUNKS: usize = 16;
+/// A bucket of a few MiB is still cut into [`MIN_PIPELINE_CHUNKS`] chunks
+/// of at least this size, so that filling and draining the pipeline (the
+/// first chunk's reduce-scatter, the last one's allgather) stays short.
+pub const MIN_PIPELINE_CHUNK_BYTES: usize = 512 << 10;
+/// Chunks of a bucket of at least 4 x [`MIN_PIPELINE_CHUNK_BYTES`].
+pub const MIN_PIPELINE_CHUNKS: usize = 4;
 
 /// The chunks a 2D allreduce of `buf` runs in: consecutive, element-aligned
 /// and nearly equal, the same on every rank (they depend only on the
@@ -248,7 +254,10 @@ pub const MAX_PIPELINE_CHUNKS: usize = 16;
 pub fn pipeline_chunks(buf: Mem, dtype: DType, pipelines: bool) -> Result<Vec<Mem>> {
     let elems = buf.bytes / dtype.size();
     let n = if pipelines {
-        (buf.bytes / PIPELINE_CHUNK_BYTES).clamp(1, MAX_PIPELINE_CHUNKS)
+        let small = (buf.bytes / MIN_PIPELINE_CHUNK_BYTES).min(MIN_PIPELINE_CHUNKS);
+        (buf.bytes / PIPELINE_CHUNK_BYTES)
+            .max(small)
+            .clamp(1, MAX_PIPELINE_CHUNKS)
     } else {
         1
     };
@@ -416,6 +425,13 @@ mod tests {
             pipeline_chunks(huge, DType::F16, false).unwrap(),
             vec![huge]
         );
+        // A bucket of a few MiB: 4 chunks of at least 512 KiB.
+        let few = Mem::new(0, 4_500_000);
+        let chunks = pipeline_chunks(few, DType::F32, true).unwrap();
+        assert_eq!(chunks.len(), MIN_PIPELINE_CHUNKS);
+        assert!(chunks.iter().all(|c| c.bytes >= MIN_PIPELINE_CHUNK_BYTES));
+        let two = Mem::new(0, 2 * MIN_PIPELINE_CHUNK_BYTES + 8);
+        assert_eq!(pipeline_chunks(two, DType::F32, true).unwrap().len(), 2);
         let small = Mem::new(0, 100);
         assert_eq!(
             pipeline_chunks(small, DType::F32, true).unwrap(),
