@@ -88,6 +88,7 @@ COMPUTE_FLOOR = "compute floor (no DDP)"
 NATIVE = "native DDP (gloo)"
 LOOPBACK_GLOO = "loopback gloo (1 node x 4)"
 LOOPBACK_TIACC = "loopback tiacc default (1 node x 4)"
+LOOPBACK_TIACC_TCP = "loopback tiacc over TCP, no shared memory (1 node x 4)"
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,13 @@ def pipelines(channels: list[int]) -> list[Pipeline]:
         Pipeline("tiacc auto", "tiacc", (("TIACC_TRAINING_ALGORITHM", "auto"),), bound_factor=1.0),
         Pipeline(LOOPBACK_GLOO, "native", bound_factor=0.0, loopback=True),
         Pipeline(LOOPBACK_TIACC, "tiacc", bound_factor=0.0, loopback=True),
+        Pipeline(
+            LOOPBACK_TIACC_TCP,
+            "tiacc",
+            (("TIACC_TRAINING_SHM", "0"),),
+            bound_factor=0.0,
+            loopback=True,
+        ),
     ]
     return runs
 
