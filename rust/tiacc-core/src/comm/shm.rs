@@ -20,14 +20,15 @@
 //! data           two sets x members x slot bytes
 //! ```
 //!
-//! A collective runs in pieces. For piece k every member writes its part
-//! into its slot of set `k % 2`, waits at a barrier, then reads what it
-//! needs from the others' slots. A buffer's elements are split into the
-//! same shards as the ring's ([`shard_range`]), and each slot holds a
-//! sub-chunk of every shard, so member `s` alone sums shard `s`, in the
-//! ring's order (member `s + 1` first, `s` last): results are bit for bit
-//! those of the TCP ring. A set is written again two pieces later, after a
-//! barrier every member reaches only once done reading it.
+//! A collective runs in pieces. For piece k every member writes what the
+//! others need into its slot of set `k % 2`, waits at a barrier, then reads
+//! from the others' slots. A buffer's elements are split into the same
+//! shards as the ring's ([`shard_range`]), and each slot holds a sub-chunk
+//! of every shard, so member `s` alone sums shard `s` (into its own slot,
+//! where the others then read it), in the ring's order (member `s + 1`
+//! first, `s` last): results are bit for bit those of the TCP ring. A set
+//! is written again two pieces later, after a barrier every member reaches
+//! only once done reading it.
 //!
 //! Waits spin briefly, then sleep on the futex; the last member to arrive
 //! wakes the others. While sleeping, a member checks the deadline, the
@@ -657,9 +658,10 @@ impl ShmGroup {
         let (p, r) = (self.size, self.rank);
         for k in 0..pieces {
             let set = self.next_set();
-            // Write: every shard's part (reduce) or only our own (gather).
+            // Write the parts the others need: their shards (reduce) or our
+            // own (gather). Our own shard's part stays in `buf` for a sum.
             for (j, shard) in shards.iter().enumerate() {
-                if reduce || j == r {
+                if reduce != (j == r) {
                     let part = Self::part(shard, k, c);
                     self.write_slot(set, j, c_bytes, &buf[part.start * elem..part.end * elem]);
                 }
@@ -668,8 +670,21 @@ impl ShmGroup {
             if let Some(dtype) = dtype {
                 let part = Self::part(&shards[r], k, c);
                 let mine = &mut buf[part.start * elem..part.end * elem];
-                self.read_slot(set, (r + 1) % p, r, c_bytes, mine);
-                for step in 2..=p {
+                // The sum goes into sub-chunk r of our own slot, which we
+                // did not write above, where the others read it after the
+                // next barrier.
+                // SAFETY: sub-chunk r of our slot is inside the mapping
+                // (`piece_elems`); until the next barrier only this member
+                // touches it, and it does not overlap the other slots read
+                // below or `buf`.
+                let acc = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        self.seg.slot_ptr(set, r).add(r * c_bytes),
+                        mine.len(),
+                    )
+                };
+                self.read_slot(set, (r + 1) % p, r, c_bytes, acc);
+                for step in 2..p {
                     let m = (r + step) % p;
                     // SAFETY: inside member m's slot, see `read_slot`.
                     let src = unsafe {
@@ -678,10 +693,12 @@ impl ShmGroup {
                             mine.len(),
                         )
                     };
-                    dtype.add_assign(mine, src);
+                    dtype.add_assign(acc, src);
                 }
+                // Our own values last, as on the ring.
+                dtype.add_assign(acc, mine);
+                mine.copy_from_slice(acc);
                 if gather {
-                    self.write_slot(set, r, c_bytes, mine);
                     self.barrier_wait(deadline, what)?;
                 }
             }
