@@ -67,7 +67,7 @@ def run_job(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
-    before = link_stats()
+    before = link_stats(tuple(nodes))
     outputs = []
     for p in procs:
         try:
@@ -76,7 +76,7 @@ def run_job(
             for q in procs:
                 q.kill()
             outputs.append(p.communicate())
-    after = link_stats()
+    after = link_stats(tuple(nodes))
     failed = [
         f"rank {rank} exited {p.returncode}:\n{out}\n{err[-2000:]}"
         for rank, (p, (out, err)) in enumerate(zip(procs, outputs))

@@ -11,7 +11,10 @@ them, shared memory or P2P inside one, even with every rank on one GPU).
 Needs root. Uses iproute2 (``ip``, ``tc``) when installed, else the
 pure-Python ``pyroute2`` package (``TIACC_NETNS_TOOL=ip|pyroute2`` forces
 one). Only the addresses of the namespaces it creates are used, and ``down``
-(or leaving the ``cluster()`` context) removes everything it made::
+(or leaving the ``cluster()`` context) removes everything it made. Each
+``cluster()`` names its namespaces and links after the calling process, so
+several can run at once (a benchmark next to the tests); the command line
+uses fixed names::
 
     python tools/netns_cluster.py up --rate-mbit 200
     python tools/netns_cluster.py exec 1 -- python -c 'print("on node 1")'
@@ -57,16 +60,18 @@ class Node:
     """One emulated node."""
 
     index: int
+    # Tells apart the clusters of concurrent processes ("" on the command line).
+    tag: str = ""
 
     @property
     def netns(self) -> str:
         """The namespace name."""
-        return f"{PREFIX}{self.index}"
+        return f"{PREFIX}-{self.tag}-{self.index}" if self.tag else f"{PREFIX}{self.index}"
 
     @property
     def veth(self) -> str:
-        """The node's end of the link."""
-        return f"tiacc-veth{self.index}"
+        """The node's end of the link (interface names hold 15 characters)."""
+        return f"tv{self.tag}-{self.index}" if self.tag else f"tiacc-veth{self.index}"
 
     @property
     def address(self) -> str:
@@ -95,6 +100,12 @@ class Node:
 NODES = (Node(0), Node(1))
 
 
+def nodes_of_this_process() -> tuple[Node, ...]:
+    """Two nodes named after this process, apart from any other cluster."""
+    tag = f"{os.getpid():x}"
+    return (Node(0, tag), Node(1, tag))
+
+
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(list(argv), capture_output=True, text=True)
     if check and proc.returncode != 0:
@@ -102,22 +113,23 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     return proc
 
 
-def up(rate_mbit: float = 200.0) -> None:
+def up(rate_mbit: float = 200.0, nodes: tuple[Node, ...] = NODES) -> None:
     """Creates the namespaces, the link and the rate limits.
 
     Args:
         rate_mbit: link rate in Mbit/s in each direction.
+        nodes: the two nodes to create.
     """
-    down()
+    down(nodes)
     if tool() == "pyroute2":
-        _up_pyroute2(rate_mbit)
+        _up_pyroute2(rate_mbit, nodes)
         return
-    for node in NODES:
+    for node in nodes:
         _run(["ip", "netns", "add", node.netns])
         _run(node.command(["ip", "link", "set", "lo", "up"]))
-    a, b = NODES
+    a, b = nodes
     _run(["ip", "link", "add", a.veth, "type", "veth", "peer", "name", b.veth])
-    for node in NODES:
+    for node in nodes:
         _run(["ip", "link", "set", node.veth, "netns", node.netns])
         _run(node.command(["ip", "addr", "add", f"{node.address}/24", "dev", node.veth]))
         _run(node.command(["ip", "link", "set", node.veth, "up"]))
@@ -130,17 +142,17 @@ def up(rate_mbit: float = 200.0) -> None:
         )
 
 
-def _up_pyroute2(rate_mbit: float) -> None:
+def _up_pyroute2(rate_mbit: float, nodes: tuple[Node, ...]) -> None:
     from pyroute2 import IPRoute, netns
 
-    for node in NODES:
+    for node in nodes:
         netns.create(node.netns)
-    a, b = NODES
+    a, b = nodes
     with IPRoute() as ipr:
         ipr.link("add", ifname=a.veth, kind="veth", peer=b.veth)
-        for node in NODES:
+        for node in nodes:
             ipr.link("set", index=ipr.link_lookup(ifname=node.veth)[0], net_ns_fd=node.netns)
-    for node in NODES:
+    for node in nodes:
         with IPRoute(netns=node.netns) as ipr:
             index = ipr.link_lookup(ifname=node.veth)[0]
             ipr.addr("add", index=index, address=node.address, prefixlen=24)
@@ -156,10 +168,10 @@ def _up_pyroute2(rate_mbit: float) -> None:
             )
 
 
-def link_stats() -> dict[str, int]:
+def link_stats(nodes: tuple[Node, ...] = NODES) -> dict[str, int]:
     """Bytes sent and packets dropped by both shapers so far (summed)."""
     totals = {"sent_bytes": 0, "dropped_packets": 0}
-    for node in NODES:
+    for node in nodes:
         if tool() == "pyroute2":
             from pyroute2 import IPRoute
 
@@ -178,27 +190,28 @@ def link_stats() -> dict[str, int]:
     return totals
 
 
-def down() -> None:
+def down(nodes: tuple[Node, ...] = NODES) -> None:
     """Removes the namespaces (and with them the veth pair and qdiscs)."""
     if tool() == "pyroute2":
         from pyroute2 import netns
 
-        for node in NODES:
+        for node in nodes:
             if node.netns in netns.listnetns():
                 netns.remove(node.netns)
         return
-    for node in NODES:
+    for node in nodes:
         _run(["ip", "netns", "delete", node.netns], check=False)
 
 
 @contextlib.contextmanager
 def cluster(rate_mbit: float = 200.0) -> Iterator[tuple[Node, ...]]:
-    """The two nodes, set up for the duration of the ``with`` block."""
+    """Two nodes of this process, set up for the duration of the ``with`` block."""
+    nodes = nodes_of_this_process()
     try:
-        up(rate_mbit)
-        yield NODES
+        up(rate_mbit, nodes)
+        yield nodes
     finally:
-        down()
+        down(nodes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
