@@ -25,6 +25,12 @@ class CorruptRecordError(DataError):
     path: str
     offset: int
 
+class DataFileNotFoundError(DataError, FileNotFoundError):
+    path: str
+
+class DataPermissionError(DataError, PermissionError):
+    path: str
+
 class DecodeError(TiaccError):
     path: str
     offset: int
@@ -313,7 +319,7 @@ class EncodedImages:
     def encoded(self, position: int) -> bytes: ...
     def select(self, positions: list[int]) -> EncodedImages: ...
 
-class PackedDataset:
+class IndexedDataset:
     def __init__(self, root: _Path, index: _Path) -> None: ...
     def __len__(self) -> int: ...
     def labels(self) -> Any: ...

@@ -86,9 +86,11 @@ pub fn verify_index(index_path: &Path, check_examples: bool) -> Result<IndexRepo
             let path = shard_path(dir, shard_file);
             let (report, offsets) = scan_shard(&path, check_examples).map_err(|e| match e {
                 Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                    Error::BadIndex {
-                        path: index_path.to_path_buf(),
+                    Error::MissingShard {
+                        index: index_path.to_path_buf(),
                         line: refs[0].0,
+                        shard: path.clone(),
+                        kind: source.kind(),
                         reason: format!("shard {} does not exist", path.display()),
                     }
                 }
@@ -231,7 +233,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let index = dataset(dir.path());
         fs::remove_file(dir.path().join("ds-00002.tfrecord")).unwrap();
-        let msg = verify_index(&index, false).unwrap_err().to_string();
+        let err = verify_index(&index, false).unwrap_err();
+        assert_eq!(err.io_kind(), Some(std::io::ErrorKind::NotFound));
+        let msg = err.to_string();
         assert!(
             msg.contains("ds.index:7:") && msg.contains("does not exist"),
             "{msg}"
