@@ -14,7 +14,6 @@ import pytest
 import torch
 import torchvision.transforms as T
 from PIL import Image
-from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from tests.conftest import pack_folder
@@ -23,6 +22,11 @@ from tiacc_training.torch import _fused
 from tiacc_training.torch._fused import FusedPlan
 from tiacc_training.torch._random_params import flip_draw
 from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
+
+# transforms.v2 left beta, with tv_tensors, in torchvision 0.16 (torch 2.1).
+tv_tensors = pytest.importorskip(
+    "torchvision.tv_tensors", reason="torchvision < 0.16: transforms.v2 is a beta, no tv_tensors"
+)
 
 OURS = "IndexTFRDataset: the fused path"
 SIZES = [(500, 375), (375, 500), (90, 70), (1, 1), (3000, 20), (20, 3000), (224, 224)]
