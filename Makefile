@@ -11,7 +11,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build demo test test-rust test-python bench bench-ddp bench-nccl bench-topk lint fmt fuzz clean
+.PHONY: help setup build wheel demo test test-rust test-python test-compat bench bench-ddp bench-nccl bench-topk lint fmt fuzz clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -44,6 +44,17 @@ setup: $(STAMPS)/build ## create .venv, install dependencies, build + install th
 
 build: setup ## alias of setup
 
+wheel: $(STAMPS)/venv ## build the abi3 wheel (release) into dist/
+	$(VENV)/bin/maturin build --release -q -o dist
+
+# The torch range we claim, tested by `make test-compat`: the oldest release
+# with the torchvision made for it (and numpy 1, which it was built against),
+# and the newest torch and torchvision on PyPI.
+TORCH_OLDEST ?= torch==2.0.0 torchvision==0.15.1 numpy<2
+TORCH_NEWEST ?= torch torchvision numpy
+# The CPU tests that touch torch (unit tests, DDP through the engine, init).
+COMPAT_TESTS ?= tests/unit tests/distributed/test_init.py tests/distributed/test_ddp_engine.py
+
 demo: setup ## generate + pack a dataset, then train a CNN with 2 ranks (tiacc vs stock PyTorch)
 	$(PY) demo/pack_demo.py --workdir $(DEMO_DIR)
 	$(PY) demo/pytorch_native_ddp_demo.py --workdir $(DEMO_DIR) --compare
@@ -56,9 +67,14 @@ test-rust: ## cargo test of the engine
 test-python: setup ## pytest
 	$(PY) -m pytest tests -q --durations=10
 
+test-compat: wheel ## install the wheel into fresh venvs with the oldest and newest torch; run the CPU tests
+	@wheel=$$(ls -t dist/tiacc_training-*-abi3-*.whl | head -1); echo "testing $$wheel"; \
+	tools/test_compat.sh torch-oldest "$$wheel" "$(TORCH_OLDEST)" $(COMPAT_TESTS) && \
+	tools/test_compat.sh torch-newest "$$wheel" "$(TORCH_NEWEST)" $(COMPAT_TESTS)
+
 bench: setup ## benchmarks (write benches/results/*.json)
 	$(PY) benches/bench_pack.py
-	$(PY) benches/bench_input.py
+	$(PY) benches/bench_input.py  # also draws benches/results/bench_input.png
 
 bench-ddp: setup ## DDP step time on an emulated 2-node cluster, native vs tiacc (needs root)
 	$(PY) benches/bench_ddp.py
@@ -85,4 +101,4 @@ fuzz: ## run the cargo-fuzz targets (FUZZ_SECONDS per target, default 600)
 
 clean: ## remove build outputs (keeps .venv)
 	cargo clean
-	rm -rf $(STAMPS) tiacc_training/_engine*.so
+	rm -rf $(STAMPS) .compat dist tiacc_training/_engine*.so

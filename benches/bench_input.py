@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import _machine
+import plot_input
 import torch
 import torchvision.transforms as T
 from PIL import Image
@@ -351,6 +352,10 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if "results" in result:  # the chart of the loaders (plot_input.py)
+        chart = Path(args.out).with_suffix(".png")
+        plot_input.plot(result, chart)
+        print(f"wrote {chart}")
     return 0
 
 

@@ -1,18 +1,27 @@
 """Exceptions raised by tiacc-training.
 
 Every error from the engine derives from :class:`TiaccError`, itself a
-``RuntimeError``::
+``RuntimeError``; a missing or forbidden file is also the built-in
+``OSError`` subclass Python code expects, so ``except FileNotFoundError``
+and ``except PermissionError`` catch it::
 
-    TiaccError
-    ├── ConfigError          bad argument or environment variable value
-    ├── CommError            a collective failed
-    │   └── CommTimeoutError a peer did not answer in time
-    ├── DataError            a shard, index or list is unreadable or invalid
-    │   └── CorruptRecordError  bad TFRecord framing or CRC (has .path, .offset)
-    └── DecodeError          a file is not a readable image (has .path)
+    TiaccError (RuntimeError)
+    ├── ConfigError            bad argument or environment variable value
+    ├── CommError              a collective failed
+    │   └── CommTimeoutError   a peer did not answer in time
+    ├── DataError              a shard, index or list is unreadable or invalid
+    │   ├── CorruptRecordError     bad TFRecord framing or CRC (.path, .offset)
+    │   ├── DataFileNotFoundError  also a FileNotFoundError (.path, .filename)
+    │   └── DataPermissionError    also a PermissionError (.path, .filename)
+    └── DecodeError            a file is not a readable image (.path)
 
 Mistakes in arguments raise ``ValueError`` or ``TypeError`` before any work.
 """
+
+from __future__ import annotations
+
+import errno
+import os
 
 from tiacc_training._engine import (
     CommError,
@@ -20,9 +29,28 @@ from tiacc_training._engine import (
     ConfigError,
     CorruptRecordError,
     DataError,
+    DataFileNotFoundError,
+    DataPermissionError,
     DecodeError,
     TiaccError,
 )
+
+
+def missing_file(message: str, path: str | os.PathLike[str]) -> DataFileNotFoundError:
+    """A :class:`DataFileNotFoundError` for ``path``, as the engine builds them.
+
+    Args:
+        message: The whole message (it should name ``path``).
+        path: The file or folder that does not exist.
+
+    Returns:
+        The exception, with ``path``, ``filename``, ``errno`` and ``strerror`` set.
+    """
+    exc = DataFileNotFoundError(message)
+    exc.path = exc.filename = os.fspath(path)
+    exc.errno, exc.strerror = errno.ENOENT, os.strerror(errno.ENOENT)
+    return exc
+
 
 __all__ = [
     "CommError",
@@ -30,6 +58,8 @@ __all__ = [
     "ConfigError",
     "CorruptRecordError",
     "DataError",
+    "DataFileNotFoundError",
+    "DataPermissionError",
     "DecodeError",
     "TiaccError",
 ]

@@ -22,8 +22,8 @@ Examples are dicts ``{name: list[bytes] | list[int] | list[float]}``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
-from typing import Any, Union
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Optional, Union
 
 from tiacc_training import _engine
 
@@ -241,8 +241,19 @@ def verify_shard(path: PathLike, check_examples: bool = True) -> tuple[int, int]
     return _engine.verify_shard(os.fspath(path), check_examples)
 
 
-def verify_index(path: PathLike, check_examples: bool = True) -> dict[str, int]:
+def verify_index(
+    path: PathLike,
+    check_examples: bool = True,
+    progress: Optional[Callable[[int], Any]] = None,
+) -> dict[str, int]:
     """Checks an index against its shards and every record they hold.
+
+    Args:
+        path: The dataset index.
+        check_examples: Also parse every payload as a ``tf.train.Example``.
+        progress: Called with each shard's size in bytes once it is verified
+            (shards are verified in parallel, in no particular order); an
+            exception it raises is raised when the verification ends.
 
     Returns:
         ``{"entries", "shards", "records", "bytes"}``.
@@ -252,7 +263,7 @@ def verify_index(path: PathLike, check_examples: bool = True) -> dict[str, int]:
             a record boundary (the message names the index line).
         CorruptRecordError: A bad record in a shard.
     """
-    return _engine.verify_index(os.fspath(path), check_examples)
+    return _engine.verify_index(os.fspath(path), check_examples, progress)
 
 
 def _offset(offset: int) -> int:

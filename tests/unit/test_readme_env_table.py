@@ -1,8 +1,8 @@
-"""The README's environment-variable table matches the config module.
+"""The environment-variable table (docs/communication.md) matches the config module.
 
 `rust/tiacc-core/src/config/mod.rs` is the only code that reads the
-environment; every variable it names must be in the README's table, and the
-table must not list variables the engine does not read.
+environment; every variable it names must be in the table, and the table
+must not list variables the engine does not read.
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ def config_variables() -> set[str]:
     return set(re.findall(rf'"({PREFIXES})"', body))
 
 
+TABLE_PAGE = REPO / "docs" / "communication.md"
+
+
 def readme_table_variables() -> set[str]:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
+    page = TABLE_PAGE.read_text()
+    section = page.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     return {name for row in rows for name in re.findall(rf"`({PREFIXES})`", row.split(" | ")[0])}
 

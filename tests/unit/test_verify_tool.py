@@ -99,3 +99,51 @@ def test_missing_path_is_a_usage_error(tmp_path):
     (tmp_path / "empty").mkdir()
     result = verify(tmp_path / "empty")
     assert result.returncode == 2 and "holds no .index or .tfrecord files" in result.stderr
+
+
+class RecordingBar:
+    def __init__(self, total, desc, unit="img", unit_scale=False):
+        self.total, self.unit, self.done, self.closed = total, unit, 0, False
+        BARS.append(self)
+
+    def update(self, n=1):
+        self.done += n
+
+    def close(self):
+        self.closed = True
+
+
+BARS: list[RecordingBar] = []
+
+
+def test_progress_bar_counts_every_byte_for_large_datasets(dataset, tmp_path, monkeypatch):
+    from tiacc_training.tools import tfrecord_verify as tool
+
+    # one standalone shard next to the index, so both ways of counting are used
+    with tfrecord.TFRecordWriter(dataset / "extra.tfrecord") as w:
+        w.write_example({"x": 1})
+    monkeypatch.setattr(tool, "progress", RecordingBar)
+    BARS.clear()
+    monkeypatch.setattr(tool, "PROGRESS_BYTES", 1 << 40)
+    tool.verify(str(dataset), show_progress=True)
+    assert BARS == []  # small: no bar
+    monkeypatch.setattr(tool, "PROGRESS_BYTES", 1)
+    totals = tool.verify(str(dataset), show_progress=True)
+    [bar] = BARS
+    expected = sum(p.stat().st_size for p in dataset.glob("*.tfrecord"))
+    assert bar.unit == "B" and bar.total == bar.done == totals["bytes"] == expected
+    assert bar.closed
+    BARS.clear()
+    tool.verify(str(dataset), show_progress=False)
+    assert BARS == []
+
+
+def test_a_progress_callback_that_raises_fails_the_verification(dataset):
+    def boom(_: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tfrecord.verify_index(dataset / "ds.index", progress=boom)
+    seen: list[int] = []
+    report = tfrecord.verify_index(dataset / "ds.index", progress=seen.append)
+    assert len(seen) == report["shards"] == 3 and sum(seen) == report["bytes"]

@@ -21,13 +21,27 @@ def die(prog: str, message: str, status: int = 2) -> NoReturn:
     raise SystemExit(status)
 
 
-def progress(total: int, desc: str, unit: str = "img") -> Any:
-    """A tqdm bar on an interactive stderr, a silent stand-in otherwise."""
+def progress(total: int, desc: str, unit: str = "img", unit_scale: bool = False) -> Any:
+    """A tqdm bar on an interactive stderr, a silent stand-in otherwise.
+
+    Args:
+        total: The count at which the work is done.
+        desc: The bar's label.
+        unit: What is counted.
+        unit_scale: Show counts with SI prefixes (for bytes).
+    """
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is optional: no bar without it
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit=unit, disable=None, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit_scale,
+        disable=None,  # None: off unless stderr is a terminal
+        dynamic_ncols=True,
+    )
 
 
 class _NoBar:

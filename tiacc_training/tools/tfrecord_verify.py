@@ -10,6 +10,9 @@ index by index, plus any shard no index names.
 Exit status: 0 when everything is valid, 1 at the first problem (reported
 with its file and offset or line), 2 for usage errors.
 
+On a terminal, a progress bar (bytes checked) is shown when there is at
+least ``PROGRESS_BYTES`` to check; ``--quiet`` turns it off.
+
 Usage:
     python -m tiacc_training.tools.tfrecord_verify train/train.index
 """
@@ -24,9 +27,11 @@ from collections.abc import Sequence
 
 from tiacc_training import tfrecord
 from tiacc_training.errors import TiaccError
-from tiacc_training.tools._cli import UsageError, die
+from tiacc_training.tools._cli import UsageError, die, progress
 
 SHARD_SUFFIXES = (".tfrecord", ".tfrecords")
+PROGRESS_BYTES = 1 << 30
+"""Datasets of at least this many bytes get a progress bar (smaller ones take a second)."""
 
 
 def _targets(path: str) -> tuple[list[str], list[str]]:
@@ -52,8 +57,31 @@ def _targets(path: str) -> tuple[list[str], list[str]]:
     return indexes, shards
 
 
-def verify(path: str, check_examples: bool = True) -> dict[str, float]:
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # missing: the verification itself reports it
+        return 0
+
+
+def _bytes_to_check(indexes: list[str], shards: list[str]) -> int:
+    """The bytes the verification reads: every shard the indexes name, and ``shards``."""
+    named = {
+        os.path.normpath(os.path.join(os.path.dirname(ix), entry[0]))
+        for ix in indexes
+        for entry in tfrecord.read_index(ix)
+    }
+    return sum(_size(p) for p in named) + sum(_size(p) for p in shards)
+
+
+def verify(path: str, check_examples: bool = True, show_progress: bool = False) -> dict[str, float]:
     """Verifies ``path``; returns counts and timing.
+
+    Args:
+        path: A shard, an index or a folder.
+        check_examples: Parse every payload as a ``tf.train.Example``.
+        show_progress: Show a progress bar on a terminal when there are at
+            least ``PROGRESS_BYTES`` to check.
 
     Raises:
         UsageError: ``path`` does not exist or holds nothing to check.
@@ -62,16 +90,24 @@ def verify(path: str, check_examples: bool = True) -> dict[str, float]:
     """
     start = time.perf_counter()
     indexes, shards = _targets(path)
+    total = _bytes_to_check(indexes, shards) if show_progress else 0
+    bar = progress(total, "verify", unit="B", unit_scale=True) if total >= PROGRESS_BYTES else None
     totals = {"indexes": len(indexes), "entries": 0, "shards": 0, "records": 0, "bytes": 0}
-    for ix in indexes:
-        report = tfrecord.verify_index(ix, check_examples)
-        for key in ("entries", "shards", "records", "bytes"):
-            totals[key] += report[key]
-    for shard in shards:
-        records, size = tfrecord.verify_shard(shard, check_examples)
-        totals["shards"] += 1
-        totals["records"] += records
-        totals["bytes"] += size
+    try:
+        for ix in indexes:
+            report = tfrecord.verify_index(ix, check_examples, bar.update if bar else None)
+            for key in ("entries", "shards", "records", "bytes"):
+                totals[key] += report[key]
+        for shard in shards:
+            records, size = tfrecord.verify_shard(shard, check_examples)
+            totals["shards"] += 1
+            totals["records"] += records
+            totals["bytes"] += size
+            if bar:
+                bar.update(size)
+    finally:
+        if bar:
+            bar.close()
     totals["seconds"] = time.perf_counter() - start
     return totals
 
@@ -89,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="do not parse payloads as tf.train.Example (for shards of other record types)",
     )
-    p.add_argument("--quiet", action="store_true", help="print nothing when all is well")
+    p.add_argument(
+        "--quiet", action="store_true", help="print nothing when all is well (no progress bar)"
+    )
     return p
 
 
@@ -97,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        totals = verify(args.path, args.check_examples)
+        totals = verify(args.path, args.check_examples, show_progress=not args.quiet)
     except UsageError as e:
         die("tfrecord_verify", str(e))
     except TiaccError as e:

@@ -51,9 +51,11 @@ impl IndexedDataset {
                 None => {
                     let path = shard_path(dir, &entry.shard_file);
                     let reader = RecordReader::open(&path, true).map_err(|e| match e {
-                        Error::Io { source, .. } => Error::BadIndex {
-                            path: index_path.to_path_buf(),
+                        Error::Io { source, .. } => Error::MissingShard {
+                            index: index_path.to_path_buf(),
                             line,
+                            shard: path.clone(),
+                            kind: source.kind(),
                             reason: format!("shard {}: {source}", path.display()),
                         },
                         other => other,
@@ -470,6 +472,7 @@ mod tests {
         let err = IndexedDataset::open(dir.path(), &dir.path().join("ds.index"))
             .err()
             .unwrap();
+        assert_eq!(err.io_kind(), Some(std::io::ErrorKind::NotFound));
         let msg = err.to_string();
         assert!(
             msg.contains("ds.index:4:") && msg.contains("ds-00001.tfrecord"),

@@ -42,6 +42,21 @@ pub enum Error {
         reason: String,
     },
 
+    /// An index line names a shard that cannot be opened (missing, or not
+    /// readable): the index is fine, the dataset it describes is incomplete.
+    #[error("{}:{line}: {reason}", index.display())]
+    MissingShard {
+        /// The index file.
+        index: PathBuf,
+        /// 1-based line number of the first line naming the shard.
+        line: usize,
+        /// The shard the line names, resolved against the index's folder.
+        shard: PathBuf,
+        /// Why the shard cannot be opened (`NotFound`, `PermissionDenied`, ...).
+        kind: std::io::ErrorKind,
+        reason: String,
+    },
+
     /// A file that is not a readable image.
     #[error("{}: not a readable image: {reason}", path.display())]
     BadImage { path: PathBuf, reason: String },
@@ -121,6 +136,16 @@ pub enum Corruption {
 }
 
 impl Error {
+    /// The kind of operating-system error behind this error, if one is: an
+    /// unreadable file, or a shard an index names that cannot be opened.
+    pub fn io_kind(&self) -> Option<std::io::ErrorKind> {
+        match self {
+            Error::Io { source, .. } => Some(source.kind()),
+            Error::MissingShard { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+
     /// Wraps an I/O error with the path it concerns.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {

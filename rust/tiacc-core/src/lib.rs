@@ -9,6 +9,7 @@ pub mod config;
 pub mod dataset;
 pub mod error;
 pub mod image;
+pub mod pack;
 pub mod pool;
 pub mod tfrecord;
 

@@ -1,4 +1,6 @@
-//! The packed dataset behind `IndexTFRDataset`.
+//! `IndexedDataset`: random access to a packed dataset (an index and its
+//! TFRecord shards). Python's `IndexedDataset` (public as `IndexTFRDataset`)
+//! wraps it; the Rust core's type has the same name.
 
 use std::path::PathBuf;
 
@@ -6,7 +8,7 @@ use numpy::{PyArray1, PyArray3, PyArray4, PyArrayMethods, PyUntypedArrayMethods}
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tiacc_core::dataset::{BatchOut, EncodedImages as CoreImages, IndexedDataset};
+use tiacc_core::dataset::{BatchOut, EncodedImages as CoreImages, IndexedDataset as CoreDataset};
 use tiacc_core::image::decode::RgbImage;
 use tiacc_core::image::fused::{Geometry, Output};
 
@@ -14,12 +16,12 @@ use crate::errors::ResultExt;
 
 /// Random access to the records of a packed dataset (index + shards).
 #[pyclass(module = "tiacc_training._engine", frozen)]
-pub struct PackedDataset {
-    inner: IndexedDataset,
+pub struct IndexedDataset {
+    inner: CoreDataset,
 }
 
-/// Encoded images read by `PackedDataset.read_images`, with their sizes, to
-/// render with `PackedDataset.render_images` without reading them again.
+/// Encoded images read by `IndexedDataset.read_images`, with their sizes, to
+/// render with `IndexedDataset.render_images` without reading them again.
 #[pyclass(module = "tiacc_training._engine", frozen)]
 pub struct EncodedImages {
     inner: CoreImages,
@@ -71,11 +73,11 @@ fn to_array<'py>(py: Python<'py>, img: RgbImage) -> PyResult<Bound<'py, PyArray3
 }
 
 #[pymethods]
-impl PackedDataset {
+impl IndexedDataset {
     #[new]
     fn new(py: Python<'_>, root: PathBuf, index: PathBuf) -> PyResult<Self> {
-        let inner = py.detach(|| IndexedDataset::open(&root, &index)).py()?;
-        Ok(PackedDataset { inner })
+        let inner = py.detach(|| CoreDataset::open(&root, &index)).py()?;
+        Ok(IndexedDataset { inner })
     }
 
     fn __len__(&self) -> usize {

@@ -7,16 +7,25 @@
 //!     ├── CommError
 //!     │   └── CommTimeoutError
 //!     ├── DataError
-//!     │   └── CorruptRecordError
+//!     │   ├── CorruptRecordError
+//!     │   ├── DataFileNotFoundError  (also a FileNotFoundError)
+//!     │   └── DataPermissionError    (also a PermissionError)
 //!     └── DecodeError
 //! ```
+//!
+//! The two classes with two bases cannot be declared with
+//! `create_exception!` (one base only): [`register`] creates them with
+//! Python's `type()` and keeps them for [`to_pyerr`].
 //!
 //! The orphan rule forbids `impl From<tiacc_core::Error> for PyErr` here, so
 //! the mapping is [`to_pyerr`], reached through [`ResultExt::py`].
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use std::io::ErrorKind;
+
+use pyo3::exceptions::{PyFileNotFoundError, PyPermissionError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyModule;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyModule, PyTuple, PyType};
 use pyo3::IntoPyObjectExt;
 use tiacc_core::Error;
 
@@ -63,6 +72,35 @@ pyo3::create_exception!(
     "A file is not a readable image."
 );
 
+/// `DataFileNotFoundError(DataError, FileNotFoundError)`, made by [`register`].
+static FILE_NOT_FOUND: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+/// `DataPermissionError(DataError, PermissionError)`, made by [`register`].
+static PERMISSION: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// A subclass of `DataError` and of the built-in OS error `os_base`.
+///
+/// Its `str()` is `BaseException`'s (the message alone): `OSError`'s would
+/// print `[Errno 2] ...` once `errno` is set.
+fn data_os_error(
+    py: Python<'_>,
+    name: &str,
+    os_base: Bound<'_, PyType>,
+    doc: &str,
+) -> PyResult<Py<PyType>> {
+    let builtins = py.import("builtins")?;
+    let bases = PyTuple::new(py, [py.get_type::<DataError>(), os_base])?;
+    let namespace = PyDict::new(py);
+    namespace.set_item("__module__", "tiacc_training.errors")?;
+    namespace.set_item("__qualname__", name)?;
+    namespace.set_item("__doc__", doc)?;
+    namespace.set_item(
+        "__str__",
+        builtins.getattr("BaseException")?.getattr("__str__")?,
+    )?;
+    let ty = builtins.getattr("type")?.call1((name, bases, namespace))?;
+    Ok(ty.cast_into::<PyType>()?.unbind())
+}
+
 /// Adds the exception classes to the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -73,7 +111,57 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DataError", py.get_type::<DataError>())?;
     m.add("CorruptRecordError", py.get_type::<CorruptRecordError>())?;
     m.add("DecodeError", py.get_type::<DecodeError>())?;
+    let not_found = FILE_NOT_FOUND.get_or_try_init(py, || {
+        data_os_error(
+            py,
+            "DataFileNotFoundError",
+            py.get_type::<PyFileNotFoundError>(),
+            "A shard, index or list does not exist (a DataError and a FileNotFoundError).",
+        )
+    })?;
+    m.add("DataFileNotFoundError", not_found.bind(py))?;
+    let permission = PERMISSION.get_or_try_init(py, || {
+        data_os_error(
+            py,
+            "DataPermissionError",
+            py.get_type::<PyPermissionError>(),
+            "A shard, index or list may not be read or written (a DataError and a PermissionError).",
+        )
+    })?;
+    m.add("DataPermissionError", permission.bind(py))?;
     Ok(())
+}
+
+/// The exception for a data problem: `DataError`, or its OS-error subclass
+/// when an operating-system error of a kind Python names is behind it. The
+/// OS-error attributes (`errno`, `strerror`, `filename`) are set in that case.
+fn data_error(
+    py: Python<'_>,
+    message: String,
+    kind: Option<ErrorKind>,
+    raw_errno: Option<i32>,
+    filename: Option<&std::path::Path>,
+) -> (PyErr, Vec<(&'static str, Py<PyAny>)>) {
+    let (cell, errno) = match kind {
+        Some(ErrorKind::NotFound) => (&FILE_NOT_FOUND, 2), // ENOENT
+        Some(ErrorKind::PermissionDenied) => (&PERMISSION, 13), // EACCES
+        _ => return (DataError::new_err(message), vec![]),
+    };
+    let Some(ty) = cell.get(py) else {
+        return (DataError::new_err(message), vec![]);
+    };
+    let strerror = match kind {
+        Some(ErrorKind::NotFound) => "No such file or directory",
+        _ => "Permission denied",
+    };
+    let mut attrs = vec![
+        ("errno", any(py, raw_errno.unwrap_or(errno))),
+        ("strerror", any(py, strerror)),
+    ];
+    if let Some(f) = filename {
+        attrs.push(("filename", path_obj(py, f)));
+    }
+    (PyErr::from_type(ty.bind(py).clone(), (message,)), attrs)
 }
 
 /// Maps an engine error to its Python exception, with attributes that
@@ -82,10 +170,30 @@ pub fn to_pyerr(err: Error) -> PyErr {
     let message = err.to_string();
     Python::attach(|py| {
         let (exc, attrs): (PyErr, Vec<(&str, Py<PyAny>)>) = match &err {
-            Error::Io { path, .. } => (
-                DataError::new_err(message),
-                vec![("path", path_obj(py, path))],
-            ),
+            Error::Io { path, source } => {
+                let (exc, mut attrs) = data_error(
+                    py,
+                    message,
+                    Some(source.kind()),
+                    source.raw_os_error(),
+                    Some(path),
+                );
+                attrs.push(("path", path_obj(py, path)));
+                (exc, attrs)
+            }
+            Error::MissingShard {
+                index,
+                line,
+                shard,
+                kind,
+                ..
+            } => {
+                let (exc, mut attrs) = data_error(py, message, Some(*kind), None, Some(shard));
+                attrs.push(("path", path_obj(py, index)));
+                attrs.push(("line", any(py, *line)));
+                attrs.push(("shard", path_obj(py, shard)));
+                (exc, attrs)
+            }
             Error::CorruptRecord { path, offset, .. } => (
                 CorruptRecordError::new_err(message),
                 vec![("path", path_obj(py, path)), ("offset", any(py, *offset))],

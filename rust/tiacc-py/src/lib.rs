@@ -34,7 +34,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<records::RecordWriter>()?;
     m.add_class::<records::ShardedWriter>()?;
     m.add_class::<pack::ImagePacker>()?;
-    m.add_class::<dataset::PackedDataset>()?;
+    m.add_class::<dataset::IndexedDataset>()?;
     m.add_class::<dataset::EncodedImages>()?;
     m.add_function(wrap_pyfunction!(config::comm_config, m)?)?;
     m.add_class::<config::PyCommConfig>()?;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use tiacc_core::tfrecord::pack::{ImagePacker as CorePacker, PackItem, PackOptions, PackOutcome};
+use tiacc_core::pack::{ImagePacker as CorePacker, PackItem, PackOptions, PackOutcome};
 use tiacc_core::tfrecord::writer::ShardedWriter;
 use tiacc_core::Error;
 

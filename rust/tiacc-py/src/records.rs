@@ -253,16 +253,34 @@ pub fn verify_shard(py: Python<'_>, path: PathBuf, check_examples: bool) -> PyRe
 }
 
 /// Verifies an index against its shards; returns a summary dict.
+///
+/// `progress`, if given, is called with each verified shard's size in bytes
+/// (from the worker threads, holding the GIL). The first exception it raises
+/// stops further calls and is raised once the verification ends.
 #[pyfunction]
-#[pyo3(signature = (path, check_examples = true))]
+#[pyo3(signature = (path, check_examples = true, progress = None))]
 pub fn verify_index<'py>(
     py: Python<'py>,
     path: PathBuf,
     check_examples: bool,
+    progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let failed: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
+    let on_shard = |bytes: u64| {
+        let Some(callback) = &progress else { return };
+        let mut failed = failed.lock().unwrap_or_else(|e| e.into_inner());
+        if failed.is_none() {
+            if let Err(e) = Python::attach(|py| callback.call1(py, (bytes,))) {
+                *failed = Some(e);
+            }
+        }
+    };
     let r = py
-        .detach(|| verify::verify_index(&path, check_examples))
+        .detach(|| verify::verify_index_with_progress(&path, check_examples, &on_shard))
         .py()?;
+    if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        return Err(e);
+    }
     let d = PyDict::new(py);
     d.set_item("entries", r.entries)?;
     d.set_item("shards", r.shards)?;

@@ -137,7 +137,8 @@ def _patched_register_comm_hook(
     hook_state.user_hook, hook_state.user_state = hook, state
     if self.logger is not None:
         self.logger._set_comm_hook_name(hook.__qualname__)
-    self._comm_hooks.append((hook, state))
+    if hasattr(self, "_comm_hooks"):  # torch >= 2.1 keeps the registered hooks here
+        self._comm_hooks.append((hook, state))
     logger.info(
         "user comm hook %s registered: the tiacc engine steps aside for this model",
         getattr(hook, "__qualname__", hook),

@@ -1,5 +1,6 @@
 //! TFRecord files exactly as TensorFlow writes them, `tf.train.Example`
 //! payloads, index files, and the sharded writer used by the packing tools.
+//! Nothing here decodes or inspects images (packing images is `crate::pack`).
 //!
 //! A record on disk is:
 //!
@@ -14,7 +15,6 @@ pub mod build_index;
 pub mod crc;
 pub mod example;
 pub mod index;
-pub mod pack;
 pub mod record;
 pub mod verify;
 pub mod writer;

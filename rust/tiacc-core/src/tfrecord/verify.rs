@@ -70,6 +70,16 @@ pub struct IndexReport {
 /// the index names (in parallel over shards). Also checks a DALI `.idx`
 /// beside each shard when there is one.
 pub fn verify_index(index_path: &Path, check_examples: bool) -> Result<IndexReport> {
+    verify_index_with_progress(index_path, check_examples, &|_| {})
+}
+
+/// [`verify_index`], calling `on_shard(bytes)` each time a shard is verified
+/// (from the worker threads, in no particular order), for progress bars.
+pub fn verify_index_with_progress(
+    index_path: &Path,
+    check_examples: bool,
+    on_shard: &(dyn Fn(u64) + Sync),
+) -> Result<IndexReport> {
     let entries = read_index_numbered(index_path)?;
     let dir = index_path.parent().unwrap_or(Path::new("."));
     // (line number, offset) of the entries of each shard.
@@ -86,9 +96,11 @@ pub fn verify_index(index_path: &Path, check_examples: bool) -> Result<IndexRepo
             let path = shard_path(dir, shard_file);
             let (report, offsets) = scan_shard(&path, check_examples).map_err(|e| match e {
                 Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                    Error::BadIndex {
-                        path: index_path.to_path_buf(),
+                    Error::MissingShard {
+                        index: index_path.to_path_buf(),
                         line: refs[0].0,
+                        shard: path.clone(),
+                        kind: source.kind(),
                         reason: format!("shard {} does not exist", path.display()),
                     }
                 }
@@ -102,6 +114,7 @@ pub fn verify_index(index_path: &Path, check_examples: bool) -> Result<IndexRepo
                 })?;
             }
             check_dali_idx(&path, &offsets)?;
+            on_shard(report.bytes);
             Ok(report)
         })
         .collect::<Result<_>>()?;
@@ -227,11 +240,26 @@ mod tests {
     }
 
     #[test]
+    fn progress_counts_every_shard_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = dataset(dir.path());
+        let seen = std::sync::Mutex::new(Vec::new());
+        let report =
+            verify_index_with_progress(&index, true, &|bytes| seen.lock().unwrap().push(bytes))
+                .unwrap();
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.len() as u64, report.shards);
+        assert_eq!(seen.iter().sum::<u64>(), report.bytes);
+    }
+
+    #[test]
     fn missing_shard_names_the_index_line() {
         let dir = tempfile::tempdir().unwrap();
         let index = dataset(dir.path());
         fs::remove_file(dir.path().join("ds-00002.tfrecord")).unwrap();
-        let msg = verify_index(&index, false).unwrap_err().to_string();
+        let err = verify_index(&index, false).unwrap_err();
+        assert_eq!(err.io_kind(), Some(std::io::ErrorKind::NotFound));
+        let msg = err.to_string();
         assert!(
             msg.contains("ds.index:7:") && msg.contains("does not exist"),
             "{msg}"

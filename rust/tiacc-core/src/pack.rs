@@ -1,5 +1,10 @@
 //! Packing image files into `tf.train.Example` records, in parallel, with
 //! output that does not depend on the number of workers.
+//!
+//! This is what the packing tools (`img2tfrecord`) run. It sits beside
+//! `tfrecord` and `image` rather than inside either: it reads image headers
+//! (`image`) and writes records (`tfrecord`), and `tfrecord` itself knows
+//! nothing about images.
 
 use std::fs;
 use std::path::PathBuf;
@@ -8,10 +13,10 @@ use bytes::Bytes;
 use prost::Message;
 use rayon::prelude::*;
 
-use super::example::{Example, Feature};
-use super::writer::{DatasetSummary, RecordLocation, ShardedWriter};
 use crate::error::{Error, Result};
 use crate::image::probe::probe_image;
+use crate::tfrecord::example::{Example, Feature};
+use crate::tfrecord::writer::{DatasetSummary, RecordLocation, ShardedWriter};
 
 /// One image to pack.
 #[derive(Debug, Clone)]
