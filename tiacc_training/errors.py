@@ -7,9 +7,13 @@ Every error from the engine derives from :class:`TiaccError`, itself a
     ├── ConfigError          bad argument or environment variable value
     ├── CommError            a collective failed
     │   └── CommTimeoutError a peer did not answer in time
-    ├── DataError            a shard, index or list is unreadable or invalid
-    │   └── CorruptRecordError  bad TFRecord framing or CRC (has .path, .offset)
+    ├── DataError            a shard, index or list is unreadable or invalid,
+    │   │                    or a shard changed after it was opened (.path, .offset)
+    │   ├── CorruptRecordError  bad TFRecord framing or CRC (has .path, .offset)
+    │   └── RecordDecodeError   a record's image is not decodable (.path, .offset,
+    │                           .index); also a DecodeError
     └── DecodeError          a file is not a readable image (has .path)
+        └── RecordDecodeError
 
 Mistakes in arguments raise ``ValueError`` or ``TypeError`` before any work.
 """
@@ -21,6 +25,7 @@ from tiacc_training._engine import (
     CorruptRecordError,
     DataError,
     DecodeError,
+    RecordDecodeError,
     TiaccError,
 )
 
@@ -31,5 +36,6 @@ __all__ = [
     "CorruptRecordError",
     "DataError",
     "DecodeError",
+    "RecordDecodeError",
     "TiaccError",
 ]

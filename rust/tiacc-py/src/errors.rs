@@ -7,8 +7,10 @@
 //!     ├── CommError
 //!     │   └── CommTimeoutError
 //!     ├── DataError
-//!     │   └── CorruptRecordError
+//!     │   ├── CorruptRecordError
+//!     │   └── RecordDecodeError (also a DecodeError)
 //!     └── DecodeError
+//!         └── RecordDecodeError
 //! ```
 //!
 //! The orphan rule forbids `impl From<tiacc_core::Error> for PyErr` here, so
@@ -16,7 +18,8 @@
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyModule;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyModule, PyTuple, PyType};
 use pyo3::IntoPyObjectExt;
 use tiacc_core::Error;
 
@@ -63,9 +66,38 @@ pyo3::create_exception!(
     "A file is not a readable image."
 );
 
+/// `RecordDecodeError`: a record in a shard whose image cannot be decoded.
+/// It is bad data in a shard (a `DataError`) and an undecodable image (a
+/// `DecodeError`), so it derives from both; `create_exception!` takes one
+/// base, so the class is made by calling `type` once.
+static RECORD_DECODE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn record_decode_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    RECORD_DECODE_ERROR
+        .get_or_try_init(py, || {
+            let bases = PyTuple::new(
+                py,
+                [py.get_type::<DecodeError>(), py.get_type::<DataError>()],
+            )?;
+            let namespace = PyDict::new(py);
+            namespace.set_item("__module__", "tiacc_training.errors")?;
+            namespace.set_item(
+                "__doc__",
+                "A record whose image cannot be decoded; `path`, `offset` and `index` locate it.",
+            )?;
+            let class = py
+                .get_type::<PyType>()
+                .call1(("RecordDecodeError", bases, namespace))?
+                .cast_into::<PyType>()?;
+            Ok(class.unbind())
+        })
+        .map(|class| class.bind(py))
+}
+
 /// Adds the exception classes to the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    m.add("RecordDecodeError", record_decode_error(py)?)?;
     m.add("TiaccError", py.get_type::<TiaccError>())?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("CommError", py.get_type::<CommError>())?;
@@ -90,6 +122,10 @@ pub fn to_pyerr(err: Error) -> PyErr {
                 CorruptRecordError::new_err(message),
                 vec![("path", path_obj(py, path)), ("offset", any(py, *offset))],
             ),
+            Error::FileChanged { path, offset, .. } => (
+                DataError::new_err(message),
+                vec![("path", path_obj(py, path)), ("offset", any(py, *offset))],
+            ),
             Error::MalformedExample { .. } => (DataError::new_err(message), vec![]),
             Error::BadIndex { path, line, .. } => (
                 DataError::new_err(message),
@@ -105,7 +141,12 @@ pub fn to_pyerr(err: Error) -> PyErr {
                 index,
                 ..
             } => (
-                DecodeError::new_err(message),
+                // Registered at import, so this lookup does not fail; if it
+                // did, the error would still be a DecodeError.
+                match record_decode_error(py) {
+                    Ok(class) => PyErr::from_type(class.clone(), message),
+                    Err(_) => DecodeError::new_err(message),
+                },
                 vec![
                     ("path", path_obj(py, path)),
                     ("offset", any(py, *offset)),
