@@ -15,6 +15,7 @@ per case; each test checks one line.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -306,6 +307,10 @@ def child_main(base: Path, work: Path) -> None:
             print(json.dumps({"start": [name, mode]}), flush=True)
             result = _run_case(base, work / f"{name}-{mode}", name, mode)
             print(json.dumps(result), flush=True)
+            # A loader left in a reference cycle by the error would otherwise
+            # shut its workers down whenever the collector runs: during a
+            # later case (its time to error) or in a worker forked later.
+            gc.collect()
 
 
 # --------------------------------------------------------------------------
@@ -313,16 +318,13 @@ def child_main(base: Path, work: Path) -> None:
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fault_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Any]:
-    """Packs the image folder, runs the child once, and returns its results by
-    ``(fault, mode)``; a case the child did not finish maps to a string that
-    says why (crash, signal or time limit)."""
+def make_base(base: Path) -> None:
+    """Writes the source images (the layout of conftest's ``image_folder``
+    fixture: 3 classes of 6, JPEG and PNG) to ``base/imgs`` and packs them
+    into ``base/tfr`` with conftest's ``pack_folder``, 5 records a shard."""
     from tests.conftest import pack_folder, write_image
 
-    base = tmp_path_factory.mktemp("datafaults")
     seed = 0
-    # The layout of conftest's image_folder fixture: 3 classes, JPEG and PNG.
     for cls in ["ant", "bee", "cat"]:
         for i in range(6):
             fmt, ext = ("PNG", "png") if i % 3 == 2 else ("JPEG", "JPEG")
@@ -330,6 +332,12 @@ def fault_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, s
             write_image(path, 20 + i, 16 + seed % 5, seed, fmt)
             seed += 1
     pack_folder(base, records_per_shard=5)
+
+
+def run_faults(base: Path) -> dict[tuple[str, str], Any]:
+    """Runs every case in a child process under a time limit; returns the
+    results by ``(fault, mode)``. A case the child did not finish maps to a
+    string that says why (crash, signal or time limit)."""
     pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": pythonpath}
     cmd = [sys.executable, __file__, str(base), str(base / "work")]
@@ -353,10 +361,8 @@ def fault_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, s
     return results
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_data_fault(fault_results: dict[tuple[str, str], Any], fault: str, mode: str) -> None:
-    row = fault_results.get((fault, mode), "never started: the child stopped before it")
+def check(fault: str, mode: str, row: Any) -> None:
+    """Asserts that the result ``row`` of ``(fault, mode)`` is what it must be."""
     assert isinstance(row, dict), row
     assert row["status"] == "error", f"no error: {row}"
     assert any(name in row["mro"] for name in FAULTS[fault]), row
@@ -378,6 +384,20 @@ def test_data_fault(fault_results: dict[tuple[str, str], Any], fault: str, mode:
         assert (row["path"], row["offset"]) == (path, offset), row
     if fault.endswith(("mid_epoch", "between_epochs")):
         assert row["checked"] >= BATCH, f"the fault came before any item was read: {row}"
+
+
+@pytest.fixture(scope="module")
+def fault_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Any]:
+    """Every case's result, from one child process."""
+    base = tmp_path_factory.mktemp("datafaults")
+    make_base(base)
+    return run_faults(base)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_data_fault(fault_results: dict[tuple[str, str], Any], fault: str, mode: str) -> None:
+    check(fault, mode, fault_results.get((fault, mode), "never started: the child stopped"))
 
 
 def test_good_records_still_read_after_a_fault(tmp_path: Path, image_folder: Path) -> None:
