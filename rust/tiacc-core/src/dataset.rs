@@ -3,7 +3,10 @@
 //! The index (`NAME.index`, see [`crate::tfrecord::index`]) is loaded once;
 //! each shard it names is opened once, at construction, so that a missing
 //! shard fails early with its path. Reads are positional (`pread`), so one
-//! dataset serves any number of threads, and CRCs are verified.
+//! dataset serves any number of threads, and CRCs are verified. A shard
+//! that changes on disk after it was opened (rewritten, truncated, deleted,
+//! replaced) fails every later read of it with [`Error::FileChanged`]
+//! naming the shard and the offset.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -57,12 +57,13 @@ pub trait Source {
 /// A file read at the size it had when it was opened.
 ///
 /// The file is read with positional reads (`pread`), never mapped, so a file
-/// that shrinks under the reader gives a short read, not `SIGBUS`. Its size,
-/// modification time and link count are taken at open;
-/// [`Source::changed`] compares them with what the file says now, so a
+/// that shrinks under the reader gives a short read, not `SIGBUS`. Its size
+/// and modification time are taken at open; [`Source::changed`] compares
+/// them with what the file says now and looks for a link count of 0, so a
 /// shard that is rewritten, truncated, deleted or replaced (renamed over)
 /// after it was opened is reported instead of being read as if it were the
-/// file the index describes.
+/// file the index describes. Not noticed: a rewrite that keeps the size
+/// within the file system's timestamp tick of the open.
 #[derive(Debug)]
 pub struct SizedFile {
     file: File,
@@ -108,7 +109,7 @@ impl Source for SizedFile {
         FileExt::read_exact_at(&self.file, buf, offset)
     }
     fn changed(&self) -> io::Result<Option<String>> {
-        // One fstat: it costs far less than the read it guards.
+        // One fstat per record read (the reader calls this after reading).
         let meta = self.file.metadata()?;
         let now = Stamp::of(&meta);
         Ok(if meta.nlink() == 0 {
