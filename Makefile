@@ -11,7 +11,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build wheel demo test test-rust test-python test-compat bench bench-ddp bench-nccl bench-topk lint fmt fuzz clean
+.PHONY: help setup build wheel demo test test-rust test-python test-compat bench bench-ddp bench-nccl bench-topk lint fmt fuzz fuzz-merge clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -96,8 +96,11 @@ fmt: setup ## format Rust and Python sources
 	cargo fmt --all
 	$(VENV)/bin/ruff format .
 
-fuzz: ## run the cargo-fuzz targets (FUZZ_SECONDS per target, default 600)
+fuzz: ## run the cargo-fuzz targets on fuzz/corpus (FUZZ_SECONDS per target, default 600; CI: 30)
 	bash fuzz/run.sh $(or $(FUZZ_SECONDS),600)
+
+fuzz-merge: ## add the inputs that fuzz runs found (fuzz/new-corpus) to the checked-in corpus
+	bash fuzz/run.sh merge
 
 clean: ## remove build outputs (keeps .venv)
 	cargo clean

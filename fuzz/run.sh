@@ -1,146 +1,76 @@
 #!/usr/bin/env bash
-# Runs the tiacc-core fuzz targets one after the other (not in parallel).
+# Runs the tiacc-core fuzz targets one after the other (not in parallel), each
+# for a bounded time on top of the checked-in corpus fuzz/corpus/<target>/.
 #
 #   bash fuzz/run.sh [seconds]      # default: 600 seconds per target
+#   bash fuzz/run.sh merge          # fold what runs found into fuzz/corpus/
 #
-# Works on a stable toolchain: RUSTC_BOOTSTRAP=1 lets cargo-fuzz pass its -Z
-# flags. Seeds fuzz/corpus/<target>/ (gitignored) when it is empty.
+# What it needs, it installs: cargo-fuzz with `cargo install` when missing.
+# It runs on the stable toolchain: RUSTC_BOOTSTRAP=1 lets cargo-fuzz pass its
+# -Z flags (AddressSanitizer included), so no nightly toolchain is needed.
+#
+# New inputs go to fuzz/new-corpus/<target>/ (not tracked), never into the
+# checked-in corpus; `merge` adds those that reach new code to fuzz/corpus/.
+# Each target's libFuzzer log is fuzz/logs/<target>.log; fuzz/logs/summary.tsv
+# has one line per target: seconds, executions, new inputs, crashes. A crash,
+# a leak, an input that runs over 20 s or over 2 GB fails the run (exit 1)
+# and leaves the input in fuzz/artifacts/<target>/: add it to
+# fuzz/corpus/<target>/ once the bug is fixed, with a unit test.
 set -euo pipefail
 
-SECONDS_PER_TARGET="${1:-600}"
+MODE="${1:-600}"
 FUZZ_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$FUZZ_DIR"
 
 export RUSTC_BOOTSTRAP=1
-CARGO_FUZZ="${CARGO_FUZZ:-cargo fuzz}"
+CARGO_FUZZ_VERSION=0.13.2
 SANITIZER="${SANITIZER:-address}"   # `none` also works, and runs faster
 TARGETS=(record_reader example_decode image_decode)
 
-seed() {
-    local py=python3
-    [ -x "$FUZZ_DIR/../.venv/bin/python" ] && py="$FUZZ_DIR/../.venv/bin/python"
-    "$py" - "$FUZZ_DIR/corpus" <<'PY'
-import os, struct, sys
-
-def crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc ^= b
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
-
-def masked(data: bytes) -> int:
-    c = crc32c(data)
-    return ((((c >> 15) | (c << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
-
-def frame(payload: bytes) -> bytes:
-    n = struct.pack("<Q", len(payload))
-    return n + struct.pack("<I", masked(n)) + payload + struct.pack("<I", masked(payload))
-
-def varint(v: int) -> bytes:
-    v &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        if v:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-def ld(field: int, body: bytes) -> bytes:  # length-delimited field
-    return varint(field << 3 | 2) + varint(len(body)) + body
-
-def example(features: dict) -> bytes:
-    entries = b"".join(ld(1, ld(1, k.encode()) + ld(2, v)) for k, v in features.items())
-    return ld(1, entries)
-
-def bytes_list(*vals): return ld(1, b"".join(ld(1, v) for v in vals))
-def int64_list(*vals): return ld(3, ld(1, b"".join(varint(v) for v in vals)))
-def int64_unpacked(*vals): return ld(3, b"".join(varint(1 << 3) + varint(v) for v in vals))
-def float_list(*vals): return ld(2, ld(1, b"".join(struct.pack("<f", v) for v in vals)))
-def float_unpacked(*vals): return ld(2, b"".join(varint(1 << 3 | 5) + struct.pack("<f", v) for v in vals))
-
-examples = [
-    b"",
-    example({}),
-    example({"image/encoded": bytes_list(b"\xff\xd8\xff\xe0jpeg"), "image/class/label": int64_list(7)}),
-    example({"scores": float_list(0.5, -1.25, float("nan")), "ids": int64_list(-1, 0, 1 << 40)}),
-    example({"x": int64_unpacked(1, 2), "y": float_unpacked(1.0), "empty": int64_list()}),
-    example({"none": b"", "b": bytes_list(b"", b"abc")}),
-]
-
-root = sys.argv[1]
-corpus = {
-    "example_decode": examples,
-    "record_reader": [
-        b"",
-        frame(b""),
-        frame(b"hello"),
-        b"".join(frame(e) for e in examples),
-        frame(examples[2]) + frame(examples[3]),
-        frame(examples[2])[:-3],                       # truncated payload
-        frame(examples[4]) + b"\x01\x02\x03",          # truncated header
-    ],
-}
-try:  # small real images, when Pillow is at hand (the project's .venv has it)
-    import io
-    from PIL import Image
-
-    def encoded(mode, fmt, size=(19, 13), **kw):
-        img = Image.new(mode, size)
-        img.putdata([tuple((x * 37 + i * 11) % 256 for i in range(len(mode))) if len(mode) > 1
-                     else (x * 37) % 256 for x in range(size[0] * size[1])])
-        out = io.BytesIO()
-        img.save(out, fmt, **kw)
-        return out.getvalue()
-
-    corpus["image_decode"] = [
-        encoded("RGB", "JPEG", quality=90),
-        encoded("RGB", "JPEG", quality=50, subsampling=0),
-        encoded("RGB", "JPEG", progressive=True),
-        encoded("L", "JPEG"),
-        encoded("CMYK", "JPEG"),
-        encoded("RGB", "PNG"),
-        encoded("RGBA", "PNG"),
-        encoded("RGB", "BMP"),
-        encoded("RGB", "WEBP"),
-    ]
-except ImportError:
-    corpus["image_decode"] = [b"\xff\xd8\xff\xd9", b"\x89PNG\r\n\x1a\n"]
-for target, seeds in corpus.items():
-    d = os.path.join(root, target)
-    os.makedirs(d, exist_ok=True)
-    for i, s in enumerate(seeds):
-        with open(os.path.join(d, f"seed-{i:02d}"), "wb") as f:
-            f.write(s)
-PY
-}
-
-need_seed=0
-for t in "${TARGETS[@]}"; do
-    if [ -z "$(ls -A "corpus/$t" 2>/dev/null)" ]; then need_seed=1; fi
-done
-if [ "$need_seed" = 1 ]; then
-    echo "seeding corpus/ ..."
-    seed
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "installing cargo-fuzz $CARGO_FUZZ_VERSION with cargo install"
+    cargo install --quiet --locked cargo-fuzz --version "$CARGO_FUZZ_VERSION"
 fi
 
-# With -jobs=1 libFuzzer runs the fuzzer in a child process that logs to
-# ./fuzz-0.log (echoed when it ends); keep each target's log under logs/.
 mkdir -p logs
+build_start=$SECONDS
+cargo fuzz build -O -s "$SANITIZER" >logs/build.log 2>&1 || {
+    tail -n 40 logs/build.log >&2
+    exit 1
+}
+echo "fuzz targets built in $((SECONDS - build_start)) s (sanitizer: $SANITIZER)"
+
+if [ "$MODE" = merge ]; then
+    for t in "${TARGETS[@]}"; do
+        mkdir -p "new-corpus/$t"
+        before=$(find "corpus/$t" -type f | wc -l)
+        cargo fuzz run -O -s "$SANITIZER" "$t" "corpus/$t" "new-corpus/$t" -- -merge=1 \
+            >"logs/merge-$t.log" 2>&1 || { tail -n 20 "logs/merge-$t.log" >&2; exit 1; }
+        echo "$t: corpus $before -> $(find "corpus/$t" -type f | wc -l) inputs"
+    done
+    exit 0
+fi
+
+SECONDS_PER_TARGET="$MODE"
+printf 'target\tseconds\texecutions\tnew_inputs\tcrashes\n' >logs/summary.tsv
 status=0
 for t in "${TARGETS[@]}"; do
-    echo "=== $t: ${SECONDS_PER_TARGET}s, sanitizer=$SANITIZER ==="
+    mkdir -p "new-corpus/$t" "artifacts/$t"
     rc=0
-    $CARGO_FUZZ run -O -s "$SANITIZER" "$t" "corpus/$t" -- \
-        -max_total_time="$SECONDS_PER_TARGET" -jobs=1 -print_final_stats=1 || rc=$?
-    if [ -f fuzz-0.log ]; then mv fuzz-0.log "logs/$t.log"; fi
+    cargo fuzz run -O -s "$SANITIZER" "$t" "new-corpus/$t" "corpus/$t" -- \
+        -max_total_time="$SECONDS_PER_TARGET" -timeout=20 -rss_limit_mb=2048 \
+        -print_final_stats=1 >"logs/$t.log" 2>&1 || rc=$?
+    final_stat() { sed -n "s/^stat::$1: *//p" "logs/$t.log" | tail -n 1; }
+    crashes=0
     if [ "$rc" != 0 ]; then
-        echo "!!! $t exited with $rc: see logs/$t.log and artifacts/$t/" >&2
-        status=$rc
+        crashes=1
+        status=1
+        echo "!!! $t exited with $rc: the end of logs/$t.log, then the input in artifacts/$t/" >&2
+        tail -n 60 "logs/$t.log" >&2
+        ls -l "artifacts/$t" >&2
     fi
+    printf '%s\t%s\t%s\t%s\t%s\n' "$t" "$SECONDS_PER_TARGET" "$(final_stat number_of_executed_units)" \
+        "$(final_stat new_units_added)" "$crashes" >>logs/summary.tsv
 done
+column -t -s $'\t' logs/summary.tsv 2>/dev/null || cat logs/summary.tsv
 exit "$status"

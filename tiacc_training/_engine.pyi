@@ -36,6 +36,11 @@ class DecodeError(TiaccError):
     offset: int
     index: int
 
+class RecordDecodeError(DecodeError, DataError):
+    path: str
+    offset: int
+    index: int
+
 # Configuration (rust/tiacc-py/src/config.rs)
 def comm_config() -> dict[str, Any]: ...
 

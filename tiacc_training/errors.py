@@ -9,11 +9,15 @@ and ``except PermissionError`` catch it::
     ├── ConfigError            bad argument or environment variable value
     ├── CommError              a collective failed
     │   └── CommTimeoutError   a peer did not answer in time
-    ├── DataError              a shard, index or list is unreadable or invalid
+    ├── DataError              a shard, index or list is unreadable or invalid,
+    │   │                      or a shard changed after it was opened (.path, .offset)
     │   ├── CorruptRecordError     bad TFRecord framing or CRC (.path, .offset)
     │   ├── DataFileNotFoundError  also a FileNotFoundError (.path, .filename)
-    │   └── DataPermissionError    also a PermissionError (.path, .filename)
+    │   ├── DataPermissionError    also a PermissionError (.path, .filename)
+    │   └── RecordDecodeError      a record's image is not decodable (.path,
+    │                              .offset, .index); also a DecodeError
     └── DecodeError            a file is not a readable image (.path)
+        └── RecordDecodeError
 
 Mistakes in arguments raise ``ValueError`` or ``TypeError`` before any work.
 """
@@ -32,6 +36,7 @@ from tiacc_training._engine import (
     DataFileNotFoundError,
     DataPermissionError,
     DecodeError,
+    RecordDecodeError,
     TiaccError,
 )
 
@@ -61,5 +66,6 @@ __all__ = [
     "DataFileNotFoundError",
     "DataPermissionError",
     "DecodeError",
+    "RecordDecodeError",
     "TiaccError",
 ]

@@ -137,3 +137,7 @@ def test_exception_hierarchy():
     assert issubclass(errors.ConfigError, TiaccError)
     assert issubclass(errors.CommTimeoutError, errors.CommError)
     assert errors.CorruptRecordError.__module__ == "tiacc_training.errors"
+    # A record whose image does not decode is both (catchable as either).
+    assert issubclass(errors.RecordDecodeError, errors.DecodeError)
+    assert issubclass(errors.RecordDecodeError, errors.DataError)
+    assert errors.RecordDecodeError.__module__ == "tiacc_training.errors"

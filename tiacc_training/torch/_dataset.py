@@ -203,9 +203,17 @@ class IndexedDataset(torch.utils.data.Dataset):
         """Returns ``(transform(image), target_transform(label))`` of record ``index``.
 
         Raises:
-            DecodeError: The record's image cannot be decoded (the message
-                and the ``path``, ``offset`` and ``index`` attributes locate it).
-            CorruptRecordError: The record fails its CRC check.
+            RecordDecodeError: The record's image cannot be decoded (a
+                ``DecodeError`` and a ``DataError``; the message and the
+                ``path``, ``offset`` and ``index`` attributes locate it).
+            CorruptRecordError: The record fails its CRC check, or its
+                offset or length field does not fit in the shard.
+            DataError: The shard changed (was rewritten, truncated, deleted
+                or replaced) after the dataset was opened, or the record is
+                not a ``tf.train.Example`` with an image; ``path`` and
+                ``offset`` locate it. Shards are read with ``pread``, never
+                mapped, so a shard cut short under a reader is an error,
+                not a ``SIGBUS``.
         """
         i = self._index(index)
         if self._plan is not None:

@@ -3,7 +3,10 @@
 //! The index (`NAME.index`, see [`crate::tfrecord::index`]) is loaded once;
 //! each shard it names is opened once, at construction, so that a missing
 //! shard fails early with its path. Reads are positional (`pread`), so one
-//! dataset serves any number of threads, and CRCs are verified.
+//! dataset serves any number of threads, and CRCs are verified. A shard
+//! that changes on disk after it was opened (rewritten, truncated, deleted,
+//! replaced) fails every later read of it with [`Error::FileChanged`]
+//! naming the shard and the offset.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -114,13 +117,17 @@ impl IndexedDataset {
         let (path, offset) = self.location(index)?;
         let &(slot, _) = &self.records[index];
         let payload = self.shards[slot as usize].read_at(offset)?;
-        Example::parse(
-            payload,
-            &format!(
-                " in {} at offset {offset} (dataset index {index})",
-                path.display()
-            ),
-        )
+        // A record error rather than a bare MalformedExample, so that the
+        // error carries the shard, offset and index as fields.
+        Example::parse(payload, "").map_err(|e| match e {
+            Error::MalformedExample { reason, .. } => Error::RecordFeature {
+                path: path.to_path_buf(),
+                offset,
+                index,
+                reason: format!("malformed tf.train.Example: {reason}"),
+            },
+            other => other,
+        })
     }
 
     /// The encoded image bytes of record `index`.
@@ -462,6 +469,35 @@ mod tests {
             "{msg}"
         );
         assert!(matches!(ds.decode(9), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn payload_that_is_not_an_example_names_shard_offset_and_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = ShardedWriter::create(dir.path(), "ds", 2).unwrap();
+        w.write(
+            &Example::from_features([(IMAGE_KEY, Feature::bytes([png(1)]))]).encode_to_vec(),
+            0,
+        )
+        .unwrap();
+        // A length-delimited field whose length runs past the payload.
+        w.write(b"\x0a\xff\x01oops", 1).unwrap();
+        let index = w.finish().unwrap().index_path;
+        let ds = IndexedDataset::open(dir.path(), &index).unwrap();
+        match ds.decode(1).unwrap_err() {
+            Error::RecordFeature {
+                path,
+                offset,
+                index,
+                reason,
+            } => {
+                assert!(path.ends_with("ds-00000.tfrecord"), "{path:?}");
+                assert_eq!((offset, index), (ds.location(1).unwrap().1, 1));
+                assert!(reason.starts_with("malformed tf.train.Example"), "{reason}");
+            }
+            other => panic!("expected RecordFeature, got {other:?}"),
+        }
+        assert_eq!(ds.decode(0).unwrap().pixels[0], 1);
     }
 
     #[test]

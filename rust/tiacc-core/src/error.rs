@@ -25,6 +25,16 @@ pub enum Error {
         kind: Corruption,
     },
 
+    /// A file that changed on disk after it was opened (rewritten,
+    /// truncated, deleted or replaced): the offsets its reader was given no
+    /// longer describe it, so nothing more is read from it.
+    #[error("{}: cannot read the record at offset {offset}: the file changed after it was opened ({change}); open it again (a new dataset) to read the new file", path.display())]
+    FileChanged {
+        path: PathBuf,
+        offset: u64,
+        change: String,
+    },
+
     /// A record payload that is not a valid `tf.train.Example`.
     #[error("malformed tf.train.Example{location}: {reason}")]
     MalformedExample {

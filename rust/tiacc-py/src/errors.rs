@@ -9,8 +9,10 @@
 //!     ├── DataError
 //!     │   ├── CorruptRecordError
 //!     │   ├── DataFileNotFoundError  (also a FileNotFoundError)
-//!     │   └── DataPermissionError    (also a PermissionError)
+//!     │   ├── DataPermissionError    (also a PermissionError)
+//!     │   └── RecordDecodeError      (also a DecodeError)
 //!     └── DecodeError
+//!         └── RecordDecodeError
 //! ```
 //!
 //! The two classes with two bases cannot be declared with
@@ -101,9 +103,38 @@ fn data_os_error(
     Ok(ty.cast_into::<PyType>()?.unbind())
 }
 
+/// `RecordDecodeError`: a record in a shard whose image cannot be decoded.
+/// It is bad data in a shard (a `DataError`) and an undecodable image (a
+/// `DecodeError`), so it derives from both; `create_exception!` takes one
+/// base, so the class is made by calling `type` once.
+static RECORD_DECODE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn record_decode_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    RECORD_DECODE_ERROR
+        .get_or_try_init(py, || {
+            let bases = PyTuple::new(
+                py,
+                [py.get_type::<DecodeError>(), py.get_type::<DataError>()],
+            )?;
+            let namespace = PyDict::new(py);
+            namespace.set_item("__module__", "tiacc_training.errors")?;
+            namespace.set_item(
+                "__doc__",
+                "A record whose image cannot be decoded; `path`, `offset` and `index` locate it.",
+            )?;
+            let class = py
+                .get_type::<PyType>()
+                .call1(("RecordDecodeError", bases, namespace))?
+                .cast_into::<PyType>()?;
+            Ok(class.unbind())
+        })
+        .map(|class| class.bind(py))
+}
+
 /// Adds the exception classes to the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    m.add("RecordDecodeError", record_decode_error(py)?)?;
     m.add("TiaccError", py.get_type::<TiaccError>())?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("CommError", py.get_type::<CommError>())?;
@@ -198,6 +229,10 @@ pub fn to_pyerr(err: Error) -> PyErr {
                 CorruptRecordError::new_err(message),
                 vec![("path", path_obj(py, path)), ("offset", any(py, *offset))],
             ),
+            Error::FileChanged { path, offset, .. } => (
+                DataError::new_err(message),
+                vec![("path", path_obj(py, path)), ("offset", any(py, *offset))],
+            ),
             Error::MalformedExample { .. } => (DataError::new_err(message), vec![]),
             Error::BadIndex { path, line, .. } => (
                 DataError::new_err(message),
@@ -213,7 +248,12 @@ pub fn to_pyerr(err: Error) -> PyErr {
                 index,
                 ..
             } => (
-                DecodeError::new_err(message),
+                // Registered at import, so this lookup does not fail; if it
+                // did, the error would still be a DecodeError.
+                match record_decode_error(py) {
+                    Ok(class) => PyErr::from_type(class.clone(), message),
+                    Err(_) => DecodeError::new_err(message),
+                },
                 vec![
                     ("path", path_obj(py, path)),
                     ("offset", any(py, *offset)),

@@ -1,8 +1,8 @@
 //! Record framing: encoding, and positional reading with CRC verification.
 
-use std::fs::File;
+use std::fs::{File, Metadata};
 use std::io::{self, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use super::crc::masked_crc32c;
@@ -46,30 +46,84 @@ pub trait Source {
     fn size(&self) -> u64;
     /// Fills `buf` from `offset`; the caller guarantees the range is in bounds.
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// How the source changed since it was opened (a sentence), or `None`
+    /// when it is as it was, so that what was read from it can be trusted.
+    /// Sources that cannot change (buffers in memory) keep the default.
+    fn changed(&self) -> io::Result<Option<String>> {
+        Ok(None)
+    }
 }
 
-/// A file whose size is taken once, when it is opened.
+/// A file read at the size it had when it was opened.
+///
+/// The file is read with positional reads (`pread`), never mapped, so a file
+/// that shrinks under the reader gives a short read, not `SIGBUS`. Its size
+/// and modification time are taken at open; [`Source::changed`] compares
+/// them with what the file says now and looks for a link count of 0, so a
+/// shard that is rewritten, truncated, deleted or replaced (renamed over)
+/// after it was opened is reported instead of being read as if it were the
+/// file the index describes. Not noticed: a rewrite that keeps the size
+/// within the file system's timestamp tick of the open.
 #[derive(Debug)]
 pub struct SizedFile {
     file: File,
+    opened: Stamp,
+}
+
+/// What [`SizedFile`] compares to notice that a file changed.
+///
+/// The change time is left out on purpose: `chmod`, `chown` or a new hard
+/// link change it without touching the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
     size: u64,
+    mtime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(meta: &Metadata) -> Self {
+        Stamp {
+            size: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+        }
+    }
 }
 
 impl SizedFile {
     /// Opens `path` for positional reads.
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        let size = file.metadata().map_err(|e| Error::io(path, e))?.len();
-        Ok(SizedFile { file, size })
+        let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+        Ok(SizedFile {
+            file,
+            opened: Stamp::of(&meta),
+        })
     }
 }
 
 impl Source for SizedFile {
     fn size(&self) -> u64 {
-        self.size
+        self.opened.size
     }
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         FileExt::read_exact_at(&self.file, buf, offset)
+    }
+    fn changed(&self) -> io::Result<Option<String>> {
+        // One fstat per record read (the reader calls this after reading).
+        let meta = self.file.metadata()?;
+        let now = Stamp::of(&meta);
+        Ok(if meta.nlink() == 0 {
+            Some("it was deleted, or replaced by another file".into())
+        } else if now.size != self.opened.size {
+            Some(format!(
+                "its size went from {} to {} bytes",
+                self.opened.size, now.size
+            ))
+        } else if now != self.opened {
+            Some("it was rewritten: its modification time changed".into())
+        } else {
+            None
+        })
     }
 }
 
@@ -148,10 +202,40 @@ impl<S: Source + ?Sized> RecordReader<S> {
         }
     }
 
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.source
-            .read_exact_at(buf, offset)
-            .map_err(|e| Error::io(&self.path, e))
+    /// Reads `buf.len()` bytes at `at`, part of the record at `record`.
+    fn read(&self, buf: &mut [u8], at: u64, record: u64) -> Result<()> {
+        self.source.read_exact_at(buf, at).map_err(|e| {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                // The bounds were checked against the size at open: the
+                // file is shorter now.
+                Error::FileChanged {
+                    path: self.path.clone(),
+                    offset: record,
+                    change: format!(
+                        "it ends before byte {} although it had {} bytes when opened",
+                        at + buf.len() as u64,
+                        self.source.size()
+                    ),
+                }
+            } else {
+                Error::io(&self.path, e)
+            }
+        })
+    }
+
+    /// `result`, the outcome of reading the record at `offset`, unless the
+    /// source changed since it was opened: then neither the bytes read nor a
+    /// framing error found in them can be trusted, and the error says so.
+    fn unless_changed<T>(&self, offset: u64, result: Result<T>) -> Result<T> {
+        match self.source.changed() {
+            Ok(None) => result,
+            Ok(Some(change)) => Err(Error::FileChanged {
+                path: self.path.clone(),
+                offset,
+                change,
+            }),
+            Err(e) => Err(Error::io(&self.path, e)),
+        }
     }
 
     /// Reads and checks the header at `offset`; returns the payload length.
@@ -159,6 +243,11 @@ impl<S: Source + ?Sized> RecordReader<S> {
     /// The length is checked against the file size here, before anyone
     /// allocates a buffer for it.
     pub fn read_header(&self, offset: u64) -> Result<u64> {
+        let result = self.header(offset);
+        self.unless_changed(offset, result)
+    }
+
+    fn header(&self, offset: u64) -> Result<u64> {
         let size = self.source.size();
         if offset >= size {
             return Err(self.corrupt(offset, Corruption::OffsetPastEnd { file_len: size }));
@@ -168,7 +257,7 @@ impl<S: Source + ?Sized> RecordReader<S> {
             return Err(self.corrupt(offset, Corruption::TruncatedHeader { available }));
         }
         let mut header = [0u8; HEADER_LEN as usize];
-        self.read(&mut header, offset)?;
+        self.read(&mut header, offset, offset)?;
         let (len_bytes, crc_bytes) = header.split_at(8);
         let length = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes"));
         if self.verify {
@@ -196,9 +285,22 @@ impl<S: Source + ?Sized> RecordReader<S> {
 
     /// Reads the payload of the record at `offset` into `buf` (replacing its
     /// contents) and returns the offset of the next record.
+    ///
+    /// A file that changed since it was opened fails with
+    /// [`Error::FileChanged`] (checked after the read, so no bytes of a
+    /// changed file are returned), even where its bytes still frame.
     pub fn read_into(&self, offset: u64, buf: &mut Vec<u8>) -> Result<u64> {
-        let length = self.read_header(offset)?;
-        // read_header bounded length by the file size, so this fits in memory
+        let result = self.payload_into(offset, buf);
+        let result = self.unless_changed(offset, result);
+        if result.is_err() {
+            buf.clear();
+        }
+        result
+    }
+
+    fn payload_into(&self, offset: u64, buf: &mut Vec<u8>) -> Result<u64> {
+        let length = self.header(offset)?;
+        // header() bounded length by the file size, so this fits in memory
         // as far as the file does.
         let total = usize::try_from(length + FOOTER_LEN).map_err(|_| {
             Error::InvalidArgument(format!(
@@ -210,7 +312,7 @@ impl<S: Source + ?Sized> RecordReader<S> {
         // so only growth is zero-filled.
         buf.truncate(total);
         buf.resize(total, 0);
-        self.read(buf, offset + HEADER_LEN)?;
+        self.read(buf, offset + HEADER_LEN, offset)?;
         let payload_len = total - FOOTER_LEN as usize;
         if self.verify {
             let stored = u32::from_le_bytes(buf[payload_len..].try_into().expect("4-byte footer"));
@@ -423,6 +525,107 @@ mod tests {
         assert!(RecordReader::from_source(huge, "mem", false)
             .read_at(0)
             .is_err());
+    }
+
+    fn on_disk(payloads: &[&[u8]]) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.tfrecord");
+        std::fs::write(&path, shard(payloads)).unwrap();
+        (dir, path)
+    }
+
+    fn change(err: Error) -> (u64, String) {
+        match err {
+            Error::FileChanged { offset, change, .. } => (offset, change),
+            other => panic!("expected FileChanged, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn file_truncated_after_open_names_the_offset() {
+        let (_dir, path) = on_disk(&[b"first", b"second record"]);
+        let r = RecordReader::open(&path, true).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(30).unwrap();
+        // Both the record cut short and the intact one before it: the file
+        // is no longer the one that was opened.
+        let (offset, what) = change(r.read_at(21).unwrap_err());
+        assert_eq!(offset, 21);
+        assert!(what.contains("from 50 to 30 bytes"), "{what}");
+        assert_eq!(change(r.read_at(0).unwrap_err()).0, 0);
+        let msg = r.read_at(21).unwrap_err().to_string();
+        assert!(
+            msg.contains("s.tfrecord") && msg.contains("offset 21"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn short_read_is_a_change_even_when_the_stamp_matches() {
+        // A source whose size claims more than it holds, as a file that
+        // shrank and grew back within one timestamp tick would look.
+        struct Liar(Vec<u8>);
+        impl Source for Liar {
+            fn size(&self) -> u64 {
+                self.0.len() as u64 + 100
+            }
+            fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+                self.0.read_exact_at(buf, offset)
+            }
+        }
+        let mut bytes = encode_header(90).to_vec();
+        bytes.extend_from_slice(b"short");
+        let r = RecordReader::from_source(Liar(bytes), "liar", true);
+        let (offset, what) = change(r.read_at(0).unwrap_err());
+        assert_eq!(offset, 0);
+        assert!(what.contains("ends before byte 106"), "{what}");
+    }
+
+    #[test]
+    fn file_rewritten_deleted_or_replaced_after_open_is_refused() {
+        // Rewritten in place with records that frame at the same offsets:
+        // the CRCs pass, only the file's stamp tells.
+        let (_dir, path) = on_disk(&[b"aaaa", b"bbbb"]);
+        let r = RecordReader::open(&path, true).unwrap();
+        assert_eq!(r.read_at(20).unwrap(), b"bbbb");
+        let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+        f.write_all(&shard(&[b"AAAA", b"BBBB"])).unwrap();
+        f.set_modified(later).unwrap();
+        let (offset, what) = change(r.read_at(20).unwrap_err());
+        assert_eq!(offset, 20);
+        assert!(what.contains("rewritten"), "{what}");
+
+        let (_dir, path) = on_disk(&[b"aaaa"]);
+        let r = RecordReader::open(&path, true).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert!(change(r.read_at(0).unwrap_err()).1.contains("deleted"));
+
+        let (dir, path) = on_disk(&[b"aaaa"]);
+        let r = RecordReader::open(&path, true).unwrap();
+        let other = dir.path().join("new.tfrecord");
+        std::fs::write(&other, shard(&[b"zzzz"])).unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        let mut buf = b"dirty".to_vec();
+        let err = r.read_into(0, &mut buf).unwrap_err();
+        assert!(change(err).1.contains("replaced"));
+        assert!(buf.is_empty(), "no bytes of a changed file are handed out");
+        // A new reader reads the new file.
+        assert_eq!(
+            RecordReader::open(&path, true).unwrap().read_at(0).unwrap(),
+            b"zzzz"
+        );
+    }
+
+    #[test]
+    fn unchanged_file_reads_and_chmod_is_not_a_change() {
+        use std::os::unix::fs::PermissionsExt;
+        let (_dir, path) = on_disk(&[b"aaaa", b"bbbb"]);
+        let r = RecordReader::open(&path, true).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).unwrap();
+        let all: Vec<_> = r.scan().collect::<Result<_>>().unwrap();
+        assert_eq!(all, vec![(0, b"aaaa".to_vec()), (20, b"bbbb".to_vec())]);
+        assert_eq!(r.read_header(20).unwrap(), 4);
     }
 
     #[test]
