@@ -43,7 +43,7 @@ def world_engine(config: Any) -> Any:
         rank,
         world,
         advertised_host(config),
-        board=FailureBoard(store, f"{prefix}/first_failure"),
+        board=FailureBoard(store, prefix),
         local_size=launch.get("local_size"),
         intra_size=node_intra_size(config, launch, store, prefix, rank, world, measures=True),
     )
@@ -98,7 +98,7 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
         world,
         TorchKernels(device),
         "nccl",
-        board=FailureBoard(store, f"{prefix}/first_failure"),
+        board=FailureBoard(store, prefix),
         local_size=launch.get("local_size"),
         intra_size=node_intra_size(config, launch, store, prefix, rank, world, measures=False),
     )

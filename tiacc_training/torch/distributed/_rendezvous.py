@@ -45,17 +45,42 @@ def exchange(
     return [store.get(k).decode() for k in keys]
 
 
+def check_same_config(config: Any, store: Any, prefix: str, rank: int, world: int) -> None:
+    """Raises ``ConfigError`` on every rank when ranks run with different settings.
+
+    Every rank publishes the settings all ranks must share
+    (``CommConfig.shared_fingerprint``) and compares them with the others'.
+
+    Args:
+        config: this rank's effective configuration.
+        store: the c10d store shared by the ranks.
+        prefix: key prefix of this check.
+        rank: this rank.
+        world: number of ranks.
+
+    Raises:
+        ConfigError: a setting differs; names the variable, the values and
+            which ranks have which.
+    """
+    mine = config.shared_fingerprint()
+    fingerprints = exchange(store, prefix, rank, world, mine, config.timeout)
+    _engine.check_same_config(rank, fingerprints)
+
+
 class FailureBoard:
-    """The job's first failure, kept under one store key.
+    """The job's first failure and every rank's progress record, in the store.
 
     The engine publishes a failure before peers can notice it, and reads the
     board while a collective waits unusually long, so every rank names the
     root cause (the rank that saw a NaN, or died) rather than its symptom.
+    Each rank's engine also keeps its position (bucket and step) here, at a
+    low rate, so a timeout can say which ranks had not reached the bucket.
     """
 
-    def __init__(self, store: Any, key: str) -> None:
+    def __init__(self, store: Any, prefix: str) -> None:
         self.store = store
-        self.key = key
+        self.key = f"{prefix}/first_failure"
+        self.progress_prefix = f"{prefix}/progress"
 
     def publish(self, message: str) -> str | None:
         """Publishes ``message`` unless a failure is there; returns the first."""
@@ -64,6 +89,24 @@ class FailureBoard:
     def peek(self) -> str | None:
         """The first failure published, or ``None``."""
         return self._compare_set("") or None
+
+    def record(self, rank: int, text: str) -> None:
+        """Keeps ``text`` as rank ``rank``'s progress record."""
+        try:
+            self.store.set(f"{self.progress_prefix}/{rank}", text)
+        except Exception:  # the store may be gone with rank 0
+            pass
+
+    def records(self, size: int) -> list[str | None]:
+        """The progress record of every rank (``None`` where absent), without waiting."""
+        out: list[str | None] = []
+        for rank in range(size):
+            key = f"{self.progress_prefix}/{rank}"
+            try:
+                out.append(self.store.get(key).decode() if self.store.check([key]) else None)
+            except Exception:  # the store may be gone with rank 0
+                out.append(None)
+        return out
 
     def _compare_set(self, desired: str) -> str | None:
         try:

@@ -24,6 +24,14 @@ pub trait FailureBoard: Send + Sync {
     fn publish(&self, message: &str) -> Option<String>;
     /// The first failure published so far, if any.
     fn peek(&self) -> Option<String>;
+    /// Keeps `record` as rank `rank`'s progress record
+    /// ([`super::progress`]); boards without one ignore it.
+    fn record_progress(&self, _rank: usize, _record: &str) {}
+    /// The progress records of ranks `0 .. size` (`None` where a rank has
+    /// none, or the board cannot be read), without waiting.
+    fn progress(&self, size: usize) -> Vec<Option<String>> {
+        vec![None; size]
+    }
 }
 
 /// The failure state of one engine.
@@ -82,6 +90,11 @@ impl Failures {
             .unwrap_or_else(PoisonError::into_inner)
             .as_ref()
             .and_then(copy_comm_error)
+    }
+
+    /// The job's board, when there is one.
+    pub fn board(&self) -> Option<&dyn FailureBoard> {
+        self.board.as_deref()
     }
 
     /// A failure another rank published, if any.

@@ -381,12 +381,14 @@ fn the_watchdog_thread_records_the_first_failure_and_aborts_the_engine() {
         comms: vec![comm.clone()],
         is_done: Box::new(move || Ok(flag.load(Ordering::SeqCst))),
         deadline: crate::comm::Deadline::after(std::time::Duration::from_secs(10)),
+        at: None,
     });
     done.store(true, Ordering::SeqCst);
     dog.submit(Pending {
         comms: vec![comm.clone()],
         is_done: Box::new(|| Ok(false)),
         deadline: crate::comm::Deadline::after(std::time::Duration::from_millis(20)),
+        at: None,
     });
     let start = std::time::Instant::now();
     while failures.first().is_none() && start.elapsed() < std::time::Duration::from_secs(10) {
@@ -401,6 +403,79 @@ fn the_watchdog_thread_records_the_first_failure_and_aborts_the_engine() {
         comms: vec![comm],
         is_done: Box::new(|| Ok(false)),
         deadline: crate::comm::Deadline::after(std::time::Duration::from_secs(600)),
+        at: None,
     });
     drop(dog); // stops and joins at once
+}
+
+/// A board that keeps records in memory, as the store does.
+#[derive(Default)]
+struct MemBoard(std::sync::Mutex<std::collections::HashMap<usize, String>>);
+
+impl crate::comm::failure::FailureBoard for MemBoard {
+    fn publish(&self, message: &str) -> Option<String> {
+        Some(message.to_string())
+    }
+    fn peek(&self) -> Option<String> {
+        None
+    }
+    fn record_progress(&self, rank: usize, record: &str) {
+        self.0.lock().unwrap().insert(rank, record.to_string());
+    }
+    fn progress(&self, size: usize) -> Vec<Option<String>> {
+        let map = self.0.lock().unwrap();
+        (0..size).map(|r| map.get(&r).cloned()).collect()
+    }
+}
+
+#[test]
+fn the_watchdog_says_which_ranks_had_not_reached_a_timed_out_bucket() {
+    use super::watchdog::{Pending, Tracker, Watchdog};
+    use crate::comm::failure::Failures;
+    use crate::comm::progress::Progress;
+    use crate::comm::FailureBoard;
+    use std::sync::Arc;
+    let board = Arc::new(MemBoard::default());
+    // Rank 1 last recorded bucket 3 of step 1; rank 2 is in step 2.
+    board.record_progress(1, "v1 1 3 0 0");
+    board.record_progress(2, "v1 2 1 1 0");
+    let failures = Arc::new(Failures::new(Some(board.clone())));
+    let progress = Arc::new(Progress::new());
+    let tracker = Tracker {
+        progress: progress.clone(),
+        rank: 0,
+        size: 3,
+    };
+    let dog = Watchdog::start_tracking(
+        failures.clone(),
+        std::time::Duration::from_millis(1),
+        Some(tracker),
+    )
+    .unwrap();
+    progress.submit(0);
+    let at = progress.submit(0);
+    dog.submit(Pending {
+        comms: vec![Arc::new(SyncComm::default())],
+        is_done: Box::new(|| Ok(false)),
+        deadline: crate::comm::Deadline::after(std::time::Duration::from_millis(20)),
+        at: Some(at),
+    });
+    let start = std::time::Instant::now();
+    while failures.first().is_none() && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let text = failures
+        .first()
+        .expect("the timeout was recorded")
+        .to_string();
+    assert!(
+        text.contains(
+            "had not reached bucket 0 of step 2: rank 1 (last submitted bucket 3 of step 1"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("ranks 0, 2 had reached it"), "{text}");
+    // The abandoned collective is no longer counted in flight.
+    assert!(progress.record().in_flight <= 1, "{text}");
+    drop(dog);
 }
