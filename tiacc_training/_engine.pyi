@@ -223,6 +223,7 @@ class NcclCommunicator:
         search_dirs: list[str] = ...,
         library: Optional[str] = None,
         group: str = "world",
+        timeout: Optional[float] = None,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

@@ -340,28 +340,39 @@ impl DeviceEngine {
             }
         };
         let (rank, size) = (self.info.rank, self.info.size);
+        // Each communicator's initialisation is bounded by the timeout.
+        let timeout = self.info.timeout;
         let groups = py
             .detach(move || -> tiacc_core::Result<Vec<NcclGroups>> {
                 let lib = load(search_dirs, library)?;
                 let mut out = Vec::with_capacity(world_ids.len());
                 for (c, id) in world_ids.iter().enumerate() {
-                    let world = NcclCommunicator::init(lib.clone(), id, rank, size, Group::World)?;
+                    let world = NcclCommunicator::init_bounded(
+                        lib.clone(),
+                        id,
+                        rank,
+                        size,
+                        Group::World,
+                        Deadline::after(timeout),
+                    )?;
                     let two_d = match &two_d_ids {
                         None => None,
                         Some((l, a, e)) => {
-                            let intra = NcclCommunicator::init(
+                            let intra = NcclCommunicator::init_bounded(
                                 lib.clone(),
                                 &a[c],
                                 l.local_rank(),
                                 l.intra_size,
                                 Group::Intra,
+                                Deadline::after(timeout),
                             )?;
-                            let inter = NcclCommunicator::init(
+                            let inter = NcclCommunicator::init_bounded(
                                 lib.clone(),
                                 &e[c],
                                 l.node(),
                                 l.nodes(),
                                 Group::Inter,
+                                Deadline::after(timeout),
                             )?;
                             Some((Arc::new(intra), Arc::new(inter)))
                         }

@@ -479,3 +479,102 @@ fn the_watchdog_says_which_ranks_had_not_reached_a_timed_out_bucket() {
     assert!(progress.record().in_flight <= 1, "{text}");
     drop(dog);
 }
+
+#[test]
+fn a_non_blocking_init_is_polled_until_ready_and_aborted_at_its_deadline() {
+    use super::communicator::{await_ready, Readiness};
+    use std::cell::Cell;
+    use std::time::{Duration, Instant};
+
+    // Ready after a few polls: no abort.
+    let polls = Cell::new(0);
+    let aborted = Cell::new(false);
+    await_ready(
+        || {
+            polls.set(polls.get() + 1);
+            Ok(if polls.get() < 4 {
+                Readiness::InProgress
+            } else {
+                Readiness::Ready
+            })
+        },
+        || aborted.set(true),
+        crate::comm::Deadline::after(Duration::from_secs(10)),
+        0,
+        || "init".into(),
+    )
+    .unwrap();
+    assert_eq!((polls.get(), aborted.get()), (4, false));
+
+    // Never ready (a peer never arrives): aborted at the deadline, a
+    // CommTimeout naming what did not complete.
+    let start = Instant::now();
+    let err = await_ready(
+        || Ok(Readiness::InProgress),
+        || aborted.set(true),
+        crate::comm::Deadline::after(Duration::from_millis(60)),
+        3,
+        || "world communicator, rank 3 of 4: ncclCommInitRankConfig".into(),
+    )
+    .unwrap_err();
+    let waited = start.elapsed();
+    assert!(aborted.get());
+    assert!(waited >= Duration::from_millis(60), "{waited:?}");
+    let Error::CommTimeout { peer, message } = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(*peer, 3);
+    assert!(
+        message.starts_with(
+            "world communicator, rank 3 of 4: ncclCommInitRankConfig did not complete within 0.1s"
+        ),
+        "{message}"
+    );
+
+    // An NCCL error while initialising: aborted, the error passed on.
+    aborted.set(false);
+    let err = await_ready(
+        || {
+            Err(Error::Comm {
+                peer: None,
+                message: "ncclSystemError".into(),
+            })
+        },
+        || aborted.set(true),
+        crate::comm::Deadline::after(Duration::from_secs(10)),
+        0,
+        || "init".into(),
+    )
+    .unwrap_err();
+    assert!(
+        aborted.get() && err.to_string().contains("ncclSystemError"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_bounded_init_without_a_gpu_fails_cleanly_and_quickly() {
+    let path = nccl_or_skip!();
+    let lib = Arc::new(NcclLibrary::open_path(&path).unwrap());
+    let Ok(id) = lib.unique_id() else {
+        eprintln!("skipped: ncclGetUniqueId is unavailable here");
+        return;
+    };
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        eprintln!("skipped: this machine has a GPU");
+        return;
+    }
+    let start = std::time::Instant::now();
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(20));
+    let err = NcclCommunicator::init_bounded(lib, &id, 0, 2, Group::World, deadline).unwrap_err();
+    let message = comm_message(err);
+    assert!(
+        message.contains("world communicator, rank 0 of 2"),
+        "{message}"
+    );
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(20),
+        "{message}"
+    );
+    eprintln!("bounded init without a GPU: {message}");
+}
