@@ -5,9 +5,9 @@
 //!   [`Recorder`] thread writes it to the job's board (the c10d store) at
 //!   most once per [`RECORD_PERIOD`], and only when it changed, so a rank
 //!   that stops moving has its last position in the store within about
-//!   half a second. When a collective times out, the rank writes its own position,
-//!   reads every rank's record and [`attribute`]s the hang: which ranks had
-//!   not reached the bucket and step it waits on (with their last record),
+//!   half a second. When a collective times out, the rank reads every
+//!   rank's record and [`attribute`]s the hang: which ranks had not reached
+//!   the bucket and step it waits on (with their last record), which had,
 //!   and which left no record. The hot path only
 //!   takes an uncontended lock per submitted and per finished collective.
 //! * **Step times.** A step starts when bucket 0 is submitted (DDP launches
@@ -223,7 +223,7 @@ impl Record {
             None => "no collective submitted yet".to_string(),
             Some(p) => format!("last submitted {p}, {} unfinished", self.in_flight),
         };
-        format!("{last}; recorded {age:.1}s before")
+        format!("{last}; recorded {age:.1}s before this error")
     }
 }
 
@@ -262,8 +262,8 @@ pub fn attribute(at: Position, records: &[Option<String>], now_unix_ms: u64) -> 
 }
 
 /// Appends the attribution of a timeout at `at` to `err` (other errors pass
-/// through). This rank's own record is written first; the others' are read
-/// from the board.
+/// through), from the others' records on the board and this rank's own
+/// position. Nothing is appended when the board answers nothing.
 pub fn attribute_timeout(
     err: Error,
     at: Position,
@@ -275,10 +275,15 @@ pub fn attribute_timeout(
     let Error::CommTimeout { peer, message } = err else {
         return err;
     };
-    board.record_progress(rank, &progress.record().encode());
-    let records = board.progress(size);
+    // Only read: a board that cannot be reached answers nothing at once,
+    // where a write could wait on it (this rank's own record is current
+    // anyway: it has not moved for the whole timeout).
+    let mut records = board.progress(size);
     if records.iter().all(Option::is_none) {
         return Error::CommTimeout { peer, message };
+    }
+    if let Some(mine) = records.get_mut(rank) {
+        *mine = Some(progress.record().encode());
     }
     let note = attribute(at, &records, unix_ms());
     Error::CommTimeout {
@@ -310,7 +315,11 @@ impl Recorder {
         let thread = std::thread::Builder::new()
             .name("tiacc-progress".into())
             .spawn(move || {
-                let mut last_write = Instant::now();
+                // The first change is written at once: a rank that stops
+                // soon after start still leaves a record of its first step.
+                let mut last_write = Instant::now()
+                    .checked_sub(RECORD_PERIOD)
+                    .unwrap_or_else(Instant::now);
                 let (flag, wake) = &*stop2;
                 let mut stopping = flag.lock().unwrap_or_else(PoisonError::into_inner);
                 while !*stopping {
@@ -491,7 +500,7 @@ mod tests {
         };
         let text = attribute(at, &[rec(4, 2), rec(3, 5), rec(4, 3), None], 12_500);
         assert!(
-            text.contains("had not reached bucket 2 of step 4: rank 1 (last submitted bucket 5 of step 3, 1 unfinished; recorded 2.5s before)"),
+            text.contains("had not reached bucket 2 of step 4: rank 1 (last submitted bucket 5 of step 3, 1 unfinished; recorded 2.5s before this error)"),
             "{text}"
         );
         assert!(text.contains("ranks 0, 2 had reached it"), "{text}");
@@ -545,8 +554,20 @@ mod tests {
             assert!(start.elapsed() < Duration::from_secs(5), "not recorded");
             std::thread::sleep(Duration::from_millis(20));
         }
-        // Not before a period has passed since the first write.
-        assert!(start.elapsed() >= RECORD_PERIOD - Duration::from_millis(300));
+        // The first change is written within a tick; the next ones at most
+        // once per period.
+        assert!(start.elapsed() < RECORD_PERIOD, "{:?}", start.elapsed());
+        let written = Instant::now();
+        p.submit(1);
+        while !board.progress(4)[3]
+            .as_deref()
+            .unwrap()
+            .starts_with("v1 1 1 2")
+        {
+            assert!(written.elapsed() < Duration::from_secs(5), "not recorded");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(written.elapsed() >= RECORD_PERIOD - Duration::from_millis(150));
         rec.stop();
         assert!(rec.is_stopped());
     }
