@@ -76,7 +76,10 @@ def test_a_stopped_rank_times_out_naming_it_and_where_everyone_was(tmp_path: Pat
     timeout = 4.0
     job = Job(
         3,
-        ["--modes", "tiacc", "--steps", "8", "--fault", "stop", "--fault-rank", "1"],
+        # Steps of 0.3 s, as in real training: the stopped rank's record
+        # (written at most every 0.5 s) then shows a step it finished.
+        ["--modes", "tiacc", "--steps", "8", "--fault", "stop", "--fault-rank", "1"]
+        + ["--step-sleep", "0.3"],
         tmp_path,
         env={"TIACC_TRAINING_TIMEOUT": str(timeout)},
     )
@@ -89,6 +92,8 @@ def test_a_stopped_rank_times_out_naming_it_and_where_everyone_was(tmp_path: Pat
         # Hang attribution: rank 1 never reached the bucket the others wait
         # in (steps count from 1, the fault is at the 4th).
         assert mentions(r.error, r"had not reached bucket \d+ of step 4: rank 1 \("), r.error
+        # Its record is up to 0.5 s old: one of the steps it finished.
+        assert mentions(r.error, r"rank 1 \(last submitted bucket \d+ of step [123], "), r.error
         assert mentions(r.error, r"ranks? [02](, [02])? had reached it"), r.error
     times = time_to_error("sigstop", ranks, fault_rank=1)
     assert all(0 <= t < timeout + SLACK for t in times), times
