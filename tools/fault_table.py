@@ -60,7 +60,8 @@ def table(outcomes: dict[str, str], times: dict[str, list[str]]) -> str:
     for case in list(FAULTS) + sorted(set(outcomes) - set(FAULTS)):
         if case not in outcomes and case not in times:
             continue
-        when = "; ".join(times.get(case, [])) or "no error (none expected)"
+        untimed = "at init, before the first step" if case.startswith("config_") else "none"
+        when = "; ".join(times.get(case, [])) or untimed
         rows.append(f"| {FAULTS.get(case, case)} | {outcomes.get(case, '')} | {when} |")
     return "\n".join(rows)
 
