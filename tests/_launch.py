@@ -106,6 +106,8 @@ def exit_failed(exc: BaseException, linger: float = 0.0) -> None:
     import traceback
 
     traceback.print_exc()
+    # When it failed (wall clock, comparable across the job's processes).
+    print(f"ERROR_AT {time.time():.3f}", flush=True)
     print(f"WORKER_ERROR {type(exc).__name__}: {exc}", flush=True)
     sys.stdout.flush()
     time.sleep(linger)

@@ -6,11 +6,17 @@ through the tiacc engine and saves the final parameters per rank. Mode
 ``dgc`` is the engine with Top-K's momentum correction for the optimiser's
 momentum (``topk_momentum=0.9``; Top-K itself comes from the environment).
 
-Fault injection (``--fault``): ``kill`` and ``stop`` make ``--fault-rank``
-SIGKILL or SIGSTOP itself at ``--fault-step``; ``layout`` makes that rank
-allreduce a shorter buffer than the others; ``token`` makes rank 0 knock on rank 1's engine port
-with a wrong job token before the engine connects; ``nan`` puts a NaN into
-that rank's input.
+Fault injection (``--fault``): ``kill`` makes ``--fault-rank`` SIGKILL
+itself just after handing bucket 0 of step ``--fault-step`` to the engine
+(in the middle of that allreduce); ``stop`` makes it SIGSTOP itself at the
+start of that step; ``layout`` makes that rank allreduce a shorter buffer
+than the others; ``strangers`` makes rank 0 knock on rank 1's engine port
+before the engine connects, three times: with a wrong job token, with
+random bytes, and with nothing (a silent connection); ``nan`` puts a NaN
+into that rank's input; ``slow`` makes that rank sleep ``--slow-seconds``
+in every forward. Both ranks print ``FAULT_AT`` / ``ERROR_AT`` wall-clock
+times (a killed rank just before it dies) so the tests measure the time to
+error, and ``STEP n`` as each step begins.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import random
 import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -45,18 +53,31 @@ def build_model(width: int = 96) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def knock_with_wrong_token(knocked: threading.Event) -> None:
-    """Rank 0 only: connect to rank 1's engine port with a bad hello."""
+# What each stranger sends to an engine port: a well-formed hello with the
+# wrong job token, random bytes, and nothing at all.
+STRANGERS = {
+    "token": b"TIACCv1\0" + b"\x00" * 16 + b"\x00" * 12,
+    "garbage": bytes(random.Random(5).getrandbits(8) for _ in range(64)),
+    "silent": b"",
+}
+
+
+def knock_as_strangers(knocked: threading.Event) -> None:
+    """Rank 0 only: connect to rank 1's engine port as each stranger in turn."""
     try:
         store = dist.distributed_c10d._get_default_store()
         key = "tiacc_training/engine1/addr/1"
         store.wait([key], datetime.timedelta(seconds=60))
         host, port = store.get(key).decode().rsplit(":", 1)
-        stranger = socket.create_connection((host, int(port)))
-        stranger.sendall(b"TIACCv1\0" + b"\x00" * 16 + b"\x00" * 12)
-        stranger.settimeout(30)
-        closed = stranger.recv(1) == b""
-        print(f"STRANGER_CLOSED={closed}", flush=True)
+        for name, payload in STRANGERS.items():
+            with socket.create_connection((host, int(port))) as stranger:
+                stranger.sendall(payload)
+                stranger.settimeout(60)
+                try:
+                    closed = stranger.recv(1) == b""
+                except ConnectionResetError:
+                    closed = True
+            print(f"STRANGER_CLOSED {name}={closed}", flush=True)
     finally:
         knocked.set()
 
@@ -85,28 +106,64 @@ def hold_rendezvous_until(knocked: threading.Event) -> None:
     _engines.connect_tcp = delayed
 
 
+class KillAfterSubmit:
+    """The engine, but the process SIGKILLs itself just after handing the
+    engine bucket 0 of step ``step`` (while that allreduce runs)."""
+
+    def __init__(self, engine: object, step: int) -> None:
+        self.engine = engine
+        self.step = step
+        self.seen = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+    def allreduce_async(self, *args: object) -> None:
+        self.engine.allreduce_async(*args)
+        bucket = args[4]
+        if bucket == 0:
+            self.seen += 1
+            if self.seen == self.step + 1:
+                print(f"FAULT_AT {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train(args: argparse.Namespace, mode: str) -> nn.Module:
     rank = dist.get_rank()
-    model = build_model()
+    model = build_model(args.width)
     bucket_cap_mb = args.bucket_cap_mb
-    if mode == "tiacc" and args.fault == "token" and rank == 0:
+    if mode == "tiacc" and args.fault == "strangers" and rank == 0:
         knocked = threading.Event()
         hold_rendezvous_until(knocked)
-        threading.Thread(target=knock_with_wrong_token, args=(knocked,), daemon=True).start()
+        threading.Thread(target=knock_as_strangers, args=(knocked,), daemon=True).start()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    if mode == "tiacc":
+        store = dist.distributed_c10d._get_default_store()
+        engine_addr = store.get(f"tiacc_training/engine1/addr/{rank}").decode()
+        print(f"PORTS {os.environ['MASTER_PORT']} {engine_addr.rsplit(':', 1)[1]}", flush=True)
+    if mode == "tiacc" and args.fault == "kill" and rank == args.fault_rank:
+        ddp._tiacc_hook_state.engine = KillAfterSubmit(  # type: ignore[attr-defined]
+            ddp._tiacc_hook_state.engine,
+            args.fault_step,  # type: ignore[attr-defined]
+        )
     if mode == "tiacc" and args.fault == "layout":
         # DDP syncs rank 0's bucket layout to every rank, so a diverging
         # layout is sent straight to the engine: one rank's "bucket" is
         # shorter than the others'.
         n = 1000 if rank == args.fault_rank else 1024
         grad = torch.ones(n)
+        print(f"FAULT_AT {time.time():.3f}", flush=True)
         tdist.get_engine().allreduce(grad.data_ptr(), n * 4, "float32", 0, True)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=MOMENTUM)
     gen = torch.Generator().manual_seed(100 + rank)
+    started = time.monotonic()
     # A learnable task: labels from a fixed random linear map of the input.
     teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
     batch = 64 if args.learnable else 16
     for step in range(args.steps):
+        if mode == "tiacc":
+            print(f"STEP {step}", flush=True)
+            time.sleep(args.step_sleep)
         x = torch.randn(batch, 32, generator=gen)
         if args.learnable:
             y = (x @ teacher).argmax(dim=1)
@@ -116,14 +173,16 @@ def train(args: argparse.Namespace, mode: str) -> nn.Module:
             if step == args.fault_step:
                 x[0, 0] = float("nan")
         if mode == "tiacc" and step == args.fault_step and rank == args.fault_rank:
-            if args.fault == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
             if args.fault == "stop":
+                print(f"FAULT_AT {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
+        if mode == "tiacc" and args.fault == "slow" and rank == args.fault_rank:
+            time.sleep(args.slow_seconds)
         loss = nn.functional.cross_entropy(ddp(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
+    print(f"TRAIN_SECONDS {mode} {time.monotonic() - started:.2f}", flush=True)
     if args.learnable:
         # Held-out loss of the final model: the same 4096 samples everywhere.
         held_out = torch.Generator().manual_seed(999)
@@ -156,8 +215,13 @@ def main() -> int:
     parser.add_argument("--bucket-cap-mb", type=float, default=0.02)
     parser.add_argument("--learnable", action="store_true")
     parser.add_argument(
-        "--fault", choices=["none", "kill", "stop", "layout", "token", "nan"], default="none"
+        "--fault",
+        choices=["none", "kill", "stop", "layout", "strangers", "nan", "slow"],
+        default="none",
     )
+    parser.add_argument("--slow-seconds", type=float, default=0.05)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--width", type=int, default=96)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=3)
     args = parser.parse_args()

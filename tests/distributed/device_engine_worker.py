@@ -81,7 +81,7 @@ def main() -> int:
                 world,
                 TorchKernels(torch.device("cpu")),
                 "tcp",
-                board=_rendezvous.FailureBoard(store, f"{prefix}/first_failure"),
+                board=_rendezvous.FailureBoard(store, prefix),
                 local_size=launch["local_size"],
                 intra_size=_rendezvous.node_intra_size(
                     config, launch, store, prefix, rank, world, measures=False

@@ -44,13 +44,17 @@ def test_exchange_times_out_when_a_rank_never_publishes() -> None:
 
 
 def test_the_failure_board_keeps_the_first_failure() -> None:
-    board = _rendezvous.FailureBoard(dist.HashStore(), "job/first_failure")
+    board = _rendezvous.FailureBoard(dist.HashStore(), "job")
     assert board.peek() is None
     assert board.publish("rank 1: bucket 3 holds a non-finite gradient") == (
         "rank 1: bucket 3 holds a non-finite gradient"
     )
     assert board.publish("rank 0: rank 1 closed the connection").startswith("rank 1: bucket 3")
     assert board.peek().startswith("rank 1: bucket 3")
+    # Progress records: absent until written, read without waiting.
+    assert board.records(2) == [None, None]
+    board.record(1, "v1 3 2 1 0")
+    assert board.records(2) == [None, "v1 3 2 1 0"]
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use tiacc_core::comm::auto;
 use tiacc_core::comm::engine::channel_of;
+use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
 use tiacc_core::comm::tcp::{self, GroupListeners, TOKEN_LEN};
 use tiacc_core::comm::{
     AlgoSettings, Collective, Completion, DType, Deadline, Engine, FailureBoard, Job, Layout,
@@ -86,8 +87,30 @@ pub fn node_layout(
     Ok((layout.intra_members(), layout.inter_members()))
 }
 
+/// The lines rank 0 logs about clearly slow ranks (empty: none), from every
+/// rank's `(rank, host, gpu or None, steps, compute seconds, communication
+/// seconds)`; see `tiacc_core::comm::progress::slow_ranks` for the rule.
+#[pyfunction]
+pub fn slow_ranks(samples: Vec<(usize, String, Option<String>, u64, f64, f64)>) -> Vec<String> {
+    let ranks: Vec<RankTimes> = samples
+        .into_iter()
+        .map(|(rank, host, gpu, steps, compute, comm)| RankTimes {
+            rank,
+            host,
+            gpu,
+            times: StepTimes {
+                steps,
+                compute,
+                comm,
+            },
+        })
+        .collect();
+    progress::slow_ranks(&ranks)
+}
+
 /// The job's failure board, a Python object with `publish(message) -> str |
-/// None` and `peek() -> str | None` (the c10d store underneath).
+/// None`, `peek() -> str | None`, `record(rank, text)` and `records(size) ->
+/// list[str | None]` (the c10d store underneath).
 pub(crate) struct PyBoard(Py<PyAny>);
 
 impl FailureBoard for PyBoard {
@@ -97,6 +120,27 @@ impl FailureBoard for PyBoard {
 
     fn peek(&self) -> Option<String> {
         self.call("peek", None)
+    }
+
+    fn record_progress(&self, rank: usize, record: &str) {
+        Python::try_attach(|py| {
+            if let Err(e) = self.0.call_method1(py, "record", (rank, record)) {
+                e.write_unraisable(py, None);
+            }
+        });
+    }
+
+    fn progress(&self, size: usize) -> Vec<Option<String>> {
+        Python::try_attach(|py| match self.0.call_method1(py, "records", (size,)) {
+            Ok(list) => list.extract::<Vec<Option<String>>>(py).ok(),
+            Err(e) => {
+                e.write_unraisable(py, None);
+                None
+            }
+        })
+        .flatten()
+        .filter(|v| v.len() == size)
+        .unwrap_or_else(|| vec![None; size])
     }
 }
 
@@ -547,6 +591,16 @@ impl CommEngine {
     /// Waits until every rank has entered the barrier.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         self.run_blocking(py, Collective::Barrier, 0, 0, None, 0)
+    }
+
+    /// `(steps, compute seconds, communication seconds)` since the last call
+    /// (see `tiacc_core::comm::progress`); call it just before a step's
+    /// first bucket. Zeros before `connect`.
+    fn step_times(&self) -> (u64, f64, f64) {
+        self.engine.as_ref().map_or((0, 0.0, 0.0), |e| {
+            let t = e.progress().take_times();
+            (t.steps, t.compute, t.comm)
+        })
     }
 
     /// Finishes queued collectives and stops the channel threads. Safe to

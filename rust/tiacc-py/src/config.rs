@@ -125,7 +125,20 @@ impl PyCommConfig {
         d.set_item("topk_warmup_steps", c.topk_warmup_steps)?;
         d.set_item("topk_clip_norm", c.topk_clip_norm)?;
         d.set_item("nccl_multi_rank_gpu", c.nccl_multi_rank_gpu)?;
+        d.set_item("perf_check_n_steps", c.perf_check_n_steps)?;
         Ok(d)
+    }
+
+    /// Steps between two slow-rank checks (0: off).
+    #[getter]
+    fn perf_check_n_steps(&self) -> u64 {
+        self.inner.perf_check_n_steps
+    }
+
+    /// The settings every rank must share, as text to exchange between
+    /// ranks (see `check_same_config`).
+    fn shared_fingerprint(&self) -> String {
+        self.inner.shared_fingerprint()
     }
 
     #[getter]
@@ -229,6 +242,14 @@ impl PyCommConfig {
     fn __repr__(&self) -> String {
         format!("CommConfig({:?})", self.inner)
     }
+}
+
+/// Raises `ConfigError` naming the first shared setting whose value differs
+/// between ranks (both values, and which ranks have which);
+/// `fingerprints[r]` is rank `r`'s `CommConfig.shared_fingerprint()`.
+#[pyfunction]
+pub fn check_same_config(rank: usize, fingerprints: Vec<String>) -> PyResult<()> {
+    config::check_same_on_every_rank(rank, &fingerprints).py()
 }
 
 /// The configuration from the environment, as a dict. Raises `ConfigError`

@@ -29,8 +29,9 @@ use tiacc_core::comm::dtype::shard_range;
 use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::host::Groups;
 use tiacc_core::comm::nccl::{
-    DevicePtr, Group, NcclCommunicator, NcclUniqueId, Pending, ReduceOp, Watchdog, Watched,
+    DevicePtr, Group, NcclCommunicator, NcclUniqueId, Pending, ReduceOp, Tracker, Watchdog, Watched,
 };
+use tiacc_core::comm::progress::{self, Position, Progress, Recorder};
 use tiacc_core::comm::sparse::TopKBlock;
 use tiacc_core::comm::transport::{Aborter, OpKind, OpTag, Transport};
 use tiacc_core::comm::{Algorithm, DType, Deadline, Failures};
@@ -89,6 +90,8 @@ struct Channel {
     algorithm: Algorithm,
     residuals: HashMap<u64, Slot>,
     seq: u64,
+    /// The bucket and step of the collective enqueued last (for `watch`).
+    last: Option<Position>,
 }
 
 /// Which collectives a [`DeviceEngine`] runs.
@@ -111,6 +114,10 @@ pub struct DeviceEngine {
     watched: Vec<Vec<Arc<NcclCommunicator>>>,
     watchdog: Option<Watchdog>,
     closed: bool,
+    /// Where this rank is in the job ([`progress`]).
+    progress: Arc<Progress>,
+    /// Writes `progress` to the board (when there is one).
+    recorder: Option<Recorder>,
 }
 
 fn dptr(addr: usize) -> DevicePtr {
@@ -196,16 +203,25 @@ impl DeviceEngine {
                 )))
             }
         };
+        let board = PyBoard::wrap(board);
+        let progress = Arc::new(Progress::new());
+        let recorder = board
+            .clone()
+            .map(|b| Recorder::start(progress.clone(), b, rank))
+            .transpose()
+            .py()?;
         Ok(DeviceEngine {
             info,
             kernels,
             transport,
             tcp,
-            failures: Arc::new(Failures::new(PyBoard::wrap(board))),
+            failures: Arc::new(Failures::new(board)),
             channels: Vec::new(),
             watched: Vec::new(),
             watchdog: None,
             closed: false,
+            progress,
+            recorder,
         })
     }
 
@@ -324,28 +340,39 @@ impl DeviceEngine {
             }
         };
         let (rank, size) = (self.info.rank, self.info.size);
+        // Each communicator's initialisation is bounded by the timeout.
+        let timeout = self.info.timeout;
         let groups = py
             .detach(move || -> tiacc_core::Result<Vec<NcclGroups>> {
                 let lib = load(search_dirs, library)?;
                 let mut out = Vec::with_capacity(world_ids.len());
                 for (c, id) in world_ids.iter().enumerate() {
-                    let world = NcclCommunicator::init(lib.clone(), id, rank, size, Group::World)?;
+                    let world = NcclCommunicator::init_bounded(
+                        lib.clone(),
+                        id,
+                        rank,
+                        size,
+                        Group::World,
+                        Deadline::after(timeout),
+                    )?;
                     let two_d = match &two_d_ids {
                         None => None,
                         Some((l, a, e)) => {
-                            let intra = NcclCommunicator::init(
+                            let intra = NcclCommunicator::init_bounded(
                                 lib.clone(),
                                 &a[c],
                                 l.local_rank(),
                                 l.intra_size,
                                 Group::Intra,
+                                Deadline::after(timeout),
                             )?;
-                            let inter = NcclCommunicator::init(
+                            let inter = NcclCommunicator::init_bounded(
                                 lib.clone(),
                                 &e[c],
                                 l.node(),
                                 l.nodes(),
                                 Group::Inter,
+                                Deadline::after(timeout),
                             )?;
                             Some((Arc::new(intra), Arc::new(inter)))
                         }
@@ -364,7 +391,13 @@ impl DeviceEngine {
             Box::new(move || comm.abort("aborted after a failure on this engine")) as Aborter
         });
         self.failures.add_aborters(aborters);
-        self.watchdog = Some(Watchdog::start(self.failures.clone(), WATCH_POLL).py()?);
+        let tracker = Tracker {
+            progress: self.progress.clone(),
+            rank: self.info.rank,
+            size: self.info.size,
+        };
+        self.watchdog =
+            Some(Watchdog::start_tracking(self.failures.clone(), WATCH_POLL, Some(tracker)).py()?);
         self.channels = groups
             .into_iter()
             .map(|g| self.channel(Comms::Nccl(g)))
@@ -440,6 +473,8 @@ impl DeviceEngine {
         let channel_index = self.channel_of(bucket);
         let mut channel = lock(py, &self.channels[channel_index]);
         channel.seq += 1;
+        let at = self.progress.submit(bucket);
+        channel.last = Some(at);
         let tag = OpTag {
             kind: OpKind::Allreduce,
             seq: channel.seq,
@@ -470,9 +505,24 @@ impl DeviceEngine {
         };
         let result = algorithm.allreduce(&mut backend, &tag, mem, dtype, average);
         drop(backend);
+        // TCP collectives are done here; NCCL ones when the watchdog sees
+        // them finish (unless enqueueing failed).
+        let tcp = matches!(comms, Comms::Tcp(_));
+        if tcp || result.is_err() {
+            self.progress.complete();
+        }
         match result {
             Ok(()) => Ok(()),
             Err(err) => {
+                let err = match self.failures.board() {
+                    Some(board) if tcp && self.failures.first().is_none() => {
+                        let (rank, size) = (self.info.rank, self.info.size);
+                        py.detach(|| {
+                            progress::attribute_timeout(err, at, &self.progress, board, rank, size)
+                        })
+                    }
+                    _ => err,
+                };
                 let err = self.failures.fail(err);
                 if let Comms::Tcp(groups) = comms {
                     groups.abort();
@@ -485,7 +535,7 @@ impl DeviceEngine {
     /// Hands the watchdog the completion test of the work just enqueued on
     /// `channel` (a CUDA event's `query`); it bounds the wait by the
     /// timeout. Nothing to do on TCP, whose calls return when done.
-    fn watch(&self, channel: usize, is_done: Py<PyAny>) -> PyResult<()> {
+    fn watch(&self, py: Python<'_>, channel: usize, is_done: Py<PyAny>) -> PyResult<()> {
         let (Some(dog), Some(comms)) = (&self.watchdog, self.watched.get(channel)) else {
             return Ok(());
         };
@@ -493,7 +543,12 @@ impl DeviceEngine {
             .iter()
             .map(|c| c.clone() as Arc<dyn Watched + Send + Sync>)
             .collect();
+        let at = self
+            .channels
+            .get(channel)
+            .and_then(|c| lock(py, c).last.take());
         dog.submit(Pending {
+            at,
             comms,
             is_done: Box::new(move || {
                 Python::attach(|py| is_done.call0(py)?.extract::<bool>(py)).map_err(|e| {
@@ -506,6 +561,14 @@ impl DeviceEngine {
             deadline: Deadline::after(self.info.timeout),
         });
         Ok(())
+    }
+
+    /// `(steps, compute seconds, communication seconds)` since the last call
+    /// (see `tiacc_core::comm::progress`); call it just before a step's
+    /// first bucket.
+    fn step_times(&self) -> (u64, f64, f64) {
+        let t = self.progress.take_times();
+        (t.steps, t.compute, t.comm)
     }
 
     /// Raises the engine's failure (a timeout, an NCCL error, a failure on
@@ -531,8 +594,10 @@ impl DeviceEngine {
     fn shutdown(&mut self, py: Python<'_>) {
         self.closed = true;
         let watchdog = self.watchdog.take();
+        let recorder = self.recorder.take();
         let comms: Vec<_> = self.watched.iter().flatten().cloned().collect();
         py.detach(move || {
+            drop(recorder);
             drop(watchdog);
             for comm in comms {
                 comm.abort("the tiacc engine was shut down");
@@ -552,6 +617,7 @@ impl DeviceEngine {
             algorithm: Algorithm::new(self.info.settings),
             residuals: HashMap::new(),
             seq: 0,
+            last: None,
         })
     }
 }

@@ -42,6 +42,8 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(comm::random_token, m)?)?;
     m.add_function(wrap_pyfunction!(comm::local_addr_towards, m)?)?;
     m.add_function(wrap_pyfunction!(comm::node_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(comm::slow_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(config::check_same_config, m)?)?;
     m.add_class::<comm::CommEngine>()?;
     m.add_class::<device::DeviceEngine>()?;
     m.add_class::<amp::AmpPolicy>()?;

@@ -85,7 +85,9 @@ pub fn nccl_unique_id<'py>(
 /// One NCCL communicator: one group (`world`, `intra`, `inter`) on one
 /// channel. Built on every rank from the same unique id; the constructor
 /// blocks (GIL released) until every rank has joined, on the calling
-/// thread's current CUDA device.
+/// thread's current CUDA device. With `timeout` (seconds), joining is
+/// bounded: NCCL's non-blocking initialisation, aborted at the deadline
+/// (`CommTimeoutError`).
 #[pyclass(module = "tiacc_training._engine", frozen)]
 pub struct NcclCommunicator {
     inner: Arc<CoreCommunicator>,
@@ -94,7 +96,8 @@ pub struct NcclCommunicator {
 #[pymethods]
 impl NcclCommunicator {
     #[new]
-    #[pyo3(signature = (unique_id, rank, size, search_dirs=Vec::new(), library=None, group="world"))]
+    #[pyo3(signature = (unique_id, rank, size, search_dirs=Vec::new(), library=None, group="world", timeout=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         unique_id: &[u8],
@@ -103,7 +106,9 @@ impl NcclCommunicator {
         search_dirs: Vec<String>,
         library: Option<String>,
         group: &str,
+        timeout: Option<f64>,
     ) -> PyResult<Self> {
+        let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
         let id = unique_id_from(unique_id)?;
         let group = Group::parse(group).py()?;
         if size == 0 || rank >= size {
@@ -114,7 +119,17 @@ impl NcclCommunicator {
         let inner = py
             .detach(|| {
                 let lib = load(search_dirs, library)?;
-                CoreCommunicator::init(lib, &id, rank, size, group)
+                match timeout {
+                    Some(t) => CoreCommunicator::init_bounded(
+                        lib,
+                        &id,
+                        rank,
+                        size,
+                        group,
+                        Deadline::after(t),
+                    ),
+                    None => CoreCommunicator::init(lib, &id, rank, size, group),
+                }
             })
             .py()?;
         Ok(NcclCommunicator {

@@ -49,6 +49,8 @@ from tiacc_training.errors import CommError, ConfigError
 from . import _config, _engines, _launch
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
+from ._perf import PerfCheck
+from ._rendezvous import check_same_config, default_store
 from ._state import logger, state
 
 __all__ = [
@@ -99,7 +101,9 @@ def init_tiacc_training(
 
     Safe to call more than once; later calls update the configuration used
     by DDP models built afterwards. Works whether or not the script already
-    called ``torch.distributed.init_process_group``.
+    called ``torch.distributed.init_process_group``. Collective: every rank
+    calls it the same number of times, and the ranks check that they share
+    the settings that must agree (channels, compression, algorithm, ...).
 
     Args:
         backend: process-group backend when this call creates the group
@@ -134,7 +138,9 @@ def init_tiacc_training(
 
     Raises:
         ConfigError: an environment variable or the launcher's variables
-            are invalid.
+            are invalid, or ranks run with different values of a setting
+            that must be the same everywhere (the message names the
+            variable, both values and the ranks).
         CommError: ``transport="nccl"`` but CUDA is not available, the NCCL
             library cannot be loaded, or ranks share GPUs that NCCL cannot
             share; or ``TIACC_TRAINING_NCCL_LIBRARY`` names a file that is
@@ -162,10 +168,19 @@ def init_tiacc_training(
         if launch is None:
             launch = _launch.launch_env() if not dist.is_initialized() else _user_launch()
         state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
-        state.config = config
         if not dist.is_initialized():
             launch = _launch.init_process_group(backend, config, launch)
         state.launch = launch
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world > 1:
+            # Every rank takes part in every call, so the rounds pair up.
+            state.config_round += 1
+            prefix = f"tiacc_training/config{state.config_round}"
+            check_same_config(config, default_store(), prefix, rank, world)
+        state.config = config
+        state.perf = None
+        if config.enabled and config.perf_check_n_steps > 0 and world > 1:
+            state.perf = PerfCheck(config.perf_check_n_steps, rank, world, config.timeout)
         local_rank = launch.get("local_rank")
         if torch.cuda.is_available() and local_rank is not None:
             torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -18,7 +18,14 @@ from ._cuda import HostStaging, NcclChannels
 from ._kernels import TorchKernels
 from ._launch import DEFAULT_MASTER_PORT
 from ._nccl import check_gpu_placement, nccl_search_dirs
-from ._rendezvous import FailureBoard, connect_tcp, default_store, nccl_ids, node_intra_size
+from ._rendezvous import (
+    FailureBoard,
+    board_store,
+    connect_tcp,
+    default_store,
+    nccl_ids,
+    node_intra_size,
+)
 from ._state import logger, state
 
 
@@ -43,7 +50,7 @@ def world_engine(config: Any) -> Any:
         rank,
         world,
         advertised_host(config),
-        board=FailureBoard(store, f"{prefix}/first_failure"),
+        board=FailureBoard(*_board_args(store, prefix)),
         local_size=launch.get("local_size"),
         intra_size=node_intra_size(config, launch, store, prefix, rank, world, measures=True),
     )
@@ -98,7 +105,7 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
         world,
         TorchKernels(device),
         "nccl",
-        board=FailureBoard(store, f"{prefix}/first_failure"),
+        board=FailureBoard(*_board_args(store, prefix)),
         local_size=launch.get("local_size"),
         intra_size=node_intra_size(config, launch, store, prefix, rank, world, measures=False),
     )
@@ -111,6 +118,12 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
     with torch.cuda.device(device):
         engine.connect_nccl(*ids, search_dirs=dirs, library=config.nccl_library)
     return engine
+
+
+def _board_args(store: Any, prefix: str) -> tuple[Any, str, Any]:
+    """A failure board's store client, key prefix and store address."""
+    client, address = board_store(store)
+    return client, prefix, address
 
 
 def advertised_host(config: Any) -> str:

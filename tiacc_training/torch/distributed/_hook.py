@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from . import _state
 from ._cuda import unwrap
 from ._engines import cuda_path, world_engine
 from ._state import logger, state
@@ -96,6 +97,10 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
     buf = bucket.buffer()
     if buf.dtype not in _SUPPORTED_DTYPES or not buf.is_contiguous():
         return default_hooks.allreduce_hook(state.process_group, bucket)
+    perf = _state.state.perf
+    if perf is not None and bucket.index() == 0:
+        engine = state.engine if state.cuda is None else state.cuda.engine
+        perf.before_step(engine, buf.device)
     if buf.device.type == "cuda" and state.cuda is not None:
         return state.cuda.allreduce(buf, bucket.index())
     if buf.device.type != "cpu" or state.engine is None:

@@ -45,32 +45,139 @@ def exchange(
     return [store.get(k).decode() for k in keys]
 
 
+def check_same_config(config: Any, store: Any, prefix: str, rank: int, world: int) -> None:
+    """Raises ``ConfigError`` on every rank when ranks run with different settings.
+
+    Every rank publishes the settings all ranks must share
+    (``CommConfig.shared_fingerprint``) and compares them with the others'.
+
+    Args:
+        config: this rank's effective configuration.
+        store: the c10d store shared by the ranks.
+        prefix: key prefix of this check.
+        rank: this rank.
+        world: number of ranks.
+
+    Raises:
+        ConfigError: a setting differs; names the variable, the values and
+            which ranks have which.
+    """
+    mine = config.shared_fingerprint()
+    fingerprints = exchange(store, prefix, rank, world, mine, config.timeout)
+    _engine.check_same_config(rank, fingerprints)
+
+
+# Seconds the failure board waits to learn whether the store can be reached:
+# the board is used on the way to an error, which must come within the
+# collective timeout plus a few seconds even when the store is out of reach
+# (a link that went down). A store operation itself cannot be bounded (the
+# client waits for its reply as long as TCP keeps the connection, and some
+# operations hold the GIL meanwhile), so the board first checks that the
+# store's port answers a new connection within this time.
+BOARD_TIMEOUT = 2.0
+
+
+def board_store(store: Any) -> tuple[Any, tuple[str, int] | None]:
+    """A client of the job's store of its own, and the store's address.
+
+    The board's operations then never queue behind the default store's;
+    where the store is not a ``TCPStore`` (a test's ``HashStore``), the
+    store itself and no address.
+    """
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    host, port = getattr(base, "host", None), getattr(base, "port", None)
+    if host is None or port is None:
+        return store, None
+    try:
+        client = dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=BOARD_TIMEOUT),
+            wait_for_workers=False,
+        )
+    except Exception:  # cannot open another connection: share the default one
+        client = store
+    return client, (host, int(port))
+
+
 class FailureBoard:
-    """The job's first failure, kept under one store key.
+    """The job's first failure and every rank's progress record, in the store.
 
     The engine publishes a failure before peers can notice it, and reads the
     board while a collective waits unusually long, so every rank names the
     root cause (the rank that saw a NaN, or died) rather than its symptom.
+    Each rank's engine also keeps its position (bucket and step) here, at a
+    low rate, so a timeout can say which ranks had not reached the bucket.
+
+    Reads and publishing first check that the store answers (see
+    ``BOARD_TIMEOUT``); once that or an operation fails (the store is gone
+    with rank 0, or out of reach) the board answers ``None`` at once from
+    then on, so a failing rank is never held up by it for long.
+
+    Args:
+        store: the store (``board_store``'s client).
+        prefix: the engine's key prefix.
+        address: the store's ``(host, port)``, to check it answers; ``None``
+            skips the check (an in-process store).
     """
 
-    def __init__(self, store: Any, key: str) -> None:
+    def __init__(self, store: Any, prefix: str, address: tuple[str, int] | None = None) -> None:
         self.store = store
-        self.key = key
+        self.key = f"{prefix}/first_failure"
+        self.progress_prefix = f"{prefix}/progress"
+        self.address = address
+        self.unreachable = False
 
     def publish(self, message: str) -> str | None:
         """Publishes ``message`` unless a failure is there; returns the first."""
-        return self._compare_set(message)
+        return self._compare_set(message) if self._answers() else None
 
     def peek(self) -> str | None:
         """The first failure published, or ``None``."""
-        return self._compare_set("") or None
+        return (self._compare_set("") or None) if self._answers() else None
+
+    def record(self, rank: int, text: str) -> None:
+        """Keeps ``text`` as rank ``rank``'s progress record."""
+        self._guarded(lambda: self.store.set(f"{self.progress_prefix}/{rank}", text))
+
+    def records(self, size: int) -> list[str | None]:
+        """The progress record of every rank (``None`` where absent), without waiting."""
+
+        def read(rank: int) -> str | None:
+            key = f"{self.progress_prefix}/{rank}"
+            return self.store.get(key).decode() if self.store.check([key]) else None
+
+        if not self._answers():
+            return [None] * size
+        return [self._guarded(lambda r=rank: read(r)) for rank in range(size)]
+
+    def _answers(self) -> bool:
+        """Whether the store's port takes a connection within ``BOARD_TIMEOUT``."""
+        if self.unreachable or self.address is None:
+            return not self.unreachable
+        try:
+            socket.create_connection(self.address, timeout=BOARD_TIMEOUT).close()
+        except OSError:
+            self.unreachable = True
+        return not self.unreachable
 
     def _compare_set(self, desired: str) -> str | None:
-        try:
-            first = self.store.compare_set(self.key, "", desired)
-        except Exception:  # the store itself may be gone with rank 0
+        first = self._guarded(lambda: self.store.compare_set(self.key, "", desired))
+        if first is None:
             return None
         return first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+
+    def _guarded(self, operation: Any) -> Any:
+        if self.unreachable:
+            return None
+        try:
+            return operation()
+        except Exception:  # the store may be gone with rank 0, or out of reach
+            self.unreachable = True
+            return None
 
 
 def node_intra_size(

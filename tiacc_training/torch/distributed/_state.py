@@ -31,6 +31,10 @@ class State:
     # Counters that keep store keys of successive rendezvous apart.
     generation: int = 0
     placement_round: int = 0
+    # The slow-rank check (``_perf.PerfCheck``), when it is on.
+    perf: Any = None
+    # Counts start-up configuration checks (keeps their store keys apart).
+    config_round: int = 0
     patched: bool = False
     logged: bool = False
 

@@ -20,6 +20,7 @@ use super::algo::{AlgoSettings, Algorithm};
 use super::dtype::DType;
 use super::failure::{FailureBoard, Failures};
 use super::host::{Groups, HostBackend};
+use super::progress::{self, Position, Progress, Recorder};
 use super::transport::{Deadline, OpKind, OpTag, Transport};
 use super::turns::LinkTurns;
 use crate::error::{Error, Result};
@@ -91,8 +92,8 @@ pub struct Job {
 }
 
 struct Channel {
-    /// Jobs with their submission number.
-    queue: Option<mpsc::Sender<(u64, Job)>>,
+    /// Jobs with their submission number and position.
+    queue: Option<mpsc::Sender<(u64, Position, Job)>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -108,6 +109,10 @@ pub struct Engine {
     /// The process that started the channel threads: a forked child (a
     /// DataLoader worker) has a copy of this struct but not the threads.
     owner_pid: u32,
+    /// Where this rank is in the job ([`super::progress`]).
+    progress: Arc<Progress>,
+    /// Writes `progress` to the board (when there is one).
+    recorder: Option<Recorder>,
 }
 
 impl Engine {
@@ -141,23 +146,29 @@ impl Engine {
             ));
         };
         let (rank, size) = (first.world.rank(), first.world.size());
-        let failures = Arc::new(Failures::new(board));
+        let failures = Arc::new(Failures::new(board.clone()));
         failures.add_aborters(channels_spec.iter().flat_map(|(g, _)| g.aborters()));
+        let progress = Arc::new(Progress::new());
+        let recorder = board
+            .clone()
+            .map(|b| Recorder::start(progress.clone(), b, rank))
+            .transpose()?;
         let turns = (link_turns && channels_spec.len() > 1).then(LinkTurns::new);
         if let Some(t) = &turns {
             failures.add_aborters([t.aborter()]);
         }
         let mut channels = Vec::with_capacity(channels_spec.len());
         for (index, (groups, settings)) in channels_spec.into_iter().enumerate() {
-            let (tx, rx) = mpsc::channel::<(u64, Job)>();
+            let (tx, rx) = mpsc::channel::<(u64, Position, Job)>();
             let failures = Arc::clone(&failures);
+            let progress = Arc::clone(&progress);
             let turns = turns.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("tiacc-comm-{index}"))
                 .spawn(move || {
                     let backend = HostBackend::new(groups, Deadline::after(timeout));
                     let algorithm = Algorithm::new(settings);
-                    channel_loop(backend, algorithm, rx, timeout, &failures, turns)
+                    channel_loop(backend, algorithm, rx, timeout, &failures, turns, &progress)
                 })
                 .map_err(|e| Error::Comm {
                     peer: None,
@@ -175,6 +186,8 @@ impl Engine {
             channels,
             submitted: Mutex::new(0),
             owner_pid: std::process::id(),
+            progress,
+            recorder,
         })
     }
 
@@ -192,6 +205,11 @@ impl Engine {
 
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Where this rank is in the job, and its step times.
+    pub fn progress(&self) -> &Arc<Progress> {
+        &self.progress
     }
 
     /// The channel a bucket runs on.
@@ -221,7 +239,13 @@ impl Engine {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let rejected = match queue {
-            Some(q) => q.send((*submitted, job)).err().map(|e| e.0 .1),
+            Some(q) => {
+                let at = self.progress.submit(job.bucket);
+                q.send((*submitted, at, job)).err().map(|e| {
+                    self.progress.complete();
+                    e.0 .2
+                })
+            }
             None => Some(job),
         };
         if rejected.is_none() {
@@ -268,6 +292,7 @@ impl Engine {
             channel.queue = None;
         }
         if std::process::id() != self.owner_pid {
+            std::mem::forget(self.recorder.take());
             // The threads live in the parent; there is nothing to join here.
             for channel in &mut self.channels {
                 std::mem::forget(channel.thread.take());
@@ -279,6 +304,7 @@ impl Engine {
                 let _ = thread.join();
             }
         }
+        self.recorder = None;
     }
 }
 
@@ -291,12 +317,14 @@ impl Drop for Engine {
 fn channel_loop(
     mut backend: HostBackend,
     mut algorithm: Algorithm,
-    jobs: mpsc::Receiver<(u64, Job)>,
+    jobs: mpsc::Receiver<(u64, Position, Job)>,
     timeout: Duration,
     failures: &Failures,
     turns: Option<Arc<LinkTurns>>,
+    progress: &Progress,
 ) {
-    for (seq, (number, mut job)) in (1u64..).zip(jobs) {
+    let (rank, size) = (backend.groups.world.rank(), backend.groups.world.size());
+    for (seq, (number, at, mut job)) in (1u64..).zip(jobs) {
         let deadline = Deadline::after(timeout);
         // Every job takes part in the turns, even one that fails before
         // reaching the link: dropping its turn passes it on.
@@ -351,7 +379,16 @@ fn channel_loop(
             }
         };
         drop(turn);
+        progress.complete();
         let result = result.map_err(|err| {
+            // A timeout says where every rank was (unless another rank's
+            // failure came first: then that one is the cause).
+            let err = match failures.board() {
+                Some(board) if failures.first().is_none() => {
+                    progress::attribute_timeout(err, at, progress, board, rank, size)
+                }
+                _ => err,
+            };
             let err = failures.fail(err);
             backend.groups.abort();
             err

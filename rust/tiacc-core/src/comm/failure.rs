@@ -4,7 +4,9 @@
 //! 1. The failure is published on the job's [`FailureBoard`] unless
 //!    another rank's came first; the first one published is appended to
 //!    this rank's error, so ranks that only saw a neighbour hang up still
-//!    name the root cause.
+//!    name the root cause. When the root cause is a timeout, such a
+//!    symptom is raised as a timeout too (naming the rank the first one
+//!    waited for), so every rank reports the same kind of failure.
 //! 2. The first failure on this engine is the one every later error
 //!    reports: a channel aborted because a sibling failed reports the
 //!    sibling's error, not its own "connection aborted" symptom.
@@ -24,6 +26,14 @@ pub trait FailureBoard: Send + Sync {
     fn publish(&self, message: &str) -> Option<String>;
     /// The first failure published so far, if any.
     fn peek(&self) -> Option<String>;
+    /// Keeps `record` as rank `rank`'s progress record
+    /// ([`super::progress`]); boards without one ignore it.
+    fn record_progress(&self, _rank: usize, _record: &str) {}
+    /// The progress records of ranks `0 .. size` (`None` where a rank has
+    /// none, or the board cannot be read), without waiting.
+    fn progress(&self, size: usize) -> Vec<Option<String>> {
+        vec![None; size]
+    }
 }
 
 /// The failure state of one engine.
@@ -84,9 +94,15 @@ impl Failures {
             .and_then(copy_comm_error)
     }
 
+    /// The job's board, when there is one.
+    pub fn board(&self) -> Option<&dyn FailureBoard> {
+        self.board.as_deref()
+    }
+
     /// A failure another rank published, if any.
     pub fn published(&self) -> Option<String> {
-        self.board.as_ref()?.peek().filter(|m| !m.is_empty())
+        let first = self.board.as_ref()?.peek()?;
+        Some(decode(&first).1.to_string()).filter(|m| !m.is_empty())
     }
 
     /// Appends the first failure reported by any rank, when it is not this one.
@@ -94,17 +110,24 @@ impl Failures {
         let Some(board) = &self.board else {
             return err;
         };
-        let Some(first) = board.publish(&err.to_string()) else {
+        let Some(first) = board.publish(&encode(&err)) else {
             return err;
         };
-        if first.is_empty() || first == err.to_string() || err.to_string().contains(&first) {
+        let (timed_out, first) = decode(&first);
+        if first.is_empty() || first == err.to_string() || err.to_string().contains(first) {
             return err;
         }
         let note = format!(" [first failure reported in this job: {first}]");
         match err {
-            Error::Comm { peer, message } => Error::Comm {
-                peer,
-                message: message + &note,
+            Error::Comm { peer, message } => match timed_out {
+                Some(waited_for) => Error::CommTimeout {
+                    peer: waited_for,
+                    message: message + &note,
+                },
+                None => Error::Comm {
+                    peer,
+                    message: message + &note,
+                },
             },
             Error::CommTimeout { peer, message } => Error::CommTimeout {
                 peer,
@@ -112,6 +135,32 @@ impl Failures {
             },
             other => other,
         }
+    }
+}
+
+/// Marks a timeout on the board: `TIMEOUT_MARK`, the rank waited for,
+/// `TIMEOUT_MARK`, then the message.
+const TIMEOUT_MARK: char = '\u{1}';
+
+/// The board's text for `err`.
+fn encode(err: &Error) -> String {
+    match err {
+        Error::CommTimeout { peer, message } => {
+            format!("{TIMEOUT_MARK}{peer}{TIMEOUT_MARK}{message}")
+        }
+        other => other.to_string(),
+    }
+}
+
+/// A board text's message, and the rank waited for when it is a timeout.
+fn decode(text: &str) -> (Option<usize>, &str) {
+    let parsed = text.strip_prefix(TIMEOUT_MARK).and_then(|rest| {
+        let (peer, message) = rest.split_once(TIMEOUT_MARK)?;
+        Some((peer.parse().ok()?, message))
+    });
+    match parsed {
+        Some((peer, message)) => (Some(peer), message),
+        None => (None, text),
     }
 }
 
@@ -181,6 +230,32 @@ mod tests {
         assert_eq!(later.to_string(), text);
         assert_eq!(failures.first().unwrap().to_string(), text);
         assert_eq!(aborted.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_neighbour_s_symptom_of_a_timeout_is_raised_as_a_timeout() {
+        let board = Arc::new(Board(Mutex::new(String::new())));
+        let first = Failures::new(Some(board.clone()));
+        let err = first.fail(Error::CommTimeout {
+            peer: 1,
+            message: "rank 2: timed out waiting for rank 1".into(),
+        });
+        assert_eq!(err.to_string(), "rank 2: timed out waiting for rank 1");
+        let other = Failures::new(Some(board));
+        assert_eq!(
+            other.published().as_deref(),
+            Some("rank 2: timed out waiting for rank 1")
+        );
+        let err = other.fail(comm("rank 0: rank 2 closed its connection"));
+        let Error::CommTimeout { peer, message } = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(*peer, 1);
+        assert_eq!(
+            message,
+            "rank 0: rank 2 closed its connection [first failure reported in this job: rank 2: \
+             timed out waiting for rank 1]"
+        );
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod engine;
 pub mod failure;
 pub mod host;
 pub mod nccl;
+pub mod progress;
 pub mod shm;
 pub mod sparse;
 pub mod tcp;

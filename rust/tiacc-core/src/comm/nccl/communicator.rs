@@ -99,6 +99,58 @@ pub struct NcclCommunicator {
     inflight: AtomicUsize,
     /// Why the communicator was closed, for later calls' errors.
     reason: Mutex<Option<String>>,
+    /// Made in NCCL's non-blocking mode: calls may return `ncclInProgress`,
+    /// and are then waited for (up to `wait`) before the next one.
+    non_blocking: bool,
+    wait: Duration,
+}
+
+/// What a poll of a non-blocking communicator found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    /// `ncclSuccess`: the operation completed.
+    Ready,
+    /// `ncclInProgress`: not yet.
+    InProgress,
+}
+
+/// How often a non-blocking initialisation (or call) is polled.
+const READY_POLL: Duration = Duration::from_millis(2);
+
+/// Waits until `poll` says ready, fails with its error, or `deadline`
+/// passes: then `abort` runs and the error is a `CommTimeout` with `what`
+/// (as a test-visible function, so the deadline logic runs without a GPU).
+pub fn await_ready(
+    mut poll: impl FnMut() -> Result<Readiness>,
+    abort: impl FnOnce(),
+    deadline: Deadline,
+    rank: usize,
+    what: impl FnOnce() -> String,
+) -> Result<()> {
+    loop {
+        match poll() {
+            Ok(Readiness::Ready) => return Ok(()),
+            Ok(Readiness::InProgress) => {}
+            Err(err) => {
+                abort();
+                return Err(err);
+            }
+        }
+        let left = deadline.remaining();
+        if left.is_zero() {
+            abort();
+            return Err(Error::CommTimeout {
+                peer: rank,
+                message: format!(
+                    "{} did not complete within {:.1}s (a rank never joined, or the network \
+                     between ranks is down); it was aborted",
+                    what(),
+                    deadline.timeout.as_secs_f64()
+                ),
+            });
+        }
+        std::thread::sleep(READY_POLL.min(left));
+    }
 }
 
 // SAFETY: `comm` is an opaque handle owned by this value. NCCL allows a
@@ -125,6 +177,94 @@ impl fmt::Debug for NcclCommunicator {
 const ABORT_GRACE: Duration = Duration::from_millis(200);
 
 impl NcclCommunicator {
+    /// Joins the communicator `id` as `rank` of `size`, bounded by
+    /// `deadline`: `ncclCommInitRankConfig` in non-blocking mode, polled
+    /// with `ncclCommGetAsyncError` until it completes, fails, or the
+    /// deadline passes (then `ncclCommAbort` ends it and the error is a
+    /// `CommTimeout`). NCCL before 2.14 has no non-blocking mode: there it
+    /// is [`NcclCommunicator::init`], bounded only by NCCL itself. The
+    /// calling thread's current CUDA device is the communicator's device.
+    pub fn init_bounded(
+        lib: Arc<NcclLibrary>,
+        id: &NcclUniqueId,
+        rank: usize,
+        size: usize,
+        group: Group,
+        deadline: Deadline,
+    ) -> Result<Self> {
+        let Some(init_config) = lib.fns().comm_init_rank_config else {
+            return Self::init(lib, id, rank, size, group);
+        };
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} is not a rank of a group of {size}"
+            )));
+        }
+        let (nranks, me) = (to_c_int(size, "size")?, to_c_int(rank, "rank")?);
+        let mut comm: NcclComm = std::ptr::null_mut();
+        let mut config = ffi::NcclConfig::non_blocking();
+        // SAFETY: `comm` and `config` are valid pointers for the call (NCCL
+        // copies the config), the id is passed by value as declared, and
+        // rank/size were checked above.
+        let result = unsafe { init_config(&mut comm, nranks, *id, me, &mut config) };
+        let place = format!("{group} communicator, rank {rank} of {size}");
+        if (result != ffi::NCCL_SUCCESS && result != ffi::NCCL_IN_PROGRESS) || comm.is_null() {
+            let err = lib
+                .check(result, "ncclCommInitRankConfig")
+                .err()
+                .unwrap_or_else(|| {
+                    comm_error("ncclCommInitRankConfig returned no communicator".into())
+                });
+            if !comm.is_null() {
+                // SAFETY: the handle NCCL returned, aborted once, never used again.
+                let _ = unsafe { (lib.fns().comm_abort)(comm) };
+            }
+            return Err(comm_error(format!("{place}: {err}")));
+        }
+        let built = NcclCommunicator {
+            lib,
+            comm,
+            rank,
+            size,
+            group,
+            issue: Mutex::new(()),
+            closed: AtomicBool::new(false),
+            inflight: AtomicUsize::new(0),
+            reason: Mutex::new(None),
+            non_blocking: true,
+            wait: deadline.timeout,
+        };
+        await_ready(
+            || built.readiness("ncclCommInitRankConfig"),
+            || built.abort("its initialisation did not complete"),
+            deadline,
+            rank,
+            || format!("{place}: ncclCommInitRankConfig"),
+        )?;
+        Ok(built)
+    }
+
+    /// Polls `ncclCommGetAsyncError` once, without the `issue` lock (used
+    /// while initialising, and inside [`NcclCommunicator::call`]).
+    fn readiness(&self, what: &str) -> Result<Readiness> {
+        let mut state: NcclResult = ffi::NCCL_SUCCESS;
+        // SAFETY: `comm` is live (it is only freed by abort/destroy, which
+        // the caller has not run) and `state` is a valid out-pointer.
+        let result = unsafe { (self.lib.fns().comm_get_async_error)(self.comm, &mut state) };
+        self.lib
+            .check_comm(result, "ncclCommGetAsyncError", self.comm)?;
+        match state {
+            ffi::NCCL_SUCCESS => Ok(Readiness::Ready),
+            ffi::NCCL_IN_PROGRESS => Ok(Readiness::InProgress),
+            _ => Err(self
+                .lib
+                .check_comm(state, what, self.comm)
+                .err()
+                .map(|e| self.locate(e))
+                .unwrap_or_else(|| comm_error(format!("{what} failed")))),
+        }
+    }
+
     /// `ncclCommInitRank`: joins the communicator `id` as `rank` of `size`.
     /// Blocks until every rank has joined; the calling thread's current
     /// CUDA device is the communicator's device.
@@ -165,6 +305,8 @@ impl NcclCommunicator {
             closed: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
             reason: Mutex::new(None),
+            non_blocking: false,
+            wait: Duration::ZERO,
         })
     }
 
@@ -201,7 +343,24 @@ impl NcclCommunicator {
             return Err(self.closed_error(what));
         }
         let result = call(self.comm);
-        let outcome = self.lib.check_comm(result, what, self.comm);
+        let outcome = if self.non_blocking && result == ffi::NCCL_IN_PROGRESS {
+            // Non-blocking mode: the call goes on in NCCL's own thread
+            // (setting up connections, say); it must finish before the next.
+            await_ready(
+                || self.readiness(what),
+                || {},
+                Deadline::after(self.wait),
+                self.rank,
+                || {
+                    format!(
+                        "{} communicator, rank {} of {}: {what}",
+                        self.group, self.rank, self.size
+                    )
+                },
+            )
+        } else {
+            self.lib.check_comm(result, what, self.comm)
+        };
         self.inflight.fetch_sub(1, Ordering::SeqCst);
         outcome.map_err(|e| self.locate(e))
     }

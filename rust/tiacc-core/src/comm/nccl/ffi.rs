@@ -54,6 +54,48 @@ impl std::fmt::Debug for NcclUniqueId {
     }
 }
 
+/// `NCCL_CONFIG_UNDEF_INT`: "leave this field at NCCL's default".
+pub const CONFIG_UNDEF_INT: c_int = c_int::MIN;
+/// The `magic` that `NCCL_CONFIG_INITIALIZER` writes.
+pub const CONFIG_MAGIC: u32 = 0xcafe_beef;
+/// The config version we fill in: NCCL 2.14.0, the first with
+/// `ncclCommInitRankConfig`, whose `ncclConfig_t` is exactly [`NcclConfig`].
+pub const CONFIG_VERSION: u32 = 21_400;
+
+/// The leading fields of `ncclConfig_t`, as NCCL 2.14 defined the whole
+/// struct. Later releases append fields; NCCL reads only the `size` bytes a
+/// caller declares and keeps its defaults for the rest.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct NcclConfig {
+    pub size: usize,
+    pub magic: u32,
+    pub version: u32,
+    pub blocking: c_int,
+    pub cga_cluster_size: c_int,
+    pub min_ctas: c_int,
+    pub max_ctas: c_int,
+    pub net_name: *const c_char,
+}
+
+impl NcclConfig {
+    /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: initialisation and
+    /// later calls return at once (`ncclInProgress`) and their completion is
+    /// polled with `ncclCommGetAsyncError`.
+    pub fn non_blocking() -> Self {
+        NcclConfig {
+            size: std::mem::size_of::<NcclConfig>(),
+            magic: CONFIG_MAGIC,
+            version: CONFIG_VERSION,
+            blocking: 0,
+            cga_cluster_size: CONFIG_UNDEF_INT,
+            min_ctas: CONFIG_UNDEF_INT,
+            max_ctas: CONFIG_UNDEF_INT,
+            net_name: std::ptr::null(),
+        }
+    }
+}
+
 /// `ncclDataType_t` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
@@ -101,6 +143,14 @@ pub type CommInitRankFn = unsafe extern "C" fn(
     nranks: c_int,
     id: NcclUniqueId,
     rank: c_int,
+) -> NcclResult;
+/// `ncclCommInitRankConfig` (NCCL 2.14 and later).
+pub type CommInitRankConfigFn = unsafe extern "C" fn(
+    comm: *mut NcclComm,
+    nranks: c_int,
+    id: NcclUniqueId,
+    rank: c_int,
+    config: *mut NcclConfig,
 ) -> NcclResult;
 pub type CommFn = unsafe extern "C" fn(comm: NcclComm) -> NcclResult;
 pub type CommGetAsyncErrorFn =
@@ -172,6 +222,8 @@ pub struct Functions {
     pub group_start: GroupFn,
     pub group_end: GroupFn,
     pub get_error_string: GetErrorStringFn,
+    /// `ncclCommInitRankConfig` (NCCL 2.14 and later), when present.
+    pub comm_init_rank_config: Option<CommInitRankConfigFn>,
     /// `ncclGetLastError` (NCCL 2.13 and later), when present.
     pub get_last_error: Option<GetLastErrorFn>,
 }
@@ -192,6 +244,18 @@ pub fn decode_version(code: c_int) -> (u32, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_config_is_nccl_2_14_s_layout_with_blocking_off() {
+        let c = NcclConfig::non_blocking();
+        // size_t, two unsigned ints, four ints, one pointer (x86-64/aarch64).
+        assert_eq!(c.size, 8 + 4 + 4 + 4 * 4 + 8);
+        assert_eq!(std::mem::offset_of!(NcclConfig, blocking), 16);
+        assert_eq!(std::mem::offset_of!(NcclConfig, net_name), 32);
+        assert_eq!((c.magic, c.version, c.blocking), (0xcafebeef, 21400, 0));
+        assert_eq!(c.min_ctas, i32::MIN);
+        assert!(c.net_name.is_null());
+    }
 
     #[test]
     fn versions_decode_in_both_encodings() {

@@ -168,6 +168,12 @@ impl NcclLibrary {
             group_start: resolve!("ncclGroupStart", ffi::GroupFn),
             group_end: resolve!("ncclGroupEnd", ffi::GroupFn),
             get_error_string: resolve!("ncclGetErrorString", ffi::GetErrorStringFn),
+            // SAFETY: as in `resolve!`; this one is optional (NCCL >= 2.14).
+            comm_init_rank_config: unsafe {
+                library.get::<ffi::CommInitRankConfigFn>(b"ncclCommInitRankConfig\0")
+            }
+            .ok()
+            .map(|s| *s),
             // SAFETY: as in `resolve!`; this one is optional (NCCL >= 2.13).
             get_last_error: unsafe { library.get::<ffi::GetLastErrorFn>(b"ncclGetLastError\0") }
                 .ok()

@@ -20,7 +20,7 @@ pub mod watchdog;
 pub use communicator::{watch, DevicePtr, Group, NcclCommunicator, ReduceOp, Watched};
 pub use ffi::{NcclUniqueId, UNIQUE_ID_BYTES};
 pub use library::{NcclLibrary, NcclSearch, LIBRARY_NAME, MIN_VERSION};
-pub use watchdog::{Pending, Watchdog};
+pub use watchdog::{Pending, Tracker, Watchdog};
 
 #[cfg(test)]
 mod tests;

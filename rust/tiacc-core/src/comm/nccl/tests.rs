@@ -381,12 +381,14 @@ fn the_watchdog_thread_records_the_first_failure_and_aborts_the_engine() {
         comms: vec![comm.clone()],
         is_done: Box::new(move || Ok(flag.load(Ordering::SeqCst))),
         deadline: crate::comm::Deadline::after(std::time::Duration::from_secs(10)),
+        at: None,
     });
     done.store(true, Ordering::SeqCst);
     dog.submit(Pending {
         comms: vec![comm.clone()],
         is_done: Box::new(|| Ok(false)),
         deadline: crate::comm::Deadline::after(std::time::Duration::from_millis(20)),
+        at: None,
     });
     let start = std::time::Instant::now();
     while failures.first().is_none() && start.elapsed() < std::time::Duration::from_secs(10) {
@@ -401,6 +403,178 @@ fn the_watchdog_thread_records_the_first_failure_and_aborts_the_engine() {
         comms: vec![comm],
         is_done: Box::new(|| Ok(false)),
         deadline: crate::comm::Deadline::after(std::time::Duration::from_secs(600)),
+        at: None,
     });
     drop(dog); // stops and joins at once
+}
+
+/// A board that keeps records in memory, as the store does.
+#[derive(Default)]
+struct MemBoard(std::sync::Mutex<std::collections::HashMap<usize, String>>);
+
+impl crate::comm::failure::FailureBoard for MemBoard {
+    fn publish(&self, message: &str) -> Option<String> {
+        Some(message.to_string())
+    }
+    fn peek(&self) -> Option<String> {
+        None
+    }
+    fn record_progress(&self, rank: usize, record: &str) {
+        self.0.lock().unwrap().insert(rank, record.to_string());
+    }
+    fn progress(&self, size: usize) -> Vec<Option<String>> {
+        let map = self.0.lock().unwrap();
+        (0..size).map(|r| map.get(&r).cloned()).collect()
+    }
+}
+
+#[test]
+fn the_watchdog_says_which_ranks_had_not_reached_a_timed_out_bucket() {
+    use super::watchdog::{Pending, Tracker, Watchdog};
+    use crate::comm::failure::Failures;
+    use crate::comm::progress::Progress;
+    use crate::comm::FailureBoard;
+    use std::sync::Arc;
+    let board = Arc::new(MemBoard::default());
+    // Rank 1 last recorded bucket 3 of step 1; rank 2 is in step 2.
+    board.record_progress(1, "v1 1 3 0 0");
+    board.record_progress(2, "v1 2 1 1 0");
+    let failures = Arc::new(Failures::new(Some(board.clone())));
+    let progress = Arc::new(Progress::new());
+    let tracker = Tracker {
+        progress: progress.clone(),
+        rank: 0,
+        size: 3,
+    };
+    let dog = Watchdog::start_tracking(
+        failures.clone(),
+        std::time::Duration::from_millis(1),
+        Some(tracker),
+    )
+    .unwrap();
+    progress.submit(0);
+    let at = progress.submit(0);
+    dog.submit(Pending {
+        comms: vec![Arc::new(SyncComm::default())],
+        is_done: Box::new(|| Ok(false)),
+        deadline: crate::comm::Deadline::after(std::time::Duration::from_millis(20)),
+        at: Some(at),
+    });
+    let start = std::time::Instant::now();
+    while failures.first().is_none() && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let text = failures
+        .first()
+        .expect("the timeout was recorded")
+        .to_string();
+    assert!(
+        text.contains(
+            "had not reached bucket 0 of step 2: rank 1 (last submitted bucket 3 of step 1"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("ranks 0, 2 had reached it"), "{text}");
+    // The abandoned collective is no longer counted in flight.
+    assert!(progress.record().in_flight <= 1, "{text}");
+    drop(dog);
+}
+
+#[test]
+fn a_non_blocking_init_is_polled_until_ready_and_aborted_at_its_deadline() {
+    use super::communicator::{await_ready, Readiness};
+    use std::cell::Cell;
+    use std::time::{Duration, Instant};
+
+    // Ready after a few polls: no abort.
+    let polls = Cell::new(0);
+    let aborted = Cell::new(false);
+    await_ready(
+        || {
+            polls.set(polls.get() + 1);
+            Ok(if polls.get() < 4 {
+                Readiness::InProgress
+            } else {
+                Readiness::Ready
+            })
+        },
+        || aborted.set(true),
+        crate::comm::Deadline::after(Duration::from_secs(10)),
+        0,
+        || "init".into(),
+    )
+    .unwrap();
+    assert_eq!((polls.get(), aborted.get()), (4, false));
+
+    // Never ready (a peer never arrives): aborted at the deadline, a
+    // CommTimeout naming what did not complete.
+    let start = Instant::now();
+    let err = await_ready(
+        || Ok(Readiness::InProgress),
+        || aborted.set(true),
+        crate::comm::Deadline::after(Duration::from_millis(60)),
+        3,
+        || "world communicator, rank 3 of 4: ncclCommInitRankConfig".into(),
+    )
+    .unwrap_err();
+    let waited = start.elapsed();
+    assert!(aborted.get());
+    assert!(waited >= Duration::from_millis(60), "{waited:?}");
+    let Error::CommTimeout { peer, message } = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(*peer, 3);
+    assert!(
+        message.starts_with(
+            "world communicator, rank 3 of 4: ncclCommInitRankConfig did not complete within 0.1s"
+        ),
+        "{message}"
+    );
+
+    // An NCCL error while initialising: aborted, the error passed on.
+    aborted.set(false);
+    let err = await_ready(
+        || {
+            Err(Error::Comm {
+                peer: None,
+                message: "ncclSystemError".into(),
+            })
+        },
+        || aborted.set(true),
+        crate::comm::Deadline::after(Duration::from_secs(10)),
+        0,
+        || "init".into(),
+    )
+    .unwrap_err();
+    assert!(
+        aborted.get() && err.to_string().contains("ncclSystemError"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_bounded_init_without_a_gpu_fails_cleanly_and_quickly() {
+    let path = nccl_or_skip!();
+    let lib = Arc::new(NcclLibrary::open_path(&path).unwrap());
+    let Ok(id) = lib.unique_id() else {
+        eprintln!("skipped: ncclGetUniqueId is unavailable here");
+        return;
+    };
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        eprintln!("skipped: this machine has a GPU");
+        return;
+    }
+    let start = std::time::Instant::now();
+    let deadline = crate::comm::Deadline::after(std::time::Duration::from_secs(20));
+    let err = NcclCommunicator::init_bounded(lib, &id, 0, 2, Group::World, deadline).unwrap_err();
+    let message = comm_message(err);
+    assert!(
+        message.contains("world communicator, rank 0 of 2"),
+        "{message}"
+    );
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(20),
+        "{message}"
+    );
+    eprintln!("bounded init without a GPU: {message}");
 }

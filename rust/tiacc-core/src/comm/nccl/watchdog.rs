@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::communicator::{watch, Watched};
 use crate::comm::failure::Failures;
+use crate::comm::progress::{self, Position, Progress};
 use crate::comm::Deadline;
 use crate::error::{Error, Result};
 
@@ -26,6 +27,16 @@ pub struct Pending {
     /// Whether the stream has passed it (a CUDA event query).
     pub is_done: Box<dyn FnMut() -> Result<bool> + Send>,
     pub deadline: Deadline,
+    /// Its bucket and step, when the engine tracks progress ([`Tracker`]).
+    pub at: Option<Position>,
+}
+
+/// The engine's progress, which the watchdog marks collectives finished in
+/// and uses to say where every rank was when one times out.
+pub struct Tracker {
+    pub progress: Arc<Progress>,
+    pub rank: usize,
+    pub size: usize,
 }
 
 /// The thread, and the queue feeding it.
@@ -38,12 +49,22 @@ pub struct Watchdog {
 impl Watchdog {
     /// Starts the thread; `poll` is how often a pending collective is checked.
     pub fn start(failures: Arc<Failures>, poll: Duration) -> Result<Self> {
+        Self::start_tracking(failures, poll, None)
+    }
+
+    /// [`Watchdog::start`], marking finished collectives in `tracker`'s
+    /// progress and attributing timeouts from the ranks' records.
+    pub fn start_tracking(
+        failures: Arc<Failures>,
+        poll: Duration,
+        tracker: Option<Tracker>,
+    ) -> Result<Self> {
         let (tx, rx) = mpsc::channel::<Pending>();
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
         let thread = std::thread::Builder::new()
             .name("tiacc-nccl-watchdog".into())
-            .spawn(move || run(rx, &failures, poll, &stopping))
+            .spawn(move || run(rx, &failures, poll, &stopping, tracker.as_ref()))
             .map_err(|e| Error::Comm {
                 peer: None,
                 message: format!("cannot start the NCCL watchdog thread: {e}"),
@@ -86,12 +107,22 @@ impl Drop for Watchdog {
     }
 }
 
-fn run(rx: mpsc::Receiver<Pending>, failures: &Failures, poll: Duration, stop: &AtomicBool) {
+fn run(
+    rx: mpsc::Receiver<Pending>,
+    failures: &Failures,
+    poll: Duration,
+    stop: &AtomicBool,
+    tracker: Option<&Tracker>,
+) {
     for mut pending in rx {
         if stop.load(Ordering::SeqCst) {
             return;
         }
+        let tracked = tracker.zip(pending.at);
         if failures.first().is_some() {
+            if let Some((t, _)) = tracked {
+                t.progress.complete();
+            }
             // Everything is aborted already; the engine raises the failure.
             continue;
         }
@@ -116,7 +147,17 @@ fn run(rx: mpsc::Receiver<Pending>, failures: &Failures, poll: Duration, stop: &
             next_board_check = now + BOARD_POLL;
             failures.published()
         };
-        if let Err(err) = watch(&comms, pending.deadline, poll, is_done, peer_failed) {
+        let result = watch(&comms, pending.deadline, poll, is_done, peer_failed);
+        if let Some((t, _)) = tracked {
+            t.progress.complete();
+        }
+        if let Err(err) = result {
+            let err = match (tracked, failures.board()) {
+                (Some((t, at)), Some(board)) if failures.first().is_none() => {
+                    progress::attribute_timeout(err, at, &t.progress, board, t.rank, t.size)
+                }
+                _ => err,
+            };
             failures.fail(err);
         }
     }

@@ -45,6 +45,28 @@ pub struct TcpRing {
     /// (a 2D ring's ranks are its members' indices).
     members: Vec<usize>,
     group: &'static str,
+    /// The IP addresses of the next and previous ranks, for messages.
+    next_host: String,
+    prev_host: String,
+}
+
+/// A neighbour in a message: its world rank and host.
+#[derive(Debug, Clone, Copy)]
+struct Peer<'a> {
+    rank: usize,
+    host: &'a str,
+}
+
+impl std::fmt::Display for Peer<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} at {}", self.rank, self.host)
+    }
+}
+
+fn host_of(stream: Option<&TcpStream>) -> String {
+    stream
+        .and_then(|s| s.peer_addr().ok())
+        .map_or_else(|| "an unknown host".to_string(), |a| a.ip().to_string())
 }
 
 impl TcpRing {
@@ -61,6 +83,8 @@ impl TcpRing {
             rank,
             size,
             channel,
+            next_host: host_of(next.as_ref()),
+            prev_host: host_of(prev.as_ref()),
             next,
             prev,
             stage: Vec::new(),
@@ -228,6 +252,14 @@ impl TcpRing {
         // World ranks, for messages.
         let (next_rank, prev_rank) = (self.world(self.next_rank()), self.world(self.prev_rank()));
         let me = self.world(self.rank);
+        let next_peer = Peer {
+            rank: next_rank,
+            host: &self.next_host,
+        };
+        let prev_peer = Peer {
+            rank: prev_rank,
+            host: &self.prev_host,
+        };
         let elem = dtype.map_or(1, DType::size);
         let stage_len = steps
             .iter()
@@ -279,18 +311,18 @@ impl TcpRing {
 
             let mut progressed = false;
             if s_hdr < hdr_len {
-                let k = send_some(next, &send_hdr[s_hdr..], &ctx, next_rank)?;
+                let k = send_some(next, &send_hdr[s_hdr..], &ctx, next_peer)?;
                 s_hdr += k;
                 progressed |= k > 0;
             } else if want_send {
                 let range = &steps[s_step].send;
                 let chunk = &buf[range.start + s_off..range.start + send_limit];
-                let k = send_some(next, chunk, &ctx, next_rank)?;
+                let k = send_some(next, chunk, &ctx, next_peer)?;
                 s_off += k;
                 progressed |= k > 0;
             }
             if r_hdr < hdr_len {
-                let k = recv_some(prev, &mut recv_hdr[r_hdr..], &ctx, prev_rank)?;
+                let k = recv_some(prev, &mut recv_hdr[r_hdr..], &ctx, prev_peer)?;
                 r_hdr += k;
                 progressed |= k > 0;
                 if k > 0 && r_hdr == hdr_len {
@@ -307,7 +339,7 @@ impl TcpRing {
                     let at = step.recv.start + r_got;
                     &mut buf[at..at + want]
                 };
-                let k = recv_some(prev, into, &ctx, prev_rank)?;
+                let k = recv_some(prev, into, &ctx, prev_peer)?;
                 r_got += k;
                 progressed |= k > 0;
                 let ready = if step.reduce {
@@ -326,7 +358,7 @@ impl TcpRing {
                 continue;
             }
             // Nothing moved: wait until a socket is ready or time runs out.
-            let waiting_on = if want_recv { prev_rank } else { next_rank };
+            let waiting_on = if want_recv { prev_peer } else { next_peer };
             let remaining = deadline.remaining();
             if remaining.is_zero() {
                 let detail = if r_hdr < hdr_len {
@@ -341,9 +373,9 @@ impl TcpRing {
                     format!("rank {next_rank} stopped accepting data")
                 };
                 return Err(Error::CommTimeout {
-                    peer: waiting_on,
+                    peer: waiting_on.rank,
                     message: format!(
-                        "{ctx}: timed out after {:.1}s waiting for rank {waiting_on} ({detail})",
+                        "{ctx}: timed out after {:.1}s waiting for {waiting_on} ({detail})",
                         deadline.timeout.as_secs_f64()
                     ),
                 });
@@ -382,7 +414,7 @@ fn check_neighbour_tag(
 }
 
 /// Writes what the socket takes now: bytes written, 0 if it would block.
-fn send_some(stream: &TcpStream, bytes: &[u8], ctx: &str, peer: usize) -> Result<usize> {
+fn send_some(stream: &TcpStream, bytes: &[u8], ctx: &str, peer: Peer) -> Result<usize> {
     match (&*stream).write(bytes) {
         Ok(0) => Err(closed(ctx, peer, "while sending")),
         Ok(k) => Ok(k),
@@ -393,7 +425,7 @@ fn send_some(stream: &TcpStream, bytes: &[u8], ctx: &str, peer: usize) -> Result
 
 /// Reads what has arrived: bytes read, 0 if nothing is there yet (a closed
 /// connection is an error, since we only read bytes we still expect).
-fn recv_some(stream: &TcpStream, into: &mut [u8], ctx: &str, peer: usize) -> Result<usize> {
+fn recv_some(stream: &TcpStream, into: &mut [u8], ctx: &str, peer: Peer) -> Result<usize> {
     match (&*stream).read(into) {
         Ok(0) => Err(closed(ctx, peer, "while receiving")),
         Ok(k) => Ok(k),
@@ -406,16 +438,16 @@ fn retryable(e: &std::io::Error) -> bool {
     matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted)
 }
 
-fn closed(ctx: &str, peer: usize, when: &str) -> Error {
+fn closed(ctx: &str, peer: Peer, when: &str) -> Error {
     Error::Comm {
-        peer: Some(peer),
+        peer: Some(peer.rank),
         message: format!(
-            "{ctx}: rank {peer} closed its connection {when} (it exited or failed; see its own error)"
+            "{ctx}: {peer} closed its connection {when} (it exited or failed; see its own error)"
         ),
     }
 }
 
-fn io_failure(ctx: &str, peer: usize, verb: &str, e: &std::io::Error) -> Error {
+fn io_failure(ctx: &str, peer: Peer, verb: &str, e: &std::io::Error) -> Error {
     let cause = match e.kind() {
         ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted => {
             " (it exited or failed; see its own error)"
@@ -423,8 +455,8 @@ fn io_failure(ctx: &str, peer: usize, verb: &str, e: &std::io::Error) -> Error {
         _ => "",
     };
     Error::Comm {
-        peer: Some(peer),
-        message: format!("{ctx}: cannot {verb} rank {peer}: {e}{cause}"),
+        peer: Some(peer.rank),
+        message: format!("{ctx}: cannot {verb} {peer}: {e}{cause}"),
     }
 }
 
