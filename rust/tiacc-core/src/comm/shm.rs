@@ -262,6 +262,8 @@ pub struct ShmGroup {
     channel: usize,
     /// Process id of each member, to tell a dead peer from a slow one.
     pids: Vec<i32>,
+    /// Each member's address, for messages.
+    hosts: Vec<String>,
     /// World rank of each member and the group's name, for messages.
     members: Vec<usize>,
     group: &'static str,
@@ -287,22 +289,38 @@ pub fn attach(
         return Ok(Box::new(ring));
     }
     let rank = ring.rank();
-    // 1. Who is where: host key and process id of every member.
-    let mut who = vec![0u8; 16 * size];
-    who[16 * rank..16 * rank + 8].copy_from_slice(&host_key().to_le_bytes());
-    who[16 * rank + 8..16 * rank + 12].copy_from_slice(&(std::process::id() as i32).to_le_bytes());
-    ring.allgather(&mut who, 16, deadline)?;
+    // 1. Who is where: host key, process id and address of every member.
+    const WHO: usize = 64;
+    let mut who = vec![0u8; WHO * size];
+    {
+        let mine = &mut who[WHO * rank..WHO * (rank + 1)];
+        mine[..8].copy_from_slice(&host_key().to_le_bytes());
+        mine[8..12].copy_from_slice(&(std::process::id() as i32).to_le_bytes());
+        let host = ring.local_host();
+        let n = host.len().min(WHO - 16);
+        mine[16..16 + n].copy_from_slice(&host.as_bytes()[..n]);
+    }
+    ring.allgather(&mut who, WHO, deadline)?;
+    let field = |c: &[u8], at: usize| c[at..at + 8].try_into().unwrap_or([0; 8]);
     let keys: Vec<u64> = who
-        .chunks_exact(16)
-        .map(|c| u64::from_le_bytes(c[..8].try_into().unwrap_or([0; 8])))
+        .chunks_exact(WHO)
+        .map(|c| u64::from_le_bytes(field(c, 0)))
         .collect();
     if keys.iter().any(|k| *k != keys[0]) {
         *reason = Some("its members are not all on one host".into());
         return Ok(Box::new(ring));
     }
     let pids: Vec<i32> = who
-        .chunks_exact(16)
+        .chunks_exact(WHO)
         .map(|c| i32::from_le_bytes(c[8..12].try_into().unwrap_or([0; 4])))
+        .collect();
+    let hosts: Vec<String> = who
+        .chunks_exact(WHO)
+        .map(|c| {
+            let text = &c[16..];
+            let end = text.iter().position(|b| *b == 0).unwrap_or(text.len());
+            String::from_utf8_lossy(&text[..end]).into_owned()
+        })
         .collect();
 
     // 2. Member 0 creates the file and sends its name (empty: failed).
@@ -356,6 +374,7 @@ pub fn attach(
         size,
         channel: ring.channel(),
         pids,
+        hosts,
         members: ring.members().to_vec(),
         group: ring.group(),
         barriers: 0,
@@ -539,9 +558,9 @@ impl ShmGroup {
                 return Err(Error::Comm {
                     peer: Some(peer),
                     message: self.ctx(&format!(
-                        "rank {peer} (process {}) exited during {what} (it was killed or \
-                         failed; see its own error)",
-                        self.pids[dead]
+                        "rank {peer} at {} (process {}) exited during {what} (it was killed \
+                         or failed; see its own error)",
+                        self.hosts[dead], self.pids[dead]
                     )),
                 });
             }

@@ -113,6 +113,14 @@ impl TcpRing {
         &self.members
     }
 
+    /// This rank's own address on the ring, for messages.
+    pub fn local_host(&self) -> String {
+        self.next
+            .as_ref()
+            .and_then(|s| s.local_addr().ok())
+            .map_or_else(|| "an unknown host".to_string(), |a| a.ip().to_string())
+    }
+
     /// The group's name in messages ("world", "intra-node", "inter-node").
     pub fn group(&self) -> &'static str {
         self.group
