@@ -69,6 +69,12 @@ const SLEEP_SLICE: Duration = Duration::from_millis(20);
 const SPINS: u32 = 64;
 /// Abort word of an abort that names no member.
 const NO_CULPRIT: u32 = u32::MAX;
+/// The abort word holds 1 + the culprit member in its low bits and what
+/// happened in its top byte, so that every member raises the same kind of
+/// error as the one that saw the failure, whoever reports first.
+const KIND_SHIFT: u32 = 24;
+const KIND_FAILED: u32 = 1;
+const KIND_TIMED_OUT: u32 = 2;
 
 /// The mapping, shared by the group and its aborter.
 struct Segment {
@@ -516,7 +522,11 @@ impl ShmGroup {
             let culprit = peer
                 .and_then(|p| self.members.iter().position(|m| *m == p))
                 .unwrap_or(self.rank);
-            self.seg.abort(1 + culprit as u32);
+            let kind = match err {
+                Error::CommTimeout { .. } => KIND_TIMED_OUT,
+                _ => KIND_FAILED,
+            };
+            self.seg.abort((kind << KIND_SHIFT) | (1 + culprit as u32));
         }
         result
     }
@@ -554,15 +564,7 @@ impl ShmGroup {
                 .filter(|&m| seg.arrived(m).load(Ordering::SeqCst) < target)
                 .collect();
             if let Some(&dead) = late.iter().find(|&&m| !process_alive(self.pids[m])) {
-                let peer = self.world(dead);
-                return Err(Error::Comm {
-                    peer: Some(peer),
-                    message: self.ctx(&format!(
-                        "rank {peer} at {} (process {}) exited during {what} (it was killed \
-                         or failed; see its own error)",
-                        self.hosts[dead], self.pids[dead]
-                    )),
-                });
+                return Err(self.exited(dead, what));
             }
             if remaining.is_zero() {
                 let names: Vec<String> = late.iter().map(|&m| self.world(m).to_string()).collect();
@@ -592,7 +594,8 @@ impl ShmGroup {
         if code == 0 {
             return Ok(());
         }
-        let member = code.wrapping_sub(1) as usize;
+        let kind = code >> KIND_SHIFT;
+        let member = ((code & ((1 << KIND_SHIFT) - 1)) as usize).wrapping_sub(1);
         if code == NO_CULPRIT || member == self.rank || member >= self.size {
             return Err(Error::Comm {
                 peer: None,
@@ -600,6 +603,17 @@ impl ShmGroup {
             });
         }
         let peer = self.world(member);
+        if kind == KIND_TIMED_OUT {
+            return Err(Error::CommTimeout {
+                peer,
+                message: self.ctx(&format!(
+                    "the group was aborted: a member timed out waiting for rank {peer}"
+                )),
+            });
+        }
+        if !process_alive(self.pids[member]) {
+            return Err(self.exited(member, "a collective"));
+        }
         Err(Error::Comm {
             peer: Some(peer),
             message: self.ctx(&format!(
@@ -607,6 +621,19 @@ impl ShmGroup {
                  error reported)"
             )),
         })
+    }
+
+    /// The error for member `m`, whose process is gone.
+    fn exited(&self, m: usize, what: &str) -> Error {
+        let peer = self.world(m);
+        Error::Comm {
+            peer: Some(peer),
+            message: self.ctx(&format!(
+                "rank {peer} at {} (process {}) exited during {what} (it was killed or failed; \
+                 see its own error)",
+                self.hosts[m], self.pids[m]
+            )),
+        }
     }
 
     /// Elements of every shard that one piece carries.
