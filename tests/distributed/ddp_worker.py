@@ -246,7 +246,10 @@ def main() -> int:
         dist.destroy_process_group()
         return 0
     except Exception as exc:  # the tests read the WORKER_ERROR line
-        exit_failed(exc)
+        # Rank 0 hosts the store: it stays up a moment so that ranks failing
+        # just after it can still read the failure board and the records.
+        hosts_store = dist.is_initialized() and dist.get_rank() == 0
+        exit_failed(exc, linger=2.0 if hosts_store else 0.0)
         return 3
 
 
