@@ -19,7 +19,9 @@ from collections.abc import Iterable, Sequence
 
 # What each case injects, in the table's words (the tests' case names).
 FAULTS = {
-    "kill9_mid_allreduce": "`kill -9` of rank 2 of 3 in the middle of an allreduce (CPU, one host: shared memory)",
+    "kill9_mid_allreduce": (
+        "`kill -9` of rank 2 of 3 in the middle of an allreduce (CPU, one host: shared memory)"
+    ),
     "sigstop": "`SIGSTOP` of rank 1 of 3 (timeout 4 s)",
     "bucket_layout_mismatch": "rank 1 of 2 with a different bucket layout",
     "strangers": "clients on an engine port sending a wrong token, random bytes, nothing",
