@@ -52,7 +52,9 @@ def check_training(proc: subprocess.CompletedProcess, launcher: str, checkpoint:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert f"launcher={launcher}" in proc.stderr, proc.stderr[-3000:]
-    assert "2 ranks on cpu; 16 training images (2 classes, fused path); tiny" in proc.stdout
+    # The script trains on the GPU where there is one (both ranks share it).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"2 ranks on {device}; 16 training images (2 classes, fused path); tiny" in proc.stdout
     assert "epoch 0: loss" in proc.stdout and "epoch 1: loss" in proc.stdout, proc.stdout
     assert "val top-1" in proc.stdout
     state = torch.load(checkpoint, map_location="cpu")

@@ -35,9 +35,10 @@ def test_gpu_decode_equals_cpu_decode_within_idct_tolerance(index: Path) -> None
         assert gpu.shape == ours.shape, i
         diff = (gpu.int() - ours.int()).abs()
         # Different IDCTs and chroma upsampling: on these noise images (the
-        # worst case for upsampling) nvJPEG of CUDA 13 on an H100 was 2.4
-        # levels off on average; a wrong decode is tens of levels off.
-        assert diff.float().mean() <= 3.0, (i, diff.float().mean())
+        # worst case for upsampling) nvJPEG of CUDA 13 on an H100 was 2.4 to
+        # 3.4 levels off on average, by image; a wrong decode of noise (a
+        # shifted block, swapped channels) is tens of levels off.
+        assert diff.float().mean() <= 8.0, (i, diff.float().mean())
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -2,20 +2,39 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import numpy as np
 import pytest
 
 from tiacc_training import tfrecord as ours
 
-# A broken install fails at import with other errors than ImportError (tfrecord 1.14 with
+
+def _their_round_trip() -> None:
+    """Writes and reads one record with the package alone: some installs
+    import but cannot run (tfrecord 1.14 on protobuf 7's pure-Python
+    implementation raises TypeError inside its writer)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "probe.tfrecord")
+        writer = theirs_writer.TFRecordWriter(path)
+        writer.write({"label": (1, "int")})
+        writer.close()
+        (record,) = list(theirs_reader.tfrecord_loader(path, None))
+        assert list(record["label"]) == [1], record
+
+
+# A broken install fails with other errors than ImportError (tfrecord 1.14 with
 # protobuf 7 raises TypeError), which `pytest.importorskip` would let through.
 try:
     import tfrecord.reader as theirs_reader
     import tfrecord.tools.tfrecord2idx as theirs_idx
     import tfrecord.writer as theirs_writer
-except Exception as exc:  # any import failure means: nothing to cross-check with
+
+    _their_round_trip()
+except Exception as exc:  # the package cannot run here: nothing to cross-check with
     pytest.skip(
-        f"the tfrecord package does not import: {type(exc).__name__}: {exc}",
+        f"the tfrecord package does not work here: {type(exc).__name__}: {exc}",
         allow_module_level=True,
     )
 
