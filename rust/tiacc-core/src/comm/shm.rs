@@ -17,18 +17,21 @@
 //! control page   per member: the barrier count it reached (own cache line)
 //!                the wake-up word (a futex), the abort word
 //! tags           two sets x members x 32 bytes (collective headers)
-//! data           two sets x members x slot bytes
+//! data           three sets x members x slot bytes
 //! ```
 //!
-//! A collective runs in pieces. For piece k every member writes what the
-//! others need into its slot of set `k % 2`, waits at a barrier, then reads
-//! from the others' slots. A buffer's elements are split into the same
-//! shards as the ring's ([`shard_range`]), and each slot holds a sub-chunk
-//! of every shard, so member `s` alone sums shard `s` (into its own slot,
-//! where the others then read it), in the ring's order (member `s + 1`
-//! first, `s` last): results are bit for bit those of the TCP ring. A set
-//! is written again two pieces later, after a barrier every member reaches
-//! only once done reading it.
+//! A collective runs in pieces, one barrier each. For piece k every member
+//! writes what the others need into its slot of set `k % 3`, waits at the
+//! barrier, then reads from the others' slots. A buffer's elements are
+//! split into the same shards as the ring's ([`shard_range`]), and each
+//! slot holds a sub-chunk of every shard, so member `s` alone sums shard `s`
+//! (into its own slot), in the ring's order (member `s + 1` first, `s`
+//! last): results are bit for bit those of the TCP ring. An allreduce reads
+//! the sums of piece k after the barrier of piece k + 1 (every member
+//! reaches it only once its sum of piece k is written), so it needs one
+//! barrier per piece, plus one at the end. A set is written again three
+//! pieces later, after a barrier every member reaches only once done
+//! reading it.
 //!
 //! Waits spin briefly, then sleep on the futex; the last member to arrive
 //! wakes the others. While sleeping, a member checks the deadline, the
@@ -50,6 +53,8 @@ use crate::error::{Error, Result};
 /// Bytes of one set of slots (all members together); a piece of a
 /// collective moves at most this much per member and set.
 const SET_BYTES: usize = 4 << 20;
+/// Sets of slots, used in turn by successive pieces.
+const SETS: usize = 3;
 /// Smallest slot, for groups of many members.
 const MIN_SLOT: usize = 64 << 10;
 /// Members one control page holds (one cache line each after the header).
@@ -106,7 +111,7 @@ impl Segment {
     fn layout(members: usize) -> (usize, usize) {
         let slot = (SET_BYTES / members).max(MIN_SLOT) / LINE * LINE;
         let tags = (2 * members * OpTag::LEN).div_ceil(PAGE) * PAGE;
-        (slot, PAGE + tags + 2 * members * slot)
+        (slot, PAGE + tags + SETS * members * slot)
     }
 
     /// Maps the file `fd` (of `Segment::layout(members).1` bytes).
@@ -275,7 +280,7 @@ pub struct ShmGroup {
     group: &'static str,
     /// Barriers this member has passed.
     barriers: u64,
-    /// Pieces run so far (the set of piece k is `k % 2`).
+    /// Pieces run so far (the set of piece k is `k % SETS`).
     pieces: u64,
     /// Tag exchanges so far.
     agreements: u64,
@@ -642,7 +647,7 @@ impl ShmGroup {
     }
 
     fn next_set(&mut self) -> usize {
-        let set = (self.pieces % 2) as usize;
+        let set = (self.pieces % SETS as u64) as usize;
         self.pieces += 1;
         set
     }
@@ -667,8 +672,9 @@ impl ShmGroup {
     /// into `dst`.
     fn read_slot(&self, set: usize, m: usize, j: usize, c_bytes: usize, dst: &mut [u8]) {
         // SAFETY: the source lies inside member m's slot (j * c_bytes +
-        // dst.len() <= slot bytes by `piece_elems`); by the protocol no
-        // member writes it until every member passes the next barrier.
+        // dst.len() <= slot bytes by `piece_elems`); by the protocol (module
+        // docs) no member writes this set again before every member reaches
+        // a barrier that it only reaches once done reading.
         unsafe {
             let src = self.seg.slot_ptr(set, m).add(j * c_bytes);
             std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
@@ -698,67 +704,97 @@ impl ShmGroup {
         what: &str,
         deadline: Deadline,
     ) -> Result<()> {
-        let reduce = dtype.is_some();
         let (shards, c, pieces) = self.plan(buf.len() / elem, elem);
-        let c_bytes = c * elem;
-        let (p, r) = (self.size, self.rank);
+        let r = self.rank;
+        // The set of the piece whose sums the others still have to read.
+        let mut summed: Option<(usize, usize)> = None;
         for k in 0..pieces {
             let set = self.next_set();
             // Write the parts the others need: their shards (reduce) or our
             // own (gather). Our own shard's part stays in `buf` for a sum.
             for (j, shard) in shards.iter().enumerate() {
-                if reduce != (j == r) {
+                if dtype.is_some() != (j == r) {
                     let part = Self::part(shard, k, c);
-                    self.write_slot(set, j, c_bytes, &buf[part.start * elem..part.end * elem]);
+                    self.write_slot(set, j, c * elem, &buf[part.start * elem..part.end * elem]);
                 }
             }
             self.barrier_wait(deadline, what)?;
-            if let Some(dtype) = dtype {
-                let part = Self::part(&shards[r], k, c);
-                let mine = &mut buf[part.start * elem..part.end * elem];
-                // The sum goes into sub-chunk r of our own slot, which we
-                // did not write above, where the others read it after the
-                // next barrier.
-                // SAFETY: sub-chunk r of our slot is inside the mapping
-                // (`piece_elems`); until the next barrier only this member
-                // touches it, and it does not overlap the other slots read
-                // below or `buf`.
-                let acc = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        self.seg.slot_ptr(set, r).add(r * c_bytes),
-                        mine.len(),
-                    )
-                };
-                self.read_slot(set, (r + 1) % p, r, c_bytes, acc);
-                for step in 2..p {
-                    let m = (r + step) % p;
-                    // SAFETY: inside member m's slot, see `read_slot`.
-                    let src = unsafe {
-                        std::slice::from_raw_parts(
-                            self.seg.slot_ptr(set, m).add(r * c_bytes),
-                            mine.len(),
-                        )
-                    };
-                    dtype.add_assign(acc, src);
-                }
-                // Our own values last, as on the ring.
-                dtype.add_assign(acc, mine);
-                mine.copy_from_slice(acc);
-                if gather {
-                    self.barrier_wait(deadline, what)?;
-                }
+            // Every member wrote its sums of the previous piece before
+            // arriving at this barrier.
+            if let Some((prev_set, prev)) = summed.take() {
+                self.gather_piece(buf, &shards, prev_set, prev, c, elem);
             }
-            if gather {
-                for (j, shard) in shards.iter().enumerate() {
-                    if j != r {
-                        let part = Self::part(shard, k, c);
-                        let dst = &mut buf[part.start * elem..part.end * elem];
-                        self.read_slot(set, j, j, c_bytes, dst);
+            match dtype {
+                Some(dtype) => {
+                    self.sum_piece(buf, &shards, set, k, c, dtype);
+                    if gather {
+                        summed = Some((set, k));
                     }
                 }
+                None => self.gather_piece(buf, &shards, set, k, c, elem),
             }
         }
+        if let Some((set, k)) = summed {
+            self.barrier_wait(deadline, what)?;
+            self.gather_piece(buf, &shards, set, k, c, elem);
+        }
         Ok(())
+    }
+
+    /// Sums this member's part of piece `k` (set `set`) in the ring's order,
+    /// into `buf` and into sub-chunk `r` of our own slot, where the others
+    /// read it after the next barrier.
+    fn sum_piece(
+        &self,
+        buf: &mut [u8],
+        shards: &[Range<usize>],
+        set: usize,
+        k: usize,
+        c: usize,
+        dtype: DType,
+    ) {
+        let (p, r, elem) = (self.size, self.rank, dtype.size());
+        let c_bytes = c * elem;
+        let part = Self::part(&shards[r], k, c);
+        let mine = &mut buf[part.start * elem..part.end * elem];
+        // SAFETY: sub-chunk r of our slot is inside the mapping
+        // (`piece_elems`); we did not write it for this piece, and until
+        // the next barrier only this member touches it. It overlaps neither
+        // the other slots read below nor `buf`.
+        let acc = unsafe {
+            std::slice::from_raw_parts_mut(self.seg.slot_ptr(set, r).add(r * c_bytes), mine.len())
+        };
+        self.read_slot(set, (r + 1) % p, r, c_bytes, acc);
+        for step in 2..p {
+            let m = (r + step) % p;
+            // SAFETY: inside member m's slot, see `read_slot`.
+            let src = unsafe {
+                std::slice::from_raw_parts(self.seg.slot_ptr(set, m).add(r * c_bytes), mine.len())
+            };
+            dtype.add_assign(acc, src);
+        }
+        // Our own values last, as on the ring.
+        dtype.add_assign(acc, mine);
+        mine.copy_from_slice(acc);
+    }
+
+    /// Copies every other member's part of piece `k` (set `set`) into `buf`.
+    fn gather_piece(
+        &self,
+        buf: &mut [u8],
+        shards: &[Range<usize>],
+        set: usize,
+        k: usize,
+        c: usize,
+        elem: usize,
+    ) {
+        for (j, shard) in shards.iter().enumerate() {
+            if j != self.rank {
+                let part = Self::part(shard, k, c);
+                let dst = &mut buf[part.start * elem..part.end * elem];
+                self.read_slot(set, j, j, c * elem, dst);
+            }
+        }
     }
 }
 
