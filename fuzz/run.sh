@@ -4,6 +4,8 @@
 #
 #   bash fuzz/run.sh [seconds]      # default: 600 seconds per target
 #   bash fuzz/run.sh merge          # fold what runs found into fuzz/corpus/
+#   bash fuzz/run.sh build          # only build the targets (CI builds them
+#                                   # in the background while tests run)
 #
 # What it needs, it installs: cargo-fuzz with `cargo install` when missing.
 # It runs on the stable toolchain: RUSTC_BOOTSTRAP=1 lets cargo-fuzz pass its
@@ -39,6 +41,7 @@ cargo fuzz build -O -s "$SANITIZER" >logs/build.log 2>&1 || {
     exit 1
 }
 echo "fuzz targets built in $((SECONDS - build_start)) s (sanitizer: $SANITIZER)"
+[ "$MODE" = build ] && exit 0
 
 if [ "$MODE" = merge ]; then
     for t in "${TARGETS[@]}"; do
