@@ -33,7 +33,11 @@ Rows per model, each a separate 4-rank job:
 - ``loopback gloo`` and ``loopback tiacc default``: all 4 ranks in one
   namespace (ranks_per_node=4, nothing crosses the shaped link), native DDP
   against tiacc with no setting at all, reported as tiacc's speed over
-  gloo's (gloo median / tiacc median).
+  gloo's (gloo median / tiacc median); ``loopback tiacc over TCP``
+  (TIACC_TRAINING_SHM=0); ``loopback DDP without communication``: native
+  DDP whose hook returns each bucket as it is, DDP's own cost per step,
+  under which no allreduce can go (gloo median / its median is the most
+  any engine can gain over gloo on one node).
 
 Columns: median step (ms); the link bound (ms), the time the shaped link
 needs for the bytes the algorithm must send each way: link crossings per
@@ -89,6 +93,7 @@ NATIVE = "native DDP (gloo)"
 LOOPBACK_GLOO = "loopback gloo (1 node x 4)"
 LOOPBACK_TIACC = "loopback tiacc default (1 node x 4)"
 LOOPBACK_TIACC_TCP = "loopback tiacc over TCP, no shared memory (1 node x 4)"
+LOOPBACK_DDP_FLOOR = "loopback DDP without communication (1 node x 4)"
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ def pipelines(channels: list[int]) -> list[Pipeline]:
         Pipeline("tiacc Top-K 1%", "tiacc", (flat, *topk)),
         Pipeline("tiacc 2D + Top-K 1%", "tiacc", (two_d, *topk)),
         Pipeline("tiacc auto", "tiacc", (("TIACC_TRAINING_ALGORITHM", "auto"),), bound_factor=1.0),
+        Pipeline(LOOPBACK_DDP_FLOOR, "native", hook="noop", bound_factor=0.0, loopback=True),
         Pipeline(LOOPBACK_GLOO, "native", bound_factor=0.0, loopback=True),
         Pipeline(LOOPBACK_TIACC, "tiacc", bound_factor=0.0, loopback=True),
         Pipeline(
@@ -182,7 +188,16 @@ def finish_rows(rows: list[dict], runs: list[Pipeline], link_rate: float) -> dic
     if LOOPBACK_GLOO in by_label and LOOPBACK_TIACC in by_label:
         gloo, tiacc = by_label[LOOPBACK_GLOO]["median_ms"], by_label[LOOPBACK_TIACC]["median_ms"]
         speed = round(gloo / tiacc, 3)
-    return {"compute_floor_ms": compute_ms, "loopback_tiacc_speed_over_gloo": speed, "rows": rows}
+    ceiling = None
+    if LOOPBACK_GLOO in by_label and LOOPBACK_DDP_FLOOR in by_label:
+        floor = by_label[LOOPBACK_DDP_FLOOR]["median_ms"]
+        ceiling = round(by_label[LOOPBACK_GLOO]["median_ms"] / floor, 3)
+    return {
+        "compute_floor_ms": compute_ms,
+        "loopback_tiacc_speed_over_gloo": speed,
+        "loopback_most_any_engine_gains_over_gloo": ceiling,
+        "rows": rows,
+    }
 
 
 def print_table(name: str, model: dict, rate_mbit: float) -> None:
@@ -209,6 +224,11 @@ def print_table(name: str, model: dict, rate_mbit: float) -> None:
     if model["loopback_tiacc_speed_over_gloo"] is not None:
         print(
             f"  loopback: tiacc speed / gloo speed = {model['loopback_tiacc_speed_over_gloo']:.2f}"
+        )
+    if model.get("loopback_most_any_engine_gains_over_gloo") is not None:
+        print(
+            "  loopback: gloo / DDP without communication = "
+            f"{model['loopback_most_any_engine_gains_over_gloo']:.2f} (the most an engine can gain)"
         )
 
 
