@@ -47,7 +47,7 @@ use std::time::Duration;
 
 use super::dtype::{shard_range, DType};
 use super::tcp::TcpRing;
-use super::transport::{disagreement, Aborter, Deadline, OpTag, Transport};
+use super::transport::{check_agreement, Aborter, Deadline, Failed, OpTag, Transport};
 use crate::error::{Error, Result};
 
 /// Bytes of one set of slots (all members together); a piece of a
@@ -284,7 +284,7 @@ pub struct ShmGroup {
     pieces: u64,
     /// Tag exchanges so far.
     agreements: u64,
-    broken: Option<(Option<usize>, String)>,
+    broken: Failed,
 }
 
 /// Forms the shared-memory group over `ring`'s members when they are all
@@ -391,7 +391,7 @@ pub fn attach(
         barriers: 0,
         pieces: 0,
         agreements: 0,
-        broken: None,
+        broken: Failed::default(),
     };
     if rank == 0 {
         group.seg.u64_at(0).store(MAGIC, Ordering::SeqCst);
@@ -501,15 +501,7 @@ impl ShmGroup {
     }
 
     fn check_usable(&self) -> Result<()> {
-        match &self.broken {
-            None => Ok(()),
-            Some((peer, why)) => Err(Error::Comm {
-                peer: *peer,
-                message: self.ctx(&format!(
-                    "the channel is unusable after an earlier failure: {why}"
-                )),
-            }),
-        }
+        self.broken.check(|what| self.ctx(what))
     }
 
     /// Runs `f`; a failure marks the group unusable and tells the peers.
@@ -517,12 +509,7 @@ impl ShmGroup {
         self.check_usable()?;
         let result = f(self);
         if let Err(err) = &result {
-            let peer = match err {
-                Error::Comm { peer, .. } => *peer,
-                Error::CommTimeout { peer, .. } => Some(*peer),
-                _ => None,
-            };
-            self.broken = Some((peer, err.to_string()));
+            let peer = self.broken.record(err);
             // Peers blocked in this group stop at once, naming the culprit.
             let culprit = peer
                 .and_then(|p| self.members.iter().position(|m| *m == p))
@@ -831,14 +818,7 @@ impl Transport for ShmGroup {
                 };
                 tags.push(OpTag::decode(&bytes));
             }
-            if tags.iter().all(|t| *t == Some(*tag)) {
-                return Ok(());
-            }
-            let (peer, message) = disagreement(&tags, |m| g.world(m));
-            Err(Error::Comm {
-                peer,
-                message: g.ctx(&message),
-            })
+            check_agreement(&tags, tag, |m| g.world(m), |m| g.ctx(m))
         })
     }
 
@@ -896,9 +876,7 @@ impl Transport for ShmGroup {
 
     fn abort(&mut self) {
         self.seg.abort(NO_CULPRIT);
-        if self.broken.is_none() {
-            self.broken = Some((None, "the channel was aborted".to_string()));
-        }
+        self.broken.aborted();
     }
 
     fn aborter(&self) -> Aborter {

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use super::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// When a collective must have finished, and the timeout it came from (for
 /// error messages).
@@ -116,14 +116,30 @@ impl OpTag {
     }
 }
 
+/// Checks that every member's tag (`tags`, gathered by member) is `mine`;
+/// otherwise an `Error::Comm` whose message (prefixed by `ctx`) says who
+/// issued what.
+pub(crate) fn check_agreement(
+    tags: &[Option<OpTag>],
+    mine: &OpTag,
+    world: impl Fn(usize) -> usize,
+    ctx: impl FnOnce(&str) -> String,
+) -> Result<()> {
+    if tags.iter().all(|t| *t == Some(*mine)) {
+        return Ok(());
+    }
+    let (peer, message) = disagreement(tags, world);
+    Err(Error::Comm {
+        peer,
+        message: ctx(&message),
+    })
+}
+
 /// Why the members' tags differ: the members grouped by what they issued,
 /// the largest group (the first on a tie) taken as the intended collective
 /// and the first member of another group returned as the culprit (as a
 /// world rank, through `world`).
-pub(crate) fn disagreement(
-    tags: &[Option<OpTag>],
-    world: impl Fn(usize) -> usize,
-) -> (Option<usize>, String) {
+fn disagreement(tags: &[Option<OpTag>], world: impl Fn(usize) -> usize) -> (Option<usize>, String) {
     let mut groups: Vec<(Option<OpTag>, Vec<usize>)> = Vec::new();
     for (r, t) in tags.iter().enumerate() {
         let r = world(r);
@@ -157,6 +173,46 @@ pub(crate) fn disagreement(
             described.join("; ")
         ),
     )
+}
+
+/// A channel's failure state, shared by the transports: once a collective
+/// failed, the members are out of step, and every later collective fails at
+/// once with the first failure's cause.
+#[derive(Debug, Default)]
+pub(crate) struct Failed(Option<(Option<usize>, String)>);
+
+impl Failed {
+    /// An error naming the earlier failure, if there was one; `ctx`
+    /// prefixes the message (rank, channel).
+    pub(crate) fn check(&self, ctx: impl FnOnce(&str) -> String) -> Result<()> {
+        match &self.0 {
+            None => Ok(()),
+            Some((peer, why)) => Err(Error::Comm {
+                peer: *peer,
+                message: ctx(&format!(
+                    "the channel is unusable after an earlier failure: {why}"
+                )),
+            }),
+        }
+    }
+
+    /// Records `err` as the channel's failure; returns the rank it names.
+    pub(crate) fn record(&mut self, err: &Error) -> Option<usize> {
+        let peer = match err {
+            Error::Comm { peer, .. } => *peer,
+            Error::CommTimeout { peer, .. } => Some(*peer),
+            _ => None,
+        };
+        self.0 = Some((peer, err.to_string()));
+        peer
+    }
+
+    /// Marks the channel aborted, unless it already failed.
+    pub(crate) fn aborted(&mut self) {
+        if self.0.is_none() {
+            self.0 = Some((None, "the channel was aborted".to_string()));
+        }
+    }
 }
 
 /// Collective primitives over one group of ranks on one channel.

@@ -13,7 +13,7 @@ use std::ops::Range;
 use std::os::fd::AsRawFd;
 
 use crate::comm::dtype::{shard_range, DType};
-use crate::comm::transport::{disagreement, Aborter, Deadline, OpTag, Transport};
+use crate::comm::transport::{check_agreement, Aborter, Deadline, Failed, OpTag, Transport};
 use crate::error::{Error, Result};
 
 /// One ring step: send `send` (bytes of the buffer) to the next rank while
@@ -40,7 +40,7 @@ pub struct TcpRing {
     /// Receive staging for reduce steps.
     stage: Vec<u8>,
     /// Set once a collective failed: the ring's streams are out of step.
-    broken: Option<(Option<usize>, String)>,
+    broken: Failed,
     /// The world rank of each member and the group's name, for messages
     /// (a 2D ring's ranks are its members' indices).
     members: Vec<usize>,
@@ -88,7 +88,7 @@ impl TcpRing {
             next,
             prev,
             stage: Vec::new(),
-            broken: None,
+            broken: Failed::default(),
             members: (0..size).collect(),
             group: "world",
         }
@@ -187,16 +187,8 @@ impl TcpRing {
     }
 
     fn check_usable(&self) -> Result<()> {
-        match &self.broken {
-            None => Ok(()),
-            Some((peer, why)) => Err(Error::Comm {
-                peer: *peer,
-                message: format!(
-                    "rank {} channel {}: the channel is unusable after an earlier failure: {why}",
-                    self.rank, self.channel
-                ),
-            }),
-        }
+        self.broken
+            .check(|what| format!("rank {} channel {}: {what}", self.rank, self.channel))
     }
 
     /// Runs `f`; if it fails, the ring is marked unusable. The sockets stay
@@ -206,12 +198,7 @@ impl TcpRing {
         self.check_usable()?;
         let result = f(self);
         if let Err(err) = &result {
-            let peer = match err {
-                Error::Comm { peer, .. } => *peer,
-                Error::CommTimeout { peer, .. } => Some(*peer),
-                _ => None,
-            };
-            self.broken = Some((peer, err.to_string()));
+            self.broken.record(err);
         }
         result
     }
@@ -533,14 +520,7 @@ impl Transport for TcpRing {
             )?;
             let tags: Vec<Option<OpTag>> =
                 all.chunks_exact(OpTag::LEN).map(OpTag::decode).collect();
-            if tags.iter().all(|t| *t == Some(*tag)) {
-                return Ok(());
-            }
-            let (peer, message) = disagreement(&tags, |r| ring.world(r));
-            Err(Error::Comm {
-                peer,
-                message: ring.ctx(&message),
-            })
+            check_agreement(&tags, tag, |r| ring.world(r), |m| ring.ctx(m))
         })
     }
 
@@ -643,9 +623,7 @@ impl Transport for TcpRing {
             // Best effort: peers then see end-of-stream at once.
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
-        if self.broken.is_none() {
-            self.broken = Some((None, "the channel was aborted".to_string()));
-        }
+        self.broken.aborted();
     }
 
     fn aborter(&self) -> Aborter {
