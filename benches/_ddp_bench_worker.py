@@ -188,6 +188,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     hooks = ["none", "noop", "fp16", "bf16", "powersgd"]
     parser.add_argument("--hook", choices=hooks, default="none")
+    parser.add_argument(
+        "--grad-view",
+        action="store_true",
+        help="DDP(gradient_as_bucket_view=True): gradients live in the buckets (no copy in or out)",
+    )
     args = parser.parse_args()
 
     cuda = args.device == "cuda"
@@ -214,7 +219,9 @@ def main() -> None:
         # buckets (ranks then abort on mismatched messages): it gets a
         # single bucket.
         bucket_cap_mb = 64 if args.hook == "powersgd" and not cuda else None
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=args.grad_view
+        )
         if args.hook != "none":
             register_torch_hook(ddp, args.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
@@ -251,6 +258,9 @@ def main() -> None:
                     "step_s": times,
                     "grad_bytes": stats["grad_bytes"],
                     "bucket_bytes_cap": getattr(ddp, "bucket_bytes_cap", None),
+                    # Whether DDP kept the gradients in its buckets (asked
+                    # for, or the tiacc engine's default); None without DDP.
+                    "gradient_as_bucket_view": getattr(ddp, "gradient_as_bucket_view", None),
                     "checksum": checksum,
                     "rank0_cpu_s_per_step": cpu_per_step,
                     "link_bytes_per_step": link_per_step,

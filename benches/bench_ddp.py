@@ -20,6 +20,13 @@ Rows per model, each a separate 4-rank job:
   DDP and no gradient communication (a gloo group exists only for the
   barriers around the timed steps); its median step is the model's compute
   floor;
+- ``DDP without communication``: native DDP whose hook returns each bucket
+  as it is: DDP's own cost per step (bucket copies, hook calls, allocating
+  the gradients anew each step), under which no engine behind DDP's hook
+  can go; ``..., gradient_as_bucket_view`` is the same with the gradients
+  kept in the buckets (DDP's option, off by default). Both floors run once
+  more at the end of the model's rows and pool their steps, so that they
+  span the same stretch of time as the rows they are the floors of;
 - ``native DDP (gloo)`` and ``torch fp16_compress_hook``;
 - ``tiacc ring`` (TIACC_TRAINING_ALGORITHM=flat), ``tiacc 2D``
   (LIGHT_2D_ALLREDUCE=1), ``tiacc 2D + fp16`` (with
@@ -34,10 +41,9 @@ Rows per model, each a separate 4-rank job:
   namespace (ranks_per_node=4, nothing crosses the shaped link), native DDP
   against tiacc with no setting at all, reported as tiacc's speed over
   gloo's (gloo median / tiacc median); ``loopback tiacc over TCP``
-  (TIACC_TRAINING_SHM=0); ``loopback DDP without communication``: native
-  DDP whose hook returns each bucket as it is, DDP's own cost per step,
-  under which no allreduce can go (gloo median / its median is the most
-  any engine can gain over gloo on one node).
+  (TIACC_TRAINING_SHM=0); ``loopback gloo`` and ``loopback tiacc default``
+  again with ``gradient_as_bucket_view=True``. Gloo's median over DDP's
+  floor is the most any engine can gain over gloo on one node.
 
 Columns: median step (ms); the link bound (ms), the time the shaped link
 needs for the bytes the algorithm must send each way: link crossings per
@@ -50,7 +56,10 @@ link byte rate, which unlike the dense bounds includes the Ethernet, IP and
 TCP headers (about 4.6%); loopback rows have no link (bound 0). The floor
 is compute floor + link bound, and ratio = median / floor. The floor adds
 the two as if communication could not overlap computation, so a ratio
-under 1.0 means the pipeline overlapped them. Also kept: native/this (the
+under 1.0 means the pipeline overlapped them. The DDP floor is DDP without
+communication (with the row's own ``gradient_as_bucket_view``, which the
+worker reports) + link bound, and ``ratio_to_ddp_floor`` = median / DDP
+floor: what the engine adds over DDP itself and the link. Also kept: native/this (the
 native row's median over this one), the bytes that crossed the link per
 step per rank (rank 0 reads its node's link counters around the timed
 steps; the link is shared by the 4 ranks), the packets the shapers dropped,
@@ -58,8 +67,10 @@ and, for tiacc rows, ``auto_choice``: rank 0's stderr lines starting with
 "tiacc-training: auto" (or "tiacc_training: auto", the logger's name),
 where the engine logs the algorithm its auto mode picked. Needs root.
 
-``--only`` takes comma-separated label substrings; the compute floor and
-native rows always run (they are the references). The full run:
+``--only`` takes comma-separated label substrings; the compute floor, DDP
+floor and native rows always run (they are the references). ``--rounds N``
+runs every row N times, one round after the other, and pools the steps.
+The full run:
 
     python benches/bench_ddp.py && python benches/plot_ddp.py
 
@@ -93,7 +104,9 @@ NATIVE = "native DDP (gloo)"
 LOOPBACK_GLOO = "loopback gloo (1 node x 4)"
 LOOPBACK_TIACC = "loopback tiacc default (1 node x 4)"
 LOOPBACK_TIACC_TCP = "loopback tiacc over TCP, no shared memory (1 node x 4)"
-LOOPBACK_DDP_FLOOR = "loopback DDP without communication (1 node x 4)"
+DDP_FLOOR = "DDP without communication"
+GRAD_VIEW = ", gradient_as_bucket_view"
+REFERENCES = (COMPUTE_FLOOR, DDP_FLOOR, NATIVE)
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,14 @@ class Pipeline:
     bound_factor: float | None = None
     # All 4 ranks on one node: no shaped link between them.
     loopback: bool = False
+    # DDP(gradient_as_bucket_view=True): no copy of the gradients into the
+    # buckets and back (DDP's default is False, and tiacc keeps it).
+    grad_view: bool = False
+
+    @property
+    def floor(self) -> bool:
+        """A floor row: no DDP at all, or DDP with no communication."""
+        return self.mode == "none" or self.hook == "noop"
 
 
 def pipelines(channels: list[int]) -> list[Pipeline]:
@@ -119,6 +140,7 @@ def pipelines(channels: list[int]) -> list[Pipeline]:
     topk = (("LIGHT_TOPK_ALLREDUCE", "1"), ("LIGHT_TOPK_RATIO", "0.01"))
     runs = [
         Pipeline(COMPUTE_FLOOR, "none", bound_factor=0.0),
+        Pipeline(DDP_FLOOR, "native", hook="noop", bound_factor=0.0),
         Pipeline(NATIVE, "native", bound_factor=1.5),
         Pipeline("torch fp16_compress_hook", "native", hook="fp16", bound_factor=0.75),
         Pipeline("tiacc ring", "tiacc", (flat,), bound_factor=1.5),
@@ -138,7 +160,6 @@ def pipelines(channels: list[int]) -> list[Pipeline]:
         Pipeline("tiacc Top-K 1%", "tiacc", (flat, *topk)),
         Pipeline("tiacc 2D + Top-K 1%", "tiacc", (two_d, *topk)),
         Pipeline("tiacc auto", "tiacc", (("TIACC_TRAINING_ALGORITHM", "auto"),), bound_factor=1.0),
-        Pipeline(LOOPBACK_DDP_FLOOR, "native", hook="noop", bound_factor=0.0, loopback=True),
         Pipeline(LOOPBACK_GLOO, "native", bound_factor=0.0, loopback=True),
         Pipeline(LOOPBACK_TIACC, "tiacc", bound_factor=0.0, loopback=True),
         Pipeline(
@@ -147,6 +168,11 @@ def pipelines(channels: list[int]) -> list[Pipeline]:
             (("TIACC_TRAINING_SHM", "0"),),
             bound_factor=0.0,
             loopback=True,
+        ),
+        Pipeline(DDP_FLOOR + GRAD_VIEW, "native", hook="noop", bound_factor=0.0, grad_view=True),
+        *(
+            Pipeline(label + GRAD_VIEW, mode, bound_factor=0.0, loopback=True, grad_view=True)
+            for label, mode in ((LOOPBACK_GLOO, "native"), (LOOPBACK_TIACC, "tiacc"))
         ),
     ]
     return runs
@@ -157,9 +183,10 @@ def selected(runs: list[Pipeline], only: str) -> list[Pipeline]:
     wanted = [w.strip() for w in only.split(",") if w.strip()]
     if not wanted:
         return runs
-    return [
-        r for r in runs if r.label in (COMPUTE_FLOOR, NATIVE) or any(w in r.label for w in wanted)
-    ]
+    chosen = [r for r in runs if r.label in REFERENCES or any(w in r.label for w in wanted)]
+    if any(r.grad_view for r in chosen):
+        chosen += [r for r in runs if r.floor and r.grad_view and r not in chosen]
+    return chosen
 
 
 def finish_rows(rows: list[dict], runs: list[Pipeline], link_rate: float) -> dict:
@@ -169,6 +196,9 @@ def finish_rows(rows: list[dict], runs: list[Pipeline], link_rate: float) -> dic
         row["median_ms"] = round(statistics.median(row["step_s"]) * 1000, 1)
     compute_ms = by_label[COMPUTE_FLOOR]["median_ms"]
     native_ms = by_label[NATIVE]["median_ms"]
+    ddp_ms = {False: by_label[DDP_FLOOR]["median_ms"]}
+    if DDP_FLOOR + GRAD_VIEW in by_label:
+        ddp_ms[True] = by_label[DDP_FLOOR + GRAD_VIEW]["median_ms"]
     for run, row in zip(runs, rows):
         if run.bound_factor is None:
             # Sent plus received at node 0's end: one direction is half.
@@ -180,56 +210,117 @@ def finish_rows(rows: list[dict], runs: list[Pipeline], link_rate: float) -> dic
         row["link_bound_ms"] = round(bound_s * 1000, 1)
         row["floor_ms"] = round(compute_ms + bound_s * 1000, 1)
         row["ratio_to_floor"] = round(row["median_ms"] / row["floor_ms"], 3)
+        if run.mode != "none":
+            # Under DDP's own floor: what an engine behind DDP's hook can reach.
+            # The floor of the same DDP setting (the worker reports it).
+            view = bool(row.get("gradient_as_bucket_view"))
+            ddp_floor = ddp_ms.get(view, ddp_ms[False]) + bound_s * 1000
+            row["ddp_floor_ms"] = round(ddp_floor, 1)
+            row["ratio_to_ddp_floor"] = round(row["median_ms"] / ddp_floor, 3)
         row["native_over_this"] = (
-            None if run.loopback or run.mode == "none" else round(native_ms / row["median_ms"], 3)
+            None if run.loopback or run.floor else round(native_ms / row["median_ms"], 3)
         )
         row["link_bytes_per_step_per_rank"] = round(row["link_bytes_per_step"] / WORLD)
-    speed = None
-    if LOOPBACK_GLOO in by_label and LOOPBACK_TIACC in by_label:
-        gloo, tiacc = by_label[LOOPBACK_GLOO]["median_ms"], by_label[LOOPBACK_TIACC]["median_ms"]
-        speed = round(gloo / tiacc, 3)
-    ceiling = None
-    if LOOPBACK_GLOO in by_label and LOOPBACK_DDP_FLOOR in by_label:
-        floor = by_label[LOOPBACK_DDP_FLOOR]["median_ms"]
-        ceiling = round(by_label[LOOPBACK_GLOO]["median_ms"] / floor, 3)
+
+    def over(numerator: str, denominator: str) -> float | None:
+        if numerator in by_label and denominator in by_label:
+            return round(by_label[numerator]["median_ms"] / by_label[denominator]["median_ms"], 3)
+        return None
+
     return {
         "compute_floor_ms": compute_ms,
-        "loopback_tiacc_speed_over_gloo": speed,
-        "loopback_most_any_engine_gains_over_gloo": ceiling,
+        "ddp_floor_ms": ddp_ms[False],
+        "ddp_floor_grad_view_ms": ddp_ms.get(True),
+        "loopback_tiacc_speed_over_gloo": over(LOOPBACK_GLOO, LOOPBACK_TIACC),
+        "loopback_most_any_engine_gains_over_gloo": over(LOOPBACK_GLOO, DDP_FLOOR),
+        "loopback_grad_view_tiacc_speed_over_gloo": over(
+            LOOPBACK_GLOO + GRAD_VIEW, LOOPBACK_TIACC + GRAD_VIEW
+        ),
+        "loopback_grad_view_tiacc_speed_over_plain_gloo": over(
+            LOOPBACK_GLOO, LOOPBACK_TIACC + GRAD_VIEW
+        ),
         "rows": rows,
     }
+
+
+def run_row(nodes: list, name: str, run: Pipeline, args: argparse.Namespace) -> dict:
+    """One 4-rank job of one row; rank 0's result with the row's description."""
+    worker_args = ["--mode", run.mode, "--model", name, "--hook", run.hook]
+    worker_args += ["--batch", str(args.batch)]
+    worker_args += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if run.grad_view:
+        worker_args.append("--grad-view")
+    result = run_job(
+        nodes[:1] if run.loopback else nodes,
+        WORKER,
+        worker_args,
+        dict(run.env),
+        ranks_per_node=WORLD if run.loopback else WORLD // len(nodes),
+        stderr_prefixes=AUTO_PREFIXES if run.mode == "tiacc" else (),
+    )
+    auto_lines = result.pop("rank0_stderr_lines", [])
+    row = {"pipeline": run.label, "mode": run.mode, "env": dict(run.env), "hook": run.hook}
+    row["nodes"] = 1 if run.loopback else len(nodes)
+    row.update(result)
+    if auto_lines:
+        row["auto_choice"] = "; ".join(auto_lines)
+    median = statistics.median(result["step_s"]) * 1000
+    print(f"  {name}: {run.label}: {median:.0f} ms", flush=True)
+    return row
+
+
+def pool(parts: tuple[dict, ...]) -> dict:
+    """One row from its rounds: every step pooled, the link counters summed or averaged."""
+    row = dict(parts[0])
+    row["step_s"] = [t for part in parts for t in part["step_s"]]
+    row["round_medians_ms"] = [round(statistics.median(p["step_s"]) * 1000, 1) for p in parts]
+    row["link_bytes_per_step"] = statistics.fmean(p["link_bytes_per_step"] for p in parts)
+    row["rank0_cpu_s_per_step"] = statistics.fmean(p["rank0_cpu_s_per_step"] for p in parts)
+    row["link_sent_bytes"] = sum(p["link_sent_bytes"] for p in parts)
+    row["link_dropped_packets"] = sum(p["link_dropped_packets"] for p in parts)
+    return row
 
 
 def print_table(name: str, model: dict, rate_mbit: float) -> None:
     """One model's rows as a text table."""
     print(
         f"\n{name}: {model['setup']['grad_bytes'] / 1e6:.1f} MB of gradients, "
-        f"compute floor {model['compute_floor_ms']:.1f} ms, link {rate_mbit:g} Mbit/s each way"
+        f"compute floor {model['compute_floor_ms']:.1f} ms, DDP floor "
+        f"{model['ddp_floor_ms']:.1f} ms, link {rate_mbit:g} Mbit/s each way"
     )
     print(
         f"{'pipeline':<36} {'median ms':>10} {'bound ms':>9} {'floor ms':>9} {'ratio':>6} "
-        f"{'native/this':>12} {'MB/step/rank':>13} {'drops':>6}"
+        f"{'DDP floor':>10} {'ratio':>6} {'native/this':>12} {'MB/step/rank':>13} {'drops':>6}"
     )
     for row in model["rows"]:
         native = row["native_over_this"]
         native_text = "-" if native is None else f"{native:.2f}x"
+        ddp_floor = row.get("ddp_floor_ms")
+        ddp_text = (
+            ("-", "-")
+            if ddp_floor is None
+            else (
+                f"{ddp_floor:.1f}",
+                f"{row['ratio_to_ddp_floor']:.2f}",
+            )
+        )
         print(
-            f"{row['pipeline']:<36} {row['median_ms']:>10.1f} {row['link_bound_ms']:>9.1f} "
-            f"{row['floor_ms']:>9.1f} {row['ratio_to_floor']:>6.2f} {native_text:>12} "
+            f"{row['pipeline'][:36]:<36} {row['median_ms']:>10.1f} {row['link_bound_ms']:>9.1f} "
+            f"{row['floor_ms']:>9.1f} {row['ratio_to_floor']:>6.2f} {ddp_text[0]:>10} "
+            f"{ddp_text[1]:>6} {native_text:>12} "
             f"{row['link_bytes_per_step_per_rank'] / 1e6:>13.3f} {row['link_dropped_packets']:>6}"
         )
     for row in model["rows"]:
         if row.get("auto_choice"):
             print(f"  {row['pipeline']}: {row['auto_choice']}")
-    if model["loopback_tiacc_speed_over_gloo"] is not None:
-        print(
-            f"  loopback: tiacc speed / gloo speed = {model['loopback_tiacc_speed_over_gloo']:.2f}"
-        )
-    if model.get("loopback_most_any_engine_gains_over_gloo") is not None:
-        print(
-            "  loopback: gloo / DDP without communication = "
-            f"{model['loopback_most_any_engine_gains_over_gloo']:.2f} (the most an engine can gain)"
-        )
+    for key, text in (
+        ("loopback_tiacc_speed_over_gloo", "tiacc speed / gloo speed"),
+        ("loopback_most_any_engine_gains_over_gloo", "gloo / DDP without communication"),
+        ("loopback_grad_view_tiacc_speed_over_gloo", "both with gradient_as_bucket_view"),
+        ("loopback_grad_view_tiacc_speed_over_plain_gloo", "tiacc with the view / plain gloo"),
+    ):
+        if model.get(key) is not None:
+            print(f"  loopback: {text} = {model[key]:.2f}")
 
 
 def main() -> None:
@@ -242,8 +333,14 @@ def main() -> None:
         "--channels", default="", help="channel counts for extra flat-ring rows (none by default)"
     )
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per job")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every row this many times, one round after the other, and pool the steps",
+    )
     parser.add_argument(
         "--only", default="", help="comma-separated label substrings: run only matching rows"
     )
@@ -266,29 +363,18 @@ def main() -> None:
     results = {}
     with cluster(args.rate_mbit) as nodes:
         for name in models:
-            rows = []
-            for run in runs:
-                worker_args = ["--mode", run.mode, "--model", name, "--hook", run.hook]
-                worker_args += ["--batch", str(args.batch)]
-                worker_args += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-                result = run_job(
-                    nodes[:1] if run.loopback else nodes,
-                    WORKER,
-                    worker_args,
-                    dict(run.env),
-                    ranks_per_node=WORLD if run.loopback else WORLD // len(nodes),
-                    stderr_prefixes=AUTO_PREFIXES if run.mode == "tiacc" else (),
-                )
-                auto_lines = result.pop("rank0_stderr_lines", [])
-                row = {"pipeline": run.label, "mode": run.mode, "env": dict(run.env)}
-                row["hook"] = run.hook
-                row["nodes"] = 1 if run.loopback else len(nodes)
-                row.update(result)
-                if auto_lines:
-                    row["auto_choice"] = "; ".join(auto_lines)
-                rows.append(row)
-                median = statistics.median(result["step_s"]) * 1000
-                print(f"  {name}: {run.label}: {median:.0f} ms", flush=True)
+            # Rounds interleave the rows in time, so a slow spell of the
+            # machine lands on every row instead of on one.
+            rounds: list[list[dict]] = [
+                [run_row(nodes, name, run, args) for run in runs] for _ in range(args.rounds)
+            ]
+            # The floors run once more at the end, so their medians span
+            # the whole model's run like the rows they are the floors of.
+            closing = {i: run_row(nodes, name, r, args) for i, r in enumerate(runs) if r.floor}
+            rows = [
+                pool(parts + ((closing[i],) if i in closing else ()))
+                for i, parts in enumerate(zip(*rounds))
+            ]
             results[name] = {"setup": setups[name], **finish_rows(rows, runs, link_rate)}
 
     for name, model in results.items():
@@ -303,12 +389,15 @@ def main() -> None:
             "link_bytes_per_s_each_way": link_rate,
             "steps": args.steps,
             "warmup": args.warmup,
+            "rounds": args.rounds,
             "optimizer": "SGD lr 1e-3, loss = mean(output^2)",
             "tiacc_defaults": "fusion threshold and channel count left to the engine",
             "channels_rows": channels,
             "only": args.only,
             "models": setups,
             "floor": "compute floor (no-DDP median) + link bound; ratio = median / floor",
+            "ddp_floor": "DDP without communication (median) + link bound; "
+            "ratio_to_ddp_floor = median / DDP floor",
         },
         "models": {
             name: {k: v for k, v in m.items() if k != "setup"} for name, m in results.items()

@@ -3,7 +3,8 @@
 Drawn with Pillow (already a dependency) so the benchmarks need no plotting
 library. One panel per model, one bar per row (median step / (compute floor
 + link bound), see bench_ddp.py), labelled with that ratio, the median and
-the floor; a vertical line marks the floor (1.0). The compute floor row is
+the floor (and the ratio to the DDP floor, where the row has one); a
+vertical line marks the floor (1.0). The compute floor row is
 the floor itself, so it is named in the panel's title instead of drawn.
 
     python benches/plot_ddp.py [--json benches/results/bench_ddp.json] [--out ...png]
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 WIDTH = 1100
 ROW = 30
 LABEL_W = 290
-RIGHT_PAD = 280
+RIGHT_PAD = 360
 PANEL_HEAD = 56
 PANEL_FOOT = 34
 TOP = 46
@@ -102,8 +103,12 @@ def plot(result: dict, out: Path) -> None:
             )
             note = (
                 f"{row['ratio_to_floor']:.2f}x  {row['median_ms']:.0f} ms "
-                f"(floor {row['floor_ms']:.0f} ms)"
+                f"(floor {row['floor_ms']:.0f} ms"
             )
+            if row.get("ratio_to_ddp_floor") is not None:
+                ddp = row["ratio_to_ddp_floor"]
+                note += f"; DDP floor {row['ddp_floor_ms']:.0f} ms: {ddp:.2f}x"
+            note += ")"
             at = (x_of(row["ratio_to_floor"]) + 6, y + 8)
             left, _, right, _ = draw.textbbox(at, note, font=small)
             draw.rectangle([left - 2, y, right + 2, y + ROW - 1], fill="white")
