@@ -258,8 +258,8 @@ def main() -> None:
                     "step_s": times,
                     "grad_bytes": stats["grad_bytes"],
                     "bucket_bytes_cap": getattr(ddp, "bucket_bytes_cap", None),
-                    # Whether DDP kept the gradients in its buckets (asked
-                    # for, or the tiacc engine's default); None without DDP.
+                    # Whether DDP kept the gradients in its buckets
+                    # (--grad-view); None without DDP.
                     "gradient_as_bucket_view": getattr(ddp, "gradient_as_bucket_view", None),
                     "checksum": checksum,
                     "rank0_cpu_s_per_step": cpu_per_step,

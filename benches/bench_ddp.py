@@ -214,7 +214,7 @@ def finish_rows(rows: list[dict], runs: list[Pipeline], link_rate: float) -> dic
             # Under DDP's own floor: what an engine behind DDP's hook can reach.
             # The floor of the same DDP setting (the worker reports it).
             view = bool(row.get("gradient_as_bucket_view"))
-            ddp_floor = ddp_ms.get(view, ddp_ms[False]) + bound_s * 1000
+            ddp_floor = ddp_ms[view] + bound_s * 1000
             row["ddp_floor_ms"] = round(ddp_floor, 1)
             row["ratio_to_ddp_floor"] = round(row["median_ms"] / ddp_floor, 3)
         row["native_over_this"] = (
@@ -295,19 +295,13 @@ def print_table(name: str, model: dict, rate_mbit: float) -> None:
     for row in model["rows"]:
         native = row["native_over_this"]
         native_text = "-" if native is None else f"{native:.2f}x"
-        ddp_floor = row.get("ddp_floor_ms")
-        ddp_text = (
-            ("-", "-")
-            if ddp_floor is None
-            else (
-                f"{ddp_floor:.1f}",
-                f"{row['ratio_to_ddp_floor']:.2f}",
-            )
-        )
+        ddp_floor, ddp_ratio = row.get("ddp_floor_ms"), row.get("ratio_to_ddp_floor")
+        ddp_text = "-" if ddp_floor is None else f"{ddp_floor:.1f}"
+        ratio_text = "-" if ddp_ratio is None else f"{ddp_ratio:.2f}"
         print(
             f"{row['pipeline'][:36]:<36} {row['median_ms']:>10.1f} {row['link_bound_ms']:>9.1f} "
-            f"{row['floor_ms']:>9.1f} {row['ratio_to_floor']:>6.2f} {ddp_text[0]:>10} "
-            f"{ddp_text[1]:>6} {native_text:>12} "
+            f"{row['floor_ms']:>9.1f} {row['ratio_to_floor']:>6.2f} {ddp_text:>10} "
+            f"{ratio_text:>6} {native_text:>12} "
             f"{row['link_bytes_per_step_per_rank'] / 1e6:>13.3f} {row['link_dropped_packets']:>6}"
         )
     for row in model["rows"]:
