@@ -150,10 +150,7 @@ impl Algorithm {
             .wire_dtype(dtype)
             .filter(|_| size > 1);
         let Some(wire) = wire else {
-            if divisor != 1.0 {
-                b.div(buf, dtype, divisor)?;
-            }
-            return self.reduce(b, tag, buf, dtype);
+            return self.reduce(b, tag, buf, dtype, divisor);
         };
         let scale = self.settings.scale;
         let sent = b.alloc(buf.bytes / dtype.size() * wire.size())?;
@@ -163,27 +160,38 @@ impl Algorithm {
             bytes: sent.bytes as u64,
             ..*tag
         };
-        self.reduce(b, &wire_tag, sent, wire)?;
+        self.reduce(b, &wire_tag, sent, wire, 1.0)?;
         b.decode(sent, wire, 1.0 / scale, buf, dtype)
     }
 
-    /// The reduction proper: flat or 2D, dense or Top-K.
-    fn reduce(&mut self, b: &mut dyn Backend, tag: &OpTag, buf: Mem, dtype: DType) -> Result<()> {
+    /// The reduction proper of `buf / divisor`: flat or 2D, dense or Top-K.
+    /// A flat dense sum leaves the division to the backend (a transport
+    /// that copies the data divides on the way); the others divide first.
+    fn reduce(
+        &mut self,
+        b: &mut dyn Backend,
+        tag: &OpTag,
+        buf: Mem,
+        dtype: DType,
+        divisor: f64,
+    ) -> Result<()> {
         let sparse = self.settings.topk.filter(|o| o.applies(dtype, buf.bytes));
         let two_d = b.hierarchical()
             && self
                 .settings
                 .hierarchical_threshold
                 .is_some_and(|t| buf.bytes as u64 <= t);
-        if !two_d {
-            return match sparse {
-                None => b.allreduce(GroupId::World, Some(tag), buf, dtype),
-                Some(options) => {
-                    b.agree(GroupId::World, tag)?;
-                    let (dgc, state) = (&self.settings.dgc, &mut self.sparse);
-                    sparse_allreduce(b, GroupId::World, tag.bucket, buf, &options, dgc, state)
-                }
-            };
+        match (two_d, sparse) {
+            (false, None) => {
+                return b.allreduce_divided(GroupId::World, Some(tag), buf, dtype, divisor)
+            }
+            _ if divisor != 1.0 => b.div(buf, dtype, divisor)?,
+            _ => {}
+        }
+        if let (false, Some(options)) = (two_d, sparse) {
+            b.agree(GroupId::World, tag)?;
+            let (dgc, state) = (&self.settings.dgc, &mut self.sparse);
+            return sparse_allreduce(b, GroupId::World, tag.bucket, buf, &options, dgc, state);
         }
         // Checking the tag inside every node and across nodes covers every rank.
         b.agree(GroupId::Intra, tag)?;

@@ -143,6 +143,22 @@ pub trait Backend {
         buf: Mem,
         dtype: DType,
     ) -> Result<()>;
+    /// Sums `buf / divisor` over `group` (`buf` divided first, as
+    /// [`Backend::div`] does, then [`Backend::allreduce`]). Backends whose
+    /// transport divides on the way, with the same bits, override it.
+    fn allreduce_divided(
+        &mut self,
+        group: GroupId,
+        tag: Option<&OpTag>,
+        buf: Mem,
+        dtype: DType,
+        divisor: f64,
+    ) -> Result<()> {
+        if divisor != 1.0 {
+            self.div(buf, dtype, divisor)?;
+        }
+        self.allreduce(group, tag, buf, dtype)
+    }
     /// Sums `buf` over `group`, leaving each rank its shard.
     fn reduce_scatter(&mut self, group: GroupId, buf: Mem, dtype: DType) -> Result<Shards>;
     /// Gathers every rank's `shards.mine` (of `elem`-byte elements) into

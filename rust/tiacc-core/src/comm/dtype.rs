@@ -93,33 +93,54 @@ impl DType {
         }
     }
 
-    /// `buf[i] /= divisor` element-wise (half types computed in float32).
+    /// `buf[i] /= divisor` element-wise (half types computed in float32),
+    /// exactly as [`DType::div_into`] computes it.
     pub fn div_assign(self, buf: &mut [u8], divisor: f64) {
+        // One block at a time through a copy that stays in L1, so that the
+        // quotient is written once, in `div_into`.
+        let mut block = [0u8; DIV_BLOCK];
+        for chunk in buf.chunks_mut(DIV_BLOCK) {
+            let src = &mut block[..chunk.len()];
+            src.copy_from_slice(chunk);
+            self.div_into(src, chunk, divisor);
+        }
+    }
+
+    /// `dst[i] = src[i] / divisor` element-wise over whole elements of both
+    /// slices (of the same length); half types are computed in float32.
+    pub fn div_into(self, src: &[u8], dst: &mut [u8], divisor: f64) {
+        debug_assert_eq!(src.len(), dst.len());
         match self {
             DType::F32 => {
                 let d = divisor as f32;
-                map::<4>(buf, |a| (f32::from_ne_bytes(a) / d).to_ne_bytes())
+                map_into::<4>(src, dst, |a| (f32::from_ne_bytes(a) / d).to_ne_bytes())
             }
-            DType::F64 => map::<8>(buf, |a| (f64::from_ne_bytes(a) / divisor).to_ne_bytes()),
+            DType::F64 => map_into::<8>(src, dst, |a| {
+                (f64::from_ne_bytes(a) / divisor).to_ne_bytes()
+            }),
             DType::F16 => {
                 let d = divisor as f32;
                 let mut x = [0f32; F16_BLOCK];
-                for a in buf.chunks_mut(2 * F16_BLOCK) {
-                    let n = a.len() / 2;
-                    f16_bytes_to_f32(a, &mut x[..n]);
+                for (s, o) in src.chunks(2 * F16_BLOCK).zip(dst.chunks_mut(2 * F16_BLOCK)) {
+                    let n = s.len() / 2;
+                    f16_bytes_to_f32(s, &mut x[..n]);
                     x[..n].iter_mut().for_each(|v| *v /= d);
-                    f32_to_f16_bytes(&x[..n], a);
+                    f32_to_f16_bytes(&x[..n], o);
                 }
             }
             DType::BF16 => {
                 let d = divisor as f32;
-                map::<2>(buf, |a| {
+                map_into::<2>(src, dst, |a| {
                     bf16::from_f32(bf16::from_ne_bytes(a).to_f32() / d).to_ne_bytes()
                 })
             }
         }
     }
 }
+
+/// Bytes [`DType::div_assign`] divides at a time (a multiple of every
+/// element size).
+const DIV_BLOCK: usize = 4096;
 
 /// Elements per block of the float16 fast paths below.
 pub(crate) const F16_BLOCK: usize = 512;
@@ -163,12 +184,12 @@ fn zip_map<const N: usize>(acc: &mut [u8], src: &[u8], f: impl Fn([u8; N], [u8; 
 }
 
 #[inline]
-fn map<const N: usize>(buf: &mut [u8], f: impl Fn([u8; N]) -> [u8; N]) {
-    for a in buf.chunks_exact_mut(N) {
-        let Ok(x) = <[u8; N]>::try_from(&*a) else {
+fn map_into<const N: usize>(src: &[u8], dst: &mut [u8], f: impl Fn([u8; N]) -> [u8; N]) {
+    for (s, d) in src.chunks_exact(N).zip(dst.chunks_exact_mut(N)) {
+        let Ok(x) = <[u8; N]>::try_from(s) else {
             continue;
         };
-        a.copy_from_slice(&f(x));
+        d.copy_from_slice(&f(x));
     }
 }
 
@@ -235,6 +256,23 @@ pub(crate) mod tests {
             assert_eq!(decode(dtype, &a), vec![1.5, 0.0, 100.0], "{dtype:?}");
             dtype.div_assign(&mut a, 4.0);
             assert_eq!(decode(dtype, &a), vec![0.375, 0.0, 25.0], "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn dividing_into_another_buffer_gives_the_in_place_bits() {
+        // Longer than one block of `div_assign`, and not a multiple of it.
+        let values: Vec<f64> = (0..3001).map(|i| (i as f64 * 0.37).sin() * 1e4).collect();
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            for divisor in [3.0, 4.0, 7.0] {
+                let src = encode(dtype, &values);
+                let mut in_place = src.clone();
+                dtype.div_assign(&mut in_place, divisor);
+                let mut into = vec![0u8; src.len()];
+                dtype.div_into(&src, &mut into, divisor);
+                assert_eq!(into, in_place, "{dtype:?} / {divisor}");
+                assert_ne!(into, src, "{dtype:?} / {divisor}");
+            }
         }
     }
 

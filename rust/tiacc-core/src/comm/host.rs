@@ -446,6 +446,19 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         }
     }
 
+    fn allreduce_divided(
+        &mut self,
+        group: GroupId,
+        tag: Option<&OpTag>,
+        buf: Mem,
+        dtype: DType,
+        divisor: f64,
+    ) -> Result<()> {
+        let deadline = self.deadline;
+        let (t, s) = self.comm(group, buf)?;
+        t.allreduce_divided(tag, s, dtype, divisor, deadline)
+    }
+
     fn reduce_scatter(&mut self, group: GroupId, buf: Mem, dtype: DType) -> Result<Shards> {
         let deadline = self.deadline;
         let (t, s) = self.comm(group, buf)?;

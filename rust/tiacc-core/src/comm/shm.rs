@@ -31,7 +31,11 @@
 //! reaches it only once its sum of piece k is written), so it needs one
 //! barrier per piece, plus one at the end. A set is written again three
 //! pieces later, after a barrier every member reaches only once done
-//! reading it.
+//! reading it. A checked allreduce writes its header into the tag cells
+//! with the first piece and compares them after that piece's barrier
+//! (before its buffer changes), so it needs no barrier of its own; DDP's
+//! division by the world size is done while the parts are copied into the
+//! slots, each element divided once, exactly as the ring divides it.
 //!
 //! Waits spin briefly, then sleep on the futex; the last member to arrive
 //! wakes the others. While sleeping, a member checks the deadline, the
@@ -532,8 +536,12 @@ impl ShmGroup {
         let all_in =
             |seg: &Segment| (0..self.size).all(|m| seg.arrived(m).load(Ordering::SeqCst) >= target);
         if all_in(&seg) {
+            // Complete, whatever a member that passed it did since (an abort
+            // shows at the next barrier): as for a member that was waiting,
+            // so that every member reports a failure seen after a barrier
+            // (a header check) the same way, and not as an abort it caused.
             seg.wake();
-            return self.check_abort();
+            return Ok(());
         }
         let mut spins = 0u32;
         loop {
@@ -639,126 +647,155 @@ impl ShmGroup {
         set
     }
 
-    /// The shards of `elems` elements, and how many pieces carry them.
-    fn plan(&self, elems: usize, elem: usize) -> (Vec<Range<usize>>, usize, usize) {
+    /// How a buffer of `bytes` bytes (elements of `elem`) is cut.
+    fn cut(&self, bytes: usize, elem: usize) -> Cut {
         let shards: Vec<Range<usize>> = (0..self.size)
-            .map(|s| shard_range(elems, self.size, s))
+            .map(|s| shard_range(bytes / elem, self.size, s))
             .collect();
         let c = self.piece_elems(elem);
         let pieces = shards[0].len().div_ceil(c);
-        (shards, c, pieces)
-    }
-
-    /// The part of shard `s` that piece `k` carries, in elements.
-    fn part(shard: &Range<usize>, k: usize, c: usize) -> Range<usize> {
-        let start = (shard.start + k * c).min(shard.end);
-        start..(start + c).min(shard.end)
-    }
-
-    /// Copies `len` bytes of member `m`'s slot (set `set`, sub-chunk `j`)
-    /// into `dst`.
-    fn read_slot(&self, set: usize, m: usize, j: usize, c_bytes: usize, dst: &mut [u8]) {
-        // SAFETY: the source lies inside member m's slot (j * c_bytes +
-        // dst.len() <= slot bytes by `piece_elems`); by the protocol (module
-        // docs) no member writes this set again before every member reaches
-        // a barrier that it only reaches once done reading.
-        unsafe {
-            let src = self.seg.slot_ptr(set, m).add(j * c_bytes);
-            std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+        Cut {
+            shards,
+            c,
+            elem,
+            pieces,
         }
     }
 
-    /// Copies `src` into this member's slot (set `set`, sub-chunk `j`).
-    fn write_slot(&self, set: usize, j: usize, c_bytes: usize, src: &[u8]) {
-        // SAFETY: the destination lies inside our own slot; by the protocol
-        // no member reads it until we pass the next barrier.
-        unsafe {
-            let dst = self.seg.slot_ptr(set, self.rank).add(j * c_bytes);
-            std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
-        }
+    /// Bytes `at..at + len` of member `m`'s slot of set `set`.
+    fn slot(&self, set: usize, m: usize, at: usize, len: usize) -> &[u8] {
+        debug_assert!(at + len <= self.seg.slot, "shared-memory slot overrun");
+        // SAFETY: inside member m's slot: callers stay within it (a piece
+        // carries at most `piece_elems` of every shard; a broadcast piece
+        // is at most a slot). By the protocol (module docs) no member
+        // writes this set again before every member reaches a barrier that
+        // it only reaches once done reading.
+        unsafe { std::slice::from_raw_parts(self.seg.slot_ptr(set, m).add(at), len) }
     }
 
-    /// Sums or gathers `buf` (`elems` of `elem` bytes) through the slots.
-    /// `reduce`: sum this member's shard (ring order); `gather`: copy every
-    /// other member's shard back. Allreduce is both, reduce-scatter the
-    /// first, allgather the second.
-    fn pieces_through(
-        &mut self,
-        buf: &mut [u8],
-        dtype: Option<DType>,
-        elem: usize,
-        gather: bool,
-        what: &str,
-        deadline: Deadline,
-    ) -> Result<()> {
-        let (shards, c, pieces) = self.plan(buf.len() / elem, elem);
+    /// Bytes `at..at + len` of this member's own slot of set `set`.
+    #[allow(clippy::mut_from_ref)]
+    fn own_slot(&self, set: usize, at: usize, len: usize) -> &mut [u8] {
+        debug_assert!(at + len <= self.seg.slot, "shared-memory slot overrun");
+        // SAFETY: inside our own slot (see `slot`); by the protocol only
+        // this member touches it until it passes the next barrier, and the
+        // callers hold one such slice at a time, over bytes that neither
+        // `buf` nor the other members' slots share.
+        unsafe { std::slice::from_raw_parts_mut(self.seg.slot_ptr(set, self.rank).add(at), len) }
+    }
+
+    /// Writes our tag into its cell (the next of the two sets); returns
+    /// the set, whose cells every member reads after the next barrier.
+    fn post_tag(&mut self, tag: &OpTag) -> usize {
+        let set = (self.agreements % 2) as usize;
+        self.agreements += 1;
+        let mine = tag.encode();
+        // SAFETY: our own 32-byte tag cell; no member reads it before the
+        // next barrier, nor writes it (same parity) before the one after.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                mine.as_ptr(),
+                self.seg.tag_ptr(set, self.rank),
+                mine.len(),
+            )
+        };
+        set
+    }
+
+    /// Compares every member's tag of set `set` (posted before the barrier
+    /// just passed) with ours.
+    fn check_tags(&self, set: usize, tag: &OpTag) -> Result<()> {
+        let mut tags = Vec::with_capacity(self.size);
+        for m in 0..self.size {
+            let mut bytes = [0u8; OpTag::LEN];
+            // SAFETY: member m's tag cell, written before the barrier.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.seg.tag_ptr(set, m),
+                    bytes.as_mut_ptr(),
+                    bytes.len(),
+                )
+            };
+            tags.push(OpTag::decode(&bytes));
+        }
+        check_agreement(&tags, tag, |m| self.world(m), |m| self.ctx(m))
+    }
+
+    /// Sums or gathers `buf` through the slots, as `pass` says. A sum
+    /// writes the others' parts divided by `pass.divisor` (once per
+    /// element, as `DType::div_assign` would) and divides our own part in
+    /// place just before summing it; a tag travels with the first piece and
+    /// is checked after its barrier, before `buf` changes.
+    fn pieces_through(&mut self, buf: &mut [u8], pass: &Pass, deadline: Deadline) -> Result<()> {
+        let cut = self.cut(buf.len(), pass.elem);
         let r = self.rank;
+        let mut tag_set = pass.tag.map(|tag| (self.post_tag(tag), tag));
+        if cut.pieces == 0 {
+            if let Some((set, tag)) = tag_set {
+                self.barrier_wait(deadline, "exchanging collective headers")?;
+                self.check_tags(set, tag)?;
+            }
+            return Ok(());
+        }
         // The set of the piece whose sums the others still have to read.
         let mut summed: Option<(usize, usize)> = None;
-        for k in 0..pieces {
+        for k in 0..cut.pieces {
             let set = self.next_set();
-            // Write the parts the others need: their shards (reduce) or our
+            // Write the parts the others need: their shards (sum) or our
             // own (gather). Our own shard's part stays in `buf` for a sum.
-            for (j, shard) in shards.iter().enumerate() {
-                if dtype.is_some() != (j == r) {
-                    let part = Self::part(shard, k, c);
-                    self.write_slot(set, j, c * elem, &buf[part.start * elem..part.end * elem]);
+            for j in 0..self.size {
+                if pass.sum.is_some() != (j == r) {
+                    let part = cut.part(j, k);
+                    let src = &buf[part];
+                    let dst = self.own_slot(set, cut.sub(j), src.len());
+                    match pass.sum {
+                        Some(dtype) if pass.divisor != 1.0 => {
+                            dtype.div_into(src, dst, pass.divisor)
+                        }
+                        _ => dst.copy_from_slice(src),
+                    }
                 }
             }
-            self.barrier_wait(deadline, what)?;
+            self.barrier_wait(deadline, pass.what)?;
+            if let Some((tag_set, tag)) = tag_set.take() {
+                self.check_tags(tag_set, tag)?;
+            }
             // Every member wrote its sums of the previous piece before
             // arriving at this barrier.
             if let Some((prev_set, prev)) = summed.take() {
-                self.gather_piece(buf, &shards, prev_set, prev, c, elem);
+                self.gather_piece(buf, &cut, prev_set, prev);
             }
-            match dtype {
+            match pass.sum {
                 Some(dtype) => {
-                    self.sum_piece(buf, &shards, set, k, c, dtype);
-                    if gather {
+                    let mine = &mut buf[cut.part(r, k)];
+                    if pass.divisor != 1.0 {
+                        dtype.div_assign(mine, pass.divisor);
+                    }
+                    self.sum_piece(mine, &cut, set, dtype);
+                    if pass.gather {
                         summed = Some((set, k));
                     }
                 }
-                None => self.gather_piece(buf, &shards, set, k, c, elem),
+                None => self.gather_piece(buf, &cut, set, k),
             }
         }
         if let Some((set, k)) = summed {
-            self.barrier_wait(deadline, what)?;
-            self.gather_piece(buf, &shards, set, k, c, elem);
+            self.barrier_wait(deadline, pass.what)?;
+            self.gather_piece(buf, &cut, set, k);
         }
         Ok(())
     }
 
-    /// Sums this member's part of piece `k` (set `set`) in the ring's order,
-    /// into `buf` and into sub-chunk `r` of our own slot, where the others
-    /// read it after the next barrier.
-    fn sum_piece(
-        &self,
-        buf: &mut [u8],
-        shards: &[Range<usize>],
-        set: usize,
-        k: usize,
-        c: usize,
-        dtype: DType,
-    ) {
-        let (p, r, elem) = (self.size, self.rank, dtype.size());
-        let c_bytes = c * elem;
-        let part = Self::part(&shards[r], k, c);
-        let mine = &mut buf[part.start * elem..part.end * elem];
-        // SAFETY: sub-chunk r of our slot is inside the mapping
-        // (`piece_elems`); we did not write it for this piece, and until
-        // the next barrier only this member touches it. It overlaps neither
-        // the other slots read below nor `buf`.
-        let acc = unsafe {
-            std::slice::from_raw_parts_mut(self.seg.slot_ptr(set, r).add(r * c_bytes), mine.len())
-        };
-        self.read_slot(set, (r + 1) % p, r, c_bytes, acc);
+    /// Sums this member's part `mine` of a piece (set `set`) in the ring's
+    /// order, into `mine` and into sub-chunk `r` of our own slot, where the
+    /// others read it after the next barrier.
+    fn sum_piece(&self, mine: &mut [u8], cut: &Cut, set: usize, dtype: DType) {
+        let (p, r) = (self.size, self.rank);
+        let (at, len) = (cut.sub(r), mine.len());
+        let acc = self.own_slot(set, at, len);
+        acc.copy_from_slice(self.slot(set, (r + 1) % p, at, len));
         for step in 2..p {
-            let m = (r + step) % p;
-            // SAFETY: inside member m's slot, see `read_slot`.
-            let src = unsafe {
-                std::slice::from_raw_parts(self.seg.slot_ptr(set, m).add(r * c_bytes), mine.len())
-            };
-            dtype.add_assign(acc, src);
+            dtype.add_assign(acc, self.slot(set, (r + step) % p, at, len));
         }
         // Our own values last, as on the ring.
         dtype.add_assign(acc, mine);
@@ -766,23 +803,54 @@ impl ShmGroup {
     }
 
     /// Copies every other member's part of piece `k` (set `set`) into `buf`.
-    fn gather_piece(
-        &self,
-        buf: &mut [u8],
-        shards: &[Range<usize>],
-        set: usize,
-        k: usize,
-        c: usize,
-        elem: usize,
-    ) {
-        for (j, shard) in shards.iter().enumerate() {
-            if j != self.rank {
-                let part = Self::part(shard, k, c);
-                let dst = &mut buf[part.start * elem..part.end * elem];
-                self.read_slot(set, j, j, c * elem, dst);
-            }
+    fn gather_piece(&self, buf: &mut [u8], cut: &Cut, set: usize, k: usize) {
+        for j in (0..self.size).filter(|&j| j != self.rank) {
+            let dst = &mut buf[cut.part(j, k)];
+            dst.copy_from_slice(self.slot(set, j, cut.sub(j), dst.len()));
         }
     }
+}
+
+/// How [`ShmGroup::pieces_through`] cuts a buffer: the members' shards (in
+/// elements, as the ring's), the elements of every shard one piece
+/// carries, and the number of pieces.
+struct Cut {
+    shards: Vec<Range<usize>>,
+    c: usize,
+    elem: usize,
+    pieces: usize,
+}
+
+impl Cut {
+    /// Where sub-chunk `j` (the part of shard `j`) starts in a slot, in bytes.
+    fn sub(&self, j: usize) -> usize {
+        j * self.c * self.elem
+    }
+
+    /// The bytes of `buf` that piece `k` carries of shard `s`.
+    fn part(&self, s: usize, k: usize) -> Range<usize> {
+        let shard = &self.shards[s];
+        let start = (shard.start + k * self.c).min(shard.end);
+        let end = (start + self.c).min(shard.end);
+        start * self.elem..end * self.elem
+    }
+}
+
+/// What one run of [`ShmGroup::pieces_through`] does.
+struct Pass<'a> {
+    /// Sum this member's shard in this type; `None`: only gather.
+    sum: Option<DType>,
+    /// Bytes per element.
+    elem: usize,
+    /// Gather every shard back after the sums (allreduce) or not
+    /// (reduce-scatter).
+    gather: bool,
+    /// Every element is divided by this before any sum (1: not at all).
+    divisor: f64,
+    /// The collective's header, checked against every member's.
+    tag: Option<&'a OpTag>,
+    /// What the members wait in, for messages.
+    what: &'static str,
 }
 
 impl Transport for ShmGroup {
@@ -796,54 +864,69 @@ impl Transport for ShmGroup {
 
     fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()> {
         self.guarded(|g| {
-            let set = (g.agreements % 2) as usize;
-            g.agreements += 1;
-            let mine = tag.encode();
-            // SAFETY: our own 32-byte tag cell; no member reads it before the
-            // barrier below, nor writes it (same parity) before the next one.
-            unsafe {
-                std::ptr::copy_nonoverlapping(mine.as_ptr(), g.seg.tag_ptr(set, g.rank), mine.len())
-            };
+            let set = g.post_tag(tag);
             g.barrier_wait(deadline, "exchanging collective headers")?;
-            let mut tags = Vec::with_capacity(g.size);
-            for m in 0..g.size {
-                let mut bytes = [0u8; OpTag::LEN];
-                // SAFETY: member m's tag cell, written before the barrier.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        g.seg.tag_ptr(set, m),
-                        bytes.as_mut_ptr(),
-                        bytes.len(),
-                    )
-                };
-                tags.push(OpTag::decode(&bytes));
-            }
-            check_agreement(&tags, tag, |m| g.world(m), |m| g.ctx(m))
+            g.check_tags(set, tag)
         })
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
-        self.guarded(|g| {
-            g.pieces_through(buf, Some(dtype), dtype.size(), true, "allreduce", deadline)
-        })
+        self.allreduce_divided(None, buf, dtype, 1.0, deadline)
+    }
+
+    /// The tag travels with the first piece (no barrier of its own).
+    fn allreduce_checked(
+        &mut self,
+        tag: &OpTag,
+        buf: &mut [u8],
+        dtype: DType,
+        deadline: Deadline,
+    ) -> Result<()> {
+        self.allreduce_divided(Some(tag), buf, dtype, 1.0, deadline)
+    }
+
+    /// The division happens while the parts are copied into the slots.
+    fn allreduce_divided(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: &mut [u8],
+        dtype: DType,
+        divisor: f64,
+        deadline: Deadline,
+    ) -> Result<()> {
+        let pass = Pass {
+            sum: Some(dtype),
+            elem: dtype.size(),
+            gather: true,
+            divisor,
+            tag,
+            what: "allreduce",
+        };
+        self.guarded(|g| g.pieces_through(buf, &pass, deadline))
     }
 
     fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
-        self.guarded(|g| {
-            g.pieces_through(
-                buf,
-                Some(dtype),
-                dtype.size(),
-                false,
-                "reduce-scatter",
-                deadline,
-            )
-        })
+        let pass = Pass {
+            sum: Some(dtype),
+            elem: dtype.size(),
+            gather: false,
+            divisor: 1.0,
+            tag: None,
+            what: "reduce-scatter",
+        };
+        self.guarded(|g| g.pieces_through(buf, &pass, deadline))
     }
 
     fn allgather(&mut self, buf: &mut [u8], elem_size: usize, deadline: Deadline) -> Result<()> {
-        let elem = elem_size.max(1);
-        self.guarded(|g| g.pieces_through(buf, None, elem, true, "allgather", deadline))
+        let pass = Pass {
+            sum: None,
+            elem: elem_size.max(1),
+            gather: true,
+            divisor: 1.0,
+            tag: None,
+            what: "allgather",
+        };
+        self.guarded(|g| g.pieces_through(buf, &pass, deadline))
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize, deadline: Deadline) -> Result<()> {
@@ -859,11 +942,13 @@ impl Transport for ShmGroup {
                 let piece = start..(start + slot).min(buf.len());
                 let set = g.next_set();
                 if g.rank == root {
-                    g.write_slot(set, 0, 0, &buf[piece.clone()]);
+                    let src = &buf[piece.clone()];
+                    g.own_slot(set, 0, src.len()).copy_from_slice(src);
                 }
                 g.barrier_wait(deadline, "broadcast")?;
                 if g.rank != root {
-                    g.read_slot(set, root, 0, 0, &mut buf[piece]);
+                    let dst = &mut buf[piece];
+                    dst.copy_from_slice(g.slot(set, root, 0, dst.len()));
                 }
             }
             Ok(())

@@ -916,8 +916,10 @@ fn wavy(rank: usize, len: usize, dtype: DType) -> Vec<u8> {
 }
 
 /// Every collective of a sequence, on one transport per member: two
-/// allreduces (several pieces each), a reduce-scatter, an allgather, a
-/// broadcast from the last member and a barrier.
+/// checked allreduces (several pieces each), allreduces divided by the
+/// group size and by 3 (checked or not), a plain allreduce, a
+/// reduce-scatter, an allgather, a broadcast from the last member and a
+/// barrier.
 fn collective_sequence(
     rank: usize,
     p: usize,
@@ -938,7 +940,16 @@ fn collective_sequence(
         t.allreduce_checked(&tag, &mut buf, dtype, deadline())
             .unwrap();
         out.push(buf);
+        let mut buf = wavy(rank + round + 2, len, dtype);
+        let divisor = if round == 0 { p as f64 } else { 3.0 };
+        let checked = (round == 0).then_some(&tag);
+        t.allreduce_divided(checked, &mut buf, dtype, divisor, deadline())
+            .unwrap();
+        out.push(buf);
     }
+    let mut plain = wavy(rank + 4, len, dtype);
+    t.allreduce(&mut plain, dtype, deadline()).unwrap();
+    out.push(plain);
     let mut rs = wavy(rank + 5, len, dtype);
     t.reduce_scatter(&mut rs, dtype, deadline()).unwrap();
     let mine = shard_range(len, p, rank);
@@ -987,6 +998,36 @@ fn shared_memory_names_the_rank_that_issued_another_collective() {
     for err in errors {
         assert!(matches!(err, Error::Comm { peer: Some(1), .. }), "{err}");
         assert!(err.to_string().contains("rank 1 issued"), "{err}");
+    }
+}
+
+#[test]
+fn a_checked_allreduce_on_shared_memory_names_the_odd_rank_before_touching_the_buffer() {
+    // The header travels with the first piece; with no piece (empty
+    // buffers) it takes a barrier of its own. Rank 1 issued another bucket.
+    for len in [0usize, 10, 700_003] {
+        let results = on_every_member(3, move |rank, group| {
+            let mut buf = wavy(rank, len, DType::F32);
+            let tag = OpTag {
+                kind: OpKind::Allreduce,
+                seq: 0,
+                bucket: if rank == 1 { 9 } else { 4 },
+                dtype: DType::F32.code(),
+                bytes: buf.len() as u64,
+            };
+            let err = group
+                .allreduce_divided(Some(&tag), &mut buf, DType::F32, 3.0, deadline())
+                .unwrap_err();
+            (err, buf == wavy(rank, len, DType::F32))
+        });
+        for (err, untouched) in results {
+            assert!(matches!(err, Error::Comm { peer: Some(1), .. }), "{err}");
+            assert!(
+                err.to_string().contains("rank 1 issued"),
+                "len={len}: {err}"
+            );
+            assert!(untouched, "len={len}: the buffer changed before the check");
+        }
     }
 }
 

@@ -243,6 +243,28 @@ pub trait Transport: Send {
         self.allreduce(buf, dtype, deadline)
     }
 
+    /// Sums `buf / divisor` over all ranks (each element divided once, by
+    /// [`DType::div_assign`]'s rule, before any sum), checking `tag` first
+    /// when given. This divides `buf` in place and then reduces; transports
+    /// that copy the data anyway override it to divide on the way, with the
+    /// same bits.
+    fn allreduce_divided(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: &mut [u8],
+        dtype: DType,
+        divisor: f64,
+        deadline: Deadline,
+    ) -> Result<()> {
+        if divisor != 1.0 {
+            dtype.div_assign(buf, divisor);
+        }
+        match tag {
+            Some(tag) => self.allreduce_checked(tag, buf, dtype, deadline),
+            None => self.allreduce(buf, dtype, deadline),
+        }
+    }
+
     /// Sums `buf` over all ranks into this rank's shard
     /// (`dtype::shard_range(len, size, rank)`); the rest of `buf` is scratch.
     fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()>;
