@@ -68,7 +68,8 @@ and, for tiacc rows, ``auto_choice``: rank 0's stderr lines starting with
 where the engine logs the algorithm its auto mode picked. Needs root.
 
 ``--only`` takes comma-separated label substrings; the compute floor, DDP
-floor and native rows always run (they are the references). ``--rounds N``
+floor and native rows always run (they are the references); ``--skip``
+leaves out the rows whose label holds one of its parts. ``--rounds N``
 runs every row N times, one round after the other, and pools the steps.
 The full run:
 
@@ -178,12 +179,23 @@ def pipelines(channels: list[int]) -> list[Pipeline]:
     return runs
 
 
-def selected(runs: list[Pipeline], only: str) -> list[Pipeline]:
-    """The references plus the runs whose label holds one of ``only``'s parts."""
-    wanted = [w.strip() for w in only.split(",") if w.strip()]
-    if not wanted:
-        return runs
-    chosen = [r for r in runs if r.label in REFERENCES or any(w in r.label for w in wanted)]
+def _parts(text: str) -> list[str]:
+    return [w.strip() for w in text.split(",") if w.strip()]
+
+
+def selected(runs: list[Pipeline], only: str, skip: str = "") -> list[Pipeline]:
+    """The references plus the runs whose label holds one of ``only``'s parts
+    (every run when ``only`` is empty) and none of ``skip``'s."""
+    wanted, unwanted = _parts(only), _parts(skip)
+    chosen = [
+        r
+        for r in runs
+        if r.label in REFERENCES
+        or (
+            (not wanted or any(w in r.label for w in wanted))
+            and not any(w in r.label for w in unwanted)
+        )
+    ]
     if any(r.grad_view for r in chosen):
         chosen += [r for r in runs if r.floor and r.grad_view and r not in chosen]
     return chosen
@@ -338,6 +350,11 @@ def main() -> None:
     parser.add_argument(
         "--only", default="", help="comma-separated label substrings: run only matching rows"
     )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated label substrings: leave out matching rows (not the references)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benches/results/bench_ddp.json")
     args = parser.parse_args()
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -348,7 +365,7 @@ def main() -> None:
         sys.exit("bench_ddp.py needs root (network namespaces and tc)")
 
     channels = [int(c) for c in args.channels.split(",") if c.strip()]
-    runs = selected(pipelines(channels), args.only)
+    runs = selected(pipelines(channels), args.only, args.skip)
     link_rate = args.rate_mbit * 1e6 / 8
     setups = {}
     for name in models:
@@ -388,6 +405,7 @@ def main() -> None:
             "tiacc_defaults": "fusion threshold and channel count left to the engine",
             "channels_rows": channels,
             "only": args.only,
+            "skip": args.skip,
             "models": setups,
             "floor": "compute floor (no-DDP median) + link bound; ratio = median / floor",
             "ddp_floor": "DDP without communication (median) + link bound; "
