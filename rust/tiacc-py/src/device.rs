@@ -908,10 +908,7 @@ impl Backend for DeviceBackend<'_, '_> {
                 let s = self.host(buf)?;
                 let py = self.py;
                 let t = self.tcp(group)?;
-                py.detach(move || match tag {
-                    Some(tag) => t.allreduce_checked(&tag, s, dtype, deadline),
-                    None => t.allreduce(s, dtype, deadline),
-                })
+                py.detach(move || t.allreduce_divided(tag.as_ref(), s, dtype, 1.0, deadline))
             }
         }
     }

@@ -181,12 +181,11 @@ impl Algorithm {
                 .settings
                 .hierarchical_threshold
                 .is_some_and(|t| buf.bytes as u64 <= t);
-        match (two_d, sparse) {
-            (false, None) => {
-                return b.allreduce_divided(GroupId::World, Some(tag), buf, dtype, divisor)
-            }
-            _ if divisor != 1.0 => b.div(buf, dtype, divisor)?,
-            _ => {}
+        if !two_d && sparse.is_none() {
+            return b.allreduce_divided(GroupId::World, Some(tag), buf, dtype, divisor);
+        }
+        if divisor != 1.0 {
+            b.div(buf, dtype, divisor)?;
         }
         if let (false, Some(options)) = (two_d, sparse) {
             b.agree(GroupId::World, tag)?;

@@ -438,12 +438,7 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         buf: Mem,
         dtype: DType,
     ) -> Result<()> {
-        let deadline = self.deadline;
-        let (t, s) = self.comm(group, buf)?;
-        match tag {
-            Some(tag) => t.allreduce_checked(tag, s, dtype, deadline),
-            None => t.allreduce(s, dtype, deadline),
-        }
+        self.allreduce_divided(group, tag, buf, dtype, 1.0)
     }
 
     fn allreduce_divided(

@@ -702,6 +702,13 @@ impl ShmGroup {
         set
     }
 
+    /// Posts our tag, waits for every member's and compares them.
+    fn exchange_tags(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()> {
+        let set = self.post_tag(tag);
+        self.barrier_wait(deadline, "exchanging collective headers")?;
+        self.check_tags(set, tag)
+    }
+
     /// Compares every member's tag of set `set` (posted before the barrier
     /// just passed) with ours.
     fn check_tags(&self, set: usize, tag: &OpTag) -> Result<()> {
@@ -728,15 +735,14 @@ impl ShmGroup {
     /// is checked after its barrier, before `buf` changes.
     fn pieces_through(&mut self, buf: &mut [u8], pass: &Pass, deadline: Deadline) -> Result<()> {
         let cut = self.cut(buf.len(), pass.elem);
+        if cut.pieces == 0 {
+            // No piece for the header to travel with.
+            return pass
+                .tag
+                .map_or(Ok(()), |tag| self.exchange_tags(tag, deadline));
+        }
         let r = self.rank;
         let mut tag_set = pass.tag.map(|tag| (self.post_tag(tag), tag));
-        if cut.pieces == 0 {
-            if let Some((set, tag)) = tag_set {
-                self.barrier_wait(deadline, "exchanging collective headers")?;
-                self.check_tags(set, tag)?;
-            }
-            return Ok(());
-        }
         // The set of the piece whose sums the others still have to read.
         let mut summed: Option<(usize, usize)> = None;
         for k in 0..cut.pieces {
@@ -863,11 +869,7 @@ impl Transport for ShmGroup {
     }
 
     fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()> {
-        self.guarded(|g| {
-            let set = g.post_tag(tag);
-            g.barrier_wait(deadline, "exchanging collective headers")?;
-            g.check_tags(set, tag)
-        })
+        self.guarded(|g| g.exchange_tags(tag, deadline))
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
