@@ -57,13 +57,6 @@ def bucket_data(rank: int, step: int, index: int, n: int, dtype: torch.dtype) ->
 WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def sparse(settings: dict, n: int, dtype: torch.dtype) -> bool:
-    """Whether Top-K sparsifies a bucket (the rule of ``TopKOptions::applies``):
-    its sums are then rank by rank on every rank, bitwise the host's."""
-    nbytes = n * torch.empty(0, dtype=dtype).element_size()
-    return settings["topk"] and dtype == torch.float32 and nbytes >= settings["topk_threshold"]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -133,8 +126,11 @@ def main() -> int:
                     index,
                     True,
                 )
+                # A bucket Top-K sparsifies is summed rank by rank on every
+                # rank, bitwise the host engine's sums.
                 exact = args.device == "cpu" or (
-                    args.exact and (pairwise or sparse(settings, n, dtype))
+                    args.exact
+                    and (pairwise or config.topk_applies(str(dtype), n * data.element_size()))
                 )
                 if exact and not torch.equal(ours.view(torch.uint8), reference.view(torch.uint8)):
                     diff = (ours.double() - reference.double()).abs().max().item()

@@ -184,3 +184,17 @@ def test_arguments_are_parsed_like_their_variables() -> None:
     settings = config.to_dict()
     assert (settings["topk_momentum"], settings["topk_momentum_masking"]) == (0.9, True)
     assert (settings["topk_warmup_steps"], settings["topk_clip_norm"]) == (50, 2.0)
+
+
+def test_topk_applies_to_float32_buckets_at_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiacc_training.torch.distributed import _config
+
+    assert not _config.effective_config().topk_applies("torch.float32", 1 << 30)
+    monkeypatch.setenv("LIGHT_TOPK_ALLREDUCE", "1")
+    monkeypatch.setenv("LIGHT_TOPK_THRESHOLD", "4096")
+    config = _config.effective_config()
+    assert config.topk_applies("torch.float32", 4096)
+    assert not config.topk_applies("torch.float32", 4092)
+    assert not config.topk_applies("torch.float16", 1 << 20)
+    with pytest.raises(ValueError, match="complex64"):
+        config.topk_applies("torch.complex64", 4096)

@@ -8,6 +8,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString};
 
+use tiacc_core::comm::dtype::DType;
+use tiacc_core::comm::sparse::TopKOptions;
 use tiacc_core::config::startup::{CudaRoute, Job};
 use tiacc_core::config::{self, CommConfig, TransportChoice};
 use tiacc_core::Error;
@@ -196,6 +198,13 @@ impl PyCommConfig {
     /// launcher's `local_size`; `ConfigError` when neither says.
     fn intra_size_for(&self, local_size: Option<usize>) -> PyResult<usize> {
         self.inner.intra_size_for(local_size).py()
+    }
+
+    /// Whether Top-K sparsifies a bucket of `dtype` (`"torch.float32"`,
+    /// ...) and `nbytes` bytes under these settings; the others go dense.
+    fn topk_applies(&self, dtype: &str, nbytes: usize) -> PyResult<bool> {
+        let dtype = DType::parse(dtype).py()?;
+        Ok(TopKOptions::from_config(&self.inner).is_some_and(|t| t.applies(dtype, nbytes)))
     }
 
     /// Whether NCCL `version` runs several ranks on one GPU here

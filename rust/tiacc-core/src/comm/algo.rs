@@ -78,11 +78,7 @@ impl AlgoSettings {
             scale: config.compression_scale,
             nan_check: config.nan_check,
             hierarchical_threshold: hierarchical.then_some(config.hierarchical_threshold),
-            topk: config.topk.then_some(TopKOptions {
-                ratio: config.topk_ratio,
-                threshold: config.topk_threshold,
-                fp16_values: config.topk_fp16,
-            }),
+            topk: TopKOptions::from_config(config),
             dgc: DgcOptions {
                 momentum: config.topk_momentum,
                 masking: config.topk_momentum_masking,

@@ -32,6 +32,7 @@ use half::f16;
 
 use super::backend::{Backend, GroupId, Mem, Shards};
 use super::dtype::DType;
+use crate::config::CommConfig;
 use crate::error::{Error, Result};
 
 /// Top-K settings.
@@ -46,6 +47,15 @@ pub struct TopKOptions {
 }
 
 impl TopKOptions {
+    /// The Top-K settings of `config`, `None` when Top-K is off.
+    pub fn from_config(config: &CommConfig) -> Option<Self> {
+        config.topk.then_some(TopKOptions {
+            ratio: config.topk_ratio,
+            threshold: config.topk_threshold,
+            fp16_values: config.topk_fp16,
+        })
+    }
+
     /// Whether a bucket of `dtype` and `bytes` is sparsified (float32
     /// buckets of at least the threshold; the others go dense).
     pub fn applies(&self, dtype: DType, bytes: usize) -> bool {
