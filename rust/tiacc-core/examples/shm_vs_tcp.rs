@@ -2,8 +2,10 @@
 //!
 //! `cargo run --release -p tiacc-core --example shm_vs_tcp [ranks] [MiB] [reps]`
 //! (defaults 4, 16, 10). Every rank is a thread with its own buffer; the
-//! two transports alternate round by round so that load from elsewhere on
-//! the machine hits both alike. Prints the median per transport.
+//! transports alternate round by round so that load from elsewhere on the
+//! machine hits them alike: TCP, shared memory, and shared memory leaving
+//! the result in a region every rank maps (as for DDP's buckets: no
+//! gather). Prints the median of each.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
@@ -46,8 +48,13 @@ fn groups(p: usize, shared_memory: bool) -> Vec<Box<dyn Transport>> {
         .collect()
 }
 
-/// One timed allreduce on every rank; the slowest rank's time.
-fn round(groups: Vec<Box<dyn Transport>>, bytes: usize) -> (Vec<Box<dyn Transport>>, Duration) {
+/// One timed allreduce on every rank (the result left in shared memory
+/// when `shared`, as DDP's buckets are); the slowest rank's time.
+fn round(
+    groups: Vec<Box<dyn Transport>>,
+    bytes: usize,
+    shared: bool,
+) -> (Vec<Box<dyn Transport>>, Duration) {
     let handles: Vec<_> = groups
         .into_iter()
         .enumerate()
@@ -56,13 +63,15 @@ fn round(groups: Vec<Box<dyn Transport>>, bytes: usize) -> (Vec<Box<dyn Transpor
                 let mut buf: Vec<u8> = (0..bytes / 4)
                     .flat_map(|i| ((i % 97) as f32 + rank as f32).to_ne_bytes())
                     .collect();
+                let deadline = Deadline::after(Duration::from_secs(60));
                 let start = Instant::now();
-                g.allreduce(
-                    &mut buf,
-                    DType::F32,
-                    Deadline::after(Duration::from_secs(60)),
-                )
-                .expect("allreduce");
+                if shared {
+                    g.allreduce_shared(None, &mut buf, DType::F32, 1.0, 0, deadline)
+                        .expect("allreduce");
+                } else {
+                    g.allreduce(&mut buf, DType::F32, deadline)
+                        .expect("allreduce");
+                }
                 (g, start.elapsed())
             })
         })
@@ -92,21 +101,25 @@ fn main() {
     let reps = args.get(2).copied().unwrap_or(10);
     let mut tcp = groups(p, false);
     let mut shm = groups(p, true);
-    let (mut t_tcp, mut t_shm) = (Vec::new(), Vec::new());
+    let (mut t_tcp, mut t_shm, mut t_shared) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps {
-        let (g, t) = round(tcp, bytes);
+        let (g, t) = round(tcp, bytes, false);
         tcp = g;
         t_tcp.push(t);
-        let (g, t) = round(shm, bytes);
+        let (g, t) = round(shm, bytes, false);
         shm = g;
         t_shm.push(t);
+        let (g, t) = round(shm, bytes, true);
+        shm = g;
+        t_shared.push(t);
     }
-    let (a, b) = (median(t_tcp), median(t_shm));
+    let ms = |v: Vec<Duration>| median(v).as_secs_f64() * 1e3;
+    let (a, b, c) = (ms(t_tcp), ms(t_shm), ms(t_shared));
     println!(
-        "{p} ranks, {} MiB float32 allreduce, median of {reps}: TCP {:.1} ms, shared memory {:.1} ms ({:.2}x)",
+        "{p} ranks, {} MiB float32 allreduce, median of {reps}: TCP {a:.1} ms, shared memory \
+         {b:.1} ms ({:.2}x), result left in shared memory {c:.1} ms ({:.2}x)",
         bytes >> 20,
-        a.as_secs_f64() * 1e3,
-        b.as_secs_f64() * 1e3,
-        a.as_secs_f64() / b.as_secs_f64()
+        a / b,
+        a / c
     );
 }

@@ -21,7 +21,7 @@ use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
 use tiacc_core::comm::tcp::{self, GroupListeners, TOKEN_LEN};
 use tiacc_core::comm::{
     AlgoSettings, Collective, Completion, DType, Deadline, Engine, FailureBoard, Job, Layout,
-    RawBuf,
+    RawBuf, SharedBytes,
 };
 use tiacc_core::config::{self, AlgorithmChoice};
 
@@ -320,6 +320,33 @@ impl EngineInfo {
 /// listen on and (with the 2D allreduce) the ranks per node; it listens at
 /// once (`address`). After every rank's address and the job token have been
 /// exchanged, `connect` forms the rings and starts the channel threads.
+/// An allreduce's result left in memory the ranks of one host share
+/// (`CommEngine.allreduce_async(..., share=True)`): `ptr` and `nbytes`
+/// describe it, and the memory stays mapped while this object lives.
+#[pyclass(module = "tiacc_training._engine", frozen)]
+pub struct SharedResult {
+    bytes: SharedBytes,
+}
+
+#[pymethods]
+impl SharedResult {
+    /// Address of the first byte.
+    #[getter]
+    fn ptr(&self) -> usize {
+        self.bytes.as_ptr() as usize
+    }
+
+    /// Length in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("SharedResult(nbytes={})", self.bytes.len())
+    }
+}
+
 #[pyclass(module = "tiacc_training._engine")]
 pub struct CommEngine {
     info: EngineInfo,
@@ -493,7 +520,13 @@ impl CommEngine {
     /// at once; `future.set_result(tensor)` (or `set_exception`) is called
     /// from the channel thread when it finishes. The caller must not touch
     /// the tensor's memory until then; this object keeps it alive.
-    #[pyo3(signature = (tensor, ptr, nbytes, dtype, bucket, average, future))]
+    ///
+    /// With `share`, the result may instead stay in memory the ranks of the
+    /// host share: the future's value is then a `SharedResult` and the
+    /// tensor's bytes are scratch. Its bytes stay the result until the next
+    /// `share` allreduce of the same bucket and size starts (DDP reads a
+    /// bucket's result before the next backward pass).
+    #[pyo3(signature = (tensor, ptr, nbytes, dtype, bucket, average, future, share=false))]
     #[allow(clippy::too_many_arguments)]
     fn allreduce_async(
         &self,
@@ -504,6 +537,7 @@ impl CommEngine {
         bucket: u64,
         average: bool,
         future: Py<PyAny>,
+        share: bool,
     ) -> PyResult<()> {
         let engine = self.engine()?;
         let dtype = DType::parse(dtype).py()?;
@@ -513,7 +547,9 @@ impl CommEngine {
             // one left to wait on it.
             Python::try_attach(|py| {
                 let outcome = match result {
-                    Ok(()) => future.call_method1(py, "set_result", (tensor,)),
+                    Ok(Some(bytes)) => Py::new(py, SharedResult { bytes })
+                        .and_then(|shared| future.call_method1(py, "set_result", (shared,))),
+                    Ok(None) => future.call_method1(py, "set_result", (tensor,)),
                     Err(err) => {
                         let exc = to_pyerr(err).into_value(py);
                         future.call_method1(py, "set_exception", (exc,))
@@ -534,6 +570,7 @@ impl CommEngine {
             buf,
             dtype,
             bucket,
+            share,
             done,
         });
         Ok(())

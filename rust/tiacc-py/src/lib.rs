@@ -45,6 +45,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(comm::slow_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_same_config, m)?)?;
     m.add_class::<comm::CommEngine>()?;
+    m.add_class::<comm::SharedResult>()?;
     m.add_class::<device::DeviceEngine>()?;
     m.add_class::<amp::AmpPolicy>()?;
     m.add_function(wrap_pyfunction!(amp::amp_constants, m)?)?;

@@ -9,6 +9,8 @@ model replaces the engine for that model.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -114,8 +116,26 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
         bucket.index(),
         True,
         future,
+        True,
     )
-    return future.then(unwrap)
+    return future.then(functools.partial(_bucket_result, buf.dtype))
+
+
+def _bucket_result(dtype: torch.dtype, future: torch.futures.Future) -> torch.Tensor:
+    """The allreduced bucket, from the engine's future.
+
+    That is the bucket itself, or a tensor over the result the engine left
+    in memory the host's ranks share: DDP copies it into the gradients as it
+    would copy the bucket, and the engine keeps it unchanged until this
+    bucket's next allreduce, after the next backward pass.
+    """
+    value = unwrap(future)
+    if isinstance(value, torch.Tensor):
+        return value
+    memory = (ctypes.c_ubyte * value.nbytes).from_address(value.ptr)
+    # The tensor keeps `memory` alive, and `memory` the mapping.
+    memory._tiacc_result = value  # type: ignore[attr-defined]
+    return torch.frombuffer(memory, dtype=dtype)
 
 
 # DDP checks a hook's annotations as objects; this module's postponed

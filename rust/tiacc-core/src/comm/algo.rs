@@ -11,6 +11,7 @@
 use super::backend::{Backend, GroupId, Mem};
 use super::codec::Compression;
 use super::dtype::{shard_range, DType};
+use super::shm::SharedBytes;
 use super::sparse::{sparse_allreduce, DgcOptions, SparseState, TopKOptions};
 use super::transport::OpTag;
 use crate::config::{self, CommConfig};
@@ -121,6 +122,33 @@ impl Algorithm {
         dtype: DType,
         average: bool,
     ) -> Result<()> {
+        self.run(b, tag, buf, dtype, average, false).map(|_| ())
+    }
+
+    /// [`Algorithm::allreduce`], except that a flat dense sum (no
+    /// compression, no Top-K, no 2D) may leave its result in memory every
+    /// rank of the host maps instead of in `buf`: it is then returned, and
+    /// `buf` is scratch (see [`Backend::allreduce_shared`]).
+    pub fn allreduce_shared(
+        &mut self,
+        b: &mut dyn Backend,
+        tag: &OpTag,
+        buf: Mem,
+        dtype: DType,
+        average: bool,
+    ) -> Result<Option<SharedBytes>> {
+        self.run(b, tag, buf, dtype, average, true)
+    }
+
+    fn run(
+        &mut self,
+        b: &mut dyn Backend,
+        tag: &OpTag,
+        buf: Mem,
+        dtype: DType,
+        average: bool,
+        share: bool,
+    ) -> Result<Option<SharedBytes>> {
         let (rank, size) = (b.rank(GroupId::World), b.size(GroupId::World));
         if self.settings.nan_check {
             if let Some((index, value)) = b.first_non_finite(buf, dtype)? {
@@ -146,7 +174,7 @@ impl Algorithm {
             .wire_dtype(dtype)
             .filter(|_| size > 1);
         let Some(wire) = wire else {
-            return self.reduce(b, tag, buf, dtype, divisor);
+            return self.reduce(b, tag, buf, dtype, divisor, share);
         };
         let scale = self.settings.scale;
         let sent = b.alloc(buf.bytes / dtype.size() * wire.size())?;
@@ -156,13 +184,15 @@ impl Algorithm {
             bytes: sent.bytes as u64,
             ..*tag
         };
-        self.reduce(b, &wire_tag, sent, wire, 1.0)?;
-        b.decode(sent, wire, 1.0 / scale, buf, dtype)
+        self.reduce(b, &wire_tag, sent, wire, 1.0, false)?;
+        b.decode(sent, wire, 1.0 / scale, buf, dtype)?;
+        Ok(None)
     }
 
     /// The reduction proper of `buf / divisor`: flat or 2D, dense or Top-K.
     /// A flat dense sum leaves the division to the backend (a transport
-    /// that copies the data divides on the way); the others divide first.
+    /// that copies the data divides on the way), and its result in shared
+    /// memory when `share` and the backend can; the others divide first.
     fn reduce(
         &mut self,
         b: &mut dyn Backend,
@@ -170,7 +200,8 @@ impl Algorithm {
         buf: Mem,
         dtype: DType,
         divisor: f64,
-    ) -> Result<()> {
+        share: bool,
+    ) -> Result<Option<SharedBytes>> {
         let sparse = self.settings.topk.filter(|o| o.applies(dtype, buf.bytes));
         let two_d = b.hierarchical()
             && self
@@ -178,7 +209,11 @@ impl Algorithm {
                 .hierarchical_threshold
                 .is_some_and(|t| buf.bytes as u64 <= t);
         if !two_d && sparse.is_none() {
-            return b.allreduce_divided(GroupId::World, Some(tag), buf, dtype, divisor);
+            if share {
+                return b.allreduce_shared(Some(tag), buf, dtype, divisor, tag.bucket);
+            }
+            b.allreduce_divided(GroupId::World, Some(tag), buf, dtype, divisor)?;
+            return Ok(None);
         }
         if divisor != 1.0 {
             b.div(buf, dtype, divisor)?;
@@ -186,7 +221,8 @@ impl Algorithm {
         if let (false, Some(options)) = (two_d, sparse) {
             b.agree(GroupId::World, tag)?;
             let (dgc, state) = (&self.settings.dgc, &mut self.sparse);
-            return sparse_allreduce(b, GroupId::World, tag.bucket, buf, &options, dgc, state);
+            sparse_allreduce(b, GroupId::World, tag.bucket, buf, &options, dgc, state)?;
+            return Ok(None);
         }
         // Checking the tag inside every node and across nodes covers every rank.
         b.agree(GroupId::Intra, tag)?;
@@ -204,13 +240,15 @@ impl Algorithm {
                 dgc,
                 state,
             )?;
-            return b.allgather(GroupId::Intra, shards, buf, dtype.size());
+            b.allgather(GroupId::Intra, shards, buf, dtype.size())?;
+            return Ok(None);
         }
         let wire = self.settings.inter_compression.wire_dtype(dtype);
         let scale = self.settings.scale;
         let step = move |b: &mut dyn Backend, mine: Mem| inter_dense(b, mine, dtype, wire, scale);
         let chunks = pipeline_chunks(buf, dtype, b.pipelines())?;
-        b.two_d(dtype, &chunks, &step)
+        b.two_d(dtype, &chunks, &step)?;
+        Ok(None)
     }
 }
 

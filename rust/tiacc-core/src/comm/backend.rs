@@ -20,6 +20,7 @@
 use std::ops::Range;
 
 use super::dtype::{shard_range, DType};
+use super::shm::SharedBytes;
 use super::transport::OpTag;
 use crate::error::{Error, Result};
 
@@ -158,6 +159,21 @@ pub trait Backend {
             self.div(buf, dtype, divisor)?;
         }
         self.allreduce(group, tag, buf, dtype)
+    }
+    /// [`Backend::allreduce_divided`] over the world, except that the
+    /// result may be left in memory every rank of the host maps (see
+    /// [`super::Transport::allreduce_shared`]): then it is returned and
+    /// `buf` is scratch. This one leaves it in `buf`.
+    fn allreduce_shared(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: Mem,
+        dtype: DType,
+        divisor: f64,
+        _bucket: u64,
+    ) -> Result<Option<SharedBytes>> {
+        self.allreduce_divided(GroupId::World, tag, buf, dtype, divisor)?;
+        Ok(None)
     }
     /// Sums `buf` over `group`, leaving each rank its shard.
     fn reduce_scatter(&mut self, group: GroupId, buf: Mem, dtype: DType) -> Result<Shards>;

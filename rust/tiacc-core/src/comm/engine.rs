@@ -21,6 +21,7 @@ use super::dtype::DType;
 use super::failure::{FailureBoard, Failures};
 use super::host::{Groups, HostBackend};
 use super::progress::{self, Position, Progress, Recorder};
+use super::shm::SharedBytes;
 use super::transport::{Deadline, OpKind, OpTag, Transport};
 use super::turns::LinkTurns;
 use crate::error::{Error, Result};
@@ -78,8 +79,10 @@ pub enum Collective {
     Barrier,
 }
 
-/// Called exactly once with the job's outcome, on the channel thread.
-pub type Completion = Box<dyn FnOnce(Result<()>) + Send>;
+/// Called exactly once with the job's outcome, on the channel thread:
+/// where the result is when it is not in the job's buffer (see
+/// [`Job::share`]).
+pub type Completion = Box<dyn FnOnce(Result<Option<SharedBytes>>) + Send>;
 
 /// One collective on one buffer.
 pub struct Job {
@@ -88,6 +91,10 @@ pub struct Job {
     pub dtype: DType,
     /// Bucket index: picks the channel and is checked across ranks.
     pub bucket: u64,
+    /// An allreduce may leave its result in shared memory instead of
+    /// `buf` ([`Algorithm::allreduce_shared`]), valid until the next one of
+    /// the same bucket and length starts (DDP's buckets).
+    pub share: bool,
     pub done: Completion,
 }
 
@@ -272,8 +279,9 @@ impl Engine {
             buf: raw,
             dtype,
             bucket,
+            share: false,
             done: Box::new(move |result| {
-                let _ = tx.send(result);
+                let _ = tx.send(result.map(|_| ()));
             }),
         });
         // The completion always runs (the channel loop calls it for every
@@ -358,7 +366,13 @@ fn channel_loop(
                     // completion runs (`RawBuf::new`'s contract), and that is
                     // after `end` below.
                     let mem = unsafe { backend.begin(buf, deadline, turn.take()) };
-                    let result = algorithm.allreduce(&mut backend, &tag, mem, dtype, average);
+                    let result = if job.share {
+                        algorithm.allreduce_shared(&mut backend, &tag, mem, dtype, average)
+                    } else {
+                        algorithm
+                            .allreduce(&mut backend, &tag, mem, dtype, average)
+                            .map(|()| None)
+                    };
                     backend.end();
                     result
                 }
@@ -368,6 +382,7 @@ fn channel_loop(
                         .map_or(Ok(()), |t| t.take(deadline))
                         .and_then(|()| world.agree(&tag, deadline))
                         .and_then(|()| world.broadcast(buf, root, deadline))
+                        .map(|()| None)
                 }
                 Collective::Barrier => {
                     let world = backend.groups.world.as_mut();
@@ -375,6 +390,7 @@ fn channel_loop(
                         .map_or(Ok(()), |t| t.take(deadline))
                         .and_then(|()| world.agree(&tag, deadline))
                         .and_then(|()| world.barrier(deadline))
+                        .map(|()| None)
                 }
             }
         };

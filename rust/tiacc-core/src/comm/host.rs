@@ -14,6 +14,7 @@ use super::algo::{two_d_in_order, InterStep, Layout};
 use super::backend::{Backend, GroupId, Mem, Shards};
 use super::codec;
 use super::dtype::DType;
+use super::shm::SharedBytes;
 use super::sparse::{self, TopKBlock};
 use super::transport::{Aborter, Deadline, OpTag, Transport};
 use super::turns::Turn;
@@ -452,6 +453,19 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         let deadline = self.deadline;
         let (t, s) = self.comm(group, buf)?;
         t.allreduce_divided(tag, s, dtype, divisor, deadline)
+    }
+
+    fn allreduce_shared(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: Mem,
+        dtype: DType,
+        divisor: f64,
+        bucket: u64,
+    ) -> Result<Option<SharedBytes>> {
+        let deadline = self.deadline;
+        let (t, s) = self.comm(GroupId::World, buf)?;
+        t.allreduce_shared(tag, s, dtype, divisor, bucket, deadline)
     }
 
     fn reduce_scatter(&mut self, group: GroupId, buf: Mem, dtype: DType) -> Result<Shards> {

@@ -30,6 +30,7 @@ pub use backend::{Backend, GroupId, Mem, Shards};
 pub use dtype::DType;
 pub use engine::{Collective, Completion, Engine, Job, RawBuf};
 pub use failure::{FailureBoard, Failures};
+pub use shm::SharedBytes;
 pub use transport::{Deadline, OpKind, OpTag, Transport};
 
 #[cfg(test)]

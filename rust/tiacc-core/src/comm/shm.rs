@@ -37,6 +37,20 @@
 //! division by the world size is done while the parts are copied into the
 //! slots, each element divided once, exactly as the ring divides it.
 //!
+//! # Results left in shared memory
+//!
+//! [`ShmGroup::allreduce_shared`] (DDP's buckets) skips the gather: each
+//! member writes the sums of its shard into a region of its own mapping
+//! that every member maps, one region per bucket, and every member reads
+//! the whole result from there (DDP copies it into the gradients, which it
+//! would otherwise do from the bucket). That saves a third of the bytes a
+//! member moves. A region is written again only by the next allreduce of
+//! the same bucket and length, after its first barrier, which every member
+//! reaches only once it is done with the previous result (DDP reads it
+//! before the next backward pass). Member 0 creates a region the first
+//! time a bucket needs it; when `/dev/shm` cannot hold it, every member
+//! falls back to the gather for good.
+//!
 //! Waits spin briefly, then sleep on the futex; the last member to arrive
 //! wakes the others. While sleeping, a member checks the deadline, the
 //! abort word and whether the members it waits for still exist (their
@@ -59,6 +73,10 @@ use crate::error::{Error, Result};
 const SET_BYTES: usize = 4 << 20;
 /// Sets of slots, used in turn by successive pieces.
 const SETS: usize = 3;
+/// Most bytes of results a group keeps in shared memory. Beyond it, the
+/// regions no allreduce used lately go (those of DDP's first buckets,
+/// before it rebuilt them), then a new bucket's result stays private.
+const REGION_BYTES: usize = 2 << 30;
 /// Smallest slot, for groups of many members.
 const MIN_SLOT: usize = 64 << 10;
 /// Members one control page holds (one cache line each after the header).
@@ -111,6 +129,92 @@ impl Drop for Segment {
     }
 }
 
+/// Maps `len` bytes of the file `fd`, shared and writable.
+fn map_shared(fd: i32, len: usize) -> std::io::Result<*mut u8> {
+    // SAFETY: a fresh shared mapping of an open file descriptor; the
+    // kernel picks the address; the result is checked below.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(base.cast())
+}
+
+/// A mapping every member of a group maps, holding one bucket's result.
+struct Region {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain shared memory that lives until `Drop`; members write it
+// only between the barriers of an allreduce (module docs), and the bytes a
+// `SharedBytes` hands out are read after the allreduce's last barrier.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are the mapping made in `ShmGroup::region`,
+        // unmapped only here, once.
+        unsafe {
+            libc::munmap(self.base.cast(), self.len);
+        }
+    }
+}
+
+/// The result of [`ShmGroup::allreduce_shared`]: bytes in shared memory,
+/// the same on every member. The mapping lives as long as this value; its
+/// bytes stay the result until the next allreduce of the same bucket and
+/// length starts.
+pub struct SharedBytes {
+    region: Arc<Region>,
+    len: usize,
+}
+
+impl SharedBytes {
+    /// Address of the first byte.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.region.base
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes (valid until the next allreduce of the same bucket).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` bytes of a live mapping (held by `region`), written
+        // before the barrier that ended the allreduce that returned this.
+        unsafe { std::slice::from_raw_parts(self.region.base, self.len) }
+    }
+}
+
+impl std::fmt::Debug for SharedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SharedBytes({} bytes at {:p})",
+            self.len, self.region.base
+        )
+    }
+}
+
 impl Segment {
     fn layout(members: usize) -> (usize, usize) {
         let slot = (SET_BYTES / members).max(MIN_SLOT) / LINE * LINE;
@@ -121,23 +225,8 @@ impl Segment {
     /// Maps the file `fd` (of `Segment::layout(members).1` bytes).
     fn map(fd: i32, members: usize) -> std::io::Result<Segment> {
         let (slot, len) = Segment::layout(members);
-        // SAFETY: a fresh shared mapping of an open file descriptor; the
-        // kernel picks the address; the result is checked below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
         Ok(Segment {
-            base: base.cast(),
+            base: map_shared(fd, len)?,
             len,
             members,
             slot,
@@ -288,6 +377,14 @@ pub struct ShmGroup {
     pieces: u64,
     /// Tag exchanges so far.
     agreements: u64,
+    /// Results kept in shared memory by (bucket, bytes), with the count of
+    /// shared allreduces when each was last used, the least recent first.
+    regions: Vec<((u64, usize), u64, Arc<Region>)>,
+    /// Shared allreduces so far.
+    shared_runs: u64,
+    /// Whether results may stay in shared memory (off once `/dev/shm` could
+    /// not hold a region, on every member alike).
+    sharing: bool,
     broken: Failed,
 }
 
@@ -342,7 +439,7 @@ pub fn attach(
     let mut name = [0u8; 128];
     let mut created = None;
     if rank == 0 {
-        match create_file(size) {
+        match create_file(Segment::layout(size).1) {
             Ok((path, fd)) => {
                 let bytes = path.as_bytes();
                 name[..bytes.len()].copy_from_slice(bytes);
@@ -395,6 +492,9 @@ pub fn attach(
         barriers: 0,
         pieces: 0,
         agreements: 0,
+        regions: Vec::new(),
+        shared_runs: 0,
+        sharing: true,
         broken: Failed::default(),
     };
     if rank == 0 {
@@ -411,10 +511,9 @@ pub fn attach(
     Ok(Box::new(group))
 }
 
-/// Creates and sizes (with real pages: a full `/dev/shm` fails here, not
-/// later with SIGBUS) a file for a group of `members`.
-fn create_file(members: usize) -> std::result::Result<(String, i32), String> {
-    let (_, len) = Segment::layout(members);
+/// Creates and sizes to `len` bytes (with real pages: a full `/dev/shm`
+/// fails here, not later with SIGBUS) a file of its own in `/dev/shm`.
+fn create_file(len: usize) -> std::result::Result<(String, i32), String> {
     let mut random = [0u8; 8];
     let suffix = std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut random))
@@ -509,7 +608,7 @@ impl ShmGroup {
     }
 
     /// Runs `f`; a failure marks the group unusable and tells the peers.
-    fn guarded(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         self.check_usable()?;
         let result = f(self);
         if let Err(err) = &result {
@@ -687,9 +786,14 @@ impl ShmGroup {
     /// Writes our tag into its cell (the next of the two sets); returns
     /// the set, whose cells every member reads after the next barrier.
     fn post_tag(&mut self, tag: &OpTag) -> usize {
+        self.post_cell(&tag.encode())
+    }
+
+    /// Writes `mine` into our cell of the next set of tag cells; returns
+    /// the set, whose cells every member reads after the next barrier.
+    fn post_cell(&mut self, mine: &[u8; OpTag::LEN]) -> usize {
         let set = (self.agreements % 2) as usize;
         self.agreements += 1;
-        let mine = tag.encode();
         // SAFETY: our own 32-byte tag cell; no member reads it before the
         // next barrier, nor writes it (same parity) before the one after.
         unsafe {
@@ -709,23 +813,137 @@ impl ShmGroup {
         self.check_tags(set, tag)
     }
 
+    /// Every member's cell of set `set` (posted before the barrier just
+    /// passed).
+    fn cells(&self, set: usize) -> Vec<[u8; OpTag::LEN]> {
+        (0..self.size)
+            .map(|m| {
+                let mut bytes = [0u8; OpTag::LEN];
+                // SAFETY: member m's tag cell, written before the barrier.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.seg.tag_ptr(set, m),
+                        bytes.as_mut_ptr(),
+                        bytes.len(),
+                    )
+                };
+                bytes
+            })
+            .collect()
+    }
+
+    /// Posts `mine`, waits for every member's and returns them all.
+    fn exchange_cells(
+        &mut self,
+        mine: &[u8; OpTag::LEN],
+        deadline: Deadline,
+        what: &str,
+    ) -> Result<Vec<[u8; OpTag::LEN]>> {
+        let set = self.post_cell(mine);
+        self.barrier_wait(deadline, what)?;
+        Ok(self.cells(set))
+    }
+
     /// Compares every member's tag of set `set` (posted before the barrier
     /// just passed) with ours.
     fn check_tags(&self, set: usize, tag: &OpTag) -> Result<()> {
-        let mut tags = Vec::with_capacity(self.size);
-        for m in 0..self.size {
-            let mut bytes = [0u8; OpTag::LEN];
-            // SAFETY: member m's tag cell, written before the barrier.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.seg.tag_ptr(set, m),
-                    bytes.as_mut_ptr(),
-                    bytes.len(),
-                )
-            };
-            tags.push(OpTag::decode(&bytes));
-        }
+        let tags: Vec<Option<OpTag>> = self.cells(set).iter().map(|c| OpTag::decode(c)).collect();
         check_agreement(&tags, tag, |m| self.world(m), |m| self.ctx(m))
+    }
+
+    /// The region for the result of bucket `key.0` of `key.1` bytes: kept
+    /// from an earlier allreduce, or made now by every member together
+    /// (after agreeing on `tag`, so that they make the same one); `None`
+    /// when results cannot stay in shared memory.
+    fn region(
+        &mut self,
+        key: (u64, usize),
+        tag: Option<&OpTag>,
+        deadline: Deadline,
+    ) -> Result<Option<Arc<Region>>> {
+        self.shared_runs += 1;
+        let now = self.shared_runs;
+        if let Some(i) = self.regions.iter().position(|(k, ..)| *k == key) {
+            let (_, _, region) = self.regions.remove(i);
+            self.regions.push((key, now, Arc::clone(&region)));
+            return Ok(Some(region));
+        }
+        if !self.sharing || key.1 == 0 {
+            return Ok(None);
+        }
+        // Every member holds the same regions (they see the same
+        // allreduces), so they drop the same ones: those not used in the
+        // last round over every region, least recent first.
+        let stale = now.saturating_sub(self.regions.len() as u64 + 1);
+        let mut kept: usize = self.regions.iter().map(|(k, ..)| k.1).sum();
+        while kept + key.1 > REGION_BYTES && self.regions.first().is_some_and(|r| r.1 < stale) {
+            kept -= self.regions.remove(0).0 .1;
+        }
+        if kept + key.1 > REGION_BYTES {
+            return Ok(None);
+        }
+        if let Some(tag) = tag {
+            self.exchange_tags(tag, deadline)?;
+        }
+        let what = "making a shared result";
+        let len = key.1.div_ceil(PAGE) * PAGE;
+        // 1. Member 0 creates the file and posts its name (1, name) or 0.
+        let mut cell = [0u8; OpTag::LEN];
+        let mut created = None;
+        if self.rank == 0 {
+            // An error here is a full `/dev/shm`: the results stay private.
+            if let Ok((path, fd)) = create_file(len) {
+                let name = path.trim_start_matches("/dev/shm/").as_bytes();
+                if name.len() < cell.len() {
+                    cell[0] = 1;
+                    cell[1..=name.len()].copy_from_slice(name);
+                    created = Some(fd);
+                } else {
+                    // SAFETY: closing our own descriptor once.
+                    unsafe { libc::close(fd) };
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        let cells = self.exchange_cells(&cell, deadline, what)?;
+        if cells[0][0] != 1 {
+            self.sharing = false;
+            return Ok(None);
+        }
+        let end = cells[0][1..]
+            .iter()
+            .position(|b| *b == 0)
+            .map_or(cells[0].len(), |e| e + 1);
+        let path = format!("/dev/shm/{}", String::from_utf8_lossy(&cells[0][1..end]));
+        // 2. Everyone maps it and says whether that worked.
+        let fd = match created {
+            Some(fd) => Ok(fd),
+            None => open_file(&path),
+        };
+        let mapped = fd.and_then(|fd| {
+            let base = map_shared(fd, len).map_err(|e| format!("cannot map {path}: {e}"));
+            // SAFETY: closing our own descriptor once; a mapping stays valid.
+            unsafe { libc::close(fd) };
+            base
+        });
+        let ok = [u8::from(mapped.is_ok()); OpTag::LEN];
+        let oks = self.exchange_cells(&ok, deadline, what)?;
+        if self.rank == 0 {
+            // Every member has opened it: the memory now lives as long as
+            // a mapping does, even after a crash.
+            let _ = std::fs::remove_file(&path);
+        }
+        let region = mapped.map(|base| Arc::new(Region { base, len }));
+        if oks.iter().any(|c| c[0] != 1) {
+            self.sharing = false;
+            return Ok(None);
+        }
+        let region = region.map_err(|message| Error::Comm {
+            peer: None,
+            message,
+        })?;
+        self.regions.push((key, now, Arc::clone(&region)));
+        Ok(Some(region))
     }
 
     /// Sums or gathers `buf` through the slots, as `pass` says. A sum
@@ -773,13 +991,33 @@ impl ShmGroup {
             }
             match pass.sum {
                 Some(dtype) => {
-                    let mine = &mut buf[cut.part(r, k)];
+                    let part = cut.part(r, k);
+                    let mine = &mut buf[part.clone()];
                     if pass.divisor != 1.0 {
                         dtype.div_assign(mine, pass.divisor);
                     }
-                    self.sum_piece(mine, &cut, set, dtype);
-                    if pass.gather {
-                        summed = Some((set, k));
+                    match pass.into {
+                        Some(region) => {
+                            // SAFETY: our own shard's bytes of the region
+                            // (`part` lies in a buffer of the region's
+                            // length); only this member writes them, and no
+                            // member reads them before the last barrier.
+                            let out = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    region.base.add(part.start),
+                                    part.len(),
+                                )
+                            };
+                            self.sum_piece(mine, out, &cut, set, dtype);
+                        }
+                        None => {
+                            let acc = self.own_slot(set, cut.sub(r), mine.len());
+                            self.sum_piece(mine, acc, &cut, set, dtype);
+                            mine.copy_from_slice(acc);
+                            if pass.gather {
+                                summed = Some((set, k));
+                            }
+                        }
                     }
                 }
                 None => self.gather_piece(buf, &cut, set, k),
@@ -788,24 +1026,25 @@ impl ShmGroup {
         if let Some((set, k)) = summed {
             self.barrier_wait(deadline, pass.what)?;
             self.gather_piece(buf, &cut, set, k);
+        } else if pass.into.is_some() {
+            // Every sum is in the region before anyone reads it.
+            self.barrier_wait(deadline, pass.what)?;
         }
         Ok(())
     }
 
     /// Sums this member's part `mine` of a piece (set `set`) in the ring's
-    /// order, into `mine` and into sub-chunk `r` of our own slot, where the
-    /// others read it after the next barrier.
-    fn sum_piece(&self, mine: &mut [u8], cut: &Cut, set: usize, dtype: DType) {
+    /// order into `acc`: sub-chunk `r` of our own slot, where the others
+    /// read it after the next barrier, or our shard's bytes of a region.
+    fn sum_piece(&self, mine: &[u8], acc: &mut [u8], cut: &Cut, set: usize, dtype: DType) {
         let (p, r) = (self.size, self.rank);
         let (at, len) = (cut.sub(r), mine.len());
-        let acc = self.own_slot(set, at, len);
         acc.copy_from_slice(self.slot(set, (r + 1) % p, at, len));
         for step in 2..p {
             dtype.add_assign(acc, self.slot(set, (r + step) % p, at, len));
         }
         // Our own values last, as on the ring.
         dtype.add_assign(acc, mine);
-        mine.copy_from_slice(acc);
     }
 
     /// Copies every other member's part of piece `k` (set `set`) into `buf`.
@@ -855,6 +1094,9 @@ struct Pass<'a> {
     divisor: f64,
     /// The collective's header, checked against every member's.
     tag: Option<&'a OpTag>,
+    /// Where the sums go instead of `buf` and the gather (an allreduce
+    /// whose result stays in shared memory).
+    into: Option<&'a Region>,
     /// What the members wait in, for messages.
     what: &'static str,
 }
@@ -902,9 +1144,40 @@ impl Transport for ShmGroup {
             gather: true,
             divisor,
             tag,
+            into: None,
             what: "allreduce",
         };
         self.guarded(|g| g.pieces_through(buf, &pass, deadline))
+    }
+
+    /// The sums go into a region every member maps, and nothing is
+    /// gathered (module docs).
+    fn allreduce_shared(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: &mut [u8],
+        dtype: DType,
+        divisor: f64,
+        bucket: u64,
+        deadline: Deadline,
+    ) -> Result<Option<SharedBytes>> {
+        let len = buf.len();
+        let region = self.guarded(|g| g.region((bucket, len), tag, deadline))?;
+        let Some(region) = region else {
+            self.allreduce_divided(tag, buf, dtype, divisor, deadline)?;
+            return Ok(None);
+        };
+        let pass = Pass {
+            sum: Some(dtype),
+            elem: dtype.size(),
+            gather: false,
+            divisor,
+            tag,
+            into: Some(&region),
+            what: "allreduce",
+        };
+        self.guarded(|g| g.pieces_through(buf, &pass, deadline))?;
+        Ok(Some(SharedBytes { region, len }))
     }
 
     fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
@@ -914,6 +1187,7 @@ impl Transport for ShmGroup {
             gather: false,
             divisor: 1.0,
             tag: None,
+            into: None,
             what: "reduce-scatter",
         };
         self.guarded(|g| g.pieces_through(buf, &pass, deadline))
@@ -926,6 +1200,7 @@ impl Transport for ShmGroup {
             gather: true,
             divisor: 1.0,
             tag: None,
+            into: None,
             what: "allgather",
         };
         self.guarded(|g| g.pieces_through(buf, &pass, deadline))

@@ -615,6 +615,7 @@ fn channels_taking_turns_on_the_link_sum_every_bucket() {
                 buf: unsafe { RawBuf::new(buf.as_mut_ptr(), buf.len()) },
                 dtype: DType::F32,
                 bucket: bucket as u64,
+                share: false,
                 done: Box::new(move |r| tx.send((bucket, r)).unwrap()),
             });
         }
@@ -950,6 +951,23 @@ fn collective_sequence(
     let mut plain = wavy(rank + 4, len, dtype);
     t.allreduce(&mut plain, dtype, deadline()).unwrap();
     out.push(plain);
+    // Results that may stay in shared memory: bucket 5 twice (its region
+    // again), bucket 6 between, checked or not.
+    for (bucket, seed) in [(5u64, 13usize), (6, 14), (5, 15)] {
+        let mut buf = wavy(rank + seed, len, dtype);
+        let tag = OpTag {
+            kind: OpKind::Allreduce,
+            seq: 10 + seed as u64,
+            bucket,
+            dtype: dtype.code(),
+            bytes: buf.len() as u64,
+        };
+        let checked = (bucket == 5).then_some(&tag);
+        let shared = t
+            .allreduce_shared(checked, &mut buf, dtype, p as f64, bucket, deadline())
+            .unwrap();
+        out.push(shared.map_or(buf, |s| s.as_slice().to_vec()));
+    }
     let mut rs = wavy(rank + 5, len, dtype);
     t.reduce_scatter(&mut rs, dtype, deadline()).unwrap();
     let mine = shard_range(len, p, rank);
@@ -981,6 +999,50 @@ fn shared_memory_gives_the_tcp_rings_bytes_for_every_collective() {
             }
         }
     }
+}
+
+#[test]
+fn shared_memory_leaves_a_buckets_result_in_one_region_until_its_next_allreduce() {
+    let p = 3;
+    let len = 300_001;
+    let seen = on_every_member(p, move |rank, group| {
+        let mut results = Vec::new();
+        for (step, bucket) in [(0usize, 1u64), (0, 2), (1, 1), (1, 2)] {
+            let mut buf = wavy(rank + 7 * step + bucket as usize, len, DType::F32);
+            let shared = group
+                .allreduce_shared(None, &mut buf, DType::F32, p as f64, bucket, deadline())
+                .unwrap()
+                .expect("a result in shared memory");
+            assert_eq!(shared.len(), len * 4);
+            results.push((shared.as_ptr() as usize, shared.as_slice().to_vec(), shared));
+        }
+        let empty = group
+            .allreduce_shared(None, &mut [], DType::F32, 1.0, 3, deadline())
+            .unwrap();
+        assert!(empty.is_none(), "an empty bucket needs no region");
+        // One region per bucket: step 1 reused step 0's, and a result
+        // read now is that of the bucket's last allreduce.
+        assert_eq!(results[0].0, results[2].0);
+        assert_eq!(results[1].0, results[3].0);
+        assert_ne!(results[0].0, results[1].0);
+        assert_eq!(results[0].2.as_slice(), &results[2].1[..]);
+        results
+            .into_iter()
+            .map(|(_, bytes, _)| bytes)
+            .collect::<Vec<_>>()
+    });
+    let tcp = on_every_rank(p, move |rank, ring| {
+        [(0usize, 1u64), (0, 2), (1, 1), (1, 2)]
+            .iter()
+            .map(|&(step, bucket)| {
+                let mut buf = wavy(rank + 7 * step + bucket as usize, len, DType::F32);
+                ring.allreduce_divided(None, &mut buf, DType::F32, p as f64, deadline())
+                    .unwrap();
+                buf
+            })
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(seen, tcp);
 }
 
 #[test]

@@ -8,6 +8,7 @@
 use std::time::{Duration, Instant};
 
 use super::dtype::DType;
+use super::shm::SharedBytes;
 use crate::error::{Error, Result};
 
 /// When a collective must have finished, and the timeout it came from (for
@@ -263,6 +264,24 @@ pub trait Transport: Send {
             Some(tag) => self.allreduce_checked(tag, buf, dtype, deadline),
             None => self.allreduce(buf, dtype, deadline),
         }
+    }
+
+    /// [`Transport::allreduce_divided`], except that the result may be left
+    /// in memory every rank of the host maps instead of in `buf` (then
+    /// returned; `buf` is scratch). It stays the result until the next
+    /// such allreduce of the same `bucket` and length starts. This one
+    /// leaves it in `buf` and returns `None`.
+    fn allreduce_shared(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: &mut [u8],
+        dtype: DType,
+        divisor: f64,
+        _bucket: u64,
+        deadline: Deadline,
+    ) -> Result<Option<SharedBytes>> {
+        self.allreduce_divided(tag, buf, dtype, divisor, deadline)?;
+        Ok(None)
     }
 
     /// Sums `buf` over all ranks into this rank's shard
