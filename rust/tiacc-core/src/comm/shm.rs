@@ -105,28 +105,9 @@ const KIND_TIMED_OUT: u32 = 2;
 
 /// The mapping, shared by the group and its aborter.
 struct Segment {
-    base: *mut u8,
-    len: usize,
+    map: Mapping,
     members: usize,
     slot: usize,
-}
-
-// SAFETY: the mapping is plain shared memory that lives until `Drop`; every
-// access from several threads goes through atomics (control page) or
-// follows the barrier protocol above, which gives each byte of the data
-// area one writer at a time.
-unsafe impl Send for Segment {}
-// SAFETY: as above; `&Segment` only exposes atomics and raw pointers.
-unsafe impl Sync for Segment {}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: `base`/`len` are the mapping created in `Segment::map`,
-        // unmapped only here, once.
-        unsafe {
-            libc::munmap(self.base.cast(), self.len);
-        }
-    }
 }
 
 /// Maps `len` bytes of the file `fd`, shared and writable.
@@ -149,23 +130,26 @@ fn map_shared(fd: i32, len: usize) -> std::io::Result<*mut u8> {
     Ok(base.cast())
 }
 
-/// A mapping every member of a group maps, holding one bucket's result.
-struct Region {
+/// A shared mapping of `len` bytes at `base`, unmapped on drop: a group's
+/// segment, or a region holding one bucket's result.
+struct Mapping {
     base: *mut u8,
     len: usize,
 }
 
-// SAFETY: plain shared memory that lives until `Drop`; members write it
-// only between the barriers of an allreduce (module docs), and the bytes a
-// `SharedBytes` hands out are read after the allreduce's last barrier.
-unsafe impl Send for Region {}
-// SAFETY: as above.
-unsafe impl Sync for Region {}
+// SAFETY: plain shared memory that lives until `Drop`. Every access from
+// several threads or processes goes through atomics (the control page) or
+// follows the barrier protocol (module docs), which gives each byte of the
+// slots and regions one writer at a time, and readers only after the
+// barrier that follows the write.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only exposes raw pointers.
+unsafe impl Sync for Mapping {}
 
-impl Drop for Region {
+impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: `base`/`len` are the mapping made in `ShmGroup::region`,
-        // unmapped only here, once.
+        // SAFETY: `base`/`len` are a mapping made by `map_shared`, unmapped
+        // only here, once.
         unsafe {
             libc::munmap(self.base.cast(), self.len);
         }
@@ -177,7 +161,7 @@ impl Drop for Region {
 /// bytes stay the result until the next allreduce of the same bucket and
 /// length starts.
 pub struct SharedBytes {
-    region: Arc<Region>,
+    region: Arc<Mapping>,
     len: usize,
 }
 
@@ -226,8 +210,10 @@ impl Segment {
     fn map(fd: i32, members: usize) -> std::io::Result<Segment> {
         let (slot, len) = Segment::layout(members);
         Ok(Segment {
-            base: map_shared(fd, len)?,
-            len,
+            map: Mapping {
+                base: map_shared(fd, len)?,
+                len,
+            },
             members,
             slot,
         })
@@ -238,13 +224,13 @@ impl Segment {
         // SAFETY: the offset is inside the control page, 8-byte aligned (the
         // mapping is page aligned), and that memory is only ever accessed
         // through atomics of this width, by every process.
-        unsafe { &*(self.base.add(offset) as *const AtomicU64) }
+        unsafe { &*(self.map.base.add(offset) as *const AtomicU64) }
     }
 
     fn u32_at(&self, offset: usize) -> &AtomicU32 {
         debug_assert!(offset % LINE == 0 && offset + 4 <= PAGE);
         // SAFETY: as in `u64_at`, for a 4-byte atomic.
-        unsafe { &*(self.base.add(offset) as *const AtomicU32) }
+        unsafe { &*(self.map.base.add(offset) as *const AtomicU32) }
     }
 
     fn arrived(&self, member: usize) -> &AtomicU64 {
@@ -254,14 +240,14 @@ impl Segment {
     fn tag_ptr(&self, set: usize, member: usize) -> *mut u8 {
         let at = PAGE + (set * self.members + member) * OpTag::LEN;
         // SAFETY: inside the tag area of the mapping (see `layout`).
-        unsafe { self.base.add(at) }
+        unsafe { self.map.base.add(at) }
     }
 
     fn slot_ptr(&self, set: usize, member: usize) -> *mut u8 {
         let tags = (2 * self.members * OpTag::LEN).div_ceil(PAGE) * PAGE;
         let at = PAGE + tags + (set * self.members + member) * self.slot;
         // SAFETY: inside the data area of the mapping (see `layout`).
-        unsafe { self.base.add(at) }
+        unsafe { self.map.base.add(at) }
     }
 
     /// Sets the abort word (first caller wins) and wakes every sleeper.
@@ -379,7 +365,7 @@ pub struct ShmGroup {
     agreements: u64,
     /// Results kept in shared memory by (bucket, bytes), with the count of
     /// shared allreduces when each was last used, the least recent first.
-    regions: Vec<((u64, usize), u64, Arc<Region>)>,
+    regions: Vec<((u64, usize), u64, Arc<Mapping>)>,
     /// Shared allreduces so far.
     shared_runs: u64,
     /// Whether results may stay in shared memory (off once `/dev/shm` could
@@ -860,7 +846,7 @@ impl ShmGroup {
         key: (u64, usize),
         tag: Option<&OpTag>,
         deadline: Deadline,
-    ) -> Result<Option<Arc<Region>>> {
+    ) -> Result<Option<Arc<Mapping>>> {
         self.shared_runs += 1;
         let now = self.shared_runs;
         if let Some(i) = self.regions.iter().position(|(k, ..)| *k == key) {
@@ -933,7 +919,7 @@ impl ShmGroup {
             // a mapping does, even after a crash.
             let _ = std::fs::remove_file(&path);
         }
-        let region = mapped.map(|base| Arc::new(Region { base, len }));
+        let region = mapped.map(|base| Arc::new(Mapping { base, len }));
         if oks.iter().any(|c| c[0] != 1) {
             self.sharing = false;
             return Ok(None);
@@ -1096,7 +1082,7 @@ struct Pass<'a> {
     tag: Option<&'a OpTag>,
     /// Where the sums go instead of `buf` and the gather (an allreduce
     /// whose result stays in shared memory).
-    into: Option<&'a Region>,
+    into: Option<&'a Mapping>,
     /// What the members wait in, for messages.
     what: &'static str,
 }
