@@ -181,10 +181,16 @@ impl SharedBytes {
         self.len == 0
     }
 
-    /// The bytes (valid until the next allreduce of the same bucket).
-    pub fn as_slice(&self) -> &[u8] {
+    /// The bytes.
+    ///
+    /// # Safety
+    ///
+    /// No member of the group may start another shared allreduce of the
+    /// same bucket and length while the slice lives: that one writes them.
+    pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: `len` bytes of a live mapping (held by `region`), written
-        // before the barrier that ended the allreduce that returned this.
+        // before the barrier that ended the allreduce that returned this,
+        // and by the caller's promise not again while the slice lives.
         unsafe { std::slice::from_raw_parts(self.region.base, self.len) }
     }
 }

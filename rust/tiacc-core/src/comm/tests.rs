@@ -966,7 +966,9 @@ fn collective_sequence(
         let shared = t
             .allreduce_shared(checked, &mut buf, dtype, p as f64, bucket, deadline())
             .unwrap();
-        out.push(shared.map_or(buf, |s| s.as_slice().to_vec()));
+        // SAFETY: read before this bucket's next shared allreduce, which
+        // no member starts before this one reaches it too.
+        out.push(shared.map_or(buf, |s| unsafe { s.as_slice() }.to_vec()));
     }
     let mut rs = wavy(rank + 5, len, dtype);
     t.reduce_scatter(&mut rs, dtype, deadline()).unwrap();
@@ -1014,7 +1016,9 @@ fn shared_memory_leaves_a_buckets_result_in_one_region_until_its_next_allreduce(
                 .unwrap()
                 .expect("a result in shared memory");
             assert_eq!(shared.len(), len * 4);
-            results.push((shared.as_ptr() as usize, shared.as_slice().to_vec(), shared));
+            // SAFETY: as above, read before this bucket's next allreduce.
+            let bytes = unsafe { shared.as_slice() }.to_vec();
+            results.push((shared.as_ptr() as usize, bytes, shared));
         }
         let empty = group
             .allreduce_shared(None, &mut [], DType::F32, 1.0, 3, deadline())
@@ -1025,7 +1029,8 @@ fn shared_memory_leaves_a_buckets_result_in_one_region_until_its_next_allreduce(
         assert_eq!(results[0].0, results[2].0);
         assert_eq!(results[1].0, results[3].0);
         assert_ne!(results[0].0, results[1].0);
-        assert_eq!(results[0].2.as_slice(), &results[2].1[..]);
+        // SAFETY: no member runs another allreduce of bucket 1.
+        assert_eq!(unsafe { results[0].2.as_slice() }, &results[2].1[..]);
         results
             .into_iter()
             .map(|(_, bytes, _)| bytes)
