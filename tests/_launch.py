@@ -47,9 +47,13 @@ def run_ranks(
     timeout: float = 240.0,
     local_size: int | None = None,
     worker: Path = WORKER,
+    prefix: tuple[str, ...] = (),
 ) -> list[Rank]:
     """Starts `world` `worker` processes with torchrun-style variables and
-    waits for all of them (killing any still running at `timeout`)."""
+    waits for all of them (killing any still running at `timeout`).
+
+    ``prefix`` goes before each rank's command (``unshare --mount``, say).
+    """
     port = free_port()
     procs = []
     start = time.monotonic()
@@ -67,7 +71,7 @@ def run_ranks(
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(worker), *args],
+                [*prefix, sys.executable, str(worker), *args],
                 env=rank_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

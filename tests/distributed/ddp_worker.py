@@ -240,6 +240,7 @@ def main() -> int:
         print(f"ENGINE_COMPRESSION={engine.compression if engine else None}", flush=True)
         print(f"ENGINE_2D={engine.two_d_members if engine else None}", flush=True)
         print(f"ENGINE_USES_2D={engine.two_d if engine else None}", flush=True)
+        print(f"ENGINE_TRANSPORTS={engine.transports if engine else None}", flush=True)
         if engine is not None:
             check_dtypes(engine)
         dist.barrier()

@@ -25,6 +25,27 @@ def assert_bitwise_identical_across_ranks(out: Path, world: int) -> None:
             assert torch.equal(value, other[name]), f"rank {rank} differs from rank 0 in {name}"
 
 
+def assert_world_in_shared_memory(ranks: list) -> None:
+    """Ranks of one host exchange through shared memory, or rank 0 said why
+    not (a container's small /dev/shm, say): never TCP without a word."""
+    if "ENGINE_TRANSPORTS={'world': 'shared memory'}" in ranks[0].stdout:
+        return
+    assert "keeps TCP instead of shared memory" in ranks[0].stderr, describe(ranks)
+
+
+def mount_namespace_prefix() -> tuple[str, ...]:
+    """A command prefix giving each process a mount namespace of its own,
+    as ``ip netns exec`` does; skips the test where none can be made."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs unshare (util-linux)")
+    tries = [(unshare, "--mount"), (unshare, "--user", "--map-root-user", "--mount")]
+    for prefix in tries if os.geteuid() == 0 else tries[1:]:
+        if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix
+    pytest.skip("this machine lets no process make a mount namespace")
+
+
 @pytest.mark.parametrize(("world", "channels"), [(2, 1), (2, 3), (4, 1), (4, 3)])
 def test_training_matches_native_ddp(tmp_path: Path, world: int, channels: int) -> None:
     ranks = run_ranks(
@@ -34,6 +55,7 @@ def test_training_matches_native_ddp(tmp_path: Path, world: int, channels: int) 
     )
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     assert f"ENGINE_CHANNELS={channels}" in ranks[0].stdout
+    assert_world_in_shared_memory(ranks)
     assert all("DTYPES_OK" in r.stdout for r in ranks), describe(ranks)
     assert_bitwise_identical_across_ranks(tmp_path, world)
     native, ours = load(tmp_path, "native", 0), load(tmp_path, "tiacc", 0)
@@ -42,6 +64,22 @@ def test_training_matches_native_ddp(tmp_path: Path, world: int, channels: int) 
     # The two runs really trained (parameters moved from their start).
     torch.manual_seed(1234)
     assert not torch.equal(ours["0.weight"], torch.nn.Linear(32, 96).weight)
+
+
+def test_ranks_each_in_a_mount_namespace_of_their_own_share_memory(tmp_path: Path) -> None:
+    """``ip netns exec`` (and some launchers) start every rank in a mount
+    namespace of its own over the same /dev/shm: the ranks still share
+    memory, and train exactly as over TCP."""
+    prefix = mount_namespace_prefix()
+    ranks = run_ranks(
+        2,
+        ["--out", str(tmp_path), "--steps", "5"],
+        env={"TIACC_TRAINING_TIMEOUT": "60"},
+        prefix=prefix,
+    )
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    assert "ENGINE_TRANSPORTS={'world': 'shared memory'}" in ranks[0].stdout, describe(ranks)
+    assert_bitwise_identical_across_ranks(tmp_path, 2)
 
 
 def test_two_emulated_nodes_over_network_namespaces(tmp_path: Path) -> None:
@@ -80,6 +118,12 @@ def test_two_emulated_nodes_over_network_namespaces(tmp_path: Path) -> None:
         outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out + err[-3000:]
+    # The world and the inter-node group span the two namespaces: TCP, and
+    # no word about it. A node's two ranks (each in a mount namespace of its
+    # own, from `ip netns exec`) share memory.
+    media = "{'inter-node': 'tcp', 'intra-node': 'shared memory', 'world': 'tcp'}"
+    assert f"ENGINE_TRANSPORTS={media}" in outs[0][0], outs[0][0]
+    assert "shared memory" not in outs[0][1], outs[0][1][-3000:]
     assert_bitwise_identical_across_ranks(tmp_path, 4)
     native, ours = load(tmp_path, "native", 0), load(tmp_path, "tiacc", 0)
     for name, value in native.items():

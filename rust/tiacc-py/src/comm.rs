@@ -355,6 +355,8 @@ pub struct CommEngine {
     engine: Option<Engine>,
     /// What `TIACC_TRAINING_ALGORITHM=auto` measured and chose, when it ran.
     auto_choice: Option<String>,
+    /// What carries each group's bytes on the first channel, once connected.
+    media: Vec<(&'static str, &'static str)>,
 }
 
 #[pymethods]
@@ -377,6 +379,7 @@ impl CommEngine {
             board: PyBoard::wrap(board),
             engine: None,
             auto_choice: None,
+            media: Vec::new(),
         })
     }
 
@@ -457,6 +460,16 @@ impl CommEngine {
         self.auto_choice.clone()
     }
 
+    /// What carries each group's bytes, once connected: `"world"` (and with
+    /// the 2D groups `"intra-node"` and `"inter-node"`) to `"tcp"` or
+    /// `"shared memory"`. Ranks of one host use shared memory unless
+    /// `TIACC_TRAINING_SHM=0`, or it could not be set up (said once on
+    /// stderr, except for groups that span nodes).
+    #[getter]
+    fn transports(&self) -> std::collections::BTreeMap<&'static str, &'static str> {
+        self.media.iter().copied().collect()
+    }
+
     /// Whether buckets take the 2D allreduce (up to the hierarchical
     /// threshold), as forced or as `auto` chose.
     #[getter]
@@ -504,6 +517,7 @@ impl CommEngine {
                 AlgoSettings::from_config(&config, size, local_size, decision.two_d);
             self.auto_choice = Some(decision.line);
         }
+        self.media = groups.first().map(|g| g.media()).unwrap_or_default();
         let settings = self.info.settings;
         let spec = groups.into_iter().map(|g| (g, settings)).collect();
         let board = self.board.clone();

@@ -46,6 +46,17 @@ impl Groups {
         }
     }
 
+    /// What carries each group's bytes: `("world", medium)`, then the 2D
+    /// groups' (`"intra-node"`, `"inter-node"`) when present.
+    pub fn media(&self) -> Vec<(&'static str, &'static str)> {
+        let mut out = vec![("world", self.world.medium())];
+        if let Some(h) = &self.hierarchy {
+            out.push(("intra-node", h.intra.medium()));
+            out.push(("inter-node", h.inter.medium()));
+        }
+        out
+    }
+
     /// Breaks every transport after a failure.
     pub fn abort(&mut self) {
         self.world.abort();

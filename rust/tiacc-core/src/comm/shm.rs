@@ -325,26 +325,99 @@ fn process_alive(pid: i32) -> bool {
     }
 }
 
-/// What identifies this host and its namespaces: members that agree on it
-/// see the same `/dev/shm` and each other's process ids. The network
-/// namespace is part of it, so nodes emulated with namespaces on one
-/// machine stay apart, as real nodes are.
-fn host_key() -> u64 {
-    let mut text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    for ns in [
-        "/proc/self/ns/pid",
-        "/proc/self/ns/ipc",
-        "/proc/self/ns/mnt",
-        "/proc/self/ns/net",
-    ] {
-        text.push('|');
-        text.push_str(
-            &std::fs::read_link(ns)
+/// Where a member runs, as far as sharing memory goes. Members that agree
+/// on all three parts see the same `/dev/shm` and each other's process ids.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Whereabouts {
+    /// The machine (its boot id) and the network namespace: nodes emulated
+    /// with network namespaces on one machine stay apart, as real nodes
+    /// are.
+    node: u64,
+    /// The process-id namespace: a member checks that the others live.
+    pids: u64,
+    /// The `/dev/shm` file system itself (device and inode), not the mount
+    /// namespace: `ip netns exec` and some launchers give every process a
+    /// mount namespace of its own over the same `/dev/shm`, while a
+    /// container with a private one has another device.
+    shm: u64,
+}
+
+impl Whereabouts {
+    const BYTES: usize = 24;
+
+    fn here() -> Self {
+        let link = |ns: &str| {
+            std::fs::read_link(ns)
                 .map(|p| p.display().to_string())
-                .unwrap_or_default(),
-        );
+                .unwrap_or_default()
+        };
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        let shm = std::fs::metadata("/dev/shm")
+            .map(|m| {
+                use std::os::unix::fs::MetadataExt;
+                format!("{}:{}", m.dev(), m.ino())
+            })
+            .unwrap_or_default();
+        Whereabouts {
+            node: fingerprint(&format!("{boot}|{}", link("/proc/self/ns/net"))),
+            pids: fingerprint(&format!("{boot}|{}", link("/proc/self/ns/pid"))),
+            shm: fingerprint(&format!("{boot}|{shm}")),
+        }
     }
-    // FNV-1a: a stable fingerprint, not a security measure.
+
+    fn write(&self, out: &mut [u8]) {
+        for (i, part) in [self.node, self.pids, self.shm].into_iter().enumerate() {
+            out[8 * i..8 * (i + 1)].copy_from_slice(&part.to_le_bytes());
+        }
+    }
+
+    fn read(from: &[u8]) -> Self {
+        let part =
+            |i: usize| u64::from_le_bytes(from[8 * i..8 * (i + 1)].try_into().unwrap_or([0; 8]));
+        Whereabouts {
+            node: part(0),
+            pids: part(1),
+            shm: part(2),
+        }
+    }
+
+    /// Why members placed as `all` (world ranks `ranks`) cannot share
+    /// memory, if they cannot. Members on other nodes are the usual case
+    /// (2D, several nodes); the others are a setup the user may want to
+    /// change, so the message names two ranks involved.
+    fn why_apart(all: &[Whereabouts], ranks: &[usize]) -> Option<String> {
+        let first = all[0];
+        if all.iter().any(|w| w.node != first.node) {
+            return Some(NOT_ONE_HOST.into());
+        }
+        let apart = |what: &str, same: &dyn Fn(&Whereabouts) -> bool| {
+            all.iter().position(|w| !same(w)).map(|m| {
+                format!(
+                    "ranks {} and {} run on one host but see {what}",
+                    ranks[0], ranks[m]
+                )
+            })
+        };
+        apart(
+            "different /dev/shm file systems (containers need a shared one, \
+             e.g. docker --ipc=host)",
+            &|w| w.shm == first.shm,
+        )
+        .or_else(|| {
+            apart(
+                "different process-id namespaces (containers need a shared one, \
+                 e.g. docker --pid=host)",
+                &|w| w.pids == first.pids,
+            )
+        })
+    }
+}
+
+/// Why a group spanning nodes keeps TCP; not worth a message.
+pub(crate) const NOT_ONE_HOST: &str = "its members are not all on one host";
+
+/// FNV-1a: a stable fingerprint, not a security measure.
+fn fingerprint(text: &str) -> u64 {
     text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })
@@ -393,35 +466,33 @@ pub fn attach(
         return Ok(Box::new(ring));
     }
     let rank = ring.rank();
-    // 1. Who is where: host key, process id and address of every member.
-    const WHO: usize = 64;
+    // 1. Who is where: whereabouts, process id and address of every member.
+    const WHO: usize = 96;
+    const PID: usize = Whereabouts::BYTES;
+    const HOST: usize = PID + 8;
     let mut who = vec![0u8; WHO * size];
     {
         let mine = &mut who[WHO * rank..WHO * (rank + 1)];
-        mine[..8].copy_from_slice(&host_key().to_le_bytes());
-        mine[8..12].copy_from_slice(&(std::process::id() as i32).to_le_bytes());
+        Whereabouts::here().write(mine);
+        mine[PID..PID + 4].copy_from_slice(&(std::process::id() as i32).to_le_bytes());
         let host = ring.local_host();
-        let n = host.len().min(WHO - 16);
-        mine[16..16 + n].copy_from_slice(&host.as_bytes()[..n]);
+        let n = host.len().min(WHO - HOST);
+        mine[HOST..HOST + n].copy_from_slice(&host.as_bytes()[..n]);
     }
     ring.allgather(&mut who, WHO, deadline)?;
-    let field = |c: &[u8], at: usize| c[at..at + 8].try_into().unwrap_or([0; 8]);
-    let keys: Vec<u64> = who
-        .chunks_exact(WHO)
-        .map(|c| u64::from_le_bytes(field(c, 0)))
-        .collect();
-    if keys.iter().any(|k| *k != keys[0]) {
-        *reason = Some("its members are not all on one host".into());
+    let places: Vec<Whereabouts> = who.chunks_exact(WHO).map(Whereabouts::read).collect();
+    if let Some(why) = Whereabouts::why_apart(&places, ring.members()) {
+        *reason = Some(why);
         return Ok(Box::new(ring));
     }
     let pids: Vec<i32> = who
         .chunks_exact(WHO)
-        .map(|c| i32::from_le_bytes(c[8..12].try_into().unwrap_or([0; 4])))
+        .map(|c| i32::from_le_bytes(c[PID..PID + 4].try_into().unwrap_or([0; 4])))
         .collect();
     let hosts: Vec<String> = who
         .chunks_exact(WHO)
         .map(|c| {
-            let text = &c[16..];
+            let text = &c[HOST..];
             let end = text.iter().position(|b| *b == 0).unwrap_or(text.len());
             String::from_utf8_lossy(&text[..end]).into_owned()
         })
@@ -1102,6 +1173,10 @@ impl Transport for ShmGroup {
         self.size
     }
 
+    fn medium(&self) -> &'static str {
+        "shared memory"
+    }
+
     fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()> {
         self.guarded(|g| g.exchange_tags(tag, deadline))
     }
@@ -1236,5 +1311,47 @@ impl Transport for ShmGroup {
     fn aborter(&self) -> Aborter {
         let seg = Arc::clone(&self.seg);
         Box::new(move || seg.abort(NO_CULPRIT))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Whereabouts, NOT_ONE_HOST};
+
+    fn at(node: u64, pids: u64, shm: u64) -> Whereabouts {
+        Whereabouts { node, pids, shm }
+    }
+
+    #[test]
+    fn whereabouts_round_trip_and_this_process_agrees_with_itself() {
+        let here = Whereabouts::here();
+        assert_eq!(here, Whereabouts::here());
+        let mut bytes = [0u8; Whereabouts::BYTES];
+        here.write(&mut bytes);
+        assert_eq!(Whereabouts::read(&bytes), here);
+    }
+
+    #[test]
+    fn members_apart_are_told_apart_by_what_differs_and_named_by_world_rank() {
+        let ranks = [4, 5, 6];
+        assert_eq!(Whereabouts::why_apart(&[at(1, 2, 3); 3], &ranks), None);
+        let other_node = [at(1, 2, 3), at(1, 2, 3), at(9, 2, 3)];
+        assert_eq!(
+            Whereabouts::why_apart(&other_node, &ranks).as_deref(),
+            Some(NOT_ONE_HOST)
+        );
+        let other_shm = Whereabouts::why_apart(&[at(1, 2, 3), at(1, 2, 7), at(1, 2, 3)], &ranks)
+            .expect("a private /dev/shm keeps them apart");
+        assert!(
+            other_shm.starts_with("ranks 4 and 5 run on one host")
+                && other_shm.contains("/dev/shm"),
+            "{other_shm}"
+        );
+        let other_pids = Whereabouts::why_apart(&[at(1, 2, 3), at(1, 2, 3), at(1, 8, 3)], &ranks)
+            .expect("another pid namespace keeps them apart");
+        assert!(
+            other_pids.starts_with("ranks 4 and 6") && other_pids.contains("process-id"),
+            "{other_pids}"
+        );
     }
 }

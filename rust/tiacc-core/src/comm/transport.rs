@@ -222,6 +222,9 @@ pub trait Transport: Send {
     fn rank(&self) -> usize;
     /// Number of ranks in the group.
     fn size(&self) -> usize;
+    /// What carries the group's bytes (`"tcp"` or `"shared memory"`), for
+    /// logs and checks.
+    fn medium(&self) -> &'static str;
 
     /// Checks that every rank is about to run the same collective; the
     /// error names the ranks whose tag differs.

@@ -131,7 +131,7 @@ fn over_shared_memory(
         let mut why = None;
         let transport = shm::attach(ring, deadline, &mut why)?;
         if let (true, Some(why)) = (first, why) {
-            if !why.contains("not all on one host") && channel == 0 {
+            if why != shm::NOT_ONE_HOST && channel == 0 {
                 eprintln!(
                     "tiacc_training: the {group} group keeps TCP instead of shared memory: {why}"
                 );

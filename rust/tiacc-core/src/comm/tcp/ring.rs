@@ -502,6 +502,10 @@ impl Transport for TcpRing {
         self.size
     }
 
+    fn medium(&self) -> &'static str {
+        "tcp"
+    }
+
     fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()> {
         if self.size == 1 {
             return self.check_usable();
