@@ -360,8 +360,9 @@ impl Whereabouts {
             .unwrap_or_default();
         Whereabouts {
             node: fingerprint(&format!("{boot}|{}", link("/proc/self/ns/net"))),
-            pids: fingerprint(&format!("{boot}|{}", link("/proc/self/ns/pid"))),
-            shm: fingerprint(&format!("{boot}|{shm}")),
+            // `why_apart` compares `node` first: the other two need no boot id.
+            pids: fingerprint(&link("/proc/self/ns/pid")),
+            shm: fingerprint(&shm),
         }
     }
 
