@@ -7,7 +7,8 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 STAMPS  := .stamps
 # Python packages the build, tests, demo and benchmarks need (all from PyPI).
-PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruff==0.17.6 tfrecord
+PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruff==0.17.6 tfrecord \
+           accelerate pytorch-lightning
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 

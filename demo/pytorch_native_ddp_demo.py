@@ -172,12 +172,13 @@ def worker(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // local_size))
     if args.mode == "tiacc":
-        # The engine picks the process group's backends and the transport of
-        # CUDA buckets (NCCL, or TCP through host memory where ranks share a
-        # GPU that this NCCL cannot share); its start-up lines say which.
+        # The drop-in: the script's own init_process_group below stays as it
+        # is. The engine serves the group's CPU collectives and picks the
+        # transport of CUDA buckets (NCCL, or TCP through host memory where
+        # ranks share a GPU that this NCCL cannot share); its start-up lines
+        # say which.
         tdist.init_tiacc_training()
-    else:
-        dist.init_process_group(stock_backend(cuda, local_size))
+    dist.init_process_group(stock_backend(cuda, local_size))
     rank, world = dist.get_rank(), dist.get_world_size()
 
     train_set, held_out_set, data_how = datasets(args)

@@ -1,7 +1,7 @@
 """The Python examples in README.md and docs/*.md run, on a small packed dataset.
 
 Each page's ```python blocks run in order in one fresh interpreter (a world of
-one, on the CPU), in a folder that holds what the examples name:
+one with torchrun's variables, on the CPU), in a folder that holds what the examples name:
 ``train_images/`` (an image folder), ``train_list`` and ``train/train.index``
 with its shards. A block preceded by ``<!-- not-run: REASON -->`` is reported
 as skipped with its reason. Tracebacks point at the page and line.
@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, write_image
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(?P<reason>\S.*?)\s*-->$")
@@ -109,6 +117,10 @@ def test_the_examples_of_a_page_run(page, workspace, tmp_path):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    # What torchrun sets for a world of one: the examples call the script's
+    # own init_process_group("gloo"), as a torchrun script does.
+    env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", RUNNER, json.dumps(run)],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,

@@ -77,3 +77,41 @@ def test_the_pil_path_needs_no_torchvision(tmp_path):
         """,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_the_submodules_load_on_attribute_access_as_the_ti_acc_documents_show():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
+                import sys
+                import tiacc_training.torch
+
+                assert "torch" not in sys.modules, "importing the package imported torch"
+                assert "torchvision" not in sys.modules
+                warp = tiacc_training.torch.tiacc_torch_warp
+                assert warp.IndexTFRDataset is warp.IndexedDataset
+                policy = tiacc_training.torch.adaptfp16.MixedPrecision_TrainingPolicy
+                assert policy is warp.MixedPrecision_TrainingPolicy
+                assert "torchvision" not in sys.modules
+                init = tiacc_training.torch.distributed.init_tiacc_training
+                assert callable(init)
+                assert callable(tiacc_training.torch.data.DataLoader)
+                assert "distributed" in dir(tiacc_training.torch)
+                try:
+                    tiacc_training.torch.no_such_module
+                except AttributeError as e:
+                    assert "no_such_module" in str(e)
+                else:
+                    raise AssertionError("an unknown name did not raise AttributeError")
+                print("ok")
+                """
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

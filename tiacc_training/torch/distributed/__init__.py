@@ -5,8 +5,9 @@ Add two lines at the top of an ordinary DistributedDataParallel script::
     import tiacc_training.torch.distributed as tdist
     tdist.init_tiacc_training()
 
-``init_tiacc_training`` initialises the default process group when the
-script has not (from torchrun, Open MPI's mpirun or SLURM), then patches
+``init_tiacc_training`` leaves the default process group to the script's own
+``init_process_group`` (or, for a script that never calls it, creates it
+from torchrun, Open MPI's mpirun or SLURM on first use), then patches
 ``torch.nn.parallel.DistributedDataParallel`` so that every model wrapped
 afterwards takes its bucket size from ``TIACC_TRAINING_FUSION_THRESHOLD``
 and sends its gradient buckets through the engine. CPU buckets and CUDA
@@ -27,12 +28,13 @@ A comm hook the user registers on a model (``register_comm_hook`` or a
 built-in hook) replaces the engine for that model.
 
 The package's modules, one job each: ``_config`` (the effective
-configuration and the start-up report), ``_launch`` (launcher to process
-group), ``_nccl`` (which NCCL, and whether CUDA buckets use it),
-``_rendezvous`` (exchanges through the store), ``_engines`` (building the
-engines), ``_hook`` (the DDP patch and hook), ``_cuda`` (streams and
-futures of CUDA buckets), ``_kernels`` (torch operations for the device
-engine), ``_state`` (process-wide state).
+configuration and the start-up report), ``_group`` (the default group: the
+script's own ``init_process_group`` wrapped, or ours on first use),
+``_launch`` (launcher to process group arguments), ``_nccl`` (which NCCL,
+and whether CUDA buckets use it), ``_rendezvous`` (exchanges through the
+store), ``_engines`` (building the engines), ``_hook`` (the DDP patch and
+hook), ``_cuda`` (streams and futures of CUDA buckets), ``_kernels`` (torch
+operations for the device engine), ``_state`` (process-wide state).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch.distributed as dist
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
 
-from . import _config, _engines, _launch
+from . import _config, _engines, _group, _launch
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
 from ._perf import PerfCheck
@@ -99,17 +101,26 @@ def init_tiacc_training(
 ) -> None:
     """Initialise distributed training and route DDP through the engine.
 
+    Call it at the top of the script, before the script's own
+    ``torch.distributed.init_process_group``: the group is not created
+    here. The script's call then runs with its own arguments (CPU
+    collectives on the "tiacc" backend) and finishes this set-up; a script
+    that never calls it gets the group from its launcher on first use (a
+    DDP model, ``dist.get_rank()``, a collective). Called after the
+    script's ``init_process_group``, it finishes the set-up at once.
+
     Safe to call more than once; later calls update the configuration used
-    by DDP models built afterwards. Works whether or not the script already
-    called ``torch.distributed.init_process_group``. Collective: every rank
-    calls it the same number of times, and the ranks check that they share
-    the settings that must agree (channels, compression, algorithm, ...).
+    by DDP models built afterwards. Once the group exists, every rank calls
+    it the same number of times, and the ranks check that they share the
+    settings that must agree (channels, compression, algorithm, ...).
 
     Args:
-        backend: process-group backend when this call creates the group
-            (default ``gloo`` for CPU tensors and, with CUDA, ``nccl`` for
-            CUDA tensors, or ``gloo`` where ranks share GPUs that NCCL
-            cannot share).
+        backend: process-group backend when the group is created from the
+            launcher (default ``gloo``, or ``tiacc`` where it serves CPU
+            collectives, for CPU tensors and, with CUDA, ``nccl`` for CUDA
+            tensors, or ``gloo`` where ranks share GPUs that NCCL cannot
+            share). The script's own ``init_process_group(backend=...)``
+            wins over it, with a warning where they differ.
         fusion_threshold: largest gradient bucket in bytes; overrides
             ``TIACC_TRAINING_FUSION_THRESHOLD``.
         num_streams: number of communication channels; overrides
@@ -161,52 +172,73 @@ def init_tiacc_training(
         topk_warmup_steps=topk_warmup_steps,
         topk_clip_norm=topk_clip_norm,
     )
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, not {type(backend).__name__}")
     with state.lock:
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this PyTorch build")
-        launch = state.launch
-        if launch is None:
-            launch = _launch.launch_env() if not dist.is_initialized() else _user_launch()
-        state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
-        if not dist.is_initialized():
-            launch = _launch.init_process_group(backend, config, launch)
-        state.launch = launch
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if world > 1:
-            # Every rank takes part in every call, so the rounds pair up.
-            state.config_round += 1
-            prefix = f"tiacc_training/config{state.config_round}"
-            check_same_config(config, default_store(), prefix, rank, world)
         state.config = config
-        state.perf = None
-        if config.enabled and config.perf_check_n_steps > 0 and world > 1:
-            state.perf = PerfCheck(config.perf_check_n_steps, rank, world, config.timeout)
-        local_rank = launch.get("local_rank")
-        if torch.cuda.is_available() and local_rank is not None:
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        state.backend_arg = backend
+        if dist.is_initialized():
+            launch = state.launch if state.finished else _group.user_launch()
+            _finish(launch, device_given=False, check_round=True)
+        else:
+            # The script (or Lightning, Accelerate, mp.spawn's children)
+            # creates the group later; a bad launcher variable or a transport
+            # that cannot work is an error now, before any group exists.
+            launch = _launch.launch_env()
+            state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
+            state.launch = launch
+            state.create_on_use = not state.finished
+        _group.install(_group_created)
         patch_ddp()
         state.initialized = True
-        if not state.logged and dist.get_rank() == 0:
-            state.logged = True
-            version = None
-            if state.cuda_transport == "nccl":
-                version = nccl_version(config.nccl_library)
-            _config.log_startup(
-                config,
-                dist.get_world_size(),
-                launch,
-                state.cuda_transport,
-                state.cuda_reason,
-                version,
-            )
 
 
-def _user_launch() -> dict[str, Any]:
-    """The launcher's view when the script created the group itself."""
-    launch = _engine.launch_env()
-    if launch is not None:
-        return dict(launch)
-    return {"launcher": "user", "local_rank": None, "local_size": None}
+def _group_created(launch: dict[str, Any], device_given: bool) -> None:
+    """Finishes the set-up once the default group exists (``_group`` calls it)."""
+    _finish(launch, device_given, check_round=True)
+
+
+def _finish(launch: dict[str, Any], device_given: bool, check_round: bool) -> None:
+    """The set-up that needs the group: agreement, device, report.
+
+    Args:
+        launch: how the job was launched (``launch_env``'s dict, or the
+            script's own call's view).
+        device_given: the script chose the CUDA device (``device_id=``).
+        check_round: compare the settings every rank must share.
+    """
+    config = state.config
+    state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
+    state.launch = launch
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world > 1 and check_round:
+        # Every rank takes part in every call, so the rounds pair up.
+        state.config_round += 1
+        prefix = f"tiacc_training/config{state.config_round}"
+        check_same_config(config, default_store(), prefix, rank, world)
+    state.perf = None
+    if config.enabled and config.perf_check_n_steps > 0 and world > 1:
+        state.perf = PerfCheck(config.perf_check_n_steps, rank, world, config.timeout)
+    local_rank = launch.get("local_rank")
+    if torch.cuda.is_available() and local_rank is not None and not device_given:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    state.finished = True
+    _group.give_warnings(rank)
+    if not state.logged and rank == 0:
+        state.logged = True
+        version = None
+        if state.cuda_transport == "nccl":
+            version = nccl_version(config.nccl_library)
+        _config.log_startup(
+            config,
+            world,
+            launch,
+            state.cuda_transport,
+            state.cuda_reason,
+            version,
+        )
 
 
 def cuda_transport() -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import _state
 from ._cuda import unwrap
 from ._engines import cuda_path, world_engine
+from ._group import ensure_group
 from ._state import logger, state
 
 _MIB = 1024 * 1024
@@ -59,6 +61,9 @@ def _patched_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> N
     config = state.config
     if config is not None:
         bound = _init_signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("process_group") is None:
+            ensure_group()
+            config = state.config  # the script's init may have set its timeout
         if "bucket_cap_mb" not in bound.arguments:
             kwargs["bucket_cap_mb"] = config.fusion_threshold / _MIB
     _original_init(self, *args, **kwargs)
@@ -74,7 +79,15 @@ def _attach(ddp: DistributedDataParallel, config: Any) -> None:
         and group != dist.group.WORLD
         and (dist.get_world_size(group) != dist.get_world_size())
     ):
-        logger.info("a DDP model on a sub-group communicates natively (the engine spans the world)")
+        if dist.get_rank(group) == 0:
+            warnings.warn(
+                f"tiacc_training: a DDP model on a sub-group of {dist.get_world_size(group)} "
+                f"of the {dist.get_world_size()} ranks (process_group=) communicates through "
+                "torch's own backend, not the tiacc engine: the engine's channels span the "
+                "whole world",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return
     devices = {p.device for p in ddp.module.parameters()}
     if any(d.type != "cpu" for d in devices):
@@ -104,9 +117,11 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
         engine = state.engine if state.cuda is None else state.cuda.engine
         perf.before_step(engine, buf.device)
     if buf.device.type == "cuda" and state.cuda is not None:
+        _state.state.engine_buckets += 1
         return state.cuda.allreduce(buf, bucket.index())
     if buf.device.type != "cpu" or state.engine is None:
         return default_hooks.allreduce_hook(state.process_group, bucket)
+    _state.state.engine_buckets += 1
     future: torch.futures.Future = torch.futures.Future()
     state.engine.allreduce_async(
         buf,

@@ -12,7 +12,6 @@ import socket
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
@@ -57,11 +56,17 @@ def default_backend(config: Any, launch: dict[str, Any]) -> str:
     return "cpu:gloo,cuda:nccl"
 
 
-def init_process_group(backend: str | None, config: Any, launch: dict[str, Any]) -> dict[str, Any]:
-    """Creates the default group from the launcher's environment.
+def group_arguments(
+    backend: str | None, config: Any, launch: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """How to create the default group from the launcher's environment.
+
+    Sets the usual variables (``RANK``, ``MASTER_ADDR``, ...) where the
+    launcher left them unset, so code that reads them finds them.
 
     Returns:
-        ``launch`` with the rendezvous address and port filled in.
+        ``launch`` with the rendezvous address and port filled in, and the
+        keyword arguments of ``init_process_group``.
 
     Raises:
         ConfigError: the job spans nodes and ``MASTER_ADDR`` is not set.
@@ -91,14 +96,14 @@ def init_process_group(backend: str | None, config: Any, launch: dict[str, Any])
     os.environ.setdefault("MASTER_PORT", str(port))
 
     host = f"[{addr}]" if ":" in addr else addr
-    dist.init_process_group(
-        backend=backend or default_backend(config, launch),
-        init_method=f"tcp://{host}:{port}",
-        rank=launch["rank"],
-        world_size=launch["world_size"],
-        timeout=datetime.timedelta(seconds=max(config.timeout, 60.0)),
-    )
-    return launch
+    arguments = {
+        "backend": backend or default_backend(config, launch),
+        "init_method": f"tcp://{host}:{port}",
+        "rank": launch["rank"],
+        "world_size": launch["world_size"],
+        "timeout": datetime.timedelta(seconds=max(config.timeout, 60.0)),
+    }
+    return launch, arguments
 
 
 def _free_port() -> int:

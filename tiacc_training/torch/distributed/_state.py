@@ -37,6 +37,22 @@ class State:
     config_round: int = 0
     patched: bool = False
     logged: bool = False
+    # The default group (``_group``): torch.distributed's functions wrapped;
+    # whether the set-up finished for the current group; whether the group
+    # is created from the launcher on first use (the script never called
+    # init_process_group); the launch of a group being created that way;
+    # ``init_tiacc_training``'s ``backend`` argument.
+    group_patched: bool = False
+    finished: bool = False
+    create_on_use: bool = False
+    pending_launch: dict[str, Any] | None = None
+    backend_arg: str | None = None
+    # Conflicts between the script's init_process_group and our settings,
+    # waiting for rank 0 to warn; the warnings given (once per process).
+    conflicts: list[str] = field(default_factory=list)
+    # Gradient buckets this process handed to an engine (CPU or CUDA path).
+    engine_buckets: int = 0
+    warned: set[str] = field(default_factory=set)
 
 
 state = State()

@@ -1,0 +1,258 @@
+"""Scripts in the shapes people write, with the two lines on top and nothing else.
+
+Each script under ``user_scripts/`` is an ordinary training script (torchrun
+with its own ``init_process_group``, ``mp.spawn``, several trials with
+``destroy_process_group``, Accelerate, Lightning, DDP on a sub-group) whose
+first two statements are::
+
+    import tiacc_training.torch.distributed as tdist
+    tdist.init_tiacc_training()
+
+Every test runs the script as it is and a copy without those two lines
+(native PyTorch), and compares the losses they print. That the gradients
+went through the engine is read from outside the script: a
+``sitecustomize`` on ``PYTHONPATH`` prints, as each process exits, how many
+buckets the process handed to the engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import base_env, free_port
+
+SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
+TWO_LINES = (
+    "import tiacc_training.torch.distributed as tdist\n",
+    "tdist.init_tiacc_training()\n",
+)
+STARTUP = "tiacc_training: DDP communication through the tiacc engine"
+
+REPORTER = """\
+import atexit
+import os
+import sys
+
+
+def _report():
+    state = sys.modules.get("tiacc_training.torch.distributed._state")
+    if state is not None:
+        # One write, so the lines of processes sharing the pipe never mix.
+        line = f"ENGINE_BUCKETS pid={os.getpid()} {state.state.engine_buckets}\\n"
+        os.write(2, line.encode())
+
+
+atexit.register(_report)
+"""
+
+
+def _script(tmp_path: Path, name: str, native: bool) -> Path:
+    """The script as shipped, or (``native``) a copy without the two lines."""
+    source = (SCRIPTS / name).read_text()
+    assert all(line in source for line in TWO_LINES), f"{name} lacks the two lines"
+    folder = tmp_path / ("native" if native else "tiacc")
+    folder.mkdir(exist_ok=True)
+    if native:
+        for line in TWO_LINES:
+            source = source.replace(line, "", 1)
+    target = folder / name
+    target.write_text(source)
+    return target
+
+
+def _env(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    reporter = tmp_path / "reporter"
+    reporter.mkdir(exist_ok=True)
+    (reporter / "sitecustomize.py").write_text(REPORTER)
+    env = base_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(reporter), env["PYTHONPATH"]])
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        env.pop(var, None)
+    env.pop("MASTER_PORT", None)
+    env.update(extra or {})
+    return env
+
+
+def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 240) -> str:
+    proc = subprocess.run(
+        command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(command)} failed:\n{out[-6000:]}"
+    return out
+
+
+def _torchrun(script: Path, *args: str, nproc: int = 2) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(script),
+        *args,
+    ]
+
+
+def _losses(out: str) -> dict[str, float]:
+    return {m[1]: float(m[2]) for m in re.finditer(r"^LOSS (\S+) (\S+)$", out, re.M)}
+
+
+def _engine_buckets(out: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^ENGINE_BUCKETS pid=\d+ (\d+)$", out, re.M)]
+
+
+def _same_losses(tiacc: str, native: str) -> None:
+    ours, theirs = _losses(tiacc), _losses(native)
+    assert ours and ours.keys() == theirs.keys(), (ours, theirs)
+    for key in ours:
+        assert ours[key] == pytest.approx(theirs[key], rel=2e-4, abs=1e-5), (key, ours, theirs)
+
+
+def _through_engine(out: str, processes: int) -> None:
+    """Every training process handed buckets to the engine; one start-up report."""
+    counts = _engine_buckets(out)
+    training = [c for c in counts if c > 0]
+    assert len(training) == processes, f"buckets per process {counts}:\n{out[-4000:]}"
+    assert out.count(STARTUP) == 1, out[-4000:]
+
+
+def _compare(tmp_path: Path, name: str, command, processes: int, env=None) -> tuple[str, str]:
+    """Runs the script with the two lines and without; checks both ways."""
+    runs = {}
+    for native in (False, True):
+        script = _script(tmp_path, name, native)
+        runs[native] = _run(command(script), _env(tmp_path, env), tmp_path)
+    tiacc, native = runs[False], runs[True]
+    _same_losses(tiacc, native)
+    _through_engine(tiacc, processes)
+    assert STARTUP not in native and not any(_engine_buckets(native))
+    return tiacc, native
+
+
+def test_a_torchrun_script_with_its_own_init_process_group(tmp_path: Path) -> None:
+    tiacc, _ = _compare(tmp_path, "torchrun_ddp.py", lambda s: _torchrun(s), 2)
+    assert "WORLD 2 LOCAL_RANK 0" in tiacc
+    assert "launcher=torchrun" in tiacc
+    assert "default process group twice" not in tiacc
+
+
+def test_an_mp_spawn_script(tmp_path: Path) -> None:
+    port = str(free_port())
+    _compare(tmp_path, "spawn_ddp.py", lambda s: [sys.executable, str(s), port], 2)
+
+
+def test_trials_with_destroy_and_a_new_group_by_file_and_by_store(tmp_path: Path) -> None:
+    port = str(free_port())
+
+    def command(script: Path) -> list[str]:
+        folder = script.parent / "rendezvous"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        return _torchrun(script, str(folder), port)
+
+    tiacc, _ = _compare(tmp_path, "trials_ddp.py", command, 2)
+    # The script's timeout=120 s is the engine's too: the report says so.
+    assert "timeout=120s" in tiacc
+
+
+def test_a_world_of_one_started_with_plain_python(tmp_path: Path) -> None:
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+
+    def command(script: Path) -> list[str]:
+        return [sys.executable, str(script), "--epochs", "1"]
+
+    runs = {}
+    for native in (False, True):
+        script = _script(tmp_path, "torchrun_ddp.py", native)
+        runs[native] = _run(command(script), _env(tmp_path, env), tmp_path)
+    _same_losses(runs[False], runs[True])
+    _through_engine(runs[False], 1)
+
+
+def test_ddp_on_a_sub_group_stays_native_with_one_warning_per_group(tmp_path: Path) -> None:
+    runs = {}
+    for native in (False, True):
+        script = _script(tmp_path, "subgroup_ddp.py", native)
+        runs[native] = _run(_torchrun(script, nproc=4), _env(tmp_path), tmp_path)
+    tiacc, native = runs[False], runs[True]
+    _same_losses(tiacc, native)
+    assert "HALVES_SYNCED True" in tiacc and "HALVES_SYNCED True" in native
+    assert tiacc.count("on a sub-group of 2 of the 4 ranks") == 2, tiacc[-4000:]
+    assert not any(_engine_buckets(tiacc))
+
+
+def test_an_mpirun_script_that_reads_ompi_variables(tmp_path: Path) -> None:
+    if shutil.which("mpirun") is None:
+        if os.environ.get("TIACC_TEST_REQUIRE_MPIRUN") == "1":
+            pytest.fail("mpirun is required here (install openmpi-bin: make setup)")
+        pytest.skip("mpirun not installed (make setup installs openmpi-bin)")
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMPI_MCA_plm_rsh_agent": ""}  # fmt: skip
+
+    def command(script: Path) -> list[str]:
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                "-np", "2", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH",
+                "-x", "OMP_NUM_THREADS", sys.executable, str(script)]  # fmt: skip
+
+    tiacc, _ = _compare(tmp_path, "mpirun_ddp.py", command, 2, env)
+    assert "launcher=mpirun" in tiacc
+
+
+needs_accelerate = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed"
+)
+needs_lightning = pytest.mark.skipif(
+    importlib.util.find_spec("pytorch_lightning") is None,
+    reason="pytorch_lightning is not installed",
+)
+
+
+@needs_accelerate
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate launch"])
+def test_an_accelerate_loop(tmp_path: Path, launcher: str) -> None:
+    def command(script: Path) -> list[str]:
+        if launcher == "torchrun":
+            return _torchrun(script)
+        return [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            # Accelerate's multi-process launcher (torchrun underneath); the
+            # script's Accelerator(cpu=True) keeps the model on the CPU.
+            "--multi_gpu",
+            "--num_processes=2",
+            "--num_machines=1",
+            "--mixed_precision=no",
+            "--dynamo_backend=no",
+            f"--main_process_port={free_port()}",
+            str(script),
+        ]
+
+    tiacc, _ = _compare(tmp_path, "accelerate_loop.py", command, 2)
+    assert "WORLD 2" in tiacc
+
+
+@needs_lightning
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_a_lightning_trainer(tmp_path: Path, launcher: str) -> None:
+    def command(script: Path) -> list[str]:
+        if launcher == "torchrun":
+            return _torchrun(script)
+        return [sys.executable, str(script)]
+
+    env = {"MASTER_PORT": str(free_port())} if launcher == "python" else None
+    tiacc, _ = _compare(tmp_path, "lightning_ddp.py", command, 2, env)
+    assert "WORLD 2" in tiacc
