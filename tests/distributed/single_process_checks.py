@@ -6,8 +6,10 @@ rebuilt cleanly inside the pytest process). Prints CHECK <name> per check
 that passed; any failure raises.
 """
 
+import datetime
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -20,11 +22,46 @@ def check(name: str) -> None:
     print(f"CHECK {name}", flush=True)
 
 
+def conflicts() -> None:
+    """The script's explicit choices win over ours, with one warning naming both."""
+    # A launcher that says two ranks, a script that says one.
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    os.environ["TIACC_TRAINING_TIMEOUT"] = "30"
+    tdist.init_tiacc_training(backend="gloo")
+    assert not dist.is_initialized()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.init_process_group(
+            "cpu:gloo",
+            init_method="tcp://127.0.0.1:" + os.environ["PORT"],
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=45),
+        )
+    texts = [str(w.message) for w in caught if "tiacc_training" in str(w.message)]
+    print("\n".join(texts), flush=True)
+    assert len(texts) == 3, texts
+    assert any("timeout=45 s" in t and "TIACC_TRAINING_TIMEOUT=30" in t for t in texts), texts
+    assert any("world_size=1" in t and "torchrun launcher's world_size 2" in t for t in texts)
+    assert any("backend='cpu:gloo'" in t and "backend='gloo'" in t for t in texts), texts
+    assert dist.get_world_size() == 1
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+    ddp(torch.randn(2, 4)).sum().backward()
+    assert tdist.get_engine().timeout == 45.0, tdist.get_engine().timeout
+    check("conflicts_warned")
+    dist.destroy_process_group()
+    assert tdist.get_engine() is None, "the engine outlived its group"
+    check("destroyed_with_the_group")
+
+
 def main(scenario: str) -> None:
     if scenario == "user_group":
         dist.init_process_group(
             "gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1
         )
+    if scenario == "conflicts":
+        conflicts()
+        return
     if scenario in ("transport_nccl", "nccl_library_missing"):
         try:
             tdist.init_tiacc_training()

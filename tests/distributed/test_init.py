@@ -54,6 +54,11 @@ def test_works_after_the_user_initialised_the_group() -> None:
     assert "launcher=user" in out or "launcher=none" in out
 
 
+def test_the_scripts_explicit_choices_win_with_one_warning_naming_both() -> None:
+    out = run_checks("conflicts")
+    assert "CHECK conflicts_warned" in out and "CHECK destroyed_with_the_group" in out
+
+
 def test_disable_switch_leaves_ddp_native() -> None:
     out = run_checks("disabled", {"TIACC_TRAINING_DISABLE": "1"})
     assert "CHECK disabled" in out
