@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
-from conftest import pack_folder, write_image
+from conftest import REPO, pack_folder, write_image
 
 from tiacc_training import errors, tfrecord
 from tiacc_training.errors import DataError, DataFileNotFoundError, DataPermissionError
@@ -74,15 +76,54 @@ def test_other_data_errors_stay_plain_data_errors(packed):
     assert not isinstance(info.value, OSError)
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may read any file")
+UNREADABLE_CHECKS = """
+import errno, sys
+from tiacc_training import tfrecord
+from tiacc_training.errors import DataPermissionError
+from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
+
+shard, index = sys.argv[1], sys.argv[2]
+try:
+    tfrecord.TFRecordReader(shard)
+except PermissionError as e:
+    assert type(e) is DataPermissionError and e.errno == errno.EACCES, repr(e)
+    assert shard in str(e), str(e)
+else:
+    raise AssertionError("reading a shard of mode 000 did not raise")
+try:
+    IndexTFRDataset(str(__import__("pathlib").Path(index).parent), index)
+except PermissionError:
+    pass
+else:
+    raise AssertionError("a dataset over a shard of mode 000 did not raise")
+print("ok")
+"""
+
+
 def test_an_unreadable_shard_is_a_permission_error(packed):
+    """Checked in a child; as root, one in a user namespace of its own.
+
+    Root reads files of any mode through its capabilities; a process in a
+    new user namespace has none over the files of the machine's root, so
+    the mode decides for it as for any user (its own uid still owns the
+    interpreter and the repository).
+    """
     shard = packed.parent / "ds-00000.tfrecord"
+    prefix = []
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        probe = subprocess.run(["unshare", "--user", "true"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip(f"running as root and unshare --user fails: {probe.stderr!r}")
+        prefix = ["unshare", "--user"]
     shard.chmod(0)
     try:
-        with pytest.raises(PermissionError) as info:
-            tfrecord.TFRecordReader(str(shard))
-        assert type(info.value) is DataPermissionError and info.value.errno == errno.EACCES
-        with pytest.raises(PermissionError):
-            IndexTFRDataset(str(packed.parent), str(packed))
+        result = subprocess.run(
+            [*prefix, sys.executable, "-c", UNREADABLE_CHECKS, str(shard), str(packed)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
     finally:
         shard.chmod(0o644)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
