@@ -21,7 +21,7 @@ use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
 use tiacc_core::comm::tcp::{self, GroupListeners, TOKEN_LEN};
 use tiacc_core::comm::{
     AlgoSettings, Collective, Completion, DType, Deadline, Engine, FailureBoard, Job, Layout,
-    RawBuf, SharedBytes,
+    RawBuf, ReduceOp, SharedBytes,
 };
 use tiacc_core::config::{self, AlgorithmChoice};
 
@@ -106,6 +106,23 @@ pub fn slow_ranks(samples: Vec<(usize, String, Option<String>, u64, f64, f64)>) 
         })
         .collect();
     progress::slow_ranks(&ranks)
+}
+
+/// The element types the engine's collectives carry, by torch name
+/// (`"float32"`, `"int64"`, `"bool"`, ...): torch.distributed's CPU
+/// collectives of other types are forwarded to gloo.
+#[pyfunction]
+pub fn collective_dtypes() -> Vec<&'static str> {
+    DType::ALL.iter().map(|d| d.name()).collect()
+}
+
+/// The reductions the engine's collectives compute (`"sum"`, `"product"`,
+/// `"min"`, `"max"`, and `"avg"` for floating-point types).
+#[pyfunction]
+pub fn collective_ops() -> Vec<&'static str> {
+    let mut ops: Vec<&'static str> = ReduceOp::ALL.iter().map(|op| op.name()).collect();
+    ops.push("avg");
+    ops
 }
 
 /// The job's failure board, a Python object with `publish(message) -> str |
@@ -361,8 +378,11 @@ pub struct CommEngine {
 
 #[pymethods]
 impl CommEngine {
+    /// `channels` overrides the configuration's number of channels (the
+    /// torch.distributed backend runs its collectives in order on one).
     #[new]
-    #[pyo3(signature = (config, rank, size, host, board=None, local_size=None, intra_size=None))]
+    #[pyo3(signature = (config, rank, size, host, board=None, local_size=None, intra_size=None, channels=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         config: Bound<'_, PyCommConfig>,
         rank: usize,
@@ -371,8 +391,15 @@ impl CommEngine {
         board: Option<Py<PyAny>>,
         local_size: Option<usize>,
         intra_size: Option<usize>,
+        channels: Option<usize>,
     ) -> PyResult<Self> {
-        let info = EngineInfo::new(config, rank, size, local_size, intra_size)?;
+        let mut info = EngineInfo::new(config, rank, size, local_size, intra_size)?;
+        if let Some(n) = channels {
+            if n == 0 {
+                return Err(PyValueError::new_err("channels must be at least 1"));
+            }
+            info.num_channels = n;
+        }
         Ok(CommEngine {
             tcp: TcpSetup::bind(rank, size, host, info.layout)?,
             info,
@@ -556,24 +583,7 @@ impl CommEngine {
         let engine = self.engine()?;
         let dtype = DType::parse(dtype).py()?;
         check_buffer(ptr, nbytes, Some(dtype))?;
-        let done: Completion = Box::new(move |result| {
-            // No attach while the interpreter shuts down: the future has no
-            // one left to wait on it.
-            Python::try_attach(|py| {
-                let outcome = match result {
-                    Ok(Some(bytes)) => Py::new(py, SharedResult { bytes })
-                        .and_then(|shared| future.call_method1(py, "set_result", (shared,))),
-                    Ok(None) => future.call_method1(py, "set_result", (tensor,)),
-                    Err(err) => {
-                        let exc = to_pyerr(err).into_value(py);
-                        future.call_method1(py, "set_exception", (exc,))
-                    }
-                };
-                if let Err(err) = outcome {
-                    err.write_unraisable(py, None);
-                }
-            });
-        });
+        let done = completion(tensor, future);
         // SAFETY: the Python shim passes a live tensor's data pointer and byte
         // size; `tensor` is moved into the completion, so its storage lives
         // until the job is done, and DDP does not touch a bucket's buffer
@@ -585,6 +595,95 @@ impl CommEngine {
             dtype,
             bucket,
             share,
+            done,
+        });
+        Ok(())
+    }
+
+    /// Queues one of torch.distributed's collectives on the tensor
+    /// memory of `nbytes` bytes at `ptr` (elements of `dtype`) and returns
+    /// at once; `future.set_result(tensor)` (or `set_exception`) is called
+    /// from the channel thread when it finishes, as for
+    /// `allreduce_async`, and `tensor` is kept alive until then.
+    ///
+    /// `collective` is `"allreduce"` (with `reduce`: `"sum"`, `"product"`,
+    /// `"min"`, `"max"`, or `"avg"`, the sum divided by the world size),
+    /// `"reduce_scatter"` (with `reduce`; the result is this rank's equal
+    /// shard of the buffer, the rest is scratch), `"allgather"` (this
+    /// rank's equal shard to every rank), `"alltoall"` (equal blocks),
+    /// `"broadcast"` (from `root`) or `"barrier"` (no buffer). Collectives
+    /// run in submission order on the channel of `bucket`.
+    #[pyo3(signature = (collective, tensor, ptr, nbytes, dtype, future, reduce="sum", root=0, bucket=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn collective_async(
+        &self,
+        collective: &str,
+        tensor: Py<PyAny>,
+        ptr: usize,
+        nbytes: usize,
+        dtype: &str,
+        future: Py<PyAny>,
+        reduce: &str,
+        root: usize,
+        bucket: u64,
+    ) -> PyResult<()> {
+        let engine = self.engine()?;
+        let dtype = DType::parse(dtype).py()?;
+        let (op, mean) = match reduce.trim().to_ascii_lowercase().as_str() {
+            "avg" | "mean" | "average" => (ReduceOp::Sum, true),
+            other => (ReduceOp::parse(other).py()?, false),
+        };
+        let size = self.info.size;
+        let op = match collective {
+            "allreduce" => Collective::AllreduceOp { op, mean },
+            "reduce_scatter" => Collective::ReduceScatter { op },
+            "allgather" => Collective::Allgather,
+            "alltoall" => Collective::AllToAll,
+            "broadcast" if root < size => Collective::Broadcast { root },
+            "broadcast" => {
+                return Err(PyValueError::new_err(format!(
+                    "root {root} is not a rank of a group of {size}"
+                )))
+            }
+            "barrier" => Collective::Barrier,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown collective {other:?}: expected allreduce, reduce_scatter, \
+                     allgather, alltoall, broadcast or barrier"
+                )))
+            }
+        };
+        check_buffer(ptr, nbytes, Some(dtype))?;
+        let sharded = matches!(
+            op,
+            Collective::ReduceScatter { .. } | Collective::Allgather | Collective::AllToAll
+        );
+        if sharded && (nbytes / dtype.size()) % size != 0 {
+            return Err(PyValueError::new_err(format!(
+                "{collective}: {} {} elements do not split into {size} equal blocks",
+                nbytes / dtype.size(),
+                dtype.name()
+            )));
+        }
+        if mean && !dtype.is_float() {
+            return Err(PyValueError::new_err(format!(
+                "allreduce: the engine averages floating-point types only, not {}",
+                dtype.name()
+            )));
+        }
+        let done = completion(tensor, future);
+        // SAFETY: the Python shim passes a live tensor's data pointer and
+        // byte size; `tensor` is moved into the completion, so its storage
+        // lives until the job is done, and the shim does not touch the
+        // memory before the future completes (torch's contract for an
+        // asynchronous collective's tensors).
+        let buf = unsafe { RawBuf::new(ptr as *mut u8, nbytes) };
+        engine.submit(Job {
+            op,
+            buf,
+            dtype,
+            bucket,
+            share: false,
             done,
         });
         Ok(())
@@ -703,6 +802,30 @@ impl CommEngine {
         })
         .py()
     }
+}
+
+/// The completion of a job whose result is reported through a
+/// `torch.futures.Future`: `set_result(tensor)` (or a `SharedResult` when
+/// the result stayed in shared memory), or `set_exception`.
+fn completion(tensor: Py<PyAny>, future: Py<PyAny>) -> Completion {
+    Box::new(move |result| {
+        // No attach while the interpreter shuts down: the future has no
+        // one left to wait on it.
+        Python::try_attach(|py| {
+            let outcome = match result {
+                Ok(Some(bytes)) => Py::new(py, SharedResult { bytes })
+                    .and_then(|shared| future.call_method1(py, "set_result", (shared,))),
+                Ok(None) => future.call_method1(py, "set_result", (tensor,)),
+                Err(err) => {
+                    let exc = to_pyerr(err).into_value(py);
+                    future.call_method1(py, "set_exception", (exc,))
+                }
+            };
+            if let Err(err) = outcome {
+                err.write_unraisable(py, None);
+            }
+        });
+    })
 }
 
 fn parse_addresses(addresses: &[String]) -> PyResult<Vec<SocketAddr>> {

@@ -115,6 +115,7 @@ impl PyCommConfig {
         d.set_item("compression_scale", c.compression_scale)?;
         d.set_item("nan_check", c.nan_check)?;
         d.set_item("shared_memory", c.shared_memory)?;
+        d.set_item("collectives", c.collectives.name())?;
         d.set_item("algorithm", c.algorithm.name())?;
         d.set_item("intra_size", c.intra_size)?;
         d.set_item("hierarchical_threshold", c.hierarchical_threshold)?;
@@ -129,6 +130,13 @@ impl PyCommConfig {
         d.set_item("nccl_multi_rank_gpu", c.nccl_multi_rank_gpu)?;
         d.set_item("perf_check_n_steps", c.perf_check_n_steps)?;
         Ok(d)
+    }
+
+    /// What serves torch.distributed's CPU collectives: `"tiacc"` or
+    /// `"gloo"` (`TIACC_TRAINING_COLLECTIVES`).
+    #[getter]
+    fn collectives(&self) -> &'static str {
+        self.inner.collectives.name()
     }
 
     /// Steps between two slow-rank checks (0: off).

@@ -476,6 +476,7 @@ impl DeviceEngine {
         let at = self.progress.submit(bucket);
         channel.last = Some(at);
         let tag = OpTag {
+            op: 0,
             kind: OpKind::Allreduce,
             seq: channel.seq,
             bucket,

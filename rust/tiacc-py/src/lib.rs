@@ -43,6 +43,8 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(comm::local_addr_towards, m)?)?;
     m.add_function(wrap_pyfunction!(comm::node_layout, m)?)?;
     m.add_function(wrap_pyfunction!(comm::slow_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(comm::collective_dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(comm::collective_ops, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_same_config, m)?)?;
     m.add_class::<comm::CommEngine>()?;
     m.add_class::<comm::SharedResult>()?;

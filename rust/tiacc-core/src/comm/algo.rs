@@ -180,6 +180,7 @@ impl Algorithm {
         let sent = b.alloc(buf.bytes / dtype.size() * wire.size())?;
         b.encode(buf, dtype, scale / divisor, sent, wire)?;
         let wire_tag = OpTag {
+            op: 0,
             dtype: wire.code(),
             bytes: sent.bytes as u64,
             ..*tag

@@ -118,6 +118,7 @@ fn run(b: &mut HostBackend, bytes: usize, deadline: Deadline) -> Result<Probe> {
     let mut time = |b: &mut HostBackend, settings: AlgoSettings, len: usize| -> Result<f64> {
         seq += 1;
         let tag = OpTag {
+            op: 0,
             kind: OpKind::Allreduce,
             seq,
             bucket: u64::MAX - seq,

@@ -39,6 +39,8 @@ impl Compression {
     pub fn wire_dtype(self, dtype: DType) -> Option<DType> {
         match (self, dtype) {
             (Compression::None, _) | (_, DType::F16 | DType::BF16) => None,
+            // Integers and bools travel as they are.
+            (_, d) if !d.is_float() => None,
             (Compression::Fp16, _) => Some(DType::F16),
             (Compression::Bf16, _) => Some(DType::BF16),
         }
@@ -60,6 +62,10 @@ fn read(dtype: DType, bytes: &[u8]) -> f64 {
         DType::F64 => f64::from_ne_bytes(bytes[..8].try_into().unwrap_or([0; 8])),
         DType::F16 => f16::from_ne_bytes([bytes[0], bytes[1]]).to_f64(),
         DType::BF16 => bf16::from_ne_bytes([bytes[0], bytes[1]]).to_f64(),
+        DType::I8 => i8::from_ne_bytes([bytes[0]]) as f64,
+        DType::U8 | DType::Bool => bytes[0] as f64,
+        DType::I32 => i32::from_ne_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as f64,
+        DType::I64 => i64::from_ne_bytes(bytes[..8].try_into().unwrap_or([0; 8])) as f64,
     }
 }
 
@@ -119,6 +125,13 @@ pub fn decode(src: &[u8], wire: DType, factor: f64, dst: &mut [u8], dtype: DType
             DType::F64 => d.copy_from_slice(&v.to_ne_bytes()),
             DType::F16 => d.copy_from_slice(&f16::from_f64(v).to_ne_bytes()),
             DType::BF16 => d.copy_from_slice(&bf16::from_f64(v).to_ne_bytes()),
+            // Never a compressed type's destination (integers are not
+            // compressed); converted as a cast would.
+            DType::I8 => d.copy_from_slice(&(v as i8).to_ne_bytes()),
+            DType::U8 => d.copy_from_slice(&(v as u8).to_ne_bytes()),
+            DType::Bool => d.copy_from_slice(&[u8::from(v != 0.0)]),
+            DType::I32 => d.copy_from_slice(&(v as i32).to_ne_bytes()),
+            DType::I64 => d.copy_from_slice(&(v as i64).to_ne_bytes()),
         }
     }
 }

@@ -1,8 +1,11 @@
-//! Element types the engine reduces, and their sums.
+//! Element types the engine reduces, and their reductions.
 //!
-//! Half types (float16, bfloat16) are added in float32 and rounded once per
-//! addition (round to nearest even), so a ring hop never loses more than one
-//! half-precision rounding.
+//! Half types (float16, bfloat16) are added (and multiplied) in float32 and
+//! rounded once per operation (round to nearest even), so a ring hop never
+//! loses more than one half-precision rounding; their minimum and maximum
+//! pick one of the two values, bit for bit. Integers wrap on overflow (as
+//! torch's and gloo's integer sums do); bool sums are a logical or and
+//! products a logical and, as gloo computes them.
 
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
@@ -15,10 +18,92 @@ pub enum DType {
     F64,
     F16,
     BF16,
+    I8,
+    U8,
+    I32,
+    I64,
+    Bool,
+}
+
+/// How a reduction combines the ranks' elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Product,
+    Min,
+    Max,
+}
+
+impl ReduceOp {
+    /// Every operation, in code order.
+    pub const ALL: [ReduceOp; 4] = [
+        ReduceOp::Sum,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+    ];
+
+    /// Parses `sum`, `product` (or `prod`), `min` and `max`, in any case
+    /// (torch's `ReduceOp` names).
+    pub fn parse(name: &str) -> Result<Self> {
+        let name = name.trim().to_ascii_lowercase();
+        let name = name.trim_start_matches("reduceop.");
+        Ok(match name {
+            "sum" => ReduceOp::Sum,
+            "product" | "prod" => ReduceOp::Product,
+            "min" => ReduceOp::Min,
+            "max" => ReduceOp::Max,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "unsupported reduce op {other:?}: the engine reduces with sum, product, min \
+                     and max"
+                )))
+            }
+        })
+    }
+
+    /// Lower-case name, as torch spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Product => "product",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+        }
+    }
+
+    /// A small stable code, used in the collective headers ranks compare.
+    pub fn code(self) -> u8 {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Product => 1,
+            ReduceOp::Min => 2,
+            ReduceOp::Max => 3,
+        }
+    }
+
+    /// The operation of [`ReduceOp::code`].
+    pub fn from_code(code: u8) -> Option<Self> {
+        ReduceOp::ALL.into_iter().find(|op| op.code() == code)
+    }
 }
 
 impl DType {
-    /// Parses the names torch and numpy use (`float32`, `torch.float16`, `bf16`, ...).
+    /// Every type, in code order.
+    pub const ALL: [DType; 9] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I8,
+        DType::U8,
+        DType::I32,
+        DType::I64,
+        DType::Bool,
+    ];
+
+    /// Parses the names torch and numpy use (`float32`, `torch.float16`,
+    /// `bf16`, `int64`, `torch.uint8`, `bool`, ...).
     pub fn parse(name: &str) -> Result<Self> {
         let name = name.trim().trim_start_matches("torch.");
         Ok(match name {
@@ -26,20 +111,32 @@ impl DType {
             "float64" | "double" | "f64" => DType::F64,
             "float16" | "half" | "f16" => DType::F16,
             "bfloat16" | "bf16" => DType::BF16,
+            "int8" | "i8" => DType::I8,
+            "uint8" | "u8" => DType::U8,
+            "int32" | "int" | "i32" => DType::I32,
+            "int64" | "long" | "i64" => DType::I64,
+            "bool" => DType::Bool,
             other => {
                 return Err(Error::InvalidArgument(format!(
-                    "unsupported dtype {other:?}: the engine reduces float32, float64, float16 and bfloat16"
+                    "unsupported dtype {other:?}: the engine reduces float32, float64, float16, \
+                     bfloat16, int8, uint8, int32, int64 and bool"
                 )))
             }
         })
     }
 
+    /// Whether the type is a floating-point one.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::F64 => 8,
-            DType::F32 => 4,
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::I8 | DType::U8 | DType::Bool => 1,
         }
     }
 
@@ -50,6 +147,11 @@ impl DType {
             DType::F64 => "float64",
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
+            DType::I8 => "int8",
+            DType::U8 => "uint8",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::Bool => "bool",
         }
     }
 
@@ -60,6 +162,87 @@ impl DType {
             DType::F64 => 2,
             DType::F16 => 3,
             DType::BF16 => 4,
+            DType::I8 => 5,
+            DType::U8 => 6,
+            DType::I32 => 7,
+            DType::I64 => 8,
+            DType::Bool => 9,
+        }
+    }
+
+    /// The type of [`DType::code`].
+    pub fn from_code(code: u8) -> Option<Self> {
+        DType::ALL.into_iter().find(|d| d.code() == code)
+    }
+
+    /// `acc[i] = op(acc[i], src[i])` element-wise over whole elements of
+    /// both slices (native-endian element bytes of the same length). The
+    /// result does not depend on the order of the two operands.
+    pub fn reduce_assign(self, op: ReduceOp, acc: &mut [u8], src: &[u8]) {
+        debug_assert_eq!(acc.len(), src.len());
+        if op == ReduceOp::Sum && self.is_float() {
+            return self.add_assign(acc, src);
+        }
+        macro_rules! ints {
+            ($t:ty, $n:literal) => {
+                zip_map::<$n>(acc, src, |a, b| {
+                    let (a, b) = (<$t>::from_ne_bytes(a), <$t>::from_ne_bytes(b));
+                    match op {
+                        ReduceOp::Sum => a.wrapping_add(b),
+                        ReduceOp::Product => a.wrapping_mul(b),
+                        ReduceOp::Min => a.min(b),
+                        ReduceOp::Max => a.max(b),
+                    }
+                    .to_ne_bytes()
+                })
+            };
+        }
+        match self {
+            DType::I8 => ints!(i8, 1),
+            DType::U8 => ints!(u8, 1),
+            DType::I32 => ints!(i32, 4),
+            DType::I64 => ints!(i64, 8),
+            DType::Bool => zip_map::<1>(acc, src, |[a], [b]| {
+                let (a, b) = (a != 0, b != 0);
+                [u8::from(match op {
+                    ReduceOp::Sum | ReduceOp::Max => a || b,
+                    ReduceOp::Product | ReduceOp::Min => a && b,
+                })]
+            }),
+            DType::F32 => zip_map::<4>(acc, src, |a, b| {
+                let (x, y) = (f32::from_ne_bytes(a), f32::from_ne_bytes(b));
+                match op {
+                    ReduceOp::Product => (x * y).to_ne_bytes(),
+                    _ => pick(op, x, y, a, b),
+                }
+            }),
+            DType::F64 => zip_map::<8>(acc, src, |a, b| {
+                let (x, y) = (f64::from_ne_bytes(a), f64::from_ne_bytes(b));
+                match op {
+                    ReduceOp::Product => (x * y).to_ne_bytes(),
+                    _ => pick(op, x, y, a, b),
+                }
+            }),
+            DType::F16 => zip_map::<2>(acc, src, |a, b| {
+                let (x, y) = (
+                    f16::from_ne_bytes(a).to_f32(),
+                    f16::from_ne_bytes(b).to_f32(),
+                );
+                match op {
+                    ReduceOp::Product => f16::from_f32(x * y).to_ne_bytes(),
+                    _ => pick(op, x, y, a, b),
+                }
+            }),
+            DType::BF16 => zip_map::<2>(acc, src, |a, b| {
+                let (x, y) = (
+                    bf16::from_ne_bytes(a).to_f32(),
+                    bf16::from_ne_bytes(b).to_f32(),
+                );
+                match op {
+                    ReduceOp::Product => bf16::from_f32(x * y).to_ne_bytes(),
+                    _ => pick(op, x, y, a, b),
+                }
+            }),
         }
     }
 
@@ -68,6 +251,9 @@ impl DType {
     pub fn add_assign(self, acc: &mut [u8], src: &[u8]) {
         debug_assert_eq!(acc.len(), src.len());
         match self {
+            DType::I8 | DType::U8 | DType::I32 | DType::I64 | DType::Bool => {
+                self.reduce_assign(ReduceOp::Sum, acc, src)
+            }
             DType::F32 => zip_map::<4>(acc, src, |a, b| {
                 (f32::from_ne_bytes(a) + f32::from_ne_bytes(b)).to_ne_bytes()
             }),
@@ -142,7 +328,72 @@ impl DType {
             DType::BF16 => map_into::<2>(src, dst, |a| {
                 bf16::from_f32(quotient(bf16::from_ne_bytes(a).to_f32())).to_ne_bytes()
             }),
+            // Integers: the quotient rounded toward zero (torch's
+            // `div(..., rounding_mode="trunc")`); bools are left as they are.
+            DType::I8 => map_into::<1>(src, dst, |a| {
+                ((i8::from_ne_bytes(a) as f64 / divisor).trunc() as i8).to_ne_bytes()
+            }),
+            DType::U8 => map_into::<1>(src, dst, |a| {
+                ((u8::from_ne_bytes(a) as f64 / divisor).trunc() as u8).to_ne_bytes()
+            }),
+            DType::I32 => map_into::<4>(src, dst, |a| {
+                ((i32::from_ne_bytes(a) as f64 / divisor).trunc() as i32).to_ne_bytes()
+            }),
+            DType::I64 => map_into::<8>(src, dst, |a| {
+                let x = i64::from_ne_bytes(a);
+                match exact_integer(divisor) {
+                    Some(d) if d != 0 => x.wrapping_div(d),
+                    _ => (x as f64 / divisor).trunc() as i64,
+                }
+                .to_ne_bytes()
+            }),
+            DType::Bool => dst.copy_from_slice(src),
         }
+    }
+}
+
+/// Whether the sign bit of a float's native-endian bytes is set.
+#[inline]
+fn negative<const N: usize>(bytes: [u8; N]) -> bool {
+    let top = if cfg!(target_endian = "little") {
+        bytes[N - 1]
+    } else {
+        bytes[0]
+    };
+    top & 0x80 != 0
+}
+
+/// `divisor` as an integer, when it is one.
+fn exact_integer(divisor: f64) -> Option<i64> {
+    (divisor.fract() == 0.0 && divisor.abs() < 9.0e18).then_some(divisor as i64)
+}
+
+/// The minimum or maximum of two floats (`x`, `y`, read from the bytes
+/// `a`, `b`), returned as the bytes of the one picked: a NaN wins (as in
+/// `torch.minimum`; of two NaNs, the one whose bytes sort first), then the
+/// smaller (larger) value, and of `-0.0` and `0.0` the negative (positive)
+/// one, so the result does not depend on the order of the operands.
+#[inline]
+fn pick<T: PartialOrd + Copy, const N: usize>(
+    op: ReduceOp,
+    x: T,
+    y: T,
+    a: [u8; N],
+    b: [u8; N],
+) -> [u8; N] {
+    #[allow(clippy::eq_op)]
+    let (x_nan, y_nan) = (x != x, y != y);
+    let first = match (x_nan, y_nan) {
+        (true, true) => a <= b,
+        (true, false) => true,
+        (false, true) => false,
+        _ if x == y => negative(a) == (op == ReduceOp::Min),
+        _ => (x < y) == (op == ReduceOp::Min),
+    };
+    if first {
+        a
+    } else {
+        b
     }
 }
 
@@ -239,6 +490,11 @@ pub(crate) mod tests {
                 DType::F64 => out.extend(v.to_ne_bytes()),
                 DType::F16 => out.extend(f16::from_f64(v).to_ne_bytes()),
                 DType::BF16 => out.extend(bf16::from_f64(v).to_ne_bytes()),
+                DType::I8 => out.extend((v as i8).to_ne_bytes()),
+                DType::U8 => out.extend((v as u8).to_ne_bytes()),
+                DType::I32 => out.extend((v as i32).to_ne_bytes()),
+                DType::I64 => out.extend((v as i64).to_ne_bytes()),
+                DType::Bool => out.push(u8::from(v != 0.0)),
             }
         }
         out
@@ -253,6 +509,10 @@ pub(crate) mod tests {
                 DType::F64 => f64::from_ne_bytes(c.try_into().unwrap()),
                 DType::F16 => f16::from_ne_bytes(c.try_into().unwrap()).to_f64(),
                 DType::BF16 => bf16::from_ne_bytes(c.try_into().unwrap()).to_f64(),
+                DType::I8 => i8::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::U8 | DType::Bool => c[0] as f64,
+                DType::I32 => i32::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::I64 => i64::from_ne_bytes(c.try_into().unwrap()) as f64,
             })
             .collect()
     }
@@ -262,10 +522,118 @@ pub(crate) mod tests {
         assert_eq!(DType::parse("torch.float32").unwrap(), DType::F32);
         assert_eq!(DType::parse("bfloat16").unwrap(), DType::BF16);
         assert_eq!(DType::parse("half").unwrap(), DType::F16);
-        assert!(DType::parse("int64")
+        assert_eq!(DType::parse("torch.int64").unwrap(), DType::I64);
+        assert_eq!(DType::parse("torch.uint8").unwrap(), DType::U8);
+        assert_eq!(DType::parse("bool").unwrap(), DType::Bool);
+        assert!(DType::parse("complex64")
             .unwrap_err()
             .to_string()
-            .contains("int64"));
+            .contains("complex64"));
+        for dtype in DType::ALL {
+            assert_eq!(DType::parse(dtype.name()).unwrap(), dtype);
+            assert_eq!(DType::from_code(dtype.code()), Some(dtype));
+        }
+        for op in ReduceOp::ALL {
+            assert_eq!(ReduceOp::parse(op.name()).unwrap(), op);
+            assert_eq!(ReduceOp::from_code(op.code()), Some(op));
+        }
+        assert_eq!(ReduceOp::parse("PRODUCT").unwrap(), ReduceOp::Product);
+        assert!(ReduceOp::parse("band")
+            .unwrap_err()
+            .to_string()
+            .contains("band"));
+    }
+
+    /// `op` over two values as f64 (the reference the kernels must match
+    /// on values every type holds exactly).
+    fn reference(op: ReduceOp, a: f64, b: f64) -> f64 {
+        match op {
+            ReduceOp::Sum => a + b,
+            ReduceOp::Product => a * b,
+            ReduceOp::Min => a.min(b),
+            ReduceOp::Max => a.max(b),
+        }
+    }
+
+    #[test]
+    fn every_op_reduces_every_type_exactly() {
+        let a = [3.0, -2.0, 0.0, 7.0, -1.0, 5.0];
+        let b = [-4.0, -2.0, 6.0, 1.0, 2.0, 0.0];
+        for dtype in DType::ALL {
+            let fits = |v: f64| match dtype {
+                DType::U8 => v.abs(),
+                DType::Bool => (v != 0.0) as u8 as f64,
+                _ => v,
+            };
+            let (a, b): (Vec<f64>, Vec<f64>) = (a.map(fits).to_vec(), b.map(fits).to_vec());
+            for op in ReduceOp::ALL {
+                let mut acc = encode(dtype, &a);
+                dtype.reduce_assign(op, &mut acc, &encode(dtype, &b));
+                let want: Vec<f64> = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(&x, &y)| match dtype {
+                        // A logical or (sum, max) or and (product, min).
+                        DType::Bool => match op {
+                            ReduceOp::Sum | ReduceOp::Max => (x + y).min(1.0),
+                            _ => x * y,
+                        },
+                        _ => reference(op, x, y),
+                    })
+                    .collect();
+                assert_eq!(decode(dtype, &acc), want, "{dtype:?} {op:?}");
+                // Either order of the operands gives the same bits.
+                let mut other = encode(dtype, &b);
+                dtype.reduce_assign(op, &mut other, &encode(dtype, &a));
+                assert_eq!(other, acc, "{dtype:?} {op:?} commutes");
+            }
+        }
+    }
+
+    #[test]
+    fn integer_sums_and_products_wrap_as_torch_computes_them() {
+        let mut acc = 120i8.to_ne_bytes().to_vec();
+        DType::I8.reduce_assign(ReduceOp::Sum, &mut acc, &10i8.to_ne_bytes());
+        assert_eq!(acc, (-126i8).to_ne_bytes());
+        let mut acc = 200u8.to_ne_bytes().to_vec();
+        DType::U8.reduce_assign(ReduceOp::Product, &mut acc, &2u8.to_ne_bytes());
+        assert_eq!(acc, 144u8.to_ne_bytes());
+        let mut acc = i64::MAX.to_ne_bytes().to_vec();
+        DType::I64.reduce_assign(ReduceOp::Sum, &mut acc, &1i64.to_ne_bytes());
+        assert_eq!(acc, i64::MIN.to_ne_bytes());
+        // Values beyond float64's exact integers stay exact.
+        let big = (1i64 << 60) + 1;
+        let mut acc = big.to_ne_bytes().to_vec();
+        DType::I64.reduce_assign(ReduceOp::Max, &mut acc, &(1i64 << 60).to_ne_bytes());
+        assert_eq!(acc, big.to_ne_bytes());
+    }
+
+    #[test]
+    fn float_min_and_max_pick_one_operand_nan_first_and_signed_zeros_in_order() {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let nan = encode(dtype, &[f64::NAN]);
+            let one = encode(dtype, &[1.0]);
+            for op in [ReduceOp::Min, ReduceOp::Max] {
+                for (x, y) in [(&nan, &one), (&one, &nan)] {
+                    let mut acc = x.clone();
+                    dtype.reduce_assign(op, &mut acc, y);
+                    assert!(decode(dtype, &acc)[0].is_nan(), "{dtype:?} {op:?}");
+                }
+            }
+            let (neg, pos) = (encode(dtype, &[-0.0]), encode(dtype, &[0.0]));
+            for (x, y) in [(&neg, &pos), (&pos, &neg)] {
+                let mut min = x.clone();
+                dtype.reduce_assign(ReduceOp::Min, &mut min, y);
+                assert_eq!(&min, &neg, "{dtype:?} min(-0, 0)");
+                let mut max = x.clone();
+                dtype.reduce_assign(ReduceOp::Max, &mut max, y);
+                assert_eq!(&max, &pos, "{dtype:?} max(-0, 0)");
+            }
+        }
+        // Half products are computed in float32 and rounded once.
+        let mut acc = encode(DType::F16, &[2049.0 / 2.0]);
+        DType::F16.reduce_assign(ReduceOp::Product, &mut acc, &encode(DType::F16, &[2.0]));
+        assert_eq!(decode(DType::F16, &acc), vec![2048.0]);
     }
 
     #[test]

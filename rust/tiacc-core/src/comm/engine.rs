@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::algo::{AlgoSettings, Algorithm};
-use super::dtype::DType;
+use super::dtype::{DType, ReduceOp};
 use super::failure::{FailureBoard, Failures};
 use super::host::{Groups, HostBackend};
 use super::progress::{self, Position, Progress, Recorder};
@@ -77,6 +77,40 @@ pub enum Collective {
     Broadcast { root: usize },
     /// Wait for every rank (the buffer is ignored).
     Barrier,
+    /// torch.distributed's allreduce: `op` over the world transport alone
+    /// (no compression, Top-K or 2D: exact results), in the ring's order;
+    /// with `mean`, the sum is then divided by the world size (floats).
+    AllreduceOp { op: ReduceOp, mean: bool },
+    /// Reduce with `op` into this rank's equal shard of the buffer (the
+    /// rest is scratch): torch's reduce-scatter when the buffer holds one
+    /// block per rank.
+    ReduceScatter { op: ReduceOp },
+    /// Every rank's equal shard of the buffer to every rank.
+    Allgather,
+    /// Block `j` of every rank's buffer to rank `j` (equal blocks).
+    AllToAll,
+}
+
+impl Collective {
+    fn kind(self) -> OpKind {
+        match self {
+            Collective::Allreduce { .. } | Collective::AllreduceOp { .. } => OpKind::Allreduce,
+            Collective::Broadcast { .. } => OpKind::Broadcast,
+            Collective::Barrier => OpKind::Barrier,
+            Collective::ReduceScatter { .. } => OpKind::ReduceScatter,
+            Collective::Allgather => OpKind::Allgather,
+            Collective::AllToAll => OpKind::AllToAll,
+        }
+    }
+
+    /// The reduction, for collectives that reduce.
+    fn reduce_op(self) -> Option<ReduceOp> {
+        match self {
+            Collective::Allreduce { .. } => Some(ReduceOp::Sum),
+            Collective::AllreduceOp { op, .. } | Collective::ReduceScatter { op } => Some(op),
+            _ => None,
+        }
+    }
 }
 
 /// Called exactly once with the job's outcome, on the channel thread:
@@ -339,20 +373,23 @@ fn channel_loop(
         let mut turn = turns.as_ref().map(|t| t.turn(number));
         let dtype = job.dtype;
         let buf = job.buf.as_mut_slice();
-        let kind = match job.op {
-            Collective::Allreduce { .. } => OpKind::Allreduce,
-            Collective::Broadcast { .. } => OpKind::Broadcast,
-            Collective::Barrier => OpKind::Barrier,
-        };
-        let typed = matches!(job.op, Collective::Allreduce { .. });
+        let typed = !matches!(job.op, Collective::Broadcast { .. } | Collective::Barrier);
         let tag = OpTag {
-            kind,
+            op: job.op.reduce_op().map_or(0, ReduceOp::code),
+            kind: job.op.kind(),
             seq,
             bucket: job.bucket,
             dtype: if typed { dtype.code() } else { 0 },
             bytes: buf.len() as u64,
         };
-        let result = if typed && buf.len() % dtype.size() != 0 {
+        let result = if matches!(job.op, Collective::AllreduceOp { mean: true, .. })
+            && !dtype.is_float()
+        {
+            Err(Error::InvalidArgument(format!(
+                "an average of {} elements: the engine averages floating-point types only",
+                dtype.name()
+            )))
+        } else if typed && buf.len() % dtype.size() != 0 {
             Err(Error::InvalidArgument(format!(
                 "bucket {}: {} bytes is not a whole number of {} elements",
                 job.bucket,
@@ -390,6 +427,33 @@ fn channel_loop(
                         .map_or(Ok(()), |t| t.take(deadline))
                         .and_then(|()| world.agree(&tag, deadline))
                         .and_then(|()| world.barrier(deadline))
+                        .map(|()| None)
+                }
+                Collective::AllreduceOp { op, mean } => {
+                    let world = backend.groups.world.as_mut();
+                    // The header travels with the data (no round of its own).
+                    turn.as_mut()
+                        .map_or(Ok(()), |t| t.take(deadline))
+                        .and_then(|()| world.allreduce_op(Some(&tag), buf, dtype, op, deadline))
+                        .map(|()| {
+                            if mean && size > 1 {
+                                dtype.div_assign(buf, size as f64);
+                            }
+                            None
+                        })
+                }
+                Collective::ReduceScatter { .. } | Collective::Allgather | Collective::AllToAll => {
+                    let world = backend.groups.world.as_mut();
+                    turn.as_mut()
+                        .map_or(Ok(()), |t| t.take(deadline))
+                        .and_then(|()| world.agree(&tag, deadline))
+                        .and_then(|()| match job.op {
+                            Collective::ReduceScatter { op } => {
+                                world.reduce_scatter_op(buf, dtype, op, deadline)
+                            }
+                            Collective::Allgather => world.allgather(buf, dtype.size(), deadline),
+                            _ => world.alltoall(buf, deadline),
+                        })
                         .map(|()| None)
                 }
             }

@@ -27,7 +27,7 @@ pub mod turns;
 
 pub use algo::{AlgoSettings, Algorithm, Layout};
 pub use backend::{Backend, GroupId, Mem, Shards};
-pub use dtype::DType;
+pub use dtype::{DType, ReduceOp};
 pub use engine::{Collective, Completion, Engine, Job, RawBuf};
 pub use failure::{FailureBoard, Failures};
 pub use shm::SharedBytes;

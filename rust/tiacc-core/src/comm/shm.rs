@@ -63,7 +63,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::dtype::{shard_range, DType};
+use super::dtype::{shard_range, DType, ReduceOp};
 use super::tcp::TcpRing;
 use super::transport::{check_agreement, Aborter, Deadline, Failed, OpTag, Transport};
 use crate::error::{Error, Result};
@@ -1072,11 +1072,11 @@ impl ShmGroup {
                                     part.len(),
                                 )
                             };
-                            self.sum_piece(mine, out, &cut, set, dtype);
+                            self.sum_piece(mine, out, &cut, set, pass);
                         }
                         None => {
                             let acc = self.own_slot(set, cut.sub(r), mine.len());
-                            self.sum_piece(mine, acc, &cut, set, dtype);
+                            self.sum_piece(mine, acc, &cut, set, pass);
                             mine.copy_from_slice(acc);
                             if pass.gather {
                                 summed = Some((set, k));
@@ -1100,15 +1100,16 @@ impl ShmGroup {
     /// Sums this member's part `mine` of a piece (set `set`) in the ring's
     /// order into `acc`: sub-chunk `r` of our own slot, where the others
     /// read it after the next barrier, or our shard's bytes of a region.
-    fn sum_piece(&self, mine: &[u8], acc: &mut [u8], cut: &Cut, set: usize, dtype: DType) {
+    fn sum_piece(&self, mine: &[u8], acc: &mut [u8], cut: &Cut, set: usize, pass: &Pass) {
         let (p, r) = (self.size, self.rank);
         let (at, len) = (cut.sub(r), mine.len());
+        let (dtype, op) = (pass.sum.unwrap_or(DType::U8), pass.op);
         acc.copy_from_slice(self.slot(set, (r + 1) % p, at, len));
         for step in 2..p {
-            dtype.add_assign(acc, self.slot(set, (r + step) % p, at, len));
+            dtype.reduce_assign(op, acc, self.slot(set, (r + step) % p, at, len));
         }
         // Our own values last, as on the ring.
-        dtype.add_assign(acc, mine);
+        dtype.reduce_assign(op, acc, mine);
     }
 
     /// Copies every other member's part of piece `k` (set `set`) into `buf`.
@@ -1149,6 +1150,9 @@ impl Cut {
 struct Pass<'a> {
     /// Sum this member's shard in this type; `None`: only gather.
     sum: Option<DType>,
+    /// How the shard's elements are combined (a sum unless torch asked
+    /// for another reduction).
+    op: ReduceOp,
     /// Bytes per element.
     elem: usize,
     /// Gather every shard back after the sums (allreduce) or not
@@ -1182,8 +1186,25 @@ impl Transport for ShmGroup {
         self.guarded(|g| g.exchange_tags(tag, deadline))
     }
 
-    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
-        self.allreduce_divided(None, buf, dtype, 1.0, deadline)
+    fn allreduce_op(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Deadline,
+    ) -> Result<()> {
+        let pass = Pass {
+            op,
+            sum: Some(dtype),
+            elem: dtype.size(),
+            gather: true,
+            divisor: 1.0,
+            tag,
+            into: None,
+            what: "allreduce",
+        };
+        self.guarded(|g| g.pieces_through(buf, &pass, deadline))
     }
 
     /// The tag travels with the first piece (no barrier of its own).
@@ -1207,6 +1228,7 @@ impl Transport for ShmGroup {
         deadline: Deadline,
     ) -> Result<()> {
         let pass = Pass {
+            op: ReduceOp::Sum,
             sum: Some(dtype),
             elem: dtype.size(),
             gather: true,
@@ -1236,6 +1258,7 @@ impl Transport for ShmGroup {
             return Ok(None);
         };
         let pass = Pass {
+            op: ReduceOp::Sum,
             sum: Some(dtype),
             elem: dtype.size(),
             gather: false,
@@ -1248,8 +1271,15 @@ impl Transport for ShmGroup {
         Ok(Some(SharedBytes { region, len }))
     }
 
-    fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
+    fn reduce_scatter_op(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Deadline,
+    ) -> Result<()> {
         let pass = Pass {
+            op,
             sum: Some(dtype),
             elem: dtype.size(),
             gather: false,
@@ -1263,6 +1293,7 @@ impl Transport for ShmGroup {
 
     fn allgather(&mut self, buf: &mut [u8], elem_size: usize, deadline: Deadline) -> Result<()> {
         let pass = Pass {
+            op: ReduceOp::Sum,
             sum: None,
             elem: elem_size.max(1),
             gather: true,

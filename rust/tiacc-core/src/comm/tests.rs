@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::algo::AlgoSettings;
 use super::dtype::tests::{decode, encode};
-use super::dtype::{shard_range, DType};
+use super::dtype::{shard_range, DType, ReduceOp};
 use super::engine::{Collective, Engine};
 use super::host::Groups;
 use super::tcp::{random_token, RingListener, TcpRing};
@@ -198,6 +198,7 @@ fn mismatched_collectives_raise_on_every_rank_naming_the_odd_rank() {
     let errors = on_every_rank(3, |rank, ring| {
         let bytes = if rank == 2 { 400 } else { 800 };
         let tag = OpTag {
+            op: 0,
             kind: OpKind::Allreduce,
             seq: 1,
             bucket: 0,
@@ -215,6 +216,7 @@ fn mismatched_collectives_raise_on_every_rank_naming_the_odd_rank() {
 #[test]
 fn checked_allreduce_sums_and_catches_a_diverging_rank_without_an_extra_round() {
     let tag = |bytes: u64| OpTag {
+        op: 0,
         kind: OpKind::Allreduce,
         seq: 1,
         bucket: 4,
@@ -770,6 +772,7 @@ fn top_k_residuals_reset_when_a_bucket_changes_length() {
     let mut backend = HostBackend::new(Groups::flat(Box::new(ring)), deadline());
     let mut step = |values: &[f64]| {
         let tag = OpTag {
+            op: 0,
             kind: OpKind::Allreduce,
             seq: 1,
             bucket: 0,
@@ -932,6 +935,7 @@ fn collective_sequence(
     for round in 0..2 {
         let mut buf = wavy(rank + round, len, dtype);
         let tag = OpTag {
+            op: 0,
             kind: OpKind::Allreduce,
             seq: round as u64,
             bucket: 0,
@@ -956,6 +960,7 @@ fn collective_sequence(
     for (bucket, seed) in [(5u64, 13usize), (6, 14), (5, 15)] {
         let mut buf = wavy(rank + seed, len, dtype);
         let tag = OpTag {
+            op: 0,
             kind: OpKind::Allreduce,
             seq: 10 + seed as u64,
             bucket,
@@ -1054,6 +1059,7 @@ fn shared_memory_leaves_a_buckets_result_in_one_region_until_its_next_allreduce(
 fn shared_memory_names_the_rank_that_issued_another_collective() {
     let errors = on_every_member(3, |rank, group| {
         let tag = OpTag {
+            op: 0,
             kind: OpKind::Allreduce,
             seq: 0,
             bucket: if rank == 1 { 9 } else { 4 },
@@ -1076,6 +1082,7 @@ fn a_checked_allreduce_on_shared_memory_names_the_odd_rank_before_touching_the_b
         let results = on_every_member(3, move |rank, group| {
             let mut buf = wavy(rank, len, DType::F32);
             let tag = OpTag {
+                op: 0,
                 kind: OpKind::Allreduce,
                 seq: 0,
                 bucket: if rank == 1 { 9 } else { 4 },
@@ -1142,4 +1149,154 @@ fn an_aborter_ends_a_wait_on_shared_memory_from_another_thread() {
     killer.join().unwrap();
     assert!(matches!(err, Error::Comm { .. }), "{err}");
     assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+/// Small values every type holds exactly, whose products over 4 ranks
+/// stay exact too: rank `rank`'s element `i`.
+fn op_value(dtype: DType, rank: usize, i: usize) -> f64 {
+    let v = ((i * 5 + rank * 3) % 7) as f64 - 3.0;
+    match dtype {
+        DType::U8 => v.abs(),
+        DType::Bool => ((i + rank) % 3 == 0) as u8 as f64,
+        _ => v,
+    }
+}
+
+/// torch.distributed's collectives with every reduction on one transport
+/// per member: allreduce and reduce-scatter with `op` (checked against a
+/// reference computed here), allgather and all-to-all of equal blocks.
+fn op_sequence(rank: usize, p: usize, len: usize, dtypes: &[DType], t: &mut dyn Transport) {
+    for &dtype in dtypes {
+        for op in ReduceOp::ALL {
+            let values = |r: usize| (0..len).map(|i| op_value(dtype, r, i)).collect::<Vec<_>>();
+            let want: Vec<f64> = (0..len)
+                .map(|i| {
+                    let all = (0..p).map(|r| op_value(dtype, r, i));
+                    let v = match op {
+                        ReduceOp::Sum => all.sum(),
+                        ReduceOp::Product => all.product(),
+                        ReduceOp::Min => all.fold(f64::INFINITY, f64::min),
+                        ReduceOp::Max => all.fold(f64::NEG_INFINITY, f64::max),
+                    };
+                    if dtype == DType::Bool {
+                        (v != 0.0) as u8 as f64
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            let tag = OpTag {
+                op: op.code(),
+                kind: OpKind::Allreduce,
+                seq: 1,
+                bucket: 0,
+                dtype: dtype.code(),
+                bytes: (len * dtype.size()) as u64,
+            };
+            let mut buf = encode(dtype, &values(rank));
+            t.allreduce_op(Some(&tag), &mut buf, dtype, op, deadline())
+                .unwrap();
+            assert_eq!(
+                decode(dtype, &buf),
+                want,
+                "allreduce {dtype:?} {op:?} p={p}"
+            );
+            let mut buf = encode(dtype, &values(rank));
+            t.reduce_scatter_op(&mut buf, dtype, op, deadline())
+                .unwrap();
+            let mine = shard_range(len, p, rank);
+            let e = dtype.size();
+            assert_eq!(
+                decode(dtype, &buf[mine.start * e..mine.end * e]),
+                want[mine],
+                "reduce-scatter {dtype:?} {op:?} p={p}"
+            );
+        }
+    }
+    // All-to-all: block j of rank r holds r * 1000 + j * 10 + k.
+    let block = len / p;
+    let mine: Vec<f64> = (0..p)
+        .flat_map(|j| (0..block).map(move |k| (rank * 1000 + j * 10 + k) as f64))
+        .collect();
+    let mut buf = encode(DType::I64, &mine);
+    t.alltoall(&mut buf, deadline()).unwrap();
+    let want: Vec<f64> = (0..p)
+        .flat_map(|j| (0..block).map(move |k| (j * 1000 + rank * 10 + k) as f64))
+        .collect();
+    assert_eq!(decode(DType::I64, &buf), want, "all-to-all p={p}");
+}
+
+#[test]
+fn every_reduce_op_and_all_to_all_are_exact_on_tcp_and_shared_memory() {
+    for p in [2usize, 3, 4] {
+        let all = &DType::ALL[..];
+        on_every_rank(p, move |rank, ring| op_sequence(rank, p, p * 3, all, ring));
+        on_every_member(p, move |rank, group| {
+            op_sequence(rank, p, p * 3, all, group)
+        });
+    }
+    // Several pieces per collective on shared memory.
+    let wide = &[DType::I64, DType::BF16][..];
+    for p in [2usize, 4] {
+        let len = p * 150_000;
+        on_every_rank(p, move |rank, ring| op_sequence(rank, p, len, wide, ring));
+        on_every_member(p, move |rank, group| op_sequence(rank, p, len, wide, group));
+    }
+}
+
+#[test]
+fn the_engine_runs_torch_collectives_in_order_and_averages_after_the_sum() {
+    let p = 3;
+    let results = with_engines(p, 1, AlgoSettings::default(), move |rank, engine| {
+        let mut out = Vec::new();
+        let mut buf = encode(DType::F32, &[rank as f64 + 1.0, 2.0 * rank as f64]);
+        let mean = Collective::AllreduceOp {
+            op: ReduceOp::Sum,
+            mean: true,
+        };
+        engine.run(mean, &mut buf, DType::F32, 0).unwrap();
+        out.push(decode(DType::F32, &buf));
+        let mut buf = encode(DType::I32, &[rank as f64 - 1.0, 4.0, 5.0 * rank as f64]);
+        let max = Collective::AllreduceOp {
+            op: ReduceOp::Max,
+            mean: false,
+        };
+        engine.run(max, &mut buf, DType::I32, 0).unwrap();
+        out.push(decode(DType::I32, &buf));
+        let mut buf = encode(DType::I64, &[rank as f64; 3]);
+        let rs = Collective::ReduceScatter { op: ReduceOp::Min };
+        engine.run(rs, &mut buf, DType::I64, 0).unwrap();
+        out.push(decode(DType::I64, &buf[rank * 8..rank * 8 + 8]));
+        let mut buf = vec![0u8; 3 * 2];
+        buf[rank * 2..rank * 2 + 2].copy_from_slice(&[rank as u8, 7]);
+        engine
+            .run(Collective::Allgather, &mut buf, DType::U8, 0)
+            .unwrap();
+        out.push(decode(DType::U8, &buf));
+        let mut buf = encode(
+            DType::I8,
+            &[
+                rank as f64 * 10.0,
+                rank as f64 * 10.0 + 1.0,
+                rank as f64 * 10.0 + 2.0,
+            ],
+        );
+        engine
+            .run(Collective::AllToAll, &mut buf, DType::I8, 0)
+            .unwrap();
+        out.push(decode(DType::I8, &buf));
+        // An average of integers is refused, with a typed error.
+        let mut buf = encode(DType::I64, &[1.0]);
+        let err = engine.run(mean, &mut buf, DType::I64, 0).unwrap_err();
+        assert!(err.to_string().contains("int64"), "{err}");
+        out
+    });
+    for (rank, out) in results.iter().enumerate() {
+        assert_eq!(out[0], vec![2.0, 2.0]);
+        assert_eq!(out[1], vec![1.0, 4.0, 10.0]);
+        assert_eq!(out[2], vec![0.0]);
+        assert_eq!(out[3], vec![0.0, 7.0, 1.0, 7.0, 2.0, 7.0]);
+        let r = rank as f64;
+        assert_eq!(out[4], vec![r, 10.0 + r, 20.0 + r]);
+    }
 }

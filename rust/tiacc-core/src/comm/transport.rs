@@ -2,12 +2,13 @@
 //!
 //! Algorithms (flat ring, 2D, sparse) are written against [`Transport`], so
 //! they run unchanged over TCP and NCCL. Buffers hold native-endian
-//! elements; reductions are sums. Every call carries a [`Deadline`]: a peer
-//! that stops answering is an error naming it, never a hang.
+//! elements; reductions are sums unless a [`ReduceOp`] says otherwise
+//! (torch.distributed's collectives). Every call carries a [`Deadline`]: a
+//! peer that stops answering is an error naming it, never a hang.
 
 use std::time::{Duration, Instant};
 
-use super::dtype::DType;
+use super::dtype::{DType, ReduceOp};
 use super::shm::SharedBytes;
 use crate::error::{Error, Result};
 
@@ -43,6 +44,7 @@ pub enum OpKind {
     Allgather = 3,
     Broadcast = 4,
     Barrier = 5,
+    AllToAll = 6,
 }
 
 impl OpKind {
@@ -53,6 +55,7 @@ impl OpKind {
             3 => OpKind::Allgather,
             4 => OpKind::Broadcast,
             5 => OpKind::Barrier,
+            6 => OpKind::AllToAll,
             _ => return None,
         })
     }
@@ -70,6 +73,8 @@ pub struct OpTag {
     pub bucket: u64,
     /// Element type code ([`DType::code`]), 0 for untyped operations.
     pub dtype: u8,
+    /// Reduction code ([`ReduceOp::code`]; 0, a sum, for the rest).
+    pub op: u8,
     /// Buffer length in bytes.
     pub bytes: u64,
 }
@@ -83,6 +88,7 @@ impl OpTag {
         let mut out = [0u8; Self::LEN];
         out[0] = self.kind as u8;
         out[1] = self.dtype;
+        out[2] = self.op;
         out[8..16].copy_from_slice(&self.seq.to_le_bytes());
         out[16..24].copy_from_slice(&self.bucket.to_le_bytes());
         out[24..32].copy_from_slice(&self.bytes.to_le_bytes());
@@ -98,6 +104,7 @@ impl OpTag {
         Some(OpTag {
             kind: OpKind::from_code(bytes[0])?,
             dtype: bytes[1],
+            op: bytes[2],
             seq: u64_at(8),
             bucket: u64_at(16),
             bytes: u64_at(24),
@@ -106,12 +113,13 @@ impl OpTag {
 
     /// Human-readable description used in mismatch errors.
     pub fn describe(&self) -> String {
-        let dtype = [DType::F32, DType::F64, DType::F16, DType::BF16]
-            .into_iter()
-            .find(|d| d.code() == self.dtype)
-            .map_or("untyped", DType::name);
+        let dtype = DType::from_code(self.dtype).map_or("untyped", DType::name);
+        let op = match ReduceOp::from_code(self.op) {
+            Some(ReduceOp::Sum) | None => String::new(),
+            Some(op) => format!(", {}", op.name()),
+        };
         format!(
-            "{:?} #{} of bucket {} ({} bytes, {dtype})",
+            "{:?} #{} of bucket {} ({} bytes, {dtype}{op})",
             self.kind, self.seq, self.bucket, self.bytes
         )
     }
@@ -231,7 +239,21 @@ pub trait Transport: Send {
     fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()>;
 
     /// Sums `buf` over all ranks; every rank ends with bitwise-identical bytes.
-    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()>;
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
+        self.allreduce_op(None, buf, dtype, ReduceOp::Sum, deadline)
+    }
+
+    /// Reduces `buf` with `op` over all ranks, checking `tag` first when
+    /// given; every rank ends with bitwise-identical bytes. Each element is
+    /// combined in the same order as a sum is.
+    fn allreduce_op(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Deadline,
+    ) -> Result<()>;
 
     /// [`Transport::agree`] on `tag`, then [`Transport::allreduce`].
     /// Transports that can check the tag on the way (TCP sends it ahead of
@@ -289,11 +311,51 @@ pub trait Transport: Send {
 
     /// Sums `buf` over all ranks into this rank's shard
     /// (`dtype::shard_range(len, size, rank)`); the rest of `buf` is scratch.
-    fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()>;
+    fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
+        self.reduce_scatter_op(buf, dtype, ReduceOp::Sum, deadline)
+    }
+
+    /// [`Transport::reduce_scatter`] with `op` instead of the sum.
+    fn reduce_scatter_op(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Deadline,
+    ) -> Result<()>;
 
     /// Each rank's shard of `buf` (elements of `elem_size` bytes, partitioned
     /// by `dtype::shard_range`) is copied to every rank.
     fn allgather(&mut self, buf: &mut [u8], elem_size: usize, deadline: Deadline) -> Result<()>;
+
+    /// All-to-all of equal blocks: `buf` holds `size` blocks of equal
+    /// length, block `j` for member `j`; afterwards block `j` holds what
+    /// member `j` had for this member. Built on
+    /// [`Transport::allgather`] of every member's whole buffer (so it moves
+    /// `size` times the bytes a dedicated exchange would), the same on
+    /// every transport.
+    fn alltoall(&mut self, buf: &mut [u8], deadline: Deadline) -> Result<()> {
+        let (size, rank) = (self.size(), self.rank());
+        if buf.len() % size.max(1) != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "all-to-all: {} bytes do not split into {size} equal blocks",
+                buf.len()
+            )));
+        }
+        if size <= 1 || buf.is_empty() {
+            return self.barrier(deadline);
+        }
+        let (len, block) = (buf.len(), buf.len() / size);
+        // Member j's whole buffer is element j of the gathered buffer.
+        let mut all = vec![0u8; len * size];
+        all[rank * len..(rank + 1) * len].copy_from_slice(buf);
+        self.allgather(&mut all, 1, deadline)?;
+        for (j, out) in buf.chunks_exact_mut(block).enumerate() {
+            let at = j * len + rank * block;
+            out.copy_from_slice(&all[at..at + block]);
+        }
+        Ok(())
+    }
 
     /// Copies `root`'s `buf` to every rank.
     fn broadcast(&mut self, buf: &mut [u8], root: usize, deadline: Deadline) -> Result<()>;
@@ -324,11 +386,12 @@ mod tests {
             seq: 7,
             bucket: 3,
             dtype: DType::BF16.code(),
+            op: ReduceOp::Max.code(),
             bytes: 1 << 40,
         };
         assert_eq!(OpTag::decode(&tag.encode()), Some(tag));
         assert!(tag.describe().contains("bucket 3"));
-        assert!(tag.describe().contains("bfloat16"));
+        assert!(tag.describe().contains("bfloat16, max"));
         assert_eq!(OpTag::decode(&[0u8; 32]), None);
     }
 }

@@ -33,6 +33,9 @@ pub const NCCL_LIBRARY: &str = "TIACC_TRAINING_NCCL_LIBRARY";
 /// `1` (default): ranks of one host exchange CPU gradients through shared
 /// memory; `0`: through loopback TCP.
 pub const SHM: &str = "TIACC_TRAINING_SHM";
+/// What serves torch.distributed's CPU collectives of the default group:
+/// `tiacc` (the engine's backend, default) or `gloo`.
+pub const COLLECTIVES: &str = "TIACC_TRAINING_COLLECTIVES";
 
 /// Gradient compression on the wire: `none`, `fp16` or `bf16`.
 pub const COMPRESSION: &str = "TIACC_TRAINING_COMPRESSION";
@@ -96,6 +99,35 @@ pub const DEFAULT_NUM_STREAMS: usize = 2;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Most channels we accept; each costs connections and a thread.
 pub const MAX_NUM_STREAMS: usize = 64;
+
+/// What serves torch.distributed's CPU collectives ([`COLLECTIVES`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CollectivesChoice {
+    /// The engine's "tiacc" backend (ops it does not implement go to gloo).
+    #[default]
+    Tiacc,
+    /// torch's gloo, as the script asked.
+    Gloo,
+}
+
+impl CollectivesChoice {
+    /// Parses `tiacc` or `gloo` (any case); errors name `variable`.
+    pub fn parse(variable: &str, value: &str) -> Result<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "tiacc" => Ok(CollectivesChoice::Tiacc),
+            "gloo" => Ok(CollectivesChoice::Gloo),
+            _ => Err(bad(variable, value, "tiacc or gloo")),
+        }
+    }
+
+    /// Lower-case name, as parsed.
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectivesChoice::Tiacc => "tiacc",
+            CollectivesChoice::Gloo => "gloo",
+        }
+    }
+}
 
 /// Which transport carries gradients ([`TRANSPORT`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -184,6 +216,7 @@ pub enum Setting {
     Transport,
     NcclLibrary,
     SharedMemory,
+    Collectives,
     Compression,
     CompressionScope,
     CompressionScale,
@@ -214,6 +247,7 @@ pub const VARIABLES: &[&str] = &[
     TRANSPORT,
     NCCL_LIBRARY,
     SHM,
+    COLLECTIVES,
     PERSEUS_DTYPE,
     COMPRESSION,
     COMPRESSION_SCOPE,
@@ -283,6 +317,8 @@ pub struct CommConfig {
     pub nan_check: bool,
     /// Whether ranks of one host use shared memory for CPU gradients.
     pub shared_memory: bool,
+    /// What serves torch.distributed's CPU collectives.
+    pub collectives: CollectivesChoice,
     /// Flat, 2D, or measured at start-up.
     pub algorithm: AlgorithmChoice,
     /// Ranks per node for the 2D allreduce, when set.
@@ -328,6 +364,7 @@ impl Default for CommConfig {
             compression_scale: 1.0,
             nan_check: false,
             shared_memory: true,
+            collectives: CollectivesChoice::Tiacc,
             algorithm: AlgorithmChoice::Auto,
             intra_size: None,
             hierarchical_threshold: DEFAULT_HIERARCHICAL_THRESHOLD,
@@ -592,6 +629,10 @@ impl CommConfig {
             SHM => {
                 self.shared_memory = value.trim() == "auto" || parse_bool(label, value)?;
                 Setting::SharedMemory
+            }
+            COLLECTIVES => {
+                self.collectives = CollectivesChoice::parse(label, value)?;
+                Setting::Collectives
             }
             v if PERSEUS_NAN_CHECK.contains(&v) => {
                 self.nan_check = parse_bool(label, value)?;
@@ -1118,6 +1159,23 @@ mod tests {
             let err = CommConfig::from_lookup(env(&[(var, value)])).unwrap_err();
             assert!(err.to_string().contains(var), "{err}");
         }
+    }
+
+    #[test]
+    fn collectives_default_to_tiacc_and_name_the_variable_on_bad_values() {
+        let choice =
+            |pairs: &[(&str, &str)]| CommConfig::from_lookup(env(pairs)).map(|c| c.collectives);
+        assert_eq!(choice(&[]).unwrap(), CollectivesChoice::Tiacc);
+        assert_eq!(
+            choice(&[(COLLECTIVES, " GLOO ")]).unwrap(),
+            CollectivesChoice::Gloo
+        );
+        assert_eq!(
+            choice(&[(COLLECTIVES, "tiacc")]).unwrap(),
+            CollectivesChoice::Tiacc
+        );
+        let err = choice(&[(COLLECTIVES, "mpi")]).unwrap_err().to_string();
+        assert!(err.contains(COLLECTIVES) && err.contains("mpi"), "{err}");
     }
 
     #[test]

@@ -120,6 +120,10 @@ impl From<DType> for NcclDataType {
             DType::F64 => NcclDataType::Float64,
             DType::F16 => NcclDataType::Float16,
             DType::BF16 => NcclDataType::Bfloat16,
+            DType::I8 => NcclDataType::Int8,
+            DType::U8 | DType::Bool => NcclDataType::Uint8,
+            DType::I32 => NcclDataType::Int32,
+            DType::I64 => NcclDataType::Int64,
         }
     }
 }

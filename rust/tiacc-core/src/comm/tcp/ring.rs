@@ -12,7 +12,7 @@ use std::net::TcpStream;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
 
-use crate::comm::dtype::{shard_range, DType};
+use crate::comm::dtype::{shard_range, DType, ReduceOp};
 use crate::comm::transport::{check_agreement, Aborter, Deadline, Failed, OpTag, Transport};
 use crate::error::{Error, Result};
 
@@ -173,6 +173,7 @@ impl TcpRing {
         tag: Option<&OpTag>,
         buf: &mut [u8],
         dtype: DType,
+        op: ReduceOp,
         deadline: Deadline,
     ) -> Result<()> {
         if self.size == 1 {
@@ -182,7 +183,7 @@ impl TcpRing {
             let elems = buf.len() / dtype.size();
             let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
             steps.extend(ring.allgather_steps(elems, dtype.size()));
-            ring.run(buf, &steps, Some(dtype), tag, "allreduce", deadline)
+            ring.run(buf, &steps, Some((dtype, op)), tag, "allreduce", deadline)
         })
     }
 
@@ -228,7 +229,7 @@ impl TcpRing {
         &mut self,
         buf: &mut [u8],
         steps: &[Step],
-        dtype: Option<DType>,
+        reduce: Option<(DType, ReduceOp)>,
         header: Option<&OpTag>,
         what: &str,
         deadline: Deadline,
@@ -255,7 +256,7 @@ impl TcpRing {
             rank: prev_rank,
             host: &self.prev_host,
         };
-        let elem = dtype.map_or(1, DType::size);
+        let elem = reduce.map_or(1, |(d, _)| d.size());
         let stage_len = steps
             .iter()
             .filter(|s| s.reduce)
@@ -344,8 +345,8 @@ impl TcpRing {
                 };
                 if step.reduce && ready > r_done {
                     let at = step.recv.start;
-                    let d = dtype.unwrap_or(DType::F32);
-                    d.add_assign(&mut buf[at + r_done..at + ready], &stage[r_done..ready]);
+                    let (d, op) = reduce.unwrap_or((DType::F32, ReduceOp::Sum));
+                    d.reduce_assign(op, &mut buf[at + r_done..at + ready], &stage[r_done..ready]);
                 }
                 r_done = ready;
             }
@@ -528,8 +529,15 @@ impl Transport for TcpRing {
         })
     }
 
-    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
-        self.ring_allreduce(None, buf, dtype, deadline)
+    fn allreduce_op(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Deadline,
+    ) -> Result<()> {
+        self.ring_allreduce(tag, buf, dtype, op, deadline)
     }
 
     fn allreduce_checked(
@@ -539,16 +547,29 @@ impl Transport for TcpRing {
         dtype: DType,
         deadline: Deadline,
     ) -> Result<()> {
-        self.ring_allreduce(Some(tag), buf, dtype, deadline)
+        self.ring_allreduce(Some(tag), buf, dtype, ReduceOp::Sum, deadline)
     }
 
-    fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
+    fn reduce_scatter_op(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Deadline,
+    ) -> Result<()> {
         if self.size == 1 {
             return self.check_usable();
         }
         self.guarded(|ring| {
             let steps = ring.reduce_scatter_steps(buf.len() / dtype.size(), dtype.size());
-            ring.run(buf, &steps, Some(dtype), None, "reduce-scatter", deadline)
+            ring.run(
+                buf,
+                &steps,
+                Some((dtype, op)),
+                None,
+                "reduce-scatter",
+                deadline,
+            )
         })
     }
 
