@@ -62,8 +62,21 @@ demo: setup ## generate + pack a dataset, then train a CNN with 2 ranks (tiacc v
 
 test: setup test-rust test-python ## run every test (cargo test + pytest)
 
-test-rust: ## cargo test of the engine
+# The NCCL loader tests are #[ignore]d (a plain cargo test lists them as not
+# run); they run here with the library of the venv's nvidia-nccl wheel, or the
+# file TIACC_TEST_NCCL_LIBRARY names. TIACC_TEST_REQUIRE_NCCL=1 (CI) fails
+# when there is none.
+test-rust: ## cargo test of the engine (and its NCCL loader tests where a library is found)
 	cargo test --workspace --exclude tiacc-py --quiet
+	@lib="$${TIACC_TEST_NCCL_LIBRARY:-$$(ls $(VENV)/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2 2>/dev/null | head -1)}"; \
+	if [ -n "$$lib" ] && [ -f "$$lib" ]; then \
+	  echo "NCCL loader tests with $$lib"; \
+	  TIACC_TEST_NCCL_LIBRARY="$$(realpath "$$lib")" cargo test -p tiacc-core --quiet nccl:: -- --ignored; \
+	elif [ "$${TIACC_TEST_REQUIRE_NCCL:-0}" = 1 ]; then \
+	  echo "TIACC_TEST_REQUIRE_NCCL=1 but no libnccl.so.2 in $(VENV) and no TIACC_TEST_NCCL_LIBRARY" >&2; exit 1; \
+	else \
+	  echo "NCCL loader tests not run: no libnccl.so.2 in $(VENV) (set TIACC_TEST_NCCL_LIBRARY)"; \
+	fi
 
 test-python: setup ## pytest
 	$(PY) -m pytest tests -q --durations=10

@@ -195,11 +195,7 @@ impl NcclCommunicator {
         let Some(init_config) = lib.fns().comm_init_rank_config else {
             return Self::init(lib, id, rank, size, group);
         };
-        if size == 0 || rank >= size {
-            return Err(Error::InvalidArgument(format!(
-                "rank {rank} is not a rank of a group of {size}"
-            )));
-        }
+        check_rank(rank, size)?;
         let (nranks, me) = (to_c_int(size, "size")?, to_c_int(rank, "rank")?);
         let mut comm: NcclComm = std::ptr::null_mut();
         let mut config = ffi::NcclConfig::non_blocking();
@@ -275,11 +271,7 @@ impl NcclCommunicator {
         size: usize,
         group: Group,
     ) -> Result<Self> {
-        if size == 0 || rank >= size {
-            return Err(Error::InvalidArgument(format!(
-                "rank {rank} is not a rank of a group of {size}"
-            )));
-        }
+        check_rank(rank, size)?;
         let (nranks, me) = (to_c_int(size, "size")?, to_c_int(rank, "rank")?);
         let mut comm: NcclComm = std::ptr::null_mut();
         // SAFETY: `comm` is a valid out-pointer, the id is passed by value
@@ -621,6 +613,16 @@ impl Drop for NcclCommunicator {
         // hangs if a peer is gone; abort never waits.
         self.abort("it was dropped");
     }
+}
+
+/// Refuses a rank outside its group before any NCCL call.
+pub(crate) fn check_rank(rank: usize, size: usize) -> Result<()> {
+    if size == 0 || rank >= size {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank} is not a rank of a group of {size}"
+        )));
+    }
+    Ok(())
 }
 
 fn to_c_int(value: usize, what: &str) -> Result<c_int> {
