@@ -174,6 +174,7 @@ def train(args: argparse.Namespace, mode: str) -> nn.Module:
                 x[0, 0] = float("nan")
         if mode == "tiacc" and step == args.fault_step and rank == args.fault_rank:
             if args.fault == "stop":
+                wait_for_own_record(rank, min_step=1)
                 print(f"FAULT_AT {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
         if mode == "tiacc" and args.fault == "slow" and rank == args.fault_rank:
@@ -205,6 +206,23 @@ def check_dtypes(engine: object) -> None:
         expected = world * (world + 1) / 2
         assert torch.all(t == expected), (dtype, t[:4])
     print("DTYPES_OK", flush=True)
+
+
+def wait_for_own_record(rank: int, min_step: int, deadline: float = 30.0) -> None:
+    """Waits until this rank's progress record on the job's board shows
+    ``min_step`` or later: the record the others will read after a stop is
+    then one of a step this rank reached, whatever the machine's speed."""
+    from tiacc_training.torch.distributed._rendezvous import board_store, default_store
+    from tiacc_training.torch.distributed._state import state
+
+    client, _ = board_store(default_store())
+    key = f"tiacc_training/engine{state.generation}/progress/{rank}"
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if client.check([key]) and int(client.get(key).decode().split()[1]) >= min_step:
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"no progress record of step {min_step} or later under {key}")
 
 
 def main() -> int:
