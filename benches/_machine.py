@@ -40,8 +40,25 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
+def gpu_info() -> dict[str, Any]:
+    """The GPU, CUDA, NCCL and driver the benchmark could use ("none" without)."""
+    try:
+        import torch
+    except ImportError:
+        return {"gpu": "none", "cuda": None, "nccl": None, "gpu_driver": None}
+    if not torch.cuda.is_available():
+        return {"gpu": "none", "cuda": torch.version.cuda, "nccl": None, "gpu_driver": None}
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # no NCCL in this build
+        nccl = None
+    driver = _read("/proc/driver/nvidia/version").split("\n", 1)[0].strip() or None
+    return {"gpu": names, "cuda": torch.version.cuda, "nccl": nccl, "gpu_driver": driver}
+
+
 def machine_info(packages: Sequence[str] = ()) -> dict[str, Any]:
-    """CPU, memory, OS, git state, and the versions of ``packages``."""
+    """CPU, memory, GPU, OS, git state, and the versions of ``packages``."""
     cpuinfo = _read("/proc/cpuinfo").splitlines()
     cpu = next(
         (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
@@ -68,6 +85,7 @@ def machine_info(packages: Sequence[str] = ()) -> dict[str, Any]:
     }
     for dist in ("numpy", "torch", "tiacc-training", *packages):
         info[dist.replace("-", "_")] = version(dist)
+    info.update(gpu_info())
     info.update(
         {
             "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
