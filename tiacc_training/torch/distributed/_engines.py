@@ -126,18 +126,19 @@ def _board_args(store: Any, prefix: str) -> tuple[Any, str, Any]:
     return client, prefix, address
 
 
-def advertised_host(config: Any) -> str:
+def advertised_host(config: Any, store: Any = None) -> str:
     """The IP peers reach this rank on.
 
     The configured one, else the local address that routes to the
-    rendezvous host.
+    rendezvous host (the launcher's, or that of ``store``: by default the
+    default group's).
     """
     if config.socket_addr:
         return config.socket_addr
     launch = state.launch or {}
     host, port = launch.get("master_addr"), launch.get("master_port")
     if host is None:
-        store = default_store()
+        store = default_store() if store is None else store
         while hasattr(store, "underlying_store"):
             store = store.underlying_store
         host, port = getattr(store, "host", None), getattr(store, "port", None)

@@ -1,0 +1,83 @@
+"""torch.distributed's CPU collectives through the "tiacc" backend.
+
+Real jobs of 2 and 4 processes on loopback (``collectives_worker.py``):
+every collective, reduction and element type is checked on every rank
+against values the worker computes itself, asynchronous work included;
+ops the engine does not run (``gather``, ``send``/``recv``, ``reduce``,
+uneven all-to-all) go to gloo underneath. Training with a synchronised
+batch norm and ``ZeroRedundancyOptimizer`` gives the gloo run's results.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _launch import describe, run_ranks
+
+WORKER = Path(__file__).resolve().parent / "collectives_worker.py"
+
+
+def run(world: int, args: list[str], env: dict[str, str] | None = None) -> list[dict]:
+    """Runs the worker on ``world`` ranks; every rank's ``RESULT``."""
+    ranks = run_ranks(world, args, env=env, worker=WORKER, timeout=240.0)
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    results = []
+    for r in ranks:
+        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+        assert lines, describe(ranks)
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict]]]:
+    """The same 2-rank job with "gloo" requested: served by tiacc, and by gloo."""
+    jobs = {}
+    for name, env in (("tiacc", {}), ("gloo", {"TIACC_TRAINING_COLLECTIVES": "gloo"})):
+        out = tmp_path_factory.mktemp(name)
+        jobs[name] = (out, run(2, ["--train", "--out", str(out)], env=env))
+    return jobs
+
+
+def test_gloo_requested_is_served_by_tiacc(trained: dict) -> None:
+    _, results = trained["tiacc"]
+    for result in results:
+        assert result["cpu_backend"] == "TiaccBackend", result
+        assert result["backend"] == "cpu:tiacc", result
+        assert result["line"].startswith("CPU collectives: tiacc"), result
+        # The engine ran every native collective; gloo only what it forwards.
+        for name in ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"):
+            assert result["served"].get(name, 0) > 0, result
+        assert result["forwarded"].get("gather") == 1 and result["forwarded"].get("reduce") == 1
+        assert result["forwarded"].get("alltoall") == 1, result  # the uneven one
+        assert result["transport"] in ("shared memory", "tcp"), result
+
+
+def test_the_variable_keeps_gloo(trained: dict) -> None:
+    _, results = trained["gloo"]
+    for result in results:
+        assert result["cpu_backend"] == "ProcessGroupGloo", result
+        assert result["backend"] == "gloo", result
+        assert result["line"] == "CPU collectives: gloo (TIACC_TRAINING_COLLECTIVES=gloo)"
+
+
+def test_sync_batch_norm_and_zero_train_as_on_gloo(trained: dict) -> None:
+    (ours, _), (theirs, _) = trained["tiacc"], trained["gloo"]
+    for rank in range(2):
+        mine = torch.load(ours / f"train_rank{rank}.pt")
+        gloo = torch.load(theirs / f"train_rank{rank}.pt")
+        assert mine.keys() == gloo.keys()
+        for name, value in mine.items():
+            # Exact collectives on both: the same bits.
+            assert torch.equal(value, gloo[name]), f"rank {rank} {name}: {value} vs {gloo[name]}"
+        assert mine["losses"][-1] < mine["losses"][0], mine["losses"]
+
+
+def test_four_ranks_with_tiacc_asked_for_explicitly() -> None:
+    results = run(4, ["--init", "explicit"])
+    for result in results:
+        assert result["backend"] == "cpu:tiacc", result
+        assert result["served"]["allreduce"] >= 100, result

@@ -1,0 +1,593 @@
+"""torch.distributed's "tiacc" backend: CPU collectives through the engine.
+
+A c10d backend written in Python (a subclass of torch's ``Backend``, which
+torch 2.x lets Python override) and registered under the name ``"tiacc"``
+for CPU tensors. Each group that uses it gets its own engine (one channel,
+so collectives run in the order they are issued, as gloo runs them),
+connected over the store torch hands the backend, and a gloo backend
+underneath on the same store.
+
+The engine runs ``all_reduce`` (sum, product, min, max, and the average of
+floating-point tensors), ``broadcast``, ``all_gather`` /
+``all_gather_into_tensor``, ``reduce_scatter`` / ``reduce_scatter_tensor``,
+``all_to_all_single`` with equal splits, and ``barrier``, with
+``async_op=True`` returning work that waits on the engine. The element
+types and reductions it carries are the engine's own
+(``_engine.collective_dtypes()``, ``_engine.collective_ops()``); anything
+else (another type or reduction, several tensors per call, tensors that
+are not contiguous, ``gather``, ``scatter``, ``send``/``recv``, uneven
+splits, ...) is forwarded to the gloo backend underneath, so every call
+that works on gloo works here, with gloo's results. Results are exact: no
+compression, Top-K or 2D algorithm applies to these collectives.
+
+``register()`` registers the name once per process (importing
+``tiacc_training.torch.distributed`` calls it); ``cpu_backend()`` turns the
+backend string a script asks for into the one to create, and
+``describe_cpu_collectives()`` says which serves the CPU collectives.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiacc_training import _engine
+
+# The backend's name, as ``init_process_group`` takes it.
+NAME = "tiacc"
+
+_lock = threading.Lock()
+_registered: bool | None = None
+_reason: str | None = None
+# Backends made per group name in this process: successive groups of one
+# name (a script that creates the default group again) rendezvous apart.
+_generations: collections.Counter[str] = collections.Counter()
+
+try:  # torch builds without distributed support lack these
+    from torch._C._distributed_c10d import Backend as _C10dBackend
+    from torch._C._distributed_c10d import _create_work_from_future
+except ImportError as error:  # pragma: no cover - depends on the torch build
+    _C10dBackend = object  # type: ignore[assignment,misc]
+    _create_work_from_future = None
+    _import_error: str | None = f"this torch has no Python c10d backends ({error})"
+else:
+    _import_error = None
+
+
+def register() -> bool:
+    """Registers the "tiacc" backend with torch.distributed (once per process).
+
+    Returns:
+        Whether "tiacc" can be used; when not, ``unavailable_reason()`` says why.
+    """
+    global _registered, _reason
+    with _lock:
+        if _registered is not None:
+            return _registered
+        _registered, _reason = _register()
+        return _registered
+
+
+def _register() -> tuple[bool, str | None]:
+    if _import_error is not None:
+        return False, _import_error
+    if not dist.is_available() or not dist.is_gloo_available():
+        return False, "this torch has no gloo backend to forward collectives to"
+    plugins = getattr(dist.Backend, "_plugins", {})
+    if NAME.upper() in plugins:
+        return True, None
+    try:
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+    except TypeError:  # a torch whose register_backend takes no devices
+        try:
+            dist.Backend.register_backend(NAME, _create, extended_api=True)
+        except Exception as error:
+            return False, f"torch refused to register a Python backend ({error})"
+    except Exception as error:
+        return False, f"torch refused to register a Python backend ({error})"
+    return True, None
+
+
+def unavailable_reason() -> str | None:
+    """Why "tiacc" cannot be used in this process, or ``None`` when it can."""
+    register()
+    return _reason
+
+
+def serves(config: Any) -> bool:
+    """Whether "tiacc" serves the CPU collectives a script asks gloo for.
+
+    Args:
+        config: the engine configuration (``CommConfig``), or ``None`` for
+            the environment's.
+
+    Returns:
+        False where ``TIACC_TRAINING_COLLECTIVES=gloo`` or the backend could
+        not be registered.
+    """
+    if config is None:
+        config = _engine.CommConfig.from_env()
+    return config.collectives == NAME and register()
+
+
+def cpu_backend(requested: str | None, config: Any) -> str:
+    """The backend string to hand to ``init_process_group``.
+
+    CPU tensors go to "tiacc" where the script asked for gloo, or for
+    nothing (torch's default is gloo for CPU tensors), unless
+    ``TIACC_TRAINING_COLLECTIVES=gloo`` or this torch cannot register the
+    backend. Every other device keeps what the script asked for; ``None``
+    means torch's default there too (NCCL for CUDA tensors where CUDA is
+    available). An explicit "tiacc" is kept as asked.
+
+    Args:
+        requested: what the script passed (``None``, ``"gloo"``, ``"nccl"``,
+            ``"cpu:gloo,cuda:nccl"``, ``"tiacc"``, ...).
+        config: the engine configuration, or ``None`` for the environment's.
+
+    Returns:
+        For example ``"cpu:tiacc,cuda:nccl"`` for ``None`` on a CUDA
+        machine, ``"cpu:tiacc"`` for ``"gloo"`` without CUDA, ``"nccl"`` for
+        ``"nccl"``.
+    """
+    if requested is not None and not isinstance(requested, str):
+        requested = str(requested)  # a ``dist.Backend`` value
+    use = serves(config)
+    if requested is None or requested.strip() == "" or requested.strip().lower() == "undefined":
+        devices = {"cpu": NAME if use else "gloo"}
+        if torch.cuda.is_available():
+            devices["cuda"] = "nccl"
+        return _join(devices) if use else ("gloo" if len(devices) == 1 else _join(devices))
+    text = requested.strip()
+    if ":" not in text:
+        name = text.lower()
+        if name == "gloo" and use:
+            # gloo also serves CUDA tensors: keep it there.
+            return f"cpu:{NAME},cuda:gloo" if torch.cuda.is_available() else f"cpu:{NAME}"
+        return requested
+    devices = {}
+    for part in text.split(","):
+        device, sep, backend = part.partition(":")
+        if not sep or not device.strip() or not backend.strip():
+            raise ValueError(
+                f"init_process_group(backend={requested!r}): {part!r} is not 'device:backend'"
+            )
+        devices[device.strip().lower()] = backend.strip()
+    if use and devices.get("cpu", "").lower() == "gloo":
+        devices["cpu"] = NAME
+        return _join(devices)
+    return requested
+
+
+def _join(devices: dict[str, str]) -> str:
+    return ",".join(f"{device}:{backend}" for device, backend in devices.items())
+
+
+def cpu_backend_of(group: Any = None) -> TiaccBackend | None:
+    """The "tiacc" backend serving ``group``'s CPU tensors (default group), or ``None``."""
+    if not dist.is_initialized():
+        return None
+    group = group or dist.distributed_c10d._get_default_group()
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception:  # no CPU backend in this group
+        return None
+    return backend if isinstance(backend, TiaccBackend) else None
+
+
+def describe_cpu_collectives(config: Any = None, group: Any = None) -> str:
+    """One start-up line: what serves the default group's CPU collectives.
+
+    Args:
+        config: the engine configuration, or ``None`` for the environment's.
+        group: the group (default: the default group).
+
+    Returns:
+        For example ``"CPU collectives: tiacc (the engine over shared
+        memory; other ops forwarded to gloo)"`` or ``"CPU collectives: gloo
+        (TIACC_TRAINING_COLLECTIVES=gloo)"``.
+    """
+    backend = cpu_backend_of(group)
+    if backend is not None:
+        medium = backend.transport
+        where = f"the engine over {medium}" if medium else "the engine"
+        return f"CPU collectives: {NAME} ({where}; other ops forwarded to gloo)"
+    if config is None:
+        config = _engine.CommConfig.from_env()
+    if config.collectives != NAME:
+        why = "TIACC_TRAINING_COLLECTIVES=gloo"
+    elif not register():
+        why = f"the {NAME} backend is unavailable: {_reason}"
+    else:
+        why = "as the script's init_process_group asked"
+    name = "none" if dist.is_initialized() and not _has_cpu(group) else "gloo"
+    return f"CPU collectives: {name} ({why})"
+
+
+def _has_cpu(group: Any) -> bool:
+    group = group or dist.distributed_c10d._get_default_group()
+    return torch.device("cpu") in getattr(group, "_device_types", [torch.device("cpu")])
+
+
+def _create(options: Any, backend_options: Any = None) -> TiaccBackend:
+    """The factory torch calls (extended API): one backend per group."""
+    return TiaccBackend(
+        options.store,
+        options.group_rank,
+        options.group_size,
+        options.timeout,
+        str(getattr(options, "group_id", "") or "group"),
+    )
+
+
+# torch's reduce operations, by their enum, to the engine's names.
+def _op_names() -> dict[Any, str]:
+    kinds = dist.ReduceOp.RedOpType
+    return {
+        kinds.SUM: "sum",
+        kinds.PRODUCT: "product",
+        kinds.MIN: "min",
+        kinds.MAX: "max",
+        kinds.AVG: "avg",
+    }
+
+
+class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
+    """The backend of one group's CPU tensors.
+
+    Args:
+        store: the group's store (a ``PrefixStore`` torch made for it).
+        rank: this process's rank in the group.
+        size: the group's number of ranks.
+        timeout: the group's timeout.
+        group_name: the group's name (keeps the rendezvous of groups apart).
+
+    Attributes:
+        served: collectives the engine ran, by name (``"allreduce"``, ...).
+        forwarded: collectives forwarded to gloo, by name.
+    """
+
+    def __init__(
+        self, store: Any, rank: int, size: int, timeout: datetime.timedelta, group_name: str
+    ) -> None:
+        super().__init__(rank, size)
+        from ._engines import advertised_host
+        from ._rendezvous import FailureBoard, board_store, connect_tcp
+        from ._state import state
+
+        self._rank, self._size = rank, size
+        self.served: collections.Counter[str] = collections.Counter()
+        self.forwarded: collections.Counter[str] = collections.Counter()
+        self._dtypes = frozenset(_engine.collective_dtypes())
+        self._ops = frozenset(_engine.collective_ops())
+        self._op_names = _op_names()
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        config = state.config if state.config is not None else _engine.CommConfig.from_env()
+        _generations[group_name] += 1
+        prefix = f"tiacc_training/backend/{group_name}/{_generations[group_name]}"
+        client, address = board_store(store)
+        self._engine = _engine.CommEngine(
+            config,
+            rank,
+            size,
+            advertised_host(config, store),
+            board=FailureBoard(client, prefix, address),
+            channels=1,
+        )
+        wait = max(config.timeout, 60.0)
+        connect_tcp(self._engine, store, "tiacc", rank, size, wait)
+        self.transport = self._engine.transports.get("world", "")
+
+    # -- what torch asks of every backend --------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """The name torch reports for this backend."""
+        return NAME
+
+    def shutdown(self) -> None:
+        """Stops the engine's channel (torch calls it on ``destroy_process_group``)."""
+        self._engine.shutdown()
+        try:
+            self._gloo.shutdown()
+        except Exception:  # an older gloo backend without shutdown
+            pass
+
+    def abort(self) -> None:
+        """Stops at once (torch's abort)."""
+        self.shutdown()
+
+    # -- collectives the engine runs ---------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """``all_reduce``: the engine's reduction, or gloo's."""
+        op = self._op_name(opts.reduceOp)
+        tensor = self._single(tensors)
+        if tensor is None or op not in self._ops or self._dtype(tensor) is None:
+            return self._forward("allreduce", self._gloo.allreduce, tensors, opts)
+        if op == "avg" and not tensor.is_floating_point():
+            return self._forward("allreduce", self._gloo.allreduce, tensors, opts)
+        return self._run("allreduce", tensor, tensors, reduce=op)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """``broadcast`` from ``opts.rootRank``, as bytes."""
+        tensor = self._single(tensors)
+        if tensor is None or opts.rootTensor != 0:
+            return self._forward("broadcast", self._gloo.broadcast, tensors, opts)
+        return self._run("broadcast", tensor, tensors, as_bytes=True, root=opts.rootRank)
+
+    def barrier(self, opts: Any = None) -> Any:
+        """``barrier``: returns once every rank has entered it."""
+        self.served["barrier"] += 1
+        future = torch.futures.Future()
+        self._engine.collective_async("barrier", [], 0, 0, "uint8", future)
+        return _create_work_from_future(future)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """``all_gather`` into a list of tensors (equal pieces, any dtype)."""
+        tensor = self._single(inputs)
+        ok = (
+            tensor is not None
+            and len(outputs) == 1
+            and len(outputs[0]) == self._size
+            and all(
+                _plain(o) and o.shape == tensor.shape and o.dtype == tensor.dtype
+                for o in outputs[0]
+            )
+        )
+        if not ok:
+            return self._forward("allgather", self._gloo.allgather, outputs, inputs, opts)
+        flat = torch.empty(self._size * tensor.numel(), dtype=tensor.dtype)
+        flat.view(self._size, -1)[self._rank].copy_(tensor.reshape(-1))
+        pieces = outputs[0]
+
+        def scatter_back(future: torch.futures.Future) -> list[list[torch.Tensor]]:
+            future.value()  # raises the engine's error, if any
+            for piece, part in zip(pieces, flat.view(self._size, -1)):
+                piece.copy_(part.view(piece.shape))
+            return outputs
+
+        return self._run("allgather", flat, [flat], as_bytes=True, then=scatter_back)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
+        """``all_gather_into_tensor``: equal pieces into one tensor."""
+        ok = (
+            _plain(output)
+            and _plain(input)
+            and output.dtype == input.dtype
+            and output.numel() == self._size * input.numel()
+        )
+        if not ok:
+            return self._forward("allgather", self._gloo._allgather_base, output, input, opts)
+        output.view(-1).view(self._size, -1)[self._rank].copy_(input.view(-1))
+        return self._run("allgather", output, [output], as_bytes=True)
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> Any:
+        """``reduce_scatter`` of a list of equal tensors."""
+        op = self._op_name(opts.reduceOp)
+        out = self._single(outputs)
+        ok = (
+            out is not None
+            and op in self._ops
+            and op != "avg"
+            and self._dtype(out) is not None
+            and len(inputs) == 1
+            and len(inputs[0]) == self._size
+            and all(_plain(t) and t.shape == out.shape and t.dtype == out.dtype for t in inputs[0])
+        )
+        if not ok:
+            return self._forward("reduce_scatter", self._gloo.reduce_scatter, outputs, inputs, opts)
+        flat = torch.cat([t.reshape(-1) for t in inputs[0]])
+        return self._reduce_scatter_into(out, flat, outputs, op)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
+        """``reduce_scatter_tensor``: this rank's block of the reduced tensor."""
+        op = self._op_name(opts.reduceOp)
+        ok = (
+            _plain(output)
+            and _plain(input)
+            and op in self._ops
+            and op != "avg"
+            and self._dtype(output) is not None
+            and output.dtype == input.dtype
+            and input.numel() == self._size * output.numel()
+        )
+        if not ok:
+            return self._forward(
+                "reduce_scatter", self._gloo._reduce_scatter_base, output, input, opts
+            )
+        # The engine uses the rest of the buffer as scratch: reduce a copy.
+        return self._reduce_scatter_into(output, input.reshape(-1).clone(), [output], op)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: Any,
+    ) -> Any:
+        """``all_to_all_single`` with equal splits (uneven ones go to gloo)."""
+        equal = (
+            _plain(output)
+            and _plain(input)
+            and output.dtype == input.dtype
+            and output.numel() == input.numel()
+            and input.numel() % self._size == 0
+            and _even(output_splits, input.shape[0] if input.dim() else 0, self._size)
+            and _even(input_splits, input.shape[0] if input.dim() else 0, self._size)
+        )
+        if not equal:
+            return self._forward(
+                "alltoall",
+                self._gloo.alltoall_base,
+                output,
+                input,
+                output_splits,
+                input_splits,
+                opts,
+            )
+        output.view(-1).copy_(input.view(-1))
+        return self._run("alltoall", output, [output], as_bytes=True)
+
+    # -- collectives gloo runs ----------------------------------------------
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """Forwarded to gloo."""
+        return self._forward("allreduce_coalesced", self._gloo.allreduce_coalesced, tensors, opts)
+
+    def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """Forwarded to gloo (sparse tensors)."""
+        return self._forward("allreduce", self._gloo.allreduce, tensors, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """Forwarded to gloo."""
+        return self._forward("reduce", self._gloo.reduce, tensors, opts)
+
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """Forwarded to gloo."""
+        return self._forward(
+            "allgather_coalesced", self._gloo.allgather_coalesced, outputs, inputs, opts
+        )
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """Each pair through ``all_gather_single``, in order."""
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _last(works)
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """Each pair through ``reduce_scatter_single``, in order."""
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _last(works)
+
+    def gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """Forwarded to gloo."""
+        return self._forward("gather", self._gloo.gather, outputs, inputs, opts)
+
+    def scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> Any:
+        """Forwarded to gloo."""
+        return self._forward("scatter", self._gloo.scatter, outputs, inputs, opts)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> Any:
+        """Forwarded to gloo."""
+        return self._forward("alltoall", self._gloo.alltoall, outputs, inputs, opts)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        """Forwarded to gloo."""
+        return self._forward("send", self._gloo.send, tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        """Forwarded to gloo."""
+        return self._forward("recv", self._gloo.recv, tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        """Forwarded to gloo."""
+        return self._forward("recv", self._gloo.recv_anysource, tensors, tag)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _op_name(self, op: Any) -> str | None:
+        return self._op_names.get(getattr(op, "op", op))
+
+    def _dtype(self, tensor: torch.Tensor) -> str | None:
+        name = str(tensor.dtype).removeprefix("torch.")
+        return name if name in self._dtypes else None
+
+    @staticmethod
+    def _single(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """The one plain CPU tensor of a call, or ``None`` (gloo takes the rest)."""
+        if len(tensors) != 1 or not _plain(tensors[0]):
+            return None
+        return tensors[0]
+
+    def _forward(self, name: str, method: Any, *args: Any) -> Any:
+        self.forwarded[name] += 1
+        return method(*args)
+
+    def _run(
+        self,
+        name: str,
+        buffer: torch.Tensor,
+        result: Any,
+        *,
+        reduce: str = "sum",
+        as_bytes: bool = False,
+        root: int = 0,
+        then: Any = None,
+    ) -> Any:
+        """Queues ``name`` on the engine over ``buffer``; returns its work.
+
+        The engine keeps ``result`` (which holds ``buffer``) alive until the
+        collective is done, then completes the work's future with it.
+        """
+        self.served[name] += 1
+        dtype = "uint8" if as_bytes else self._dtype(buffer)
+        future = torch.futures.Future()
+        self._engine.collective_async(
+            name,
+            result,
+            buffer.data_ptr(),
+            buffer.numel() * buffer.element_size(),
+            dtype,
+            future,
+            reduce=reduce,
+            root=root,
+        )
+        if then is not None:
+            future = future.then(then)
+        return _create_work_from_future(future)
+
+    def _reduce_scatter_into(
+        self, out: torch.Tensor, flat: torch.Tensor, result: Any, op: str
+    ) -> Any:
+        block = flat.view(self._size, -1)[self._rank]
+
+        def copy_out(future: torch.futures.Future) -> Any:
+            future.value()
+            out.copy_(block.view(out.shape))
+            return result
+
+        return self._run("reduce_scatter", flat, [flat], reduce=op, then=copy_out)
+
+
+def _plain(tensor: Any) -> bool:
+    """A dense, contiguous CPU tensor (what the engine takes as memory)."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and tensor.is_contiguous()
+        and not tensor.is_complex()
+    )
+
+
+def _even(splits: list[int], rows: int, size: int) -> bool:
+    """Whether ``splits`` (empty: equal) cut ``rows`` into ``size`` equal parts."""
+    if not splits:
+        return rows % size == 0
+    return len(splits) == size and all(s == splits[0] for s in splits)
+
+
+def _last(works: list[Any]) -> Any:
+    """Waits for all but the last work (in order) and returns the last."""
+    for work in works[:-1]:
+        work.wait()
+    return works[-1] if works else None
