@@ -48,7 +48,7 @@ import torch.distributed as dist
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
 
-from . import _config, _engines, _group, _launch
+from . import _backend, _config, _engines, _group, _launch
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
 from ._perf import PerfCheck
@@ -239,6 +239,7 @@ def _finish(launch: dict[str, Any], device_given: bool, check_round: bool) -> No
             state.cuda_reason,
             version,
         )
+        logger.info("  %s", _backend.describe_cpu_collectives(config))
 
 
 def cuda_transport() -> str:
@@ -273,4 +274,7 @@ def shutdown() -> None:
     _engines.close_all()
 
 
+# "tiacc" is a torch.distributed backend from the moment the package loads,
+# so that init_process_group("tiacc") works with or without the two lines.
+_backend.register()
 atexit.register(shutdown)

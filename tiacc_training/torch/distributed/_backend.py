@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import threading
 from typing import Any
 
@@ -90,7 +91,37 @@ def _register() -> tuple[bool, str | None]:
             return False, f"torch refused to register a Python backend ({error})"
     except Exception as error:
         return False, f"torch refused to register a Python backend ({error})"
+    _route_monitored_barrier()
     return True, None
+
+
+def _route_monitored_barrier() -> None:
+    """``dist.monitored_barrier`` of a "tiacc" group runs on its gloo backend.
+
+    torch sends it to the group's CPU backend's own implementation, which
+    only gloo has; a Python backend cannot provide it.
+    """
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.monitored_barrier
+
+    @functools.wraps(original)
+    def monitored_barrier(
+        group: Any = distributed_c10d.GroupMember.WORLD,
+        timeout: datetime.timedelta | float | None = None,
+        wait_all_ranks: bool = False,
+    ) -> Any:
+        backend = cpu_backend_of(group)
+        if backend is None:
+            return original(group, timeout, wait_all_ranks)
+        if timeout is None:
+            timeout = backend.timeout
+        elif not isinstance(timeout, datetime.timedelta):
+            timeout = datetime.timedelta(seconds=float(timeout))
+        return backend.gloo.monitored_barrier(timeout, wait_all_ranks)
+
+    for module in (dist, distributed_c10d):
+        module.monitored_barrier = monitored_barrier  # type: ignore[assignment]
 
 
 def unavailable_reason() -> str | None:
@@ -172,7 +203,8 @@ def cpu_backend_of(group: Any = None) -> TiaccBackend | None:
     """The "tiacc" backend serving ``group``'s CPU tensors (default group), or ``None``."""
     if not dist.is_initialized():
         return None
-    group = group or dist.distributed_c10d._get_default_group()
+    if group is None or group is dist.GroupMember.WORLD:
+        group = dist.distributed_c10d._get_default_group()
     try:
         backend = group._get_backend(torch.device("cpu"))
     except Exception:  # no CPU backend in this group
@@ -250,6 +282,10 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
     Attributes:
         served: collectives the engine ran, by name (``"allreduce"``, ...).
         forwarded: collectives forwarded to gloo, by name.
+        gloo: the gloo backend underneath.
+        timeout: the group's timeout.
+        transport: what carries the engine's bytes (``"shared memory"``,
+            ``"tcp"``).
     """
 
     def __init__(
@@ -266,7 +302,8 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         self._dtypes = frozenset(_engine.collective_dtypes())
         self._ops = frozenset(_engine.collective_ops())
         self._op_names = _op_names()
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self.timeout = timeout
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         config = state.config if state.config is not None else _engine.CommConfig.from_env()
         _generations[group_name] += 1
         prefix = f"tiacc_training/backend/{group_name}/{_generations[group_name]}"
@@ -293,7 +330,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         """Stops the engine's channel (torch calls it on ``destroy_process_group``)."""
         self._engine.shutdown()
         try:
-            self._gloo.shutdown()
+            self.gloo.shutdown()
         except Exception:  # an older gloo backend without shutdown
             pass
 
@@ -308,16 +345,29 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         op = self._op_name(opts.reduceOp)
         tensor = self._single(tensors)
         if tensor is None or op not in self._ops or self._dtype(tensor) is None:
-            return self._forward("allreduce", self._gloo.allreduce, tensors, opts)
+            return self._forward("allreduce", self.gloo.allreduce, tensors, opts)
         if op == "avg" and not tensor.is_floating_point():
-            return self._forward("allreduce", self._gloo.allreduce, tensors, opts)
+            # gloo has no AVG at all; NCCL's integer mean truncates. Code
+            # that sees a backend other than gloo asks for it (Lightning's
+            # and torchmetrics' mean of a count): the sum, then the
+            # quotient rounded toward zero, in place.
+            if tensor.dtype == torch.bool:
+                return self._forward("allreduce", self.gloo.allreduce, tensors, opts)
+            size = self._size
+
+            def truncated_mean(future: Any) -> Any:
+                value = future.value()
+                tensor.copy_(torch.div(tensor, size, rounding_mode="trunc"))
+                return value
+
+            return self._run("allreduce", tensor, tensors, reduce="sum", then=truncated_mean)
         return self._run("allreduce", tensor, tensors, reduce=op)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         """``broadcast`` from ``opts.rootRank``, as bytes."""
         tensor = self._single(tensors)
         if tensor is None or opts.rootTensor != 0:
-            return self._forward("broadcast", self._gloo.broadcast, tensors, opts)
+            return self._forward("broadcast", self.gloo.broadcast, tensors, opts)
         return self._run("broadcast", tensor, tensors, as_bytes=True, root=opts.rootRank)
 
     def barrier(self, opts: Any = None) -> Any:
@@ -342,7 +392,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
             )
         )
         if not ok:
-            return self._forward("allgather", self._gloo.allgather, outputs, inputs, opts)
+            return self._forward("allgather", self.gloo.allgather, outputs, inputs, opts)
         flat = torch.empty(self._size * tensor.numel(), dtype=tensor.dtype)
         flat.view(self._size, -1)[self._rank].copy_(tensor.reshape(-1))
         pieces = outputs[0]
@@ -364,7 +414,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
             and output.numel() == self._size * input.numel()
         )
         if not ok:
-            return self._forward("allgather", self._gloo._allgather_base, output, input, opts)
+            return self._forward("allgather", self.gloo._allgather_base, output, input, opts)
         output.view(-1).view(self._size, -1)[self._rank].copy_(input.view(-1))
         return self._run("allgather", output, [output], as_bytes=True)
 
@@ -384,7 +434,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
             and all(_plain(t) and t.shape == out.shape and t.dtype == out.dtype for t in inputs[0])
         )
         if not ok:
-            return self._forward("reduce_scatter", self._gloo.reduce_scatter, outputs, inputs, opts)
+            return self._forward("reduce_scatter", self.gloo.reduce_scatter, outputs, inputs, opts)
         flat = torch.cat([t.reshape(-1) for t in inputs[0]])
         return self._reduce_scatter_into(out, flat, outputs, op)
 
@@ -402,7 +452,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         )
         if not ok:
             return self._forward(
-                "reduce_scatter", self._gloo._reduce_scatter_base, output, input, opts
+                "reduce_scatter", self.gloo._reduce_scatter_base, output, input, opts
             )
         # The engine uses the rest of the buffer as scratch: reduce a copy.
         return self._reduce_scatter_into(output, input.reshape(-1).clone(), [output], op)
@@ -428,7 +478,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         if not equal:
             return self._forward(
                 "alltoall",
-                self._gloo.alltoall_base,
+                self.gloo.alltoall_base,
                 output,
                 input,
                 output_splits,
@@ -442,22 +492,22 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         """Forwarded to gloo."""
-        return self._forward("allreduce_coalesced", self._gloo.allreduce_coalesced, tensors, opts)
+        return self._forward("allreduce_coalesced", self.gloo.allreduce_coalesced, tensors, opts)
 
     def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         """Forwarded to gloo (sparse tensors)."""
-        return self._forward("allreduce", self._gloo.allreduce, tensors, opts)
+        return self._forward("allreduce", self.gloo.allreduce, tensors, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         """Forwarded to gloo."""
-        return self._forward("reduce", self._gloo.reduce, tensors, opts)
+        return self._forward("reduce", self.gloo.reduce, tensors, opts)
 
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
     ) -> Any:
         """Forwarded to gloo."""
         return self._forward(
-            "allgather_coalesced", self._gloo.allgather_coalesced, outputs, inputs, opts
+            "allgather_coalesced", self.gloo.allgather_coalesced, outputs, inputs, opts
         )
 
     def all_gather_single_coalesced(
@@ -478,29 +528,29 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
     ) -> Any:
         """Forwarded to gloo."""
-        return self._forward("gather", self._gloo.gather, outputs, inputs, opts)
+        return self._forward("gather", self.gloo.gather, outputs, inputs, opts)
 
     def scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
     ) -> Any:
         """Forwarded to gloo."""
-        return self._forward("scatter", self._gloo.scatter, outputs, inputs, opts)
+        return self._forward("scatter", self.gloo.scatter, outputs, inputs, opts)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> Any:
         """Forwarded to gloo."""
-        return self._forward("alltoall", self._gloo.alltoall, outputs, inputs, opts)
+        return self._forward("alltoall", self.gloo.alltoall, outputs, inputs, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         """Forwarded to gloo."""
-        return self._forward("send", self._gloo.send, tensors, dst, tag)
+        return self._forward("send", self.gloo.send, tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         """Forwarded to gloo."""
-        return self._forward("recv", self._gloo.recv, tensors, src, tag)
+        return self._forward("recv", self.gloo.recv, tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
         """Forwarded to gloo."""
-        return self._forward("recv", self._gloo.recv_anysource, tensors, tag)
+        return self._forward("recv", self.gloo.recv_anysource, tensors, tag)
 
     # -- helpers --------------------------------------------------------------
 

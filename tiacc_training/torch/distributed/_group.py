@@ -33,7 +33,7 @@ from torch.distributed import distributed_c10d
 from tiacc_training import _engine
 from tiacc_training.errors import ConfigError
 
-from . import _launch
+from . import _backend, _launch
 from ._state import state
 
 _original_init = distributed_c10d.init_process_group
@@ -109,7 +109,9 @@ def _init_process_group(*args: Any, **kwargs: Any) -> None:
                 f"init_tiacc_training(backend={state.backend_arg!r}) differ: the script's "
                 f"{str(requested)!r} is used"
             )
-    arguments["backend"] = _serving_backend(None if requested is None else str(requested))
+    arguments["backend"] = _backend.cpu_backend(
+        None if requested is None else str(requested), state.config
+    )
     if not ours:
         _adopt_timeout(arguments.get("timeout"))
     _original_init(*bound.args, **bound.kwargs)
@@ -125,15 +127,6 @@ def _destroy_process_group(group: Any = None) -> None:
         state.create_on_use = False
         state.finished = False
     _original_destroy(group)
-
-
-def _serving_backend(requested: str | None) -> str | None:
-    """The backends to create: CPU collectives through "tiacc" where it serves them."""
-    try:
-        from ._backend import cpu_backend
-    except ImportError:
-        return requested
-    return cpu_backend(requested, state.config)
 
 
 def user_launch() -> dict[str, Any]:
