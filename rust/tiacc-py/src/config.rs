@@ -129,7 +129,32 @@ impl PyCommConfig {
         d.set_item("topk_clip_norm", c.topk_clip_norm)?;
         d.set_item("nccl_multi_rank_gpu", c.nccl_multi_rank_gpu)?;
         d.set_item("perf_check_n_steps", c.perf_check_n_steps)?;
+        d.set_item("fusion_fraction", c.fusion_fraction)?;
+        d.set_item("accumulate_n_steps", c.accumulate_n_steps)?;
+        d.set_item("nccl_socket_ifname", c.nccl_socket_ifname.as_deref())?;
         Ok(d)
+    }
+
+    /// Backward passes per communication of the DDP hook (1: every pass;
+    /// `TIACC_TRAINING_ACCUMULATE_N_STEPS`, AIACC's
+    /// `PERSEUS_ACCUMULATE_N_STEPS`).
+    #[getter]
+    fn accumulate_n_steps(&self) -> u64 {
+        self.inner.accumulate_n_steps
+    }
+
+    /// The DDP bucket cap in bytes for a model with `gradient_bytes` bytes
+    /// of gradients (AIACC's `PERSEUS_ALLREDUCE_FUSION` is a fraction of
+    /// them; otherwise the fusion threshold).
+    fn bucket_bytes(&self, gradient_bytes: u64) -> u64 {
+        self.inner.bucket_bytes(gradient_bytes)
+    }
+
+    /// The value NCCL is to find in `NCCL_SOCKET_IFNAME` where that is
+    /// unset (from AIACC's `PERSEUS_NCCL_NETWORK_INTERFACE`), else `None`.
+    #[getter]
+    fn nccl_socket_ifname(&self) -> Option<String> {
+        self.inner.nccl_socket_ifname.clone()
     }
 
     /// What serves torch.distributed's CPU collectives: `"tiacc"` or

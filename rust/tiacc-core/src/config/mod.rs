@@ -12,7 +12,12 @@ use std::time::Duration;
 use crate::comm::codec::Compression;
 use crate::error::{Error, Result};
 
+mod iface;
+mod scan;
 pub mod startup;
+
+pub use iface::{system_interfaces, Interface};
+pub use scan::{closest_known, edit_distance, known_names, SCAN_PREFIXES};
 
 /// Largest fused bucket in bytes (DDP's `bucket_cap_mb`, in bytes, as the
 /// TI-ACC documents give it).
@@ -87,6 +92,81 @@ pub const TOPK_CLIP_NORM: &str = "TIACC_TRAINING_TOPK_CLIP_NORM";
 pub const PERF_CHECK_N_STEPS: &str = "TIACC_TRAINING_PERF_CHECK_N_STEPS";
 /// AIACC's name for the slow-rank check.
 pub const PERSEUS_PERF_CHECK_N_STEPS: &str = "PERSEUS_PERF_CHECK_N_STEPS";
+
+/// AIACC's upper bound on communication streams: our channels.
+pub const PERSEUS_STREAMS: &str = "PERSEUS_ALLREDUCE_STREAMS";
+/// AIACC's fusion granularity: `F` makes each bucket 1/F of the model's
+/// gradient bytes (0: automatic, our default).
+pub const PERSEUS_FUSION: &str = "PERSEUS_ALLREDUCE_FUSION";
+/// Horovod's fusion buffer in bytes: our fusion threshold (0: no fusion).
+pub const HOROVOD_FUSION_THRESHOLD: &str = "HOROVOD_FUSION_THRESHOLD";
+/// Horovod's hierarchical allreduce switch: our 2D allreduce (`1`) or the
+/// flat ring (`0`).
+pub const HOROVOD_HIERARCHICAL: &str = "HOROVOD_HIERARCHICAL_ALLREDUCE";
+/// Backward passes per communication: the DDP hook communicates once every
+/// N passes, the gradients accumulating locally in between.
+pub const ACCUMULATE_N_STEPS: &str = "TIACC_TRAINING_ACCUMULATE_N_STEPS";
+/// AIACC's name for local gradient accumulation.
+pub const PERSEUS_ACCUMULATE_N_STEPS: &str = "PERSEUS_ACCUMULATE_N_STEPS";
+/// `1`: an unknown `TIACC_TRAINING_`/`LIGHT_`/`PERSEUS_` variable is an
+/// error on every rank instead of a warning.
+pub const STRICT: &str = "TIACC_TRAINING_STRICT";
+
+/// AIACC's interface for gloo traffic: where our TCP transport binds.
+pub const PERSEUS_GLOO_INTERFACE: &str = "PERSEUS_GLOO_NETWORK_INTERFACE";
+/// torch's gloo interface variable (the first name of a list).
+pub const GLOO_SOCKET_IFNAME: &str = "GLOO_SOCKET_IFNAME";
+/// AIACC's interface for NCCL traffic.
+pub const PERSEUS_NCCL_INTERFACE: &str = "PERSEUS_NCCL_NETWORK_INTERFACE";
+/// NCCL's own interface variable, read, never set or changed (NCCL reads
+/// it itself); its list format (`^` excludes, `=` matches exactly,
+/// otherwise prefixes) is honoured.
+pub const NCCL_SOCKET_IFNAME: &str = "NCCL_SOCKET_IFNAME";
+
+/// The variables that choose the interface of our TCP transport, in order
+/// of precedence, after [`SOCKET_ADDR`].
+pub const INTERFACE_VARIABLES: [&str; 4] = [
+    PERSEUS_GLOO_INTERFACE,
+    GLOO_SOCKET_IFNAME,
+    PERSEUS_NCCL_INTERFACE,
+    NCCL_SOCKET_IFNAME,
+];
+
+/// Names users carry over from AIACC and Horovod that have no meaning in
+/// this engine, and why: each set one gets one start-up line saying so.
+pub const IGNORED: &[(&str, &str)] = &[
+    (
+        "HOROVOD_CYCLE_TIME",
+        "Horovod's background cycle; the engine has none: a bucket goes out as soon as DDP \
+         hands it over",
+    ),
+    (
+        "HOROVOD_CACHE_CAPACITY",
+        "Horovod's response cache; the engine has no coordinator whose answers to cache",
+    ),
+    (
+        "HOROVOD_HIERARCHICAL_ALLGATHER",
+        "DDP gradients are allreduced; the only allgather (Top-K's) follows the allreduce's \
+         algorithm",
+    ),
+    (
+        "HOROVOD_AUTOTUNE",
+        "no autotuner; TIACC_TRAINING_ALGORITHM=auto measures flat against 2D at start-up",
+    ),
+    (
+        "HOROVOD_TIMELINE",
+        "no timeline; TIACC_TRAINING_PERF_CHECK_N_STEPS reports slow ranks",
+    ),
+    (
+        "HOROVOD_GPU_OPERATIONS",
+        "TIACC_TRAINING_TRANSPORT chooses what carries CUDA gradients",
+    ),
+    (
+        "PERSEUS_GRADIENT_MOMENTUM",
+        "AIACC's gossip compression, which this engine does not have; Top-K's momentum \
+         correction is TIACC_TRAINING_TOPK_MOMENTUM",
+    ),
+];
 
 /// LightCC's default hierarchical threshold (1 GiB).
 pub const DEFAULT_HIERARCHICAL_THRESHOLD: u64 = 1 << 30;
@@ -234,13 +314,17 @@ pub enum Setting {
     TopKClipNorm,
     NcclMultiRankGpu,
     PerfCheckNSteps,
+    AccumulateNSteps,
 }
 
 /// The environment variables, in the order they are applied: AIACC's
 /// aliases before our own names, so ours win when both are set.
 pub const VARIABLES: &[&str] = &[
     DISABLE,
+    PERSEUS_FUSION,
+    HOROVOD_FUSION_THRESHOLD,
     FUSION_THRESHOLD,
+    PERSEUS_STREAMS,
     NUM_STREAMS,
     TIMEOUT,
     SOCKET_ADDR,
@@ -254,6 +338,7 @@ pub const VARIABLES: &[&str] = &[
     PERSEUS_SCALE,
     COMPRESSION_SCALE,
     PERSEUS_MODE,
+    HOROVOD_HIERARCHICAL,
     TWO_D,
     ALGORITHM,
     INTRA_SIZE,
@@ -272,6 +357,8 @@ pub const VARIABLES: &[&str] = &[
     NCCL_MULTI_RANK_GPU,
     PERSEUS_PERF_CHECK_N_STEPS,
     PERF_CHECK_N_STEPS,
+    PERSEUS_ACCUMULATE_N_STEPS,
+    ACCUMULATE_N_STEPS,
 ];
 
 /// The arguments of `init_tiacc_training` that override a variable, and
@@ -297,6 +384,9 @@ pub struct CommConfig {
     pub enabled: bool,
     /// Bucket cap in bytes.
     pub fusion_threshold: u64,
+    /// Bucket cap as a fraction of the model's gradient bytes (1/F), when
+    /// AIACC's [`PERSEUS_FUSION`] set it; see [`CommConfig::bucket_bytes`].
+    pub fusion_fraction: Option<u32>,
     /// Number of channels.
     pub num_streams: usize,
     /// Per-collective timeout.
@@ -345,8 +435,17 @@ pub struct CommConfig {
     pub nccl_multi_rank_gpu: bool,
     /// Steps between two slow-rank checks (0: off).
     pub perf_check_n_steps: u64,
+    /// What NCCL gets as `NCCL_SOCKET_IFNAME` where that is unset: AIACC's
+    /// [`PERSEUS_NCCL_INTERFACE`], as an exact name (`=eth0`).
+    pub nccl_socket_ifname: Option<String>,
+    /// Backward passes per communication of the DDP hook (1: every pass).
+    pub accumulate_n_steps: u64,
     /// The variable or argument that set each setting not at its default.
     pub set_by: BTreeMap<Setting, String>,
+    /// What reading the environment found to say: unknown names, ignored
+    /// aliases, an alias overridden by our own name. The start-up report
+    /// puts them first among its warnings.
+    pub notices: Vec<startup::Warning>,
 }
 
 impl Default for CommConfig {
@@ -354,6 +453,7 @@ impl Default for CommConfig {
         CommConfig {
             enabled: true,
             fusion_threshold: DEFAULT_FUSION_THRESHOLD,
+            fusion_fraction: None,
             num_streams: DEFAULT_NUM_STREAMS,
             timeout: DEFAULT_TIMEOUT,
             socket_addr: None,
@@ -378,27 +478,167 @@ impl Default for CommConfig {
             topk_clip_norm: None,
             nccl_multi_rank_gpu: false,
             perf_check_n_steps: 0,
+            nccl_socket_ifname: None,
+            accumulate_n_steps: 1,
             set_by: BTreeMap::new(),
+            notices: Vec::new(),
         }
     }
 }
 
 impl CommConfig {
-    /// Reads the configuration from the process environment.
+    /// Reads the configuration from the process environment, with the scan
+    /// for unknown names ([`CommConfig::from_vars`]).
     pub fn from_env() -> Result<Self> {
-        Self::from_lookup(|name| std::env::var_os(name))
+        Self::from_vars(std::env::vars_os(), &system_interfaces)
+    }
+
+    /// Reads the configuration from `vars` (an environment's name-value
+    /// pairs), resolving interface names through `interfaces`, and scans
+    /// the names for the prefixes we own ([`ScanPrefixes`]): each one we do
+    /// not know, and each ignored alias ([`IGNORED`]), becomes one notice
+    /// (an unknown one naming the closest known name). With
+    /// `TIACC_TRAINING_STRICT=1` an unknown name is a `Error::Config`
+    /// naming it and the suggestion instead.
+    pub fn from_vars(
+        vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+        interfaces: &dyn Fn() -> Result<Vec<Interface>>,
+    ) -> Result<Self> {
+        let map: BTreeMap<String, std::ffi::OsString> = vars
+            .into_iter()
+            .filter_map(|(name, value)| Some((name.into_string().ok()?, value)))
+            .collect();
+        let lookup = |name: &str| map.get(name).cloned();
+        let strict = match read(&lookup, STRICT)? {
+            Some(value) => parse_bool(STRICT, &value)?,
+            None => false,
+        };
+        let mut notices = scan::scan(&map, strict)?;
+        let mut config = Self::from_lookup_with(&lookup, interfaces)?;
+        notices.append(&mut config.notices);
+        config.notices = notices;
+        Ok(config)
     }
 
     /// Reads the configuration through `lookup` (the environment, or a map
-    /// in tests).
+    /// in tests), without the scan for unknown names.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<std::ffi::OsString>) -> Result<Self> {
+        Self::from_lookup_with(&lookup, &system_interfaces)
+    }
+
+    fn from_lookup_with(
+        lookup: &impl Fn(&str) -> Option<std::ffi::OsString>,
+        interfaces: &dyn Fn() -> Result<Vec<Interface>>,
+    ) -> Result<Self> {
         let mut config = CommConfig::default();
+        let mut given: BTreeMap<&str, String> = BTreeMap::new();
         for &variable in VARIABLES {
-            if let Some(value) = read(&lookup, variable)? {
+            if let Some(value) = read(lookup, variable)? {
+                let before = config.clone();
                 config.apply(variable, variable, &value)?;
+                config.note_override(&before, variable, &value, &given);
+                given.insert(variable, value);
             }
         }
+        config.choose_interface(lookup, interfaces)?;
         Ok(config)
+    }
+
+    /// After `variable` was applied over `before`: one notice for each
+    /// setting another variable had set to something else, naming both
+    /// (`given` holds the values applied so far).
+    fn note_override(
+        &mut self,
+        before: &CommConfig,
+        variable: &str,
+        value: &str,
+        given: &BTreeMap<&str, String>,
+    ) {
+        if self.same_settings(before) {
+            return;
+        }
+        let mut overridden: Vec<&str> = Vec::new();
+        for (setting, label) in &self.set_by {
+            if label != variable {
+                continue;
+            }
+            if let Some(previous) = before.source(*setting) {
+                if previous != variable && !overridden.contains(&previous) {
+                    overridden.push(previous);
+                }
+            }
+        }
+        for previous in overridden {
+            let Some(previous_value) = given.get(previous) else {
+                continue;
+            };
+            self.notices.push(startup::Warning {
+                variable: previous.to_string(),
+                message: format!(
+                    "is set to {:?} and {variable} to {:?}, which disagree: {variable} wins",
+                    previous_value.trim(),
+                    value.trim()
+                ),
+            });
+        }
+    }
+
+    /// The address our TCP transport binds to and advertises, from an
+    /// interface variable ([`INTERFACE_VARIABLES`], first set wins) when
+    /// [`SOCKET_ADDR`] is not set; a notice for each other one set to
+    /// something else (none for `NCCL_SOCKET_IFNAME`, which is NCCL's).
+    /// Also what NCCL is to be handed ([`CommConfig::nccl_socket_ifname`]).
+    fn choose_interface(
+        &mut self,
+        lookup: &impl Fn(&str) -> Option<std::ffi::OsString>,
+        interfaces: &dyn Fn() -> Result<Vec<Interface>>,
+    ) -> Result<()> {
+        let mut set: Vec<(&str, String)> = Vec::new();
+        for variable in INTERFACE_VARIABLES {
+            if let Some(value) = read(lookup, variable)? {
+                set.push((variable, value.trim().to_string()));
+            }
+        }
+        let nccl_set = set.iter().any(|(v, _)| *v == NCCL_SOCKET_IFNAME);
+        if let Some((_, name)) = set.iter().find(|(v, _)| *v == PERSEUS_NCCL_INTERFACE) {
+            if !nccl_set {
+                self.nccl_socket_ifname = Some(format!("={name}"));
+            }
+        }
+        let (winner, winning_value) = match (self.socket_addr, set.first()) {
+            (Some(ip), _) => (SOCKET_ADDR, ip.to_string()),
+            (None, None) => return Ok(()),
+            (None, Some((variable, value))) => {
+                let ip = iface::resolve(variable, value, &interfaces()?)?;
+                self.socket_addr = Some(std::net::IpAddr::V4(ip));
+                self.set_by
+                    .insert(Setting::SocketAddr, variable.to_string());
+                (*variable, value.clone())
+            }
+        };
+        for (variable, value) in &set {
+            if *variable == winner || *variable == NCCL_SOCKET_IFNAME || *value == winning_value {
+                continue;
+            }
+            self.notices.push(startup::Warning {
+                variable: variable.to_string(),
+                message: format!(
+                    "is set to {value:?} and {winner} to {winning_value:?}: our TCP transport \
+                     uses {winner}"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The bucket cap for a model with `gradient_bytes` bytes of gradients:
+    /// 1/F of them under AIACC's [`PERSEUS_FUSION`], else
+    /// [`CommConfig::fusion_threshold`].
+    pub fn bucket_bytes(&self, gradient_bytes: u64) -> u64 {
+        match self.fusion_fraction {
+            Some(f) => gradient_bytes.div_ceil(u64::from(f)).max(1),
+            None => self.fusion_threshold,
+        }
     }
 
     /// This configuration with `overrides` applied: `(argument, value)`
@@ -431,6 +671,7 @@ impl CommConfig {
     pub fn same_settings(&self, other: &CommConfig) -> bool {
         let strip = |c: &CommConfig| CommConfig {
             set_by: BTreeMap::new(),
+            notices: Vec::new(),
             ..c.clone()
         };
         strip(self) == strip(other)
@@ -481,9 +722,36 @@ impl CommConfig {
             }
             FUSION_THRESHOLD => {
                 self.fusion_threshold = parse_positive_u64(label, value)?;
+                self.fusion_fraction = None;
                 Setting::FusionThreshold
             }
-            NUM_STREAMS => {
+            HOROVOD_FUSION_THRESHOLD => {
+                // Horovod's 0 turns fusion off: every gradient its own bucket.
+                let bytes: u64 = value
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(label, value, "a number of bytes (0: no fusion)"))?;
+                self.fusion_threshold = bytes.max(1);
+                self.fusion_fraction = None;
+                Setting::FusionThreshold
+            }
+            PERSEUS_FUSION => {
+                let f = match value.trim().parse::<u32>() {
+                    Ok(f) if f <= 128 => f,
+                    _ => {
+                        return Err(bad(
+                            label,
+                            value,
+                            "an integer from 0 (automatic) to 128 (each bucket 1/128 of the \
+                             model's gradient bytes)",
+                        ))
+                    }
+                };
+                self.fusion_fraction = (f > 0).then_some(f);
+                self.fusion_threshold = DEFAULT_FUSION_THRESHOLD;
+                Setting::FusionThreshold
+            }
+            PERSEUS_STREAMS | NUM_STREAMS => {
                 self.num_streams = parse_num_streams(label, value)?;
                 Setting::NumStreams
             }
@@ -546,6 +814,13 @@ impl CommConfig {
                 Setting::CompressionScale
             }
             TWO_D => {
+                self.algorithm = match parse_bool(label, value)? {
+                    true => AlgorithmChoice::TwoD,
+                    false => AlgorithmChoice::Flat,
+                };
+                Setting::Algorithm
+            }
+            HOROVOD_HIERARCHICAL => {
                 self.algorithm = match parse_bool(label, value)? {
                     true => AlgorithmChoice::TwoD,
                     false => AlgorithmChoice::Flat,
@@ -645,6 +920,19 @@ impl CommConfig {
                     .map_err(|_| bad(label, value, "a number of steps (0: off)"))?;
                 Setting::PerfCheckNSteps
             }
+            ACCUMULATE_N_STEPS | PERSEUS_ACCUMULATE_N_STEPS => {
+                self.accumulate_n_steps = match value.trim().parse::<u64>() {
+                    Ok(n) if n > 0 => n,
+                    _ => {
+                        return Err(bad(
+                            label,
+                            value,
+                            "a positive number of backward passes per communication",
+                        ))
+                    }
+                };
+                Setting::AccumulateNSteps
+            }
             NCCL_MULTI_RANK_GPU => {
                 // NCCL's variable, read as NCCL reads it (an integer, 0 = off);
                 // never an error of ours.
@@ -687,6 +975,7 @@ const SHARED: &[(Setting, &str)] = &[
     (Setting::TopKWarmupSteps, TOPK_WARMUP_STEPS),
     (Setting::TopKClipNorm, TOPK_CLIP_NORM),
     (Setting::PerfCheckNSteps, PERF_CHECK_N_STEPS),
+    (Setting::AccumulateNSteps, ACCUMULATE_N_STEPS),
 ];
 
 impl CommConfig {
@@ -694,7 +983,10 @@ impl CommConfig {
     fn shared_value(&self, setting: Setting) -> String {
         match setting {
             Setting::Enabled => (!self.enabled as u8).to_string(),
-            Setting::FusionThreshold => self.fusion_threshold.to_string(),
+            Setting::FusionThreshold => match self.fusion_fraction {
+                Some(f) => format!("1/{f} of the gradient bytes"),
+                None => self.fusion_threshold.to_string(),
+            },
             Setting::NumStreams => self.num_streams.to_string(),
             Setting::Transport => self.transport.name().to_string(),
             Setting::Compression => self.compression.name().to_string(),
@@ -720,6 +1012,7 @@ impl CommConfig {
                 .topk_clip_norm
                 .map_or("unset".into(), |c| c.to_string()),
             Setting::PerfCheckNSteps => self.perf_check_n_steps.to_string(),
+            Setting::AccumulateNSteps => self.accumulate_n_steps.to_string(),
             _ => String::new(),
         }
     }

@@ -49,25 +49,29 @@ pub struct Startup {
 }
 
 impl CommConfig {
-    /// The start-up report for `job`.
+    /// The start-up report for `job`. Its warnings start with what
+    /// reading the environment noticed ([`CommConfig::notices`]).
     pub fn startup(&self, job: &Job) -> Startup {
         if !self.enabled {
             return Startup {
                 lines: vec![format!(
-                    "tiacc engine disabled: DDP communicates natively (fusion_threshold={} bytes)",
-                    self.fusion_threshold
+                    "tiacc engine disabled: DDP communicates natively (fusion_threshold={})",
+                    self.fusion_text()
                 )],
-                warnings: Vec::new(),
+                warnings: self.notices.clone(),
             };
         }
+        let accumulate = match self.accumulate_n_steps {
+            1 => String::new(),
+            n => format!(" accumulate_n_steps={n} (one communication every {n} backward passes)"),
+        };
         let mut lines = vec![format!(
             "DDP communication through the tiacc engine: world_size={} launcher={} channels={} \
-             fusion_threshold={} bytes (bucket_cap_mb={:.2}) timeout={}s",
+             fusion_threshold={} timeout={}s{accumulate}",
             job.world,
             job.launcher,
             self.num_streams,
-            self.fusion_threshold,
-            self.fusion_threshold as f64 / (1024.0 * 1024.0),
+            self.fusion_text(),
             self.timeout.as_secs_f64()
         )];
         lines.push(format!("  CPU buckets: tcp; {}", self.applies(job, true)));
@@ -89,9 +93,23 @@ impl CommConfig {
                 format!("  CUDA buckets: {transport} (transport {requested}{reason}); {what}")
             }
         });
-        Startup {
-            lines,
-            warnings: self.warnings(job),
+        let mut warnings = self.notices.clone();
+        warnings.extend(self.warnings(job));
+        Startup { lines, warnings }
+    }
+
+    /// The bucket cap as the report gives it.
+    fn fusion_text(&self) -> String {
+        match self.fusion_fraction {
+            Some(f) => format!(
+                "1/{f} of each model's gradient bytes (from {})",
+                self.source(Setting::FusionThreshold).unwrap_or("")
+            ),
+            None => format!(
+                "{} bytes (bucket_cap_mb={:.2})",
+                self.fusion_threshold,
+                self.fusion_threshold as f64 / (1024.0 * 1024.0)
+            ),
         }
     }
 
