@@ -8,6 +8,7 @@ arguments and the job, and logs what comes back.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -28,7 +29,11 @@ def effective_config(**arguments: Any) -> Any:
         ValueError: an argument's value does not parse (names it).
         TypeError: an argument has the wrong type.
     """
-    return _engine.CommConfig.from_env().with_overrides(arguments)
+    config = _engine.CommConfig.from_env().with_overrides(arguments)
+    if config.nccl_socket_ifname is not None:
+        # AIACC's NCCL interface, for NCCL, which reads only its own name.
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", config.nccl_socket_ifname)
+    return config
 
 
 def log_startup(

@@ -45,6 +45,12 @@ class HookState:
         self.cuda = cuda
         self.user_hook: Callable[..., torch.futures.Future] | None = None
         self.user_state: Any = None
+        # Local gradient accumulation (TIACC_TRAINING_ACCUMULATE_N_STEPS /
+        # PERSEUS_ACCUMULATE_N_STEPS): the buckets go out in one backward
+        # pass of every `accumulate_n_steps` that reach the hook.
+        config = _state.state.config
+        self.accumulate_n_steps: int = 1 if config is None else config.accumulate_n_steps
+        self.passes = 0
 
 
 def patch_ddp() -> None:
@@ -65,10 +71,16 @@ def _patched_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> N
             ensure_group()
             config = state.config  # the script's init may have set its timeout
         if "bucket_cap_mb" not in bound.arguments:
-            kwargs["bucket_cap_mb"] = config.fusion_threshold / _MIB
+            gradient_bytes = _gradient_bytes(bound.arguments["module"])
+            kwargs["bucket_cap_mb"] = config.bucket_bytes(gradient_bytes) / _MIB
     _original_init(self, *args, **kwargs)
     if config is not None and config.enabled:
         _attach(self, config)
+
+
+def _gradient_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the gradients DDP will bucket for ``module``."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
 def _attach(ddp: DistributedDataParallel, config: Any) -> None:
@@ -110,6 +122,12 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
     if state.user_hook is not None:
         return state.user_hook(state.user_state, bucket)
     buf = bucket.buffer()
+    if state.accumulate_n_steps > 1:
+        communicates = state.passes % state.accumulate_n_steps == state.accumulate_n_steps - 1
+        if bucket.is_last():
+            state.passes += 1
+        if not communicates:
+            return _accumulated_locally(buf)
     if buf.dtype not in _SUPPORTED_DTYPES or not buf.is_contiguous():
         return default_hooks.allreduce_hook(state.process_group, bucket)
     perf = _state.state.perf
@@ -134,6 +152,20 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
         True,
     )
     return future.then(functools.partial(_bucket_result, buf.dtype))
+
+
+def _accumulated_locally(buf: torch.Tensor) -> torch.futures.Future:
+    """A bucket that does not go out in this backward pass.
+
+    DDP filled the bucket from the parameters' ``.grad`` (this rank's sum
+    since the last communication), so handing it back unchanged leaves
+    ``.grad`` as it is: this pass's gradients stay added locally, as under
+    ``no_sync()``. With ``gradient_as_bucket_view`` the bucket is ``.grad``
+    itself and DDP copies nothing.
+    """
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(buf)
+    return future
 
 
 def _bucket_result(dtype: torch.dtype, future: torch.futures.Future) -> torch.Tensor:
