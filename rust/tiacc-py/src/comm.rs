@@ -117,7 +117,8 @@ pub fn collective_dtypes() -> Vec<&'static str> {
 }
 
 /// The reductions the engine's collectives compute (`"sum"`, `"product"`,
-/// `"min"`, `"max"`, and `"avg"` for floating-point types).
+/// `"min"`, `"max"`, and `"avg"`: the sum divided by the world size, the
+/// quotient rounded toward zero for integers; not for bool).
 #[pyfunction]
 pub fn collective_ops() -> Vec<&'static str> {
     let mut ops: Vec<&'static str> = ReduceOp::ALL.iter().map(|op| op.name()).collect();
@@ -665,9 +666,9 @@ impl CommEngine {
                 dtype.name()
             )));
         }
-        if mean && !dtype.is_float() {
+        if mean && !dtype.averages() {
             return Err(PyValueError::new_err(format!(
-                "allreduce: the engine averages floating-point types only, not {}",
+                "allreduce: an average of {} elements has no meaning",
                 dtype.name()
             )));
         }

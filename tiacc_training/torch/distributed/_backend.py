@@ -346,21 +346,8 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         tensor = self._single(tensors)
         if tensor is None or op not in self._ops or self._dtype(tensor) is None:
             return self._forward("allreduce", self.gloo.allreduce, tensors, opts)
-        if op == "avg" and not tensor.is_floating_point():
-            # gloo has no AVG at all; NCCL's integer mean truncates. Code
-            # that sees a backend other than gloo asks for it (Lightning's
-            # and torchmetrics' mean of a count): the sum, then the
-            # quotient rounded toward zero, in place.
-            if tensor.dtype == torch.bool:
-                return self._forward("allreduce", self.gloo.allreduce, tensors, opts)
-            size = self._size
-
-            def truncated_mean(future: Any) -> Any:
-                value = future.value()
-                tensor.copy_(torch.div(tensor, size, rounding_mode="trunc"))
-                return value
-
-            return self._run("allreduce", tensor, tensors, reduce="sum", then=truncated_mean)
+        if op == "avg" and tensor.dtype == torch.bool:
+            return self._forward("allreduce", self.gloo.allreduce, tensors, opts)
         return self._run("allreduce", tensor, tensors, reduce=op)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:

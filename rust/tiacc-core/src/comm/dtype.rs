@@ -130,6 +130,12 @@ impl DType {
         matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
     }
 
+    /// Whether an average means something: every type but bool (integers
+    /// take the quotient rounded toward zero, as NCCL's integer mean).
+    pub fn averages(self) -> bool {
+        self != DType::Bool
+    }
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {

@@ -79,7 +79,8 @@ pub enum Collective {
     Barrier,
     /// torch.distributed's allreduce: `op` over the world transport alone
     /// (no compression, Top-K or 2D: exact results), in the ring's order;
-    /// with `mean`, the sum is then divided by the world size (floats).
+    /// with `mean`, the sum is then divided by the world size (integers
+    /// round the quotient toward zero).
     AllreduceOp { op: ReduceOp, mean: bool },
     /// Reduce with `op` into this rank's equal shard of the buffer (the
     /// rest is scratch): torch's reduce-scatter when the buffer holds one
@@ -383,10 +384,10 @@ fn channel_loop(
             bytes: buf.len() as u64,
         };
         let result = if matches!(job.op, Collective::AllreduceOp { mean: true, .. })
-            && !dtype.is_float()
+            && !dtype.averages()
         {
             Err(Error::InvalidArgument(format!(
-                "an average of {} elements: the engine averages floating-point types only",
+                "an average of {} elements has no meaning",
                 dtype.name()
             )))
         } else if typed && buf.len() % dtype.size() != 0 {
