@@ -44,8 +44,11 @@ import sys
 def _report():
     state = sys.modules.get("tiacc_training.torch.distributed._state")
     if state is not None:
+        backend = sys.modules["tiacc_training.torch.distributed._backend"]
+        served = sum(backend.served_in_process.values())
         # One write, so the lines of processes sharing the pipe never mix.
-        line = f"ENGINE_BUCKETS pid={os.getpid()} {state.state.engine_buckets}\\n"
+        line = (f"ENGINE_BUCKETS pid={os.getpid()} {state.state.engine_buckets} "
+                f"collectives={served}\\n")
         os.write(2, line.encode())
 
 
@@ -106,7 +109,12 @@ def _losses(out: str) -> dict[str, float]:
 
 
 def _engine_buckets(out: str) -> list[int]:
-    return [int(m) for m in re.findall(r"^ENGINE_BUCKETS pid=\d+ (\d+)$", out, re.M)]
+    return [int(m) for m in re.findall(r"^ENGINE_BUCKETS pid=\d+ (\d+) ", out, re.M)]
+
+
+def _collectives(out: str) -> list[int]:
+    """Per process: the script's CPU collectives the "tiacc" backend served."""
+    return [int(m) for m in re.findall(r"^ENGINE_BUCKETS .* collectives=(\d+)$", out, re.M)]
 
 
 def _same_losses(tiacc: str, native: str) -> None:
@@ -122,6 +130,11 @@ def _through_engine(out: str, processes: int) -> None:
     training = [c for c in counts if c > 0]
     assert len(training) == processes, f"buckets per process {counts}:\n{out[-4000:]}"
     assert out.count(STARTUP) == 1, out[-4000:]
+    # The script's (or its library's) own CPU collectives: DDP's start-up
+    # broadcast at least, through the engine's "tiacc" backend.
+    served = [c for c in _collectives(out) if c > 0]
+    assert len(served) == processes, f"collectives per process {_collectives(out)}"
+    assert "CPU collectives: tiacc" in out, out[-4000:]
 
 
 def _compare(tmp_path: Path, name: str, command, processes: int, env=None) -> tuple[str, str]:

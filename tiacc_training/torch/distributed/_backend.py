@@ -48,6 +48,9 @@ _reason: str | None = None
 # Backends made per group name in this process: successive groups of one
 # name (a script that creates the default group again) rendezvous apart.
 _generations: collections.Counter[str] = collections.Counter()
+# Collectives the engine served in this process, over every group and
+# generation (a group's own counts go with it when it is destroyed).
+served_in_process: collections.Counter[str] = collections.Counter()
 
 try:  # torch builds without distributed support lack these
     from torch._C._distributed_c10d import Backend as _C10dBackend
@@ -360,6 +363,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
     def barrier(self, opts: Any = None) -> Any:
         """``barrier``: returns once every rank has entered it."""
         self.served["barrier"] += 1
+        served_in_process["barrier"] += 1
         future = torch.futures.Future()
         self._engine.collective_async("barrier", [], 0, 0, "uint8", future)
         return _create_work_from_future(future)
@@ -576,6 +580,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         collective is done, then completes the work's future with it.
         """
         self.served[name] += 1
+        served_in_process[name] += 1
         dtype = "uint8" if as_bytes else self._dtype(buffer)
         future = torch.futures.Future()
         self._engine.collective_async(
