@@ -117,6 +117,13 @@ fn float_sums_are_bitwise_identical_across_ranks() {
         buf
     });
     assert!(results.iter().all(|r| r == &results[0]));
+    // And the sum itself, within float32's rounding of 3 additions.
+    for (i, got) in decode(DType::F32, &results[0]).iter().enumerate() {
+        let want: f64 = (0..4)
+            .map(|rank| (((i * 31 + rank) as f64).sin() * 1e3) as f32 as f64)
+            .sum();
+        assert!((got - want).abs() < 1e-3, "{i}: {got} vs {want}");
+    }
 }
 
 #[test]
@@ -229,7 +236,12 @@ fn checked_allreduce_sums_and_catches_a_diverging_rank_without_an_extra_round() 
             .unwrap();
         decode(DType::F32, &buf)
     });
-    assert!(sums.iter().all(|s| s == &sums[0]));
+    let want: Vec<f64> = (0..100)
+        .map(|i| (0..3).map(|r| rank_values(r, 100)[i]).sum())
+        .collect();
+    for (rank, got) in sums.iter().enumerate() {
+        assert_eq!(got, &want, "rank {rank}");
+    }
 
     let errors = on_every_rank(3, move |rank, ring| {
         let len = if rank == 1 { 90 } else { 100 };
@@ -464,6 +476,109 @@ fn half_precision_compression_averages_within_its_precision() {
             );
         }
         assert!(results.iter().all(|r| r == &results[0]), "ranks differ");
+        // The values went through the half type: most means are off by
+        // more than float32's rounding of them (a mutant that sends float32
+        // keeps every one within about 1e-5).
+        let off = results[0]
+            .iter()
+            .enumerate()
+            .filter(|&(i, got)| {
+                let mean: f64 = (0..p)
+                    .map(|r| ((i + r * 7) as f64).sin() * 100.0)
+                    .sum::<f64>()
+                    / p as f64;
+                (got - mean).abs() > 1e-3
+            })
+            .count();
+        assert!(
+            off > 5000 / 2,
+            "{compression:?}: only {off} of 5000 rounded"
+        );
+    }
+}
+
+/// `v` rounded to the nearest value of `wire` (float16 or bfloat16), ties
+/// to even: the codec's cast, computed here with the `half` crate.
+fn round_to(wire: DType, v: f64) -> f64 {
+    match wire {
+        DType::F16 => half::f16::from_f64(v).to_f64(),
+        DType::BF16 => half::bf16::from_f64(v).to_f64(),
+        other => panic!("{other:?} is not a wire type"),
+    }
+}
+
+/// A wire type's counterpart in [`Compression`].
+fn compression_for(wire: DType) -> super::codec::Compression {
+    use super::codec::Compression;
+    match wire {
+        DType::F16 => Compression::Fp16,
+        _ => Compression::Bf16,
+    }
+}
+
+/// An integer `2..=6` or `-6..=-2` off by a small fraction (below half the
+/// wire type's spacing there, so the cast rounds it to the integer, up or
+/// down), for rank `rank`'s element `i`.
+fn off_integer(wire: DType, rank: usize, i: usize) -> f64 {
+    let m = (i * 7 + rank * 3) % 10;
+    let j = if m < 5 {
+        -(m as f64) - 2.0
+    } else {
+        m as f64 - 3.0
+    };
+    // 2^-12 is below half the float16 spacing at 2 (2^-10); 2^-9 below half
+    // bfloat16's (2^-7).
+    let delta = if wire == DType::F16 {
+        2f64.powi(-12)
+    } else {
+        2f64.powi(-9)
+    };
+    let s = if (i + rank) % 3 == 0 { -1.0 } else { 1.0 };
+    j + s * delta
+}
+
+#[test]
+fn half_precision_compression_sums_each_ranks_share_rounded_to_the_wire_type() {
+    // 4 ranks averaging with scale 2: each rank's share is x * 2 / 4, cast
+    // to the wire type (rounded to an integer by construction), summed
+    // (integers: exact in any order) and divided by 2. The exact mean
+    // differs from that wherever the fractions do not cancel.
+    let (p, len, scale) = (4usize, 3001usize, 2.0);
+    for wire in [DType::F16, DType::BF16] {
+        let settings = AlgoSettings {
+            compression: compression_for(wire),
+            scale,
+            ..Default::default()
+        };
+        let input = move |r: usize, i: usize| 2.0 * off_integer(wire, r, i);
+        let results = with_engines(p, 2, settings, move |rank, engine| {
+            let values: Vec<f64> = (0..len).map(|i| input(rank, i)).collect();
+            allreduce_f32(engine, &values, true, 3)
+        });
+        let factor = scale / p as f64;
+        let mut rounded = 0;
+        for i in 0..len {
+            let shares: Vec<f64> = (0..p)
+                .map(|r| round_to(wire, input(r, i) * factor))
+                .collect();
+            assert!(
+                shares.iter().all(|v| v.fract() == 0.0),
+                "{wire:?} {i}: {shares:?}"
+            );
+            let want = (shares.iter().sum::<f64>() / scale) as f32 as f64;
+            let exact = (0..p).map(|r| input(r, i)).sum::<f64>() / p as f64;
+            for (rank, got) in results.iter().enumerate() {
+                assert_eq!(got[i], want, "{wire:?} rank {rank} element {i}");
+            }
+            if results[0][i] != exact {
+                rounded += 1;
+            }
+        }
+        // Every element whose fractions do not cancel (3 of 4 do not).
+        assert!(
+            rounded > len / 2,
+            "{wire:?}: only {rounded} of {len} rounded"
+        );
     }
 }
 
@@ -662,49 +777,133 @@ fn the_auto_probe_gives_every_rank_the_same_numbers() {
     assert_eq!(decision.two_d, p.two_d_s < p.flat_s);
 }
 
+/// Rank `rank`'s element `i` for the 2D compression tests: an integer in
+/// `-6..=6` plus a multiple of 2^-12 in `-6..=6`. float32 holds these and
+/// every sum of them exactly; float16 holds them only near zero.
+fn two_d_value(rank: usize, i: usize) -> f64 {
+    let j = ((i * 7 + rank * 3) % 13) as f64 - 6.0;
+    let t = ((i * 5 + rank * 11) % 13) as f64 - 6.0;
+    j + t * 2f64.powi(-12)
+}
+
+/// What the 2D allreduce of [`two_d_value`] over 2 nodes x 2 ranks gives
+/// element `i`, rounding to `wire` where the codec does: each rank's input
+/// (`inputs`), each node's sum and the sum across nodes (`sums`). The
+/// intra-node and inter-node steps add two values each, so the order of
+/// additions cannot matter.
+fn two_d_reference(i: usize, wire: DType, inputs: bool, sums: bool) -> f64 {
+    let r = |v: f64, on: bool| if on { round_to(wire, v) } else { v };
+    let x: Vec<f64> = (0..4).map(|rank| r(two_d_value(rank, i), inputs)).collect();
+    let nodes = [r(x[0] + x[1], sums), r(x[2] + x[3], sums)];
+    r(nodes[0] + nodes[1], sums) as f32 as f64
+}
+
+fn run_two_d_values(settings: AlgoSettings, len: usize) -> Vec<Vec<f64>> {
+    let per_rank = two_by_two_groups()
+        .into_iter()
+        .map(|groups| vec![(groups, settings)])
+        .collect();
+    on_engines(per_rank, move |rank, engine| {
+        let values: Vec<f64> = (0..len).map(|i| two_d_value(rank, i)).collect();
+        allreduce_f32(engine, &values, false, 0)
+    })
+}
+
+/// Checks every rank's result of a 2D allreduce against `want(i)` and
+/// returns how many elements differ from `other(i)`.
+fn check_two_d(
+    results: &[Vec<f64>],
+    want: impl Fn(usize) -> f64,
+    other: impl Fn(usize) -> f64,
+    what: &str,
+) -> usize {
+    let mut differ = 0;
+    for i in 0..results[0].len() {
+        let w = want(i);
+        for (rank, got) in results.iter().enumerate() {
+            assert_eq!(got[i], w, "{what}: rank {rank} element {i}");
+        }
+        if w != other(i) {
+            differ += 1;
+        }
+    }
+    differ
+}
+
 #[test]
 fn two_d_pipelines_a_compressed_copy_of_the_bucket() {
-    use super::codec::Compression;
-    // Whole-bucket fp16: the chunks are scratch memory holding the cast.
+    // Whole-bucket fp16: every rank's input is cast, and the node sums and
+    // the sum across nodes are float16 additions (the chunks are scratch
+    // memory holding the cast). 2.6M elements: a pipeline of 4 chunks.
     let settings = AlgoSettings {
         hierarchical_threshold: Some(u64::MAX),
-        compression: Compression::Fp16,
+        compression: super::codec::Compression::Fp16,
         ..Default::default()
     };
     let len = 2_600_001;
-    let results = run_two_d_with(settings, len);
-    let inputs: Vec<Vec<f64>> = (0..4).map(|r| rank_values(r, len)).collect();
-    for (i, got) in results[0].iter().enumerate() {
-        let want: f64 = inputs.iter().map(|v| v[i]).sum();
-        assert!(
-            (got - want).abs() < 1e-2 * want.abs().max(1.0),
-            "{i}: {got} vs {want}"
-        );
-    }
-    assert!(results.iter().all(|r| r == &results[0]));
+    let results = run_two_d_values(settings, len);
+    let want = |i| two_d_reference(i, DType::F16, true, true);
+    let exact = |i| two_d_reference(i, DType::F16, false, false);
+    let inter_only = |i| two_d_reference(i, DType::F16, false, true);
+    let vs_exact = check_two_d(&results, want, exact, "fp16, scope all");
+    assert!(
+        vs_exact > len / 2,
+        "only {vs_exact} of {len} differ from the exact sum"
+    );
+    let vs_inter = check_two_d(&results, want, inter_only, "fp16, scope all");
+    assert!(
+        vs_inter > len / 10,
+        "only {vs_inter} differ from scope inter"
+    );
 }
 
 #[test]
 fn two_d_can_compress_only_between_nodes() {
     use super::codec::Compression;
-    // 999 elements: one chunk; 1.3M: a pipeline of 2 chunks.
+    // Scope inter: the node sums are exact (float32), then cast to float16
+    // and summed across nodes in float16. 999 elements: one chunk; 1.3M: a
+    // pipeline of 2 chunks.
     for len in [999, 1_300_001] {
-        let results = run_two_d(u64::MAX, Compression::Fp16, len);
-        let inputs: Vec<Vec<f64>> = (0..4).map(|r| rank_values(r, len)).collect();
-        for (i, got) in results[0].iter().enumerate() {
-            let want: f64 = inputs.iter().map(|v| v[i]).sum();
-            assert!(
-                (got - want).abs() < 1e-2 * want.abs().max(1.0),
-                "{i}: {got} vs {want}"
-            );
-        }
-        assert!(results.iter().all(|r| r == &results[0]));
+        let settings = AlgoSettings {
+            hierarchical_threshold: Some(u64::MAX),
+            inter_compression: Compression::Fp16,
+            ..Default::default()
+        };
+        let results = run_two_d_values(settings, len);
+        let want = |i| two_d_reference(i, DType::F16, false, true);
+        let exact = |i| two_d_reference(i, DType::F16, false, false);
+        let all = |i| two_d_reference(i, DType::F16, true, true);
+        // Compressed: not the exact sum...
+        let vs_exact = check_two_d(&results, want, exact, "fp16, scope inter");
+        assert!(
+            vs_exact > len / 2,
+            "only {vs_exact} of {len} differ from the exact sum"
+        );
+        // ...and only between nodes: not what casting every input gives.
+        let vs_all = check_two_d(&results, want, all, "fp16, scope inter");
+        assert!(
+            vs_all > len / 10,
+            "only {vs_all} of {len} differ from scope all"
+        );
     }
+}
+
+/// Indices of the `k` entries of largest magnitude, ties to the lower
+/// index, ascending: by a sort, independently of the engine's selection.
+fn largest_k(values: &[f32], k: usize) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..values.len() as u32).collect();
+    order.sort_by(|&a, &b| {
+        let (x, y) = (values[a as usize].abs(), values[b as usize].abs());
+        y.total_cmp(&x).then(a.cmp(&b))
+    });
+    order.truncate(k);
+    order.sort_unstable();
+    order
 }
 
 #[test]
 fn top_k_sends_the_largest_entries_and_feeds_back_the_rest() {
-    use super::sparse::{top_k, TopKOptions};
+    use super::sparse::TopKOptions;
     let p = 3;
     let n = 200;
     let data = move |rank: usize, step: usize| -> Vec<f32> {
@@ -742,7 +941,7 @@ fn top_k_sends_the_largest_entries_and_feeds_back_the_rest() {
                 .zip(residual.iter())
                 .map(|(v, r)| v + r)
                 .collect();
-            let chosen = top_k(&corrected, k);
+            let chosen = largest_k(&corrected, k);
             *residual = corrected.clone();
             for &i in &chosen {
                 expected[i as usize] += corrected[i as usize];
@@ -751,6 +950,12 @@ fn top_k_sends_the_largest_entries_and_feeds_back_the_rest() {
         }
         let expected: Vec<f64> = expected.iter().map(|&v| v as f64).collect();
         assert_eq!(got, &expected, "step {step}");
+        // Sparse: at most k entries from each rank, not the dense sum.
+        assert!(got.iter().filter(|v| **v != 0.0).count() <= p * k);
+        let dense: Vec<f64> = (0..n)
+            .map(|i| (0..p).map(|r| data(r, step)[i] as f64).sum())
+            .collect();
+        assert_ne!(got, &dense, "step {step}");
     }
 }
 
@@ -800,7 +1005,7 @@ fn top_k_residuals_reset_when_a_bucket_changes_length() {
 
 #[test]
 fn top_k_momentum_correction_matches_a_local_reference_on_every_rank() {
-    use super::sparse::{top_k, DgcOptions, TopKBlock, TopKOptions};
+    use super::sparse::{DgcOptions, TopKBlock, TopKOptions};
     let (p, n, steps) = (3, 200, 6);
     let data = move |rank: usize, step: usize| -> Vec<f32> {
         (0..n)
@@ -856,7 +1061,7 @@ fn top_k_momentum_correction_matches_a_local_reference_on_every_rank() {
                     u[rank][i] = m * u[rank][i] + g[i];
                     v[rank][i] += u[rank][i];
                 }
-                for &i in &top_k(&v[rank], k) {
+                for &i in &largest_k(&v[rank], k) {
                     let i = i as usize;
                     sum[i] += v[rank][i];
                     v[rank][i] = 0.0;
@@ -1285,10 +1490,16 @@ fn the_engine_runs_torch_collectives_in_order_and_averages_after_the_sum() {
             .run(Collective::AllToAll, &mut buf, DType::I8, 0)
             .unwrap();
         out.push(decode(DType::I8, &buf));
-        // An average of integers is refused, with a typed error.
-        let mut buf = encode(DType::I64, &[1.0]);
-        let err = engine.run(mean, &mut buf, DType::I64, 0).unwrap_err();
-        assert!(err.to_string().contains("int64"), "{err}");
+        // An average of integers is the sum, then the quotient rounded
+        // toward zero: 8 / 3 and -8 / 3 are 2 and -2.
+        let r = rank as f64;
+        let mut buf = encode(DType::I64, &[r * r + 1.0, -(r * r) - 1.0]);
+        engine.run(mean, &mut buf, DType::I64, 0).unwrap();
+        out.push(decode(DType::I64, &buf));
+        // An average of bools is refused, with a typed error.
+        let mut buf = encode(DType::Bool, &[1.0]);
+        let err = engine.run(mean, &mut buf, DType::Bool, 0).unwrap_err();
+        assert!(err.to_string().contains("bool"), "{err}");
         out
     });
     for (rank, out) in results.iter().enumerate() {
@@ -1298,5 +1509,6 @@ fn the_engine_runs_torch_collectives_in_order_and_averages_after_the_sum() {
         assert_eq!(out[3], vec![0.0, 7.0, 1.0, 7.0, 2.0, 7.0]);
         let r = rank as f64;
         assert_eq!(out[4], vec![r, 10.0 + r, 20.0 + r]);
+        assert_eq!(out[5], vec![2.0, -2.0]);
     }
 }
