@@ -59,6 +59,31 @@ def test_the_scripts_explicit_choices_win_with_one_warning_naming_both() -> None
     assert "CHECK conflicts_warned" in out and "CHECK destroyed_with_the_group" in out
 
 
+HOOK_CHECKS = Path(__file__).resolve().parent / "hook_checks.py"
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+@pytest.mark.parametrize("scenario", ["never_ran", "fallback"])
+def test_the_hook_never_steps_aside_in_silence(scenario: str, strict: str) -> None:
+    env = base_env({"TIACC_TRAINING_STRICT": strict, "RANK": "0", "WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(HOOK_CHECKS), scenario],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ALL_OK" in proc.stdout, out[-3000:]
+    assert f"CHECK {scenario}_{'raised' if strict == '1' else 'reported'}" in out or (
+        scenario == "fallback" and strict == "0" and "CHECK fallback_warned_once" in out
+    ), out[-3000:]
+    if strict == "0":
+        # Rank 0's last line says what went through the engine and what did not.
+        assert "tiacc_training: summary:" in out and "left to torch:" in out, out[-3000:]
+
+
 def test_disable_switch_leaves_ddp_native() -> None:
     out = run_checks("disabled", {"TIACC_TRAINING_DISABLE": "1"})
     assert "CHECK disabled" in out

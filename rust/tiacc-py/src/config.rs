@@ -135,6 +135,13 @@ impl PyCommConfig {
         Ok(d)
     }
 
+    /// `TIACC_TRAINING_STRICT=1`: unknown names and gradient buckets that
+    /// would leave the engine are errors.
+    #[getter]
+    fn strict(&self) -> bool {
+        self.inner.strict
+    }
+
     /// Backward passes per communication of the DDP hook (1: every pass;
     /// `TIACC_TRAINING_ACCUMULATE_N_STEPS`, AIACC's
     /// `PERSEUS_ACCUMULATE_N_STEPS`).

@@ -67,6 +67,7 @@ __all__ = [
     "nccl_search_dirs",
     "nccl_version",
     "shutdown",
+    "stats",
 ]
 
 
@@ -269,6 +270,46 @@ def get_engine() -> Any:
     return state.engine
 
 
+def stats() -> dict[str, Any]:
+    """What the engine did for this process's DDP models so far.
+
+    Returns:
+        ``steps`` (backward passes whose buckets reached the engine's hook),
+        ``buckets`` and ``bytes`` handed to an engine per path (``"cpu"``,
+        ``"cuda nccl"``, ``"cuda host staging"``), ``accumulated`` (buckets
+        kept local by gradient accumulation), ``native`` (buckets or models
+        left to torch's own allreduce, per reason: each also warned once,
+        or raised under ``TIACC_TRAINING_STRICT=1``), and ``collectives``
+        (the script's CPU collectives the "tiacc" backend served, per op).
+    """
+    return {
+        "steps": state.steps,
+        "buckets": dict(state.carried),
+        "bytes": dict(state.carried_bytes),
+        "accumulated": state.accumulated,
+        "native": dict(state.native),
+        "collectives": dict(_backend.served_in_process),
+    }
+
+
+def _summary() -> None:
+    """Rank 0's last line: what went through the engine, and what did not."""
+    if not state.logged or (not state.steps and not state.native):
+        return
+    carried = ", ".join(
+        f"{n} {path} bucket(s) ({state.carried_bytes[path] / 2**20:.1f} MiB)"
+        for path, n in sorted(state.carried.items())
+    )
+    native = sum(state.native.values())
+    logger.info(
+        "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s",
+        state.steps,
+        carried or "nothing",
+        native,
+        f" ({'; '.join(sorted(state.native))})" if native else "",
+    )
+
+
 def shutdown() -> None:
     """Stops the engines' threads and communicators (also run at exit)."""
     _engines.close_all()
@@ -278,3 +319,4 @@ def shutdown() -> None:
 # so that init_process_group("tiacc") works with or without the two lines.
 _backend.register()
 atexit.register(shutdown)
+atexit.register(_summary)  # runs before shutdown (last registered, first run)

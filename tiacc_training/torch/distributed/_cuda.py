@@ -37,6 +37,9 @@ class NcclChannels:
         device: the CUDA device of the model.
     """
 
+    # How ``stats()`` names this path.
+    kind = "nccl"
+
     def __init__(self, engine: Any, device: torch.device) -> None:
         self.engine = engine
         self.device = device
@@ -107,6 +110,9 @@ class HostStaging:
         engine: the connected CPU engine (``_engine.CommEngine``).
         device: the CUDA device of the model.
     """
+
+    # How ``stats()`` names this path.
+    kind = "host staging"
 
     def __init__(self, engine: Any, device: torch.device) -> None:
         self.engine = engine

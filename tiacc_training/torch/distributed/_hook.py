@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from tiacc_training.errors import CommError
+
 from . import _state
 from ._cuda import unwrap
 from ._engines import cuda_path, world_engine
@@ -51,6 +53,11 @@ class HookState:
         config = _state.state.config
         self.accumulate_n_steps: int = 1 if config is None else config.accumulate_n_steps
         self.passes = 0
+        # The never-ran check: calls of the hook, and backward passes that
+        # should have called it (counted by a gradient hook on a parameter).
+        self.calls = 0
+        self.synced_backwards = 0
+        self.reported = False
 
 
 def patch_ddp() -> None:
@@ -91,23 +98,24 @@ def _attach(ddp: DistributedDataParallel, config: Any) -> None:
         and group != dist.group.WORLD
         and (dist.get_world_size(group) != dist.get_world_size())
     ):
-        if dist.get_rank(group) == 0:
-            warnings.warn(
-                f"tiacc_training: a DDP model on a sub-group of {dist.get_world_size(group)} "
-                f"of the {dist.get_world_size()} ranks (process_group=) communicates through "
-                "torch's own backend, not the tiacc engine: the engine's channels span the "
-                "whole world",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        _step_aside(
+            config,
+            f"a DDP model on a sub-group of {dist.get_world_size(group)} of the "
+            f"{dist.get_world_size()} ranks (process_group=) communicates through torch's own "
+            "backend, not the tiacc engine: the engine's channels span the whole world",
+            "build the model on the whole world to use the engine",
+            warn=dist.get_rank(group) == 0,
+        )
         return
     devices = {p.device for p in ddp.module.parameters()}
     if any(d.type != "cpu" for d in devices):
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            logger.info(
-                "parameters on several devices (%s): this model's gradients use native DDP "
-                "communication",
-                ", ".join(sorted(map(str, devices))),
+            _step_aside(
+                config,
+                f"a DDP model with parameters on several devices "
+                f"({', '.join(sorted(map(str, devices)))}) communicates through torch's own "
+                "backend, not the tiacc engine",
+                "keep each rank's parameters on one device (its GPU, or the CPU)",
             )
             return
         hook_state = HookState(None, group, cuda_path(config, next(iter(devices))))
@@ -115,36 +123,113 @@ def _attach(ddp: DistributedDataParallel, config: Any) -> None:
         hook_state = HookState(world_engine(config), group)
     ddp._tiacc_hook_state = hook_state  # type: ignore[attr-defined]
     _original_register_comm_hook(ddp, hook_state, _tiacc_comm_hook)
+    _watch_for_a_hook_that_never_runs(ddp, hook_state, config)
+
+
+def _step_aside(config: Any, what: str, fix: str, warn: bool = True) -> None:
+    """A model or bucket left to torch: one warning per reason, or an error.
+
+    Raises:
+        CommError: ``TIACC_TRAINING_STRICT=1``.
+    """
+    if config is not None and config.strict:
+        raise CommError(f"{what}; {fix} (TIACC_TRAINING_STRICT=1 makes this an error)")
+    if warn and what not in state.warned:
+        state.warned.add(what)
+        warnings.warn(f"tiacc_training: {what}; {fix}", RuntimeWarning, stacklevel=4)
+
+
+def _watch_for_a_hook_that_never_runs(
+    ddp: DistributedDataParallel, hook_state: HookState, config: Any
+) -> None:
+    """Reports, at the next forward, a backward pass the engine never saw.
+
+    A gradient hook on one parameter counts the backward passes that should
+    have reached the engine's comm hook (not those under ``no_sync()``); a
+    forward pre-hook then checks that the comm hook ran. It can be missing
+    when something replaced DDP's hook registration before this package
+    loaded, or registered a hook of its own through another route.
+    """
+    parameter = next((p for p in ddp.module.parameters() if p.requires_grad), None)
+    if parameter is None:
+        return
+
+    def count_backward(grad: torch.Tensor) -> None:
+        if ddp.require_backward_grad_sync:
+            hook_state.synced_backwards += 1
+
+    def check(module: Any, inputs: Any) -> None:
+        if hook_state.reported or hook_state.synced_backwards == 0:
+            return
+        hook_state.reported = True
+        if hook_state.calls == 0 and hook_state.user_hook is None:
+            state.native["the comm hook never ran"] += 1
+            _step_aside(
+                config,
+                f"the tiacc engine's comm hook did not run in {hook_state.synced_backwards} "
+                "backward pass(es) of a DDP model built after init_tiacc_training(): its "
+                "gradients went through torch's own allreduce (something replaced DDP's "
+                "comm hook registration)",
+                "import tiacc_training.torch.distributed and call init_tiacc_training() before "
+                "other libraries that patch DistributedDataParallel",
+            )
+
+    parameter.register_hook(count_backward)
+    ddp.register_forward_pre_hook(check)
 
 
 def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP comm hook: hands the bucket to the engine, returns its future."""
     if state.user_hook is not None:
         return state.user_hook(state.user_state, bucket)
+    state.calls += 1
     buf = bucket.buffer()
+    if bucket.is_last():
+        _state.state.steps += 1
     if state.accumulate_n_steps > 1:
         communicates = state.passes % state.accumulate_n_steps == state.accumulate_n_steps - 1
         if bucket.is_last():
             state.passes += 1
         if not communicates:
+            _state.state.accumulated += 1
             return _accumulated_locally(buf)
-    if buf.dtype not in _SUPPORTED_DTYPES or not buf.is_contiguous():
-        return default_hooks.allreduce_hook(state.process_group, bucket)
+    if buf.dtype not in _SUPPORTED_DTYPES:
+        return _native(
+            state,
+            bucket,
+            f"gradient buckets of {buf.dtype} go through torch's allreduce: the engine "
+            "carries float32, float64, float16 and bfloat16",
+            "train in one of those dtypes",
+        )
+    if not buf.is_contiguous():
+        return _native(
+            state,
+            bucket,
+            "a gradient bucket that is not contiguous goes through torch's allreduce",
+            "report it with the model: DDP's buckets are contiguous",
+        )
     perf = _state.state.perf
     if perf is not None and bucket.index() == 0:
         engine = state.engine if state.cuda is None else state.cuda.engine
         perf.before_step(engine, buf.device)
+    nbytes = buf.numel() * buf.element_size()
     if buf.device.type == "cuda" and state.cuda is not None:
-        _state.state.engine_buckets += 1
+        _carried(f"cuda {state.cuda.kind}", nbytes)
         return state.cuda.allreduce(buf, bucket.index())
     if buf.device.type != "cpu" or state.engine is None:
-        return default_hooks.allreduce_hook(state.process_group, bucket)
-    _state.state.engine_buckets += 1
+        return _native(
+            state,
+            bucket,
+            f"gradient buckets on {buf.device} go through torch's allreduce: the engine "
+            "carries CPU and CUDA buckets",
+            "keep the model on the CPU or a CUDA device",
+        )
+    _carried("cpu", nbytes)
     future: torch.futures.Future = torch.futures.Future()
     state.engine.allreduce_async(
         buf,
         buf.data_ptr(),
-        buf.numel() * buf.element_size(),
+        nbytes,
         str(buf.dtype),
         bucket.index(),
         True,
@@ -152,6 +237,22 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
         True,
     )
     return future.then(functools.partial(_bucket_result, buf.dtype))
+
+
+def _carried(path: str, nbytes: int) -> None:
+    """Counts a bucket handed to an engine (``stats()``)."""
+    _state.state.engine_buckets += 1
+    _state.state.carried[path] += 1
+    _state.state.carried_bytes[path] += nbytes
+
+
+def _native(
+    state: HookState, bucket: dist.GradBucket, why: str, fix: str
+) -> torch.futures.Future:
+    """A bucket handed to torch's allreduce: counted, warned once, or an error."""
+    _state.state.native[why] += 1
+    _step_aside(_state.state.config, why, fix)
+    return default_hooks.allreduce_hook(state.process_group, bucket)
 
 
 def _accumulated_locally(buf: torch.Tensor) -> torch.futures.Future:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,14 @@ class State:
     conflicts: list[str] = field(default_factory=list)
     # Gradient buckets this process handed to an engine (CPU or CUDA path).
     engine_buckets: int = 0
+    # What the DDP hook did in this process (``stats()``): backward passes,
+    # buckets and bytes per path through the engine, buckets handed to
+    # torch per reason.
+    steps: int = 0
+    carried: Counter[str] = field(default_factory=Counter)
+    carried_bytes: Counter[str] = field(default_factory=Counter)
+    native: Counter[str] = field(default_factory=Counter)
+    accumulated: int = 0
     warned: set[str] = field(default_factory=set)
 
 

@@ -446,6 +446,9 @@ pub struct CommConfig {
     /// aliases, an alias overridden by our own name. The start-up report
     /// puts them first among its warnings.
     pub notices: Vec<startup::Warning>,
+    /// `TIACC_TRAINING_STRICT=1`: an unknown name, and a gradient bucket
+    /// that would leave the engine for torch's own allreduce, are errors.
+    pub strict: bool,
 }
 
 impl Default for CommConfig {
@@ -482,6 +485,7 @@ impl Default for CommConfig {
             accumulate_n_steps: 1,
             set_by: BTreeMap::new(),
             notices: Vec::new(),
+            strict: false,
         }
     }
 }
@@ -517,6 +521,7 @@ impl CommConfig {
         let mut config = Self::from_lookup_with(&lookup, interfaces)?;
         notices.append(&mut config.notices);
         config.notices = notices;
+        config.strict = strict;
         Ok(config)
     }
 
