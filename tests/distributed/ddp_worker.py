@@ -17,6 +17,10 @@ into that rank's input; ``slow`` makes that rank sleep ``--slow-seconds``
 in every forward. Both ranks print ``FAULT_AT`` / ``ERROR_AT`` wall-clock
 times (a killed rank just before it dies) so the tests measure the time to
 error, and ``STEP n`` as each step begins.
+
+``--probe`` adds one backward pass of a one-bucket model whose gradient is
+an input the test knows (``probe_input``), after the runs: the tests check
+what the engine made of it against references of their own.
 """
 
 from __future__ import annotations
@@ -194,6 +198,47 @@ def train(args: argparse.Namespace, mode: str) -> nn.Module:
     return model
 
 
+# Elements of the probe's one bucket: a length no bucket of the training
+# model has, so Top-K's state for that bucket index starts afresh.
+PROBE_LEN = 1013
+
+
+def probe_input(kind: str, rank: int, world: int) -> torch.Tensor:
+    """This rank's gradient for the probe. ``fp16``/``bf16``: world times an
+    integer in 2..6 (either sign) off by a fraction below half the wire
+    type's spacing, so each rank's averaged share rounds to the integer and
+    the shares sum exactly in any order; ``random``: normal values, none
+    of them a float16 value and no two of equal magnitude."""
+    if kind == "random":
+        return torch.randn(PROBE_LEN, generator=torch.Generator().manual_seed(500 + rank))
+    delta = 2.0**-12 if kind == "fp16" else 2.0**-9
+    values = []
+    for i in range(PROBE_LEN):
+        m = (i * 7 + rank * 3) % 10
+        j = -m - 2 if m < 5 else m - 3
+        sign = -1.0 if (i + rank) % 3 == 0 else 1.0
+        values.append(world * (j + sign * delta))
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def probe(args: argparse.Namespace) -> None:
+    """One backward pass of a DDP model whose gradient is exactly this
+    rank's ``probe_input`` (a bias-free linear layer fed that input): saves
+    the input, the gradient DDP ends with and how many buckets the hook
+    handed to the engine, for the test to compare with its own reference."""
+    from tiacc_training.torch.distributed._state import state
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = probe_input(args.probe, rank, world)
+    layer = nn.Linear(PROBE_LEN, 1, bias=False)
+    ddp = nn.parallel.DistributedDataParallel(layer)
+    before = state.engine_buckets
+    ddp(x.unsqueeze(0)).sum().backward()
+    carried = state.engine_buckets - before
+    grad = layer.weight.grad.detach().reshape(-1).clone()
+    torch.save({"input": x, "grad": grad, "carried": carried}, args.out / f"probe_rank{rank}.pt")
+
+
 def check_dtypes(engine: object) -> None:
     """Every dtype DDP may hand the engine sums exactly (small integers)."""
     world = dist.get_world_size()
@@ -242,6 +287,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=96)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=3)
+    parser.add_argument("--probe", choices=["none", "fp16", "bf16", "random"], default="none")
     args = parser.parse_args()
     try:
         for mode in args.modes.split(","):
@@ -253,6 +299,8 @@ def main() -> int:
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             args.out.mkdir(parents=True, exist_ok=True)
             torch.save(state, args.out / f"{mode}_rank{dist.get_rank()}.pt")
+        if args.probe != "none":
+            probe(args)
         engine = tdist.get_engine()
         print(f"ENGINE_CHANNELS={engine.num_channels if engine else 0}", flush=True)
         print(f"ENGINE_COMPRESSION={engine.compression if engine else None}", flush=True)

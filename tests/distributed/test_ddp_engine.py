@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -23,6 +25,85 @@ def assert_bitwise_identical_across_ranks(out: Path, world: int) -> None:
         other = load(out, "tiacc", rank)
         for name, value in first.items():
             assert torch.equal(value, other[name]), f"rank {rank} differs from rank 0 in {name}"
+
+
+def probes(out: Path, world: int) -> list[dict]:
+    """Every rank's probe (``ddp_worker.probe``): its input, the gradient
+    DDP ended with, and how many buckets the hook handed to the engine."""
+    return [torch.load(out / f"probe_rank{rank}.pt") for rank in range(world)]
+
+
+def assert_probe(out: Path, world: int, reference: Callable) -> torch.Tensor:
+    """The probe's gradient equals ``reference(inputs)`` bit for bit on
+    every rank, and went through the engine (its one bucket counted)."""
+    found = probes(out, world)
+    want = reference([p["input"] for p in found])
+    for rank, p in enumerate(found):
+        assert p["carried"] == 1, f"rank {rank}: the engine carried {p['carried']} buckets"
+        if not torch.equal(p["grad"], want):
+            diff = (p["grad"] - want).abs().max().item()
+            raise AssertionError(f"rank {rank}: the gradient is off the reference by {diff}")
+    return want
+
+
+def exact_mean(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The average of the ranks' inputs in float64 (DDP's result without
+    rounding)."""
+    return torch.stack([x.double() for x in inputs]).sum(0) / len(inputs)
+
+
+def differing(got: torch.Tensor, other: torch.Tensor) -> int:
+    return int((got.double() != other.double()).sum())
+
+
+def half_shares_reference(wire: torch.dtype) -> Callable:
+    """Flat compression: each rank's share (input / world) cast to ``wire``;
+    the probe's shares are integers, so their sum is exact in any order."""
+
+    def reference(inputs: list[torch.Tensor]) -> torch.Tensor:
+        shares = [(x / len(inputs)).to(wire).double() for x in inputs]
+        assert all(torch.equal(s, s.round()) for s in shares), "the probe's shares are integers"
+        return torch.stack(shares).sum(0).float()
+
+    return reference
+
+
+def two_d_reference(inputs: list[torch.Tensor], cast_inputs: bool) -> torch.Tensor:
+    """2 nodes x 2 ranks, fp16 on the way between nodes: each node's sum of
+    the shares (input / 4) in float32, cast to float16, the two summed and
+    rounded to float16 (``cast_inputs``: every share cast first too, as
+    compressing the whole bucket would)."""
+    shares = [x / 4 for x in inputs]
+    if cast_inputs:
+        shares = [s.half().float() for s in shares]
+    nodes = [(shares[0] + shares[1]).half().float(), (shares[2] + shares[3]).half().float()]
+    return (nodes[0] + nodes[1]).half().float()
+
+
+def top_k_reference(ratio: float, two_d: bool, fp16_values: bool) -> Callable:
+    """Top-K from fresh residuals: each sender's ``ceil(ratio * n)`` entries
+    of largest magnitude (by torch.topk) of its shares (input / world; with
+    2D, of its node's sum of them, on each local rank's shard), added into
+    zeros in sender order, values through float16 when ``fp16_values``."""
+
+    def sparse_sum(senders: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros_like(senders[0])
+        for v in senders:
+            k = math.ceil(v.numel() * ratio)
+            idx = v.abs().topk(k).indices
+            values = v[idx].half().float() if fp16_values else v[idx]
+            out[idx] += values
+        return out
+
+    def reference(inputs: list[torch.Tensor]) -> torch.Tensor:
+        shares = [x / len(inputs) for x in inputs]
+        if not two_d:
+            return sparse_sum(shares)
+        nodes = [shares[0] + shares[1], shares[2] + shares[3]]
+        chunk = math.ceil(nodes[0].numel() / 2)
+        return torch.cat([sparse_sum([node[i : i + chunk] for node in nodes]) for i in (0, chunk)])
+
+    return reference
 
 
 def assert_world_in_shared_memory(ranks: list) -> None:
@@ -50,7 +131,7 @@ def mount_namespace_prefix() -> tuple[str, ...]:
 def test_training_matches_native_ddp(tmp_path: Path, world: int, channels: int) -> None:
     ranks = run_ranks(
         world,
-        ["--out", str(tmp_path), "--steps", "20"],
+        ["--out", str(tmp_path), "--steps", "20", "--probe", "random"],
         env={"TIACC_TRAINING_NUM_NCCL_STREAMS": str(channels), "TIACC_TRAINING_TIMEOUT": "60"},
     )
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
@@ -64,6 +145,10 @@ def test_training_matches_native_ddp(tmp_path: Path, world: int, channels: int) 
     # The two runs really trained (parameters moved from their start).
     torch.manual_seed(1234)
     assert not torch.equal(ours["0.weight"], torch.nn.Linear(32, 96).weight)
+    # The engine's average of known gradients, against float64's.
+    grad = assert_probe(tmp_path, world, lambda inputs: probes(tmp_path, world)[0]["grad"])
+    inputs = [p["input"] for p in probes(tmp_path, world)]
+    torch.testing.assert_close(grad.double(), exact_mean(inputs), rtol=1e-6, atol=1e-6)
 
 
 def test_ranks_each_in_a_mount_namespace_of_their_own_share_memory(tmp_path: Path) -> None:
@@ -199,12 +284,21 @@ def final_losses(stdout: str) -> dict[str, float]:
 def test_half_precision_compression_converges_like_native(tmp_path: Path, compression: str) -> None:
     ranks = run_ranks(
         4,
-        ["--out", str(tmp_path), "--steps", "300", "--learnable"],
+        ["--out", str(tmp_path), "--steps", "300", "--learnable", "--probe", compression],
         env={"TIACC_TRAINING_COMPRESSION": compression, "TIACC_TRAINING_TIMEOUT": "60"},
     )
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     assert f"ENGINE_COMPRESSION={compression}" in ranks[0].stdout
     assert_bitwise_identical_across_ranks(tmp_path, 4)
+    # Known gradients no half type holds: the result is each rank's share
+    # rounded to the wire type, summed; not the exact average (which an
+    # uncompressed allreduce gives to within float32's rounding).
+    wire = torch.float16 if compression == "fp16" else torch.bfloat16
+    grad = assert_probe(tmp_path, 4, half_shares_reference(wire))
+    inputs = [p["input"] for p in probes(tmp_path, 4)]
+    off = (grad.double() - exact_mean(inputs)).abs()
+    assert int((off > 1e-5).sum()) > grad.numel() // 2, off
+    # Training still converges like native DDP.
     losses = final_losses(ranks[0].stdout)
     assert losses["native"] < 1.0, losses  # the task was learned
     assert abs(losses["tiacc"] - losses["native"]) <= 0.02 * losses["native"], losses
@@ -238,7 +332,8 @@ def test_two_d_allreduce_on_two_emulated_nodes(tmp_path: Path, extra: dict[str, 
         "TIACC_TRAINING_TIMEOUT": "60",
         **extra,
     }
-    ranks = run_ranks(4, ["--out", str(tmp_path), "--steps", "20"], env=env, local_size=2)
+    args = ["--out", str(tmp_path), "--steps", "20", "--probe", "random"]
+    ranks = run_ranks(4, args, env=env, local_size=2)
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     assert "ENGINE_2D=([0, 1], [0, 2])" in ranks[0].stdout, describe(ranks)
     assert "ENGINE_2D=([2, 3], [1, 3])" in ranks[3].stdout, describe(ranks)
@@ -247,6 +342,19 @@ def test_two_d_allreduce_on_two_emulated_nodes(tmp_path: Path, extra: dict[str, 
     tolerance = {"rtol": 1e-2, "atol": 1e-3} if extra else {"rtol": 1e-4, "atol": 1e-5}
     for name, value in native.items():
         torch.testing.assert_close(ours[name], value, msg=name, **tolerance)
+    # The probe's one bucket (4 KB) is under the threshold: 2D.
+    inputs = [p["input"] for p in probes(tmp_path, 4)]
+    if not extra:
+        grad = probes(tmp_path, 4)[0]["grad"]
+        assert_probe(tmp_path, 4, lambda _: grad)
+        torch.testing.assert_close(grad.double(), exact_mean(inputs), rtol=1e-6, atol=1e-6)
+        return
+    # fp16 only between nodes: the node sums exact, then rounded; neither
+    # the exact average nor what casting every rank's input gives.
+    grad = assert_probe(tmp_path, 4, lambda xs: two_d_reference(xs, cast_inputs=False))
+    n = grad.numel()
+    assert differing(grad, exact_mean(inputs).float()) > n // 2
+    assert differing(grad, two_d_reference(inputs, cast_inputs=True)) > n // 10
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "flat"])
@@ -257,7 +365,8 @@ def test_auto_measures_flat_against_2d_and_says_why(tmp_path: Path, algorithm: s
     env = {"TIACC_TRAINING_TIMEOUT": "60", "TIACC_TRAINING_NUM_NCCL_STREAMS": "2"}
     if algorithm != "auto":
         env["TIACC_TRAINING_ALGORITHM"] = algorithm
-    ranks = run_ranks(4, ["--out", str(tmp_path), "--steps", "10"], env=env, local_size=2)
+    args = ["--out", str(tmp_path), "--steps", "10", "--probe", "random"]
+    ranks = run_ranks(4, args, env=env, local_size=2)
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     lines = [line for line in ranks[0].stderr.splitlines() if "auto: chose" in line]
     if algorithm == "auto":
@@ -274,6 +383,10 @@ def test_auto_measures_flat_against_2d_and_says_why(tmp_path: Path, algorithm: s
     native, ours = load(tmp_path, "native", 0), load(tmp_path, "tiacc", 0)
     for name, value in native.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    grad = probes(tmp_path, 4)[0]["grad"]
+    assert_probe(tmp_path, 4, lambda _: grad)
+    inputs = [p["input"] for p in probes(tmp_path, 4)]
+    torch.testing.assert_close(grad.double(), exact_mean(inputs), rtol=1e-6, atol=1e-6)
 
 
 def test_two_d_refuses_a_world_that_does_not_split_into_nodes(tmp_path: Path) -> None:
@@ -310,11 +423,20 @@ def test_top_k_with_error_feedback_trains_identically_on_every_rank(
         "TIACC_TRAINING_TIMEOUT": "60",
         **extra,
     }
-    ranks = run_ranks(
-        4, ["--out", str(tmp_path), "--steps", "300", "--learnable"], env=env, local_size=2
-    )
+    args = ["--out", str(tmp_path), "--steps", "300", "--learnable", "--probe", "random"]
+    ranks = run_ranks(4, args, env=env, local_size=2)
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     assert_bitwise_identical_across_ranks(tmp_path, 4)
+    # One step of known gradients from fresh residuals: exactly the sum of
+    # each sender's largest 1% (flat: each rank; 2D, which the automatic
+    # choice may also take: each node's sum, per shard), nothing else.
+    two_d = "ENGINE_USES_2D=True" in ranks[0].stdout
+    fp16_values = extra.get("LIGHT_TOPK_FP16") == "1"
+    grad = assert_probe(tmp_path, 4, top_k_reference(0.01, two_d, fp16_values))
+    n = grad.numel()
+    senders = 2 * 2 if two_d else 4  # 2 nodes on 2 shards, or 4 ranks
+    assert 0 < int((grad != 0).sum()) <= senders * math.ceil(n / (2 if two_d else 1) * 0.01)
+    # Learning, slower than dense.
     losses = final_losses(ranks[0].stdout)
     # Untrained, the 10-class loss is about 2.3.
     assert losses["tiacc"] < 1.5, losses
