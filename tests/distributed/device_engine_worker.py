@@ -22,6 +22,7 @@ cross-rank check; ``--nan-rank`` puts a NaN into one bucket of that rank.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -56,6 +57,115 @@ def bucket_data(rank: int, step: int, index: int, n: int, dtype: torch.dtype) ->
 
 WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
+# The probe: one more float32 bucket, at an index no other bucket has (so
+# Top-K's state for it starts afresh), whose result is checked against a
+# reference computed here from every rank's input, not by an engine.
+PROBE_INDEX = len(BUCKETS)
+PROBE_LEN = 1013
+
+
+def probe_input(rank: int, world: int, settings: dict, whole_bucket_wire: bool) -> torch.Tensor:
+    """Rank ``rank``'s probe. With the whole (flat) bucket compressed: values
+    whose share (x * scale / world) is an integer in 2..6 (either sign) off
+    by less than half the wire type's spacing, so every share rounds to the
+    integer and the shares sum exactly in any order. Otherwise small normal
+    values (none a float16 value, none clipped by Top-K's clipping)."""
+    if not whole_bucket_wire:
+        g = torch.Generator().manual_seed(700 + rank)
+        return torch.randn(PROBE_LEN, generator=g) * 0.01
+    delta = 2.0**-12 if settings["compression"] == "fp16" else 2.0**-9
+    values = []
+    for i in range(PROBE_LEN):
+        m = (i * 7 + rank * 3) % 10
+        j = -m - 2 if m < 5 else m - 3
+        sign = -1.0 if (i + rank) % 3 == 0 else 1.0
+        values.append((j + sign * delta) * world / settings["compression_scale"])
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def sparse_sum(senders: list[torch.Tensor], density: float, fp16_values: bool) -> torch.Tensor:
+    """Each sender's ``ceil(density * n)`` entries of largest magnitude
+    (torch.topk), added into zeros in sender order."""
+    out = torch.zeros_like(senders[0])
+    for v in senders:
+        idx = v.abs().topk(math.ceil(v.numel() * density)).indices
+        out[idx] += v[idx].half().float() if fp16_values else v[idx]
+    return out
+
+
+def probe_reference(
+    inputs: list[torch.Tensor], settings: dict, intra: int | None
+) -> tuple[torch.Tensor, bool]:
+    """The probe's average over the ranks as the configuration defines it,
+    with torch's roundings, and whether it is exact (bit for bit) or the
+    float64 average (to within float32's rounding of the sums). ``intra``:
+    ranks per node with 2D (here 2, on 1 or 2 nodes: every sum in it adds
+    at most two values, so the order of additions cannot matter)."""
+    world = len(inputs)
+    wire = WIRES.get(settings["compression"])
+    scale = settings["compression_scale"]
+
+    def by_node(shares: list[torch.Tensor], cast: torch.dtype | None) -> list[torch.Tensor]:
+        """Each node's sum of its ranks' shares, in float32, cast when asked."""
+        sums = [sum(shares[n : n + intra][1:], shares[n]) for n in range(0, world, intra)]
+        return [v.to(cast).float() if cast else v for v in sums]
+
+    if settings["topk"]:
+        # Fresh state: with the momentum correction the first step sends
+        # the plain Top-K (u = v = g, and S - m * 0), at the warm-up's
+        # first density when there is one.
+        density = settings["topk_ratio"]
+        if settings["topk_warmup_steps"]:
+            density = max(density, 0.25)
+        fp16 = settings["topk_fp16"]
+        shares = [x / world for x in inputs]
+        if intra is None:
+            return sparse_sum(shares, density, fp16), True
+        nodes = by_node(shares, None)
+        chunk = math.ceil(PROBE_LEN / intra)
+        starts = range(0, PROBE_LEN, chunk)
+        parts = [sparse_sum([v[i : i + chunk] for v in nodes], density, fp16) for i in starts]
+        return torch.cat(parts), True
+    if wire is None or (settings["compression_inter_only"] and intra is None):
+        return torch.stack([x.double() for x in inputs]).sum(0) / world, False
+    if intra is None:
+        shares = [(x * (scale / world)).to(wire).double() for x in inputs]
+        assert all(torch.equal(v, v.round()) for v in shares), "the probe's shares are integers"
+        return (torch.stack(shares).sum(0) / scale).float(), True
+    if settings["compression_inter_only"]:
+        # Node sums exact, then scaled and cast for the step across nodes.
+        nodes = [(v * scale).to(wire).float() for v in by_node([x / world for x in inputs], None)]
+    else:
+        nodes = by_node([(x * (scale / world)).to(wire).float() for x in inputs], wire)
+    total = nodes[0] if len(nodes) == 1 else (nodes[0] + nodes[1]).to(wire).float()
+    return (total.double() * (1 / scale)).float(), True
+
+
+def check_probe(device: object, rank: int, world: int, settings: dict) -> None:
+    """Runs the probe through the device engine and compares it with
+    ``probe_reference``; prints ``PROBE <how>``."""
+    intra = len(device.two_d_members[0]) if device.two_d_members is not None else None
+    two_d = intra is not None
+    whole = WIRES.get(settings["compression"]) is not None and not settings["topk"]
+    whole = whole and not two_d and not settings["compression_inter_only"]
+    inputs = [probe_input(r, world, settings, whole) for r in range(world)]
+    ours = inputs[rank].clone()
+    device.allreduce(ours.view(torch.uint8), "torch.float32", PROBE_INDEX, True, 0)
+    want, exact = probe_reference(inputs, settings, intra)
+    if exact:
+        if not torch.equal(ours, want):
+            diff = (ours.double() - want.double()).abs().max().item()
+            raise AssertionError(f"the probe is off its reference by up to {diff}")
+        mean = torch.stack([x.double() for x in inputs]).sum(0) / world
+        if settings["topk"] or WIRES.get(settings["compression"]) is not None:
+            # Sparse or rounded: not the exact average.
+            assert int((ours.double() != mean).sum()) > PROBE_LEN // 2, (
+                "the probe was not compressed"
+            )
+    else:
+        torch.testing.assert_close(ours.double(), want, rtol=1e-6, atol=1e-8)
+    print(f"PROBE {'exact' if exact else 'close'}", flush=True)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -67,8 +177,9 @@ def main() -> int:
     args = parser.parse_args()
     try:
         config = _config.effective_config()
-        launch = _launch.launch_env()
-        state.launch = _launch.init_process_group("gloo", config, launch)
+        launch, arguments = _launch.group_arguments("gloo", config, _launch.launch_env())
+        dist.init_process_group(**arguments)
+        state.launch = launch
         rank, world = dist.get_rank(), dist.get_world_size()
         store = _rendezvous.default_store()
         host = _engines.world_engine(config)
@@ -156,6 +267,8 @@ def main() -> int:
                 results[f"{step}/{index}"] = ours
                 checked += 1
         print(f"EQUAL {checked}", flush=True)
+        if args.device == "cpu":
+            check_probe(device, rank, world, settings)
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(results, args.out / f"device_rank{rank}.pt")
         device.shutdown()

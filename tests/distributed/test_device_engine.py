@@ -4,7 +4,11 @@ CUDA buckets go through ``_engine.DeviceEngine``: the shared algorithms
 with torch kernels and, on a GPU, NCCL. Here the same engine runs on CPU
 tensors over the TCP rings, next to the host engine (Rust kernels) on the
 same buckets, and both must agree bit for bit, for every algorithm and
-codec. Only the NCCL calls themselves are left to ``tests/gpu``.
+codec. As both run the same algorithm code, each rank also runs a probe
+bucket of known inputs through the device engine and checks it against a
+reference the worker computes from every rank's input with torch's own
+roundings (``probe_reference``). Only the NCCL calls themselves are left to
+``tests/gpu``.
 """
 
 from __future__ import annotations
@@ -87,6 +91,11 @@ def test_the_device_engine_equals_the_host_engine_bit_for_bit(
     ranks = _run(tmp_path, world, env)
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     assert all("EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+    # The probe against the worker's own reference: bit for bit where the
+    # algorithm's roundings are order-free (compression, Top-K), else the
+    # float64 average.
+    how = "close" if algorithm in ("flat", "2d") else "exact"
+    assert all(f"PROBE {how}" in r.stdout for r in ranks), describe(ranks)
     if "2d" in algorithm:
         assert "ENGINE_2D=([0, 1], [0, 2])" in ranks[0].stdout, describe(ranks)
     first = torch.load(tmp_path / "device_rank0.pt")
@@ -99,6 +108,8 @@ def test_the_device_engine_equals_the_host_engine_bit_for_bit(
 def test_two_ranks_of_one_node(tmp_path: Path) -> None:
     ranks = _run(tmp_path, 2, {"LIGHT_2D_ALLREDUCE": "1", "TIACC_TRAINING_COMPRESSION": "bf16"})
     assert all(r.returncode == 0 and "EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+    # One node: flat, the whole bucket in bfloat16.
+    assert all("PROBE exact" in r.stdout for r in ranks), describe(ranks)
 
 
 def test_the_nan_check_names_the_rank_and_no_peer_receives_it(tmp_path: Path) -> None:
