@@ -1195,6 +1195,72 @@ fn collective_sequence(
     out
 }
 
+/// Checks every member's [`collective_sequence`] against sums computed
+/// here in float64 from the inputs (as `dtype` holds them), within the
+/// rounding of the partial sums (every element of short buffers, every
+/// 101st of long ones), and the allgather and broadcast bytes.
+fn check_sequence(p: usize, len: usize, dtype: DType, results: &[Vec<Vec<u8>>]) {
+    // Element `i` of `wavy(rank, ..)`, as `dtype` holds it.
+    let input = |rank: usize, i: usize| -> f64 {
+        let v = ((i * 31 + rank * 7) as f64).sin() * 1e3;
+        decode(dtype, &encode(dtype, &[v]))[0]
+    };
+    let sum = |seed: usize, divisor: f64, i: usize| -> f64 {
+        (0..p).map(|r| input(r + seed, i)).sum::<f64>() / divisor
+    };
+    // Each partial sum (at most 4 x 1e3) rounded once per addition.
+    let eps = match dtype {
+        DType::F16 => 2f64.powi(-10),
+        DType::BF16 => 2f64.powi(-7),
+        DType::F32 => 2f64.powi(-23),
+        _ => 2f64.powi(-52),
+    };
+    let tolerance = 4e3 * eps * p as f64;
+    let pf = p as f64;
+    // (output index, input seed, divisor): see collective_sequence.
+    let sums = [
+        (0usize, 0usize, 1.0),
+        (1, 2, pf),
+        (2, 1, 1.0),
+        (3, 3, 3.0),
+        (4, 4, 1.0),
+        (5, 13, pf),
+        (6, 14, pf),
+        (7, 15, pf),
+    ];
+    let stride = if len > 10_000 { 101 } else { 1 };
+    let e = dtype.size();
+    let at = |bytes: &[u8], i: usize| decode(dtype, &bytes[i * e..(i + 1) * e])[0];
+    let gathered: Vec<Vec<u8>> = (0..p).map(|owner| wavy(owner + 9, len, dtype)).collect();
+    let broadcast = wavy(p - 1 + 11, len, dtype);
+    for (rank, out) in results.iter().enumerate() {
+        let what = format!("p={p} {dtype:?} len={len} rank {rank}");
+        for &(o, seed, divisor) in &sums {
+            assert_eq!(out[o].len(), len * e, "{what} output {o}");
+            for i in (0..len).step_by(stride) {
+                let (got, want) = (at(&out[o], i), sum(seed, divisor, i));
+                let d = (got - want).abs();
+                assert!(d <= tolerance, "{what} output {o} [{i}]: {got} vs {want}");
+            }
+        }
+        // The reduce-scatter: this member's shard.
+        let mine = shard_range(len, p, rank);
+        for i in mine.clone().step_by(stride) {
+            let (got, want) = (at(&out[8], i - mine.start), sum(5, 1.0, i));
+            assert!(
+                (got - want).abs() <= tolerance,
+                "{what} reduce-scatter [{i}]"
+            );
+        }
+        for (owner, bytes) in gathered.iter().enumerate() {
+            let range = shard_range(len, p, owner);
+            let (a, b) = (range.start * e, range.end * e);
+            assert_eq!(out[9][a..b], bytes[a..b], "{what} allgather");
+        }
+        assert_eq!(out[10], broadcast, "{what} broadcast");
+    }
+}
+
 #[test]
 fn shared_memory_gives_the_tcp_rings_bytes_for_every_collective() {
     for p in [2usize, 3, 4] {
@@ -1208,6 +1274,7 @@ fn shared_memory_gives_the_tcp_rings_bytes_for_every_collective() {
                     collective_sequence(rank, p, len, dtype, group)
                 });
                 assert_eq!(shm, tcp, "p={p} {dtype:?} len={len}");
+                check_sequence(p, len, dtype, &shm);
             }
         }
     }
