@@ -623,6 +623,122 @@ fn the_nan_check_stops_a_bucket_before_it_is_sent_and_names_the_rank() {
     assert!(buf[42].is_nan());
 }
 
+/// What one transport was asked to move: (collective, bytes per element,
+/// bytes).
+type Moves = std::sync::Arc<std::sync::Mutex<Vec<(&'static str, usize, usize)>>>;
+
+/// A transport that records the size of every collective it carries, and
+/// hands it to the transport inside.
+struct Counted {
+    inner: Box<dyn Transport>,
+    moves: Moves,
+}
+
+impl Counted {
+    fn record(&self, what: &'static str, elem: usize, bytes: usize) {
+        self.moves.lock().unwrap().push((what, elem, bytes));
+    }
+}
+
+impl Transport for Counted {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn medium(&self) -> &'static str {
+        self.inner.medium()
+    }
+    fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> crate::error::Result<()> {
+        self.inner.agree(tag, deadline)
+    }
+    fn allreduce_op(
+        &mut self,
+        tag: Option<&OpTag>,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Deadline,
+    ) -> crate::error::Result<()> {
+        self.record("allreduce", dtype.size(), buf.len());
+        self.inner.allreduce_op(tag, buf, dtype, op, deadline)
+    }
+    fn reduce_scatter_op(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Deadline,
+    ) -> crate::error::Result<()> {
+        self.record("reduce-scatter", dtype.size(), buf.len());
+        self.inner.reduce_scatter_op(buf, dtype, op, deadline)
+    }
+    fn allgather(
+        &mut self,
+        buf: &mut [u8],
+        elem: usize,
+        deadline: Deadline,
+    ) -> crate::error::Result<()> {
+        self.record("allgather", elem, buf.len());
+        self.inner.allgather(buf, elem, deadline)
+    }
+    fn broadcast(
+        &mut self,
+        buf: &mut [u8],
+        root: usize,
+        deadline: Deadline,
+    ) -> crate::error::Result<()> {
+        self.record("broadcast", 1, buf.len());
+        self.inner.broadcast(buf, root, deadline)
+    }
+    fn barrier(&mut self, deadline: Deadline) -> crate::error::Result<()> {
+        self.inner.barrier(deadline)
+    }
+    fn abort(&mut self) {
+        self.inner.abort()
+    }
+    fn aborter(&self) -> super::transport::Aborter {
+        self.inner.aborter()
+    }
+}
+
+/// [`two_by_two_groups`] with every rank's intra-node and inter-node
+/// transports [`Counted`]: the groups, and per rank what each carried.
+fn counted_two_by_two_groups() -> (Vec<Groups>, Vec<(Moves, Moves)>) {
+    let mut moves = Vec::new();
+    let groups = two_by_two_groups()
+        .into_iter()
+        .map(|mut g| {
+            let h = g.hierarchy.take().unwrap();
+            let (intra, inter) = (Moves::default(), Moves::default());
+            moves.push((intra.clone(), inter.clone()));
+            g.hierarchy = Some(super::host::Hierarchy {
+                intra: Box::new(Counted {
+                    inner: h.intra,
+                    moves: intra,
+                }),
+                inter: Box::new(Counted {
+                    inner: h.inter,
+                    moves: inter,
+                }),
+                layout: h.layout,
+            });
+            g
+        })
+        .collect();
+    (groups, moves)
+}
+
+/// Bytes per element of everything `moves` recorded, and the bytes in all.
+fn moved(moves: &Moves) -> (Vec<usize>, usize) {
+    let m = moves.lock().unwrap();
+    let mut elems: Vec<usize> = m.iter().map(|&(_, e, _)| e).collect();
+    elems.sort_unstable();
+    elems.dedup();
+    (elems, m.iter().map(|&(_, _, b)| b).sum())
+}
+
 /// 2 nodes x 2 ranks: groups per world rank, each with a 2D hierarchy.
 fn two_by_two_groups() -> Vec<Groups> {
     use super::algo::Layout;
@@ -798,15 +914,19 @@ fn two_d_reference(i: usize, wire: DType, inputs: bool, sums: bool) -> f64 {
     r(nodes[0] + nodes[1], sums) as f32 as f64
 }
 
-fn run_two_d_values(settings: AlgoSettings, len: usize) -> Vec<Vec<f64>> {
-    let per_rank = two_by_two_groups()
+/// The 2D allreduce of [`two_d_value`]: every rank's result, and what its
+/// intra-node and inter-node transports carried.
+fn run_two_d_values(settings: AlgoSettings, len: usize) -> (Vec<Vec<f64>>, Vec<(Moves, Moves)>) {
+    let (groups, moves) = counted_two_by_two_groups();
+    let per_rank = groups
         .into_iter()
         .map(|groups| vec![(groups, settings)])
         .collect();
-    on_engines(per_rank, move |rank, engine| {
+    let results = on_engines(per_rank, move |rank, engine| {
         let values: Vec<f64> = (0..len).map(|i| two_d_value(rank, i)).collect();
         allreduce_f32(engine, &values, false, 0)
-    })
+    });
+    (results, moves)
 }
 
 /// Checks every rank's result of a 2D allreduce against `want(i)` and
@@ -841,7 +961,22 @@ fn two_d_pipelines_a_compressed_copy_of_the_bucket() {
         ..Default::default()
     };
     let len = 2_600_001;
-    let results = run_two_d_values(settings, len);
+    let (results, moves) = run_two_d_values(settings, len);
+    // Both steps carry float16: each rank's half of the bucket crosses the
+    // node (reduce-scatter and allgather), a quarter of it the link.
+    for (rank, (intra, inter)) in moves.iter().enumerate() {
+        let ((intra_elems, intra_bytes), (inter_elems, inter_bytes)) = (moved(intra), moved(inter));
+        assert_eq!(
+            (intra_elems, inter_elems),
+            (vec![2], vec![2]),
+            "rank {rank}"
+        );
+        assert_eq!(intra_bytes, 2 * 2 * len, "rank {rank}");
+        assert!(
+            inter_bytes.abs_diff(len) <= 16,
+            "rank {rank}: {inter_bytes}"
+        );
+    }
     let want = |i| two_d_reference(i, DType::F16, true, true);
     let exact = |i| two_d_reference(i, DType::F16, false, false);
     let inter_only = |i| two_d_reference(i, DType::F16, false, true);
@@ -869,7 +1004,24 @@ fn two_d_can_compress_only_between_nodes() {
             inter_compression: Compression::Fp16,
             ..Default::default()
         };
-        let results = run_two_d_values(settings, len);
+        let (results, moves) = run_two_d_values(settings, len);
+        // float32 inside the node (the whole bucket in the reduce-scatter
+        // and the allgather), float16 only between nodes (this rank's
+        // half of the bucket).
+        for (rank, (intra, inter)) in moves.iter().enumerate() {
+            let ((intra_elems, intra_bytes), (inter_elems, inter_bytes)) =
+                (moved(intra), moved(inter));
+            assert_eq!(
+                (intra_elems, inter_elems),
+                (vec![4], vec![2]),
+                "rank {rank}"
+            );
+            assert_eq!(intra_bytes, 2 * 4 * len, "rank {rank}");
+            assert!(
+                inter_bytes.abs_diff(len) <= 16,
+                "rank {rank}: {inter_bytes}"
+            );
+        }
         let want = |i| two_d_reference(i, DType::F16, false, true);
         let exact = |i| two_d_reference(i, DType::F16, false, false);
         let all = |i| two_d_reference(i, DType::F16, true, true);
