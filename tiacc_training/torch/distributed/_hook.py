@@ -246,9 +246,7 @@ def _carried(path: str, nbytes: int) -> None:
     _state.state.carried_bytes[path] += nbytes
 
 
-def _native(
-    state: HookState, bucket: dist.GradBucket, why: str, fix: str
-) -> torch.futures.Future:
+def _native(state: HookState, bucket: dist.GradBucket, why: str, fix: str) -> torch.futures.Future:
     """A bucket handed to torch's allreduce: counted, warned once, or an error."""
     _state.state.native[why] += 1
     _step_aside(_state.state.config, why, fix)
