@@ -14,8 +14,11 @@ The opening comment holds, split like a shell line (quote what has spaces):
   the file for every marker in it (a table, a paragraph).
 - ``EXPR``: a path into the JSON: keys joined by dots, ``[3]`` for a list
   item, ``[key=value]`` for the first item of a list whose ``key`` equals
-  ``value`` (``rows[pipeline=tiacc 2D]``), ``["a.b"]`` for a key holding a
-  dot, ``[*]`` for every item (a list). Paths may be joined by `` + ``,
+  ``value`` (``rows[pipeline=tiacc 2D]``, ``rows[world=4&bytes=4096]``:
+  every pair must hold), ``["a.b"]`` for a key holding a
+  dot, ``[*]`` for every item of a list or value of an object and
+  ``[?key=value]`` for every item that matches (each makes the rest of the
+  path apply to every item, and the value a list). Paths may be joined by `` + ``,
   `` - ``, `` * ``, `` / `` (left to right, spaces around the operator) and
   numbers may stand in for paths; ``min(...)``, ``max(...)`` and ``len(...)``
   take a path that holds a list.
@@ -33,7 +36,8 @@ setup) is exempted by a comment that gives the reason::
 
     <!-- exempt: the goal, not a measurement -->1.25x<!-- /exempt -->
 
-Inline code and fenced blocks are not scanned. The check also lists each
+Inline code, fenced blocks and settings written like figures (``Top-K 1%``)
+are not scanned. The check also lists each
 results file with the commit it was measured at and how many commits ago
 that was (``--max-age N`` fails when one is older than N commits)::
 
@@ -71,6 +75,8 @@ BLOCK_OPEN = re.compile(r"<!--\s*nums\s+(?P<file>\S+)\s*-->")
 BLOCK_CLOSE = re.compile(r"<!--\s*/nums\s*-->")
 EXEMPT = re.compile(r"<!--\s*exempt:(?P<reason>.*?)-->(?P<text>.*?)<!--\s*/exempt\s*-->", re.S)
 COMMENT = re.compile(r"<!--.*?-->", re.S)
+# Settings written like figures: the density of Top-K ("Top-K 1%").
+SETTINGS = re.compile(r"\bTop-K \d+(?:\.\d+)?%")
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
 CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1", re.S)
 
@@ -116,27 +122,21 @@ _PATH_TOKEN = re.compile(r'\.?([^.\[\]]+)|\[("(?:[^"\\]|\\.)*"|[^\]]*)\]')
 
 
 def _step(node: Any, token: str, bracket: bool) -> Any:
-    """One step of a path: a key, an index, a selector or ``*``."""
+    """One step of a path: a key, an index or a selector."""
     if not bracket:
-        if isinstance(node, list):
-            return [_step(item, token, False) for item in node]
         if not isinstance(node, dict) or token not in node:
             raise DocsNumbersError(f"no key {token!r}")
         return node[token]
     if token.startswith('"'):
         return _step(node, json.loads(token), False)
-    if token == "*":
-        if not isinstance(node, list):
-            raise DocsNumbersError("[*] on something that is not a list")
-        return node
     if "=" in token:
-        key, value = token.split("=", 1)
-        if not isinstance(node, list):
+        wanted = [part.split("=", 1) for part in token.split("&")]
+        if not isinstance(node, list) or any(len(pair) != 2 for pair in wanted):
             raise DocsNumbersError(f"[{token}] on something that is not a list")
         for item in node:
-            if isinstance(item, dict) and str(item.get(key)) == value:
+            if isinstance(item, dict) and all(str(item.get(k)) == v for k, v in wanted):
                 return item
-        raise DocsNumbersError(f"no item with {key} = {value!r}")
+        raise DocsNumbersError(f"no item with {token}")
     try:
         index = int(token)
     except ValueError:
@@ -149,21 +149,54 @@ def _step(node: Any, token: str, bracket: bool) -> Any:
 def resolve_path(data: Any, path: str) -> Any:
     """The value at ``path`` in ``data`` (see the module docstring).
 
+    After ``[*]`` (every item of a list, every value of an object) each
+    further step applies to every item, and the result is a list.
+
     Raises:
         DocsNumbersError: the path does not lead to a value.
     """
-    node = data
+    nodes = [data]
+    spread = False
     pos = 0
     while pos < len(path):
         match = _PATH_TOKEN.match(path, pos)
         if not match or match.end() == pos:
             raise DocsNumbersError(f"cannot parse path {path!r} at {path[pos:]!r}")
-        if match.group(1) is not None:
-            node = _step(node, match.group(1), False)
-        else:
-            node = _step(node, match.group(2), True)
         pos = match.end()
-    return node
+        if match.group(2) is not None and match.group(2).startswith("?"):
+            wanted = [part.split("=", 1) for part in match.group(2)[1:].split("&")]
+            if any(len(pair) != 2 for pair in wanted):
+                raise DocsNumbersError(f"cannot parse filter [{match.group(2)}]")
+            kept: list[Any] = []
+            for node in nodes:
+                if not isinstance(node, list):
+                    raise DocsNumbersError(f"[{match.group(2)}] on something that is not a list")
+                kept.extend(
+                    item
+                    for item in node
+                    if isinstance(item, dict) and all(str(item.get(k)) == v for k, v in wanted)
+                )
+            if not kept:
+                raise DocsNumbersError(f"no item matches [{match.group(2)}]")
+            nodes = kept
+            spread = True
+            continue
+        if match.group(2) == "*":
+            items: list[Any] = []
+            for node in nodes:
+                if isinstance(node, list):
+                    items.extend(node)
+                elif isinstance(node, dict):
+                    items.extend(node.values())
+                else:
+                    raise DocsNumbersError("[*] on something that is neither a list nor an object")
+            nodes = items
+            spread = True
+            continue
+        bracket = match.group(1) is None
+        token = match.group(2) if bracket else match.group(1)
+        nodes = [_step(node, token, bracket) for node in nodes]
+    return nodes if spread else nodes[0]
 
 
 _FUNCTIONS = {"min": min, "max": max, "len": len}
@@ -367,6 +400,7 @@ def unmarked_figures(text: str, heading: str | None = None) -> list[tuple[int, s
     scrubbed = EXEMPT.sub(_blank, scrubbed)
     scrubbed = COMMENT.sub(_blank, scrubbed)
     scrubbed = CODE_SPAN.sub(_blank, scrubbed)
+    scrubbed = SETTINGS.sub(_blank, scrubbed)
     start, end = _section(scrubbed, heading)
     for match in FIGURE.finditer(scrubbed, start, end):
         found.append((_line_of(scrubbed, match.start()), match.group(0)))

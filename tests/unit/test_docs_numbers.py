@@ -75,9 +75,12 @@ def test_paths_and_expressions() -> None:
     assert ev(RESULTS, "rows[1].median_ms") == 403.66
     assert ev(RESULTS, "rows[pipeline=tiacc 2D + fp16].speedup") == 2.777
     assert ev(RESULTS, 'results["e.f"].v') == 0.125
+    assert ev(RESULTS, "rows[pipeline=tiacc 2D + fp16&median_ms=403.66].speedup") == 2.777
     assert ev(RESULTS, "rows[-1].median_ms * 1000") == pytest.approx(403660)
     assert ev(RESULTS, "max(rows[*].median_ms)") == 1121.1
     assert ev(RESULTS, "len(rows)") == 2
+    assert ev(RESULTS, "min(rows[?pipeline=tiacc 2D + fp16].median_ms)") == 403.66
+    assert ev(RESULTS, "len(rows[?median_ms=1121.1])") == 1
     assert ev(RESULTS, "machine.git_commit") == "abc1234"
     assert docs_numbers.render(0.125, ".1%") == "12.5%"
     assert docs_numbers.render(2.777, "{:.2f}x") == "2.78x"
@@ -166,3 +169,9 @@ def test_max_age(tmp_path: Path) -> None:
     root = make_repo(tmp_path)
     status = docs_numbers.main(["--check", "--root", str(root), "--max-age", "3"])
     assert status == 0  # no git history here: the age is unknown, not failed
+
+
+def test_repository_docs_pass() -> None:
+    report = docs_numbers.run(REPO, write=False)
+    assert [str(p) for p in report.problems] == []
+    assert report.markers > 0
