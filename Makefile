@@ -12,7 +12,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build wheel demo test test-rust test-python test-compat bench bench-ddp bench-nccl bench-topk bench-collectives lint fmt fuzz fuzz-merge clean
+.PHONY: help setup build wheel demo test test-rust test-python test-compat bench bench-ddp bench-nccl bench-topk bench-collectives lint docs-check fmt fuzz fuzz-merge clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -108,6 +108,9 @@ lint: setup ## rustfmt, clippy -D warnings, ruff
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+docs-check: ## every figure in README.md and docs/performance.md against its benches/results file
+	$(or $(wildcard $(PY)),python3) tools/docs_numbers.py --check
 
 fmt: setup ## format Rust and Python sources
 	cargo fmt --all
