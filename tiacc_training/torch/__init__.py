@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("adaptfp16", "data", "distributed", "tiacc_torch_warp")
+_SUBMODULES = ("adaptfp16", "data", "distributed", "horovod", "tiacc_torch_warp")
 
 __all__ = list(_SUBMODULES)
 
