@@ -12,7 +12,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build wheel demo test test-rust test-python test-compat bench bench-ddp bench-nccl bench-topk bench-collectives lint docs-check fmt fuzz fuzz-merge clean
+.PHONY: help setup build wheel demo demo-run gpu-kit gpu-check test test-rust test-python test-compat bench bench-ddp bench-nccl bench-topk bench-collectives lint docs-check fmt fuzz fuzz-merge clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -57,8 +57,25 @@ TORCH_NEWEST ?= torch torchvision numpy
 COMPAT_TESTS ?= tests/unit tests/distributed/test_init.py tests/distributed/test_ddp_engine.py
 
 demo: setup ## generate + pack a dataset, then train a CNN with 2 ranks (tiacc vs stock PyTorch)
+	$(MAKE) --no-print-directory demo-run
+
+demo-run: ## the demo's two scripts with $(PY), no setup (PY=python3 on a machine without a venv)
 	$(PY) demo/pack_demo.py --workdir $(DEMO_DIR)
 	$(PY) demo/pytorch_native_ddp_demo.py --workdir $(DEMO_DIR) --compare
+
+# The GPU check (tools/gpu_check.py) runs on a GPU machine without network
+# access: make wheel and make gpu-kit here, bring the checkout with dist/ and
+# .gpu-kit/ there, then make gpu-check (its own Python, OUT=, STAGE=, NCCL_LIBRARY=).
+GPU_PY ?= python3
+OUT ?= gpu-check-out
+STAGE ?= all
+gpu-kit: wheel ## the wheel plus the small wheels a GPU machine may lack (.gpu-kit/wheels)
+	@mkdir -p .gpu-kit/wheels
+	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu-kit/wheels pytest-timeout pyroute2
+
+gpu-check: ## on a GPU machine: install the wheel, tests, demo, NCCL + input benchmarks, summary.md in OUT
+	$(GPU_PY) tools/gpu_check.py --python $(GPU_PY) --out $(OUT) --stage $(STAGE) \
+	  $(if $(NCCL_LIBRARY),--nccl-library $(NCCL_LIBRARY))
 
 test: setup test-rust test-python ## run every test (cargo test + pytest)
 
