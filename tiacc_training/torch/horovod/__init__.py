@@ -13,8 +13,7 @@ gradient buckets to the same engine as the DDP hook, with its settings
 from __future__ import annotations
 
 # -- basics, collectives and process sets (_basics.py, _ops.py, _process_sets.py) --
-
 # -- training: DistributedOptimizer and friends (_optimizer.py, _compression.py,
 #    _sync_batch_norm.py) --
-
 # -- timeline (_timeline.py) --
+from ._timeline import start_timeline, stop_timeline  # noqa: F401
