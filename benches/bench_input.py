@@ -33,7 +33,9 @@ Training part (``--train``; on by default where CUDA is available): ResNet-50
 against the same model on synthetic data already on the GPU: stock
 ``ImageFolder``, the fused dataset through torch's loader, the drop-in loader
 (float32 pinned; ``device="cuda"``, uint8 shipped and normalised on the GPU;
-``decode_device="cuda"``, GPU decode with at most 4 threads).
+``decode_device="cuda"``, GPU decode with at most 4 threads); on a GPU also
+the GPU-decode loader alone (``decode_device_alone``: batches reach the GPU,
+nothing trains).
 ``--train-device cpu --train-model resnet18`` runs it on the CPU to check
 the harness.
 
@@ -259,6 +261,24 @@ def train_rate(
     return seen / (time.perf_counter() - start)
 
 
+def loader_rate(loader: Any, device: torch.device, steps: int) -> float:
+    """Images/s of ``loader`` alone: its batches reach ``device``, nothing trains."""
+    batches = iter(loader)
+    for _ in range(3):  # warm-up: workers started, decoder ready
+        next(batches)
+    torch.cuda.synchronize(device)
+    seen, start = 0, time.perf_counter()
+    for _ in range(steps):
+        try:
+            x, _labels = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, _labels = next(batches)
+        seen += x.shape[0]
+    torch.cuda.synchronize(device)
+    return seen / (time.perf_counter() - start)
+
+
 def train_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str, Any]:
     """Training images/s fed by each loader (see the module docstring)."""
     device = torch.device(args.train_device)
@@ -291,6 +311,10 @@ def train_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str
     synthetic = rows["synthetic"]["images_per_s"]
     for row in rows.values():
         row["fraction_of_synthetic"] = row["images_per_s"] / synthetic
+    if device.type == "cuda":
+        rate = loader_rate(feeds["dropin_decode_device"](), device, args.train_steps)
+        rows["decode_device_alone"] = {"images_per_s": rate, "workers": min(4, workers)}
+        print(f"  decode on {device} alone     {rate:8.1f} images/s", flush=True)
     return {
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

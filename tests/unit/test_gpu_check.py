@@ -1,0 +1,193 @@
+"""The GPU check's stage logic and its summary, without a GPU.
+
+The summary is read from a folder like the one a run leaves: a JUnit XML
+that pytest itself wrote (a passing, a failing and a skipped test) and
+benchmark JSON with the fields ``bench_nccl.py`` and ``bench_input.py``
+write, with values on both sides of each goal.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+import gpu_check  # noqa: E402
+
+
+def _real_junit(tmp_path: Path) -> Path:
+    """A JUnit XML written by pytest for one pass, one failure, one skip."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    assert True\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='needs two GPUs')\n"
+        "def test_two_gpus():\n    pass\n"
+    )
+    junit = tmp_path / "out" / "junit.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite),
+         f"--junitxml={junit}"],
+        capture_output=True,
+        cwd=suite,
+        timeout=120,
+    )  # fmt: skip
+    assert junit.exists()
+    return junit
+
+
+def _cluster_row(label: str, median_ms: float, native_ms: float) -> dict:
+    return {"pipeline": label, "median_ms": median_ms, "native_over_this": native_ms / median_ms}
+
+
+def _write_sample(out: Path) -> None:
+    native = 1000.0
+    (out / "bench_nccl.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "bench_nccl",
+                "cluster": {
+                    "grad_bytes": 134_250_496,
+                    "rows": [
+                        _cluster_row("native NCCL (ring)", native, native),
+                        _cluster_row("torch bf16_compress_hook", 500.0, native),
+                        _cluster_row("tiacc 2D", 625.0, native),  # 1.6x: met
+                        _cluster_row("tiacc 2D + fp16", 400.0, native),  # 2.5x: not met
+                        _cluster_row("tiacc Top-K 1%", 80.0, native),  # 12.5x: met
+                    ],
+                },
+                "ddp": [
+                    {"pipeline": "native", "channels": None, "overhead_vs_native": 0.0},
+                    {"pipeline": "tiacc nccl", "channels": 1, "overhead_vs_native": 0.012},
+                    {"pipeline": "tiacc nccl", "channels": 4, "overhead_vs_native": 0.031},
+                ],
+            }
+        )
+    )
+    (out / "bench_input.json").write_text(
+        json.dumps(
+            {
+                "training": {
+                    "rows": {
+                        "synthetic": {"images_per_s": 3000.0, "fraction_of_synthetic": 1.0},
+                        "dropin": {"images_per_s": 2940.0, "fraction_of_synthetic": 0.98},
+                        "dropin_decode_device": {
+                            "images_per_s": 2850.0,
+                            "fraction_of_synthetic": 0.95,
+                        },
+                        "decode_device_alone": {"images_per_s": 9100.0},
+                    }
+                }
+            }
+        )
+    )
+    (out / "versions.json").write_text(
+        json.dumps(
+            {"gpu": ["NVIDIA H100 80GB HBM3"], "cuda": "13.0", "nccl": "2.28.9",
+             "engine_nccl": "2.30.3", "gpu_driver": "NVRM 580", "torch": "2.11.0"}
+        )
+    )  # fmt: skip
+    (out / "stages.json").write_text(
+        json.dumps({"tests": {"status": "failed (exit code 1)", "seconds": 312.5}})
+    )
+
+
+def test_summary_reports_counts_skips_goals_and_versions(tmp_path: Path) -> None:
+    junit = _real_junit(tmp_path)
+    out = junit.parent
+    _write_sample(out)
+    summary = gpu_check.render_summary(out)
+
+    assert "3 tests: 1 passed, 1 failed, 0 errors, 1 skipped." in summary
+    assert "needs two GPUs" in summary
+    assert "test_bad" in summary and "one is not two" in summary
+    assert "NVIDIA H100 80GB HBM3" in summary
+    assert "torch's 2.28.9; the engine's 2.30.3" in summary
+    assert "| tests | failed (exit code 1) | 312.5 |" in summary
+    assert "| demo | not run | - |" in summary
+
+    measured = gpu_check.evaluate_goals(out, gpu_check.junit_counts(junit))
+    goals = {(g.name, g.target): g for g in measured}
+    cluster = "2 x 2 cluster: "
+    assert goals[(cluster + "gradients", ">= 100 MB")].met is True
+    assert goals[(cluster + "tiacc 2D vs native NCCL", ">= 1.4x")].measured == "1.60x"
+    assert goals[(cluster + "tiacc 2D vs native NCCL", ">= 1.4x")].met is True
+    assert goals[(cluster + "tiacc 2D + fp16 vs native NCCL", ">= 2.7x")].met is False
+    # 2D + fp16 against torch's bf16 hook: 500 / 400 = 1.25x, short of 1.3x.
+    vs_bf16 = goals[(cluster + "tiacc 2D + fp16 vs torch bf16_compress_hook", ">= 1.3x")]
+    assert (vs_bf16.measured, vs_bf16.met) == ("1.25x", False)
+    assert goals[(cluster + "tiacc Top-K 1% vs native NCCL", ">= 10.0x")].met is True
+    overhead = goals[("world of one: overhead over native DDP", "<= 2%")]
+    assert (overhead.measured, overhead.met) == ("3.1% (worst of 2)", False)
+    cpu = next(g for (name, _), g in goals.items() if name.startswith("CPU decode"))
+    gpu = next(g for (name, _), g in goals.items() if name.startswith("GPU decode, <= 4"))
+    assert (cpu.met, gpu.met) == (True, False)
+    assert goals[("GPU decode alone, 224 px", ">= 8000 images/s")].met is True
+    suite = goals[("suite with CUDA present", "0 failures")]
+    assert (suite.measured, suite.met) == ("1 failed of 3 (1 skipped, listed)", False)
+
+
+def test_missing_measurements_say_why(tmp_path: Path) -> None:
+    (tmp_path / "bench_nccl.json").write_text(
+        json.dumps({"cluster": {"skipped": "needs NCCL >= 2.30 for four ranks on one GPU"}})
+    )
+    goals = gpu_check.evaluate_goals(tmp_path, None)
+    cluster = [g for g in goals if g.name.startswith("2 x 2 cluster")]
+    assert cluster and all(g.met is None for g in cluster)
+    assert all("needs NCCL >= 2.30" in g.measured for g in cluster)
+    assert all(g.met is None for g in goals)
+    summary = gpu_check.render_summary(tmp_path)
+    assert "No JUnit XML" in summary and "| met |" in summary
+
+
+def test_stage_selection_and_commands(tmp_path: Path) -> None:
+    assert gpu_check.parse_args([]).stage == list(gpu_check.STAGES)
+    assert gpu_check.parse_args(["--stage", "nccl,tests"]).stage == ["nccl", "tests"]
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--stage", "bench"])
+    tests = gpu_check.stage_commands("tests", "py", tmp_path, 16)
+    assert tests == [["py", "-m", "pytest", "tests", "-n", "16", "-ra",
+                      f"--junitxml={tmp_path / 'junit.xml'}"]]  # fmt: skip
+    demo = gpu_check.stage_commands("demo", "py", tmp_path, 16)[0]
+    assert demo[:2] == ["make", "demo-run"] and "PY=py" in demo
+    made = subprocess.run(
+        ["make", "-n", "demo-run", "PY=py", "DEMO_DIR=d"], cwd=REPO, capture_output=True, text=True
+    )
+    assert "py demo/pack_demo.py --workdir d" in made.stdout
+    input_stage = gpu_check.stage_commands("input", "py", tmp_path, 16)[0]
+    assert "--train-workers" in input_stage and str(tmp_path / "bench_input.json") in input_stage
+
+
+def test_stage_environment_loads_the_given_nccl(tmp_path: Path) -> None:
+    library = tmp_path / "libnccl.so.2"
+    library.write_bytes(b"")
+    env = gpu_check.stage_environment(str(library), {"LD_PRELOAD": "/lib/other.so"})
+    assert env["TIACC_TRAINING_NCCL_LIBRARY"] == str(library)
+    assert env["LD_PRELOAD"] == f"{library}:/lib/other.so"
+    assert env["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
+    assert "TIACC_TRAINING_NCCL_LIBRARY" not in gpu_check.stage_environment(None, {})
+    with pytest.raises(SystemExit, match="no such file"):
+        gpu_check.stage_environment(str(tmp_path / "absent.so"), {})
+
+
+def test_a_stage_records_its_failure_and_the_summary_follows(tmp_path: Path) -> None:
+    ok = gpu_check.run_stage("demo", [[sys.executable, "-c", "print('hi')"]], {}, tmp_path, 60)
+    bad = gpu_check.run_stage(
+        "nccl", [[sys.executable, "-c", "import sys; sys.exit(3)"]], {}, tmp_path, 60
+    )
+    slow = gpu_check.run_stage(
+        "input", [[sys.executable, "-c", "import time; time.sleep(30)"]], {}, tmp_path, 0.5
+    )
+    assert (ok, bad, slow) == (True, False, False)
+    assert "hi" in (tmp_path / "demo.log").read_text()
+    summary = gpu_check.render_summary(tmp_path)
+    assert "| nccl | failed (exit code 3) |" in summary
+    assert "| input | timed out after 0 s |" in summary
