@@ -380,10 +380,13 @@ def remote_command(command: Sequence[str], cwd: str, env: dict[str, str]) -> str
         [
             f"cd {shlex.quote(cwd)} || exit 127",
             f"export {exports}" if exports else ":",
-            f"{shlex.join(command)} </dev/null &",
+            # A background list's stdin is /dev/null unless redirected: keep
+            # the connection's stdin as fd 3 for the watcher.
+            "exec 3<&0",
+            f"{shlex.join(command)} </dev/null 3<&- &",
             "pid=$!",
             # Reads the connection's stdin until it closes (builtins only).
-            '( while read -r _; do :; done; kill -TERM "$pid" 2>/dev/null ) >/dev/null 2>&1 &',
+            '( while read -r _; do :; done; kill -TERM "$pid" 2>/dev/null ) <&3 >/dev/null 2>&1 &',
             "watcher=$!",
             "trap 'kill -TERM \"$pid\" 2>/dev/null' TERM INT HUP",
             'wait "$pid"; rc=$?',
