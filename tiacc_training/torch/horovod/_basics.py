@@ -1,0 +1,378 @@
+"""``hvd.init()`` and what it tells: ranks, sizes, the job's layout, the build.
+
+``init()`` finds the job from its launcher's environment (our ``tiaccrun``,
+torchrun, Open MPI's, MPICH's or a PMIx ``mpirun``, SLURM, horovodrun-style
+``HOROVOD_*`` variables, or nothing: a world of one), sets up the engine as
+``tdist.init_tiacc_training()`` does (its settings: ``TIACC_TRAINING_*``,
+``LIGHT_*``, ``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``), and
+creates torch's default process group from the launcher, CPU tensors on
+the "tiacc" backend and, where CUDA is available, CUDA tensors on NCCL. A
+default group the script created itself is used as it is.
+
+The local and cross layout (``local_rank``, ``cross_rank``, ...) comes from
+the launcher where it says (``HOROVOD_LOCAL_RANK``, ``LOCAL_RANK``, ...),
+otherwise from the host names the ranks exchange at ``init()``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "rank",
+    "rocm_built",
+    "shutdown",
+    "size",
+]
+
+NOT_INITIALIZED = "Horovod has not been initialized: call hvd.init() first"
+
+
+@dataclass
+class _Job:
+    """What ``init()`` found out; one per process."""
+
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    initialized: bool = False
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    homogeneous: bool = True
+    # Whether init() created the default group (then shutdown() destroys it).
+    created_group: bool = False
+    # Every rank's (host, local rank, local size), in rank order.
+    layout: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+job = _Job()
+
+
+def _env_int(name: str) -> int | None:
+    """An integer environment variable, ``None`` when unset or empty.
+
+    Raises:
+        ValueError: it is set to something that is not a non-negative integer.
+    """
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+    if number < 0:
+        raise ValueError(f"{name}={value!r} is negative")
+    return number
+
+
+# Launchers the engine does not read, in the order we look for them: the
+# variables of rank, size, local rank and local size (None: unknown).
+_OTHER_LAUNCHERS: tuple[tuple[str, str, str, str | None, str | None], ...] = (
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("pmix", "PMIX_RANK", "PMI_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+)
+
+
+def export_launcher_env() -> str | None:
+    """Writes torchrun's variables for launchers the engine does not read.
+
+    The engine recognises torchrun (``RANK``, ``WORLD_SIZE``, ...), Open
+    MPI (``OMPI_COMM_WORLD_*``) and SLURM. A horovodrun-style environment
+    (``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``,
+    ``HOROVOD_LOCAL_SIZE``), MPICH's Hydra (``PMI_RANK``, ``PMI_SIZE``,
+    ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``) and a PMIx launcher
+    (``PMIX_RANK`` with ``PMI_SIZE``) are turned into ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` here, where the
+    process has none of those already; ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` and
+    ``_PORT`` become ``MASTER_ADDR`` and ``MASTER_PORT`` when those are unset.
+
+    Returns:
+        The launcher whose variables were exported, or ``None``.
+
+    Raises:
+        ValueError: a variable does not hold a rank below the size.
+    """
+    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
+        return None
+    if os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("SLURM_PROCID"):
+        return None
+    for launcher, rank_var, size_var, local_rank_var, local_size_var in _OTHER_LAUNCHERS:
+        rank_value, size_value = _env_int(rank_var), _env_int(size_var)
+        if rank_value is None:
+            continue
+        if size_value is None:
+            raise ValueError(f"{rank_var} is set but {size_var} is not: the world size is unknown")
+        if rank_value >= size_value:
+            raise ValueError(f"{rank_var}={rank_value} is not below {size_var}={size_value}")
+        local_rank_value = _env_int(local_rank_var) if local_rank_var else None
+        local_size_value = _env_int(local_size_var) if local_size_var else None
+        os.environ["RANK"] = str(rank_value)
+        os.environ["WORLD_SIZE"] = str(size_value)
+        os.environ.setdefault("LOCAL_RANK", str(local_rank_value or 0))
+        if local_size_value is not None:
+            os.environ.setdefault("LOCAL_WORLD_SIZE", str(local_size_value))
+        addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+        port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+        if addr and not os.environ.get("MASTER_ADDR"):
+            os.environ["MASTER_ADDR"] = addr
+        if port and not os.environ.get("MASTER_PORT"):
+            os.environ["MASTER_PORT"] = port
+        return launcher
+    return None
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Starts Horovod on this process: the job's group and the engine.
+
+    Every rank calls it once at the start. A second call while initialised
+    does nothing; after :func:`shutdown` it starts again.
+
+    Args:
+        comm: Horovod takes an MPI communicator or a list of ranks here. We
+            have no MPI; ``None`` or the list of every rank (the whole job)
+            is accepted, anything else raises ``ValueError``.
+        process_sets: process sets to register at once (a list of
+            :class:`ProcessSet`), or ``"dynamic"`` (accepted; sets can be
+            added and removed at any time here). Every rank passes the same.
+
+    Raises:
+        ValueError: ``comm`` is a subset of the ranks or an MPI
+            communicator, or a launcher variable is invalid.
+        ConfigError: an engine setting is invalid or differs across ranks.
+    """
+    from tiacc_training.torch import distributed as tdist
+    from tiacc_training.torch.distributed import _group
+    from tiacc_training.torch.distributed._state import state
+
+    from . import _process_sets
+
+    with job.lock:
+        if job.initialized:
+            return
+        export_launcher_env()
+        tdist.init_tiacc_training()
+        created = False
+        if not dist.is_initialized():
+            _group.ensure_group()
+            created = True
+            if not dist.is_initialized():  # the script destroyed a group of its own before
+                from tiacc_training.torch.distributed import _launch
+
+                launch, arguments = _launch.group_arguments(
+                    None, state.config, state.launch or _launch.launch_env()
+                )
+                state.pending_launch = launch
+                dist.init_process_group(**arguments)
+        world = dist.get_world_size()
+        if comm is not None and not _is_whole_world(comm, world):
+            raise ValueError(
+                f"hvd.init(comm={comm!r}): only the whole job is supported (comm=None or "
+                f"the list of all {world} ranks); use process sets for subsets"
+            )
+        job.rank, job.size = dist.get_rank(), world
+        job.created_group = created
+        _find_layout(state.launch or {})
+        job.initialized = True
+        _process_sets.reset_global(list(range(world)))
+    if process_sets is not None and process_sets != "dynamic":
+        for process_set in process_sets:
+            _process_sets.add_process_set(process_set)
+    try:
+        from . import _timeline
+    except ImportError:  # pragma: no cover - the timeline module is part of the package
+        return
+    _timeline.start_from_env()
+
+
+def _is_whole_world(comm: Any, world: int) -> bool:
+    if isinstance(comm, (list, tuple)):
+        return sorted(int(r) for r in comm) == list(range(world))
+    return False
+
+
+def _find_layout(launch: dict[str, Any]) -> None:
+    """Local and cross rank and size: from the launcher, or by host names."""
+    local_rank_env = _env_int("HOROVOD_LOCAL_RANK")
+    local_size_env = _env_int("HOROVOD_LOCAL_SIZE")
+    if local_rank_env is None:
+        local_rank_env = launch.get("local_rank")
+        local_size_env = launch.get("local_size")
+    host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    mine = (host, -1 if local_rank_env is None else int(local_rank_env), local_size_env or -1)
+    layout: list[Any] = [None] * job.size
+    if job.size > 1:
+        dist.all_gather_object(layout, mine)
+    else:
+        layout = [mine]
+    hosts = [entry[0] for entry in layout]
+    if any(entry[1] < 0 or entry[2] < 0 for entry in layout):
+        # The launcher did not say: ranks on one host, in rank order.
+        layout = [(h, hosts[:r].count(h), hosts.count(h)) for r, h in enumerate(hosts)]
+    job.layout = [tuple(entry) for entry in layout]
+    job.local_rank, job.local_size = layout[job.rank][1], layout[job.rank][2]
+    peers = [r for r, entry in enumerate(layout) if entry[1] == job.local_rank]
+    job.cross_rank, job.cross_size = peers.index(job.rank), len(peers)
+    if os.environ.get("HOROVOD_CROSS_RANK") and os.environ.get("HOROVOD_CROSS_SIZE"):
+        job.cross_rank = _env_int("HOROVOD_CROSS_RANK") or 0
+        job.cross_size = _env_int("HOROVOD_CROSS_SIZE") or 1
+    job.homogeneous = len({entry[2] for entry in layout}) == 1
+
+
+def shutdown() -> None:
+    """Stops Horovod: removes the process sets and the group ``init()`` made.
+
+    A default group the script created itself stays. ``init()`` may be
+    called again afterwards. Does nothing when not initialised.
+    """
+    from . import _ops, _process_sets
+
+    with job.lock:
+        if not job.initialized:
+            return
+        _ops.forget_handles()
+        _process_sets.remove_all()
+        job.initialized = False
+        if job.created_group and dist.is_initialized():
+            dist.destroy_process_group()
+        job.created_group = False
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has run (and :func:`shutdown` has not since)."""
+    return job.initialized
+
+
+def check_initialized() -> None:
+    """Raises Horovod's error when :func:`init` has not run.
+
+    Raises:
+        ValueError: ``hvd.init()`` has not been called.
+    """
+    if not job.initialized:
+        raise ValueError(NOT_INITIALIZED)
+
+
+def size() -> int:
+    """The number of processes in the job."""
+    check_initialized()
+    return job.size
+
+
+def rank() -> int:
+    """This process's rank in the job (0 to ``size() - 1``)."""
+    check_initialized()
+    return job.rank
+
+
+def local_size() -> int:
+    """The number of processes on this host."""
+    check_initialized()
+    return job.local_size
+
+
+def local_rank() -> int:
+    """This process's rank among the processes of its host."""
+    check_initialized()
+    return job.local_rank
+
+
+def cross_size() -> int:
+    """The number of hosts that run a process of this local rank."""
+    check_initialized()
+    return job.cross_size
+
+
+def cross_rank() -> int:
+    """This process's rank among the processes of its local rank (its host's index)."""
+    check_initialized()
+    return job.cross_rank
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of processes."""
+    check_initialized()
+    return job.homogeneous
+
+
+def mpi_threads_supported() -> bool:
+    """False: no MPI library is used (``mpirun`` only starts the processes)."""
+    check_initialized()
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: collectives never go through MPI here, whatever started the job."""
+    return False
+
+
+def mpi_built() -> bool:
+    """False: this package is not linked against an MPI library."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """Whether gloo takes part once initialised.
+
+    True when torch has gloo: the "tiacc" backend forwards the operations
+    the engine does not run (uneven all-to-all, ``send``/``recv``, ...) to
+    gloo, and ``TIACC_TRAINING_COLLECTIVES=gloo`` hands it all CPU
+    collectives.
+    """
+    return job.initialized and dist.is_gloo_available()
+
+
+def gloo_built() -> bool:
+    """Whether this torch has the gloo backend (which ``gloo_enabled`` uses)."""
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def nccl_built() -> bool:
+    """Whether CUDA tensors can use NCCL: this torch has NCCL and a CUDA device is present."""
+    return dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()
+
+
+def ddl_built() -> bool:
+    """False: IBM's DDL is not supported."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: Intel's oneCCL is not supported."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether this torch is built with CUDA (CUDA tensors are then supported)."""
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    """Whether this torch is built with ROCm (HIP): its tensors go the CUDA way."""
+    return getattr(torch.version, "hip", None) is not None
