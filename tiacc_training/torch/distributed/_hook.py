@@ -212,10 +212,8 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
     if perf is not None and bucket.index() == 0:
         engine = state.engine if state.cuda is None else state.cuda.engine
         perf.before_step(engine, buf.device)
-    nbytes = buf.numel() * buf.element_size()
     if buf.device.type == "cuda" and state.cuda is not None:
-        _carried(f"cuda {state.cuda.kind}", nbytes)
-        return state.cuda.allreduce(buf, bucket.index())
+        return carry_bucket(buf, bucket.index(), cuda=state.cuda)
     if buf.device.type != "cpu" or state.engine is None:
         return _native(
             state,
@@ -224,17 +222,55 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
             "carries CPU and CUDA buckets",
             "keep the model on the CPU or a CUDA device",
         )
+    return carry_bucket(buf, bucket.index(), engine=state.engine)
+
+
+def carry_bucket(
+    buf: torch.Tensor,
+    index: int,
+    engine: Any = None,
+    cuda: Any = None,
+    average: bool = True,
+) -> torch.futures.Future:
+    """Carries one flat gradient bucket through the engine; returns its future.
+
+    The one path of every gradient bucket (the DDP hook's, and Horovod's
+    ``DistributedOptimizer``'s): a CUDA bucket goes to ``cuda`` (NCCL
+    channels or host staging), a CPU bucket to ``engine``'s
+    ``allreduce_async``, and the bucket is counted in ``stats()``. The
+    caller has checked that ``buf`` is contiguous, of a dtype the engine
+    carries, and on the CPU (with ``engine``) or a CUDA device (with
+    ``cuda``); it must not touch ``buf`` until the future completes.
+
+    Args:
+        buf: the flat bucket (reduced in place, or read as scratch).
+        index: the bucket's index, the same on every rank (it picks the
+            channel, and keys the engine's per-bucket state).
+        engine: the CPU engine (``_engine.CommEngine``), for a CPU bucket.
+        cuda: a ``_cuda.NcclChannels`` or ``_cuda.HostStaging``, for a CUDA
+            bucket.
+        average: divide the sum by the world size (the CUDA paths always do).
+
+    Returns:
+        A future of the reduced bucket: ``buf`` itself, or a tensor over the
+        result in memory the host's ranks share, which stays valid until the
+        next allreduce of this bucket index.
+
+    Raises:
+        ValueError: neither path given, or ``average=False`` for a CUDA bucket.
+    """
+    nbytes = buf.numel() * buf.element_size()
+    if cuda is not None:
+        if not average:
+            raise ValueError("carry_bucket: the CUDA paths average (average=False given)")
+        _carried(f"cuda {cuda.kind}", nbytes)
+        return cuda.allreduce(buf, index)
+    if engine is None:
+        raise ValueError("carry_bucket: give engine= (CPU bucket) or cuda= (CUDA bucket)")
     _carried("cpu", nbytes)
     future: torch.futures.Future = torch.futures.Future()
-    state.engine.allreduce_async(
-        buf,
-        buf.data_ptr(),
-        nbytes,
-        str(buf.dtype),
-        bucket.index(),
-        True,
-        future,
-        True,
+    engine.allreduce_async(
+        buf, buf.data_ptr(), nbytes, str(buf.dtype), index, average, future, True
     )
     return future.then(functools.partial(_bucket_result, buf.dtype))
 
