@@ -80,6 +80,15 @@ from ._process_sets import (  # noqa: F401
 )
 
 # -- training: DistributedOptimizer and friends (_optimizer.py, _compression.py,
-#    _sync_batch_norm.py) --
+#    _sync_batch_norm.py); after the collectives, which they import --
+# isort: split
+from ._compression import Compression  # noqa: F401
+from ._optimizer import (  # noqa: F401
+    DistributedOptimizer,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from ._sync_batch_norm import SyncBatchNorm  # noqa: F401
+
 # -- timeline (_timeline.py) --
 from ._timeline import start_timeline, stop_timeline  # noqa: F401

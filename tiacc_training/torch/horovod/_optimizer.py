@@ -1,0 +1,816 @@
+"""Horovod's DistributedOptimizer and the broadcasts of parameters and state.
+
+``DistributedOptimizer`` wraps a torch optimizer: a hook on every
+parameter fires as its gradient is accumulated in backward, and the
+gradients are packed, in the order they become ready, into fusion buckets
+of the engine's size (``config.bucket_bytes``: ``TIACC_TRAINING_FUSION_THRESHOLD``,
+``HOROVOD_FUSION_THRESHOLD`` or AIACC's fraction, as for DDP's buckets).
+Each full bucket goes down the same path as the DDP hook's buckets
+(``_hook.carry_bucket``: the CPU engine, or NCCL channels / host staging
+for CUDA), so the engine's channels, 2D algorithm, wire compression, Top-K
+and NaN check apply, and ``tdist.stats()`` counts the buckets. ``step()``
+(or ``synchronize()``) waits for the buckets and writes the reduced
+gradients back into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiacc_training.torch.distributed import _config, _engines, _hook
+from tiacc_training.torch.distributed._state import state as _dstate
+
+from . import Adasum, Average, Sum, _basics, global_process_set
+from ._compression import Compression
+
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
+
+# The engine's bucket indices of Horovod buckets start here, so that they
+# never share the engine's per-bucket state (Top-K residuals, shared
+# results) with a DDP model's buckets in the same process.
+_BUCKET_BASE = 1 << 20
+# Each DistributedOptimizer of the process gets its own range of indices
+# (every rank builds its optimizers in the same order, so they agree).
+_INDICES_PER_OPTIMIZER = 1 << 16
+_optimizers_built = 0
+_ENGINE_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+
+
+def _hvd() -> Any:
+    """The package's namespace (its collectives), imported on first use."""
+    from tiacc_training.torch import horovod
+
+    return horovod
+
+
+@dataclass
+class _Bucket:
+    """Parameters whose gradients are reduced together."""
+
+    number: int
+    params: list[torch.nn.Parameter]
+    ready: int = 0
+    # What is in flight: ("engine", future, contexts) or ("ops", handle, contexts).
+    pending: tuple[Any, ...] | None = None
+
+
+@dataclass
+class _Plan:
+    """The buckets of one optimizer and where each parameter is."""
+
+    buckets: list[_Bucket] = field(default_factory=list)
+    bucket_of: dict[torch.nn.Parameter, _Bucket] = field(default_factory=dict)
+
+
+class _DistributedMixin:
+    """The methods a ``DistributedOptimizer`` adds to the wrapped class."""
+
+    _hvd_names: dict[torch.nn.Parameter, str]
+
+    # -- set-up --------------------------------------------------------------
+
+    def _hvd_setup(
+        self,
+        named_parameters: list[tuple[str, torch.nn.Parameter]],
+        compression: Any,
+        backward_passes_per_step: int,
+        op: Any,
+        gradient_predivide_factor: float,
+        groups: list[list[torch.nn.Parameter]] | int | None,
+        sparse_as_dense: bool,
+        process_set: Any,
+    ) -> None:
+        hvd = _hvd()
+        self._hvd_names = {p: name for name, p in named_parameters}
+        self._hvd_compression = compression
+        self._hvd_passes = backward_passes_per_step
+        self._hvd_op = op
+        self._hvd_predivide = float(gradient_predivide_factor)
+        self._hvd_sparse_as_dense = sparse_as_dense
+        self._hvd_process_set = process_set
+        self._hvd_params = [
+            p for group in self.param_groups for p in group["params"] if p.requires_grad
+        ]
+        self._hvd_position = {p: i for i, p in enumerate(self._hvd_params)}
+        self._hvd_delay = dict.fromkeys(self._hvd_params, backward_passes_per_step)
+        self._hvd_ready_order: list[int] = []
+        self._hvd_rebuilt = groups is not None
+        self._hvd_synchronized = False
+        self._hvd_should_synchronize = True
+        self._hvd_hooks: list[Any] = []
+        self._hvd_dispatched: list[_Bucket] = []
+        self._hvd_sparse: list[_Bucket] = []
+        self._hvd_steps = 0
+        global _optimizers_built
+        self._hvd_first_index = _BUCKET_BASE + _optimizers_built * _INDICES_PER_OPTIMIZER
+        _optimizers_built += 1
+        world = _set_size(process_set)
+        self._hvd_world = world
+        self._hvd_threshold = _fusion_bytes(self._hvd_params)
+        self._hvd_plan = _plan(self._hvd_params, groups, self._hvd_threshold)
+        self._hvd_engine_reason = _engine_reason(op, process_set, hvd)
+        if world > 1 and process_set.included():
+            self._hvd_register_hooks()
+
+    def _hvd_register_hooks(self) -> None:
+        for p in self._hvd_params:
+            if hasattr(p, "register_post_accumulate_grad_hook"):
+                self._hvd_hooks.append(p.register_post_accumulate_grad_hook(self._hvd_hook))
+            else:  # torch < 2.1: the hook of the parameter's gradient accumulator
+                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+                hook = functools.partial(_legacy_hook, self, p)
+                self._hvd_hooks.append(accumulator.register_hook(hook))
+                self._hvd_hooks.append(accumulator)  # keeps it alive
+
+    # -- backward ------------------------------------------------------------
+
+    def _hvd_hook(self, p: torch.nn.Parameter) -> None:
+        """A parameter's gradient was accumulated in backward."""
+        if self._hvd_delay[p] <= 0:
+            raise AssertionError(
+                f"the gradient of {self._hvd_names.get(p, 'a parameter')} was computed more "
+                f"than backward_passes_per_step={self._hvd_passes} times before step(); "
+                "raise backward_passes_per_step to accumulate gradients locally"
+            )
+        self._hvd_delay[p] -= 1
+        if self._hvd_delay[p] > 0:
+            return
+        bucket = self._hvd_plan.bucket_of[p]
+        if not self._hvd_rebuilt:
+            self._hvd_ready_order.append(self._hvd_position[p])
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._hvd_dispatch(bucket)
+
+    def _hvd_dispatch(self, bucket: _Bucket) -> None:
+        """Starts the reduction of a bucket whose gradients are all in."""
+        grads = []
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse and self._hvd_sparse_as_dense:
+                p.grad = p.grad.to_dense()
+            grads.append(p.grad)
+        if any(g.is_sparse for g in grads):
+            # Reduced in synchronize(), in plan order (allgather of indices and values).
+            bucket.pending = ("sparse",)
+            self._hvd_sparse.append(bucket)
+            return
+        compressed, contexts = [], []
+        for g in grads:
+            c, ctx = self._hvd_compression.compress(g)
+            compressed.append(c)
+            contexts.append(ctx)
+        name = f"DistributedOptimizer.bucket.{bucket.number}"
+        carrier = self._hvd_carrier(compressed)
+        if carrier is not None:
+            flat = torch.cat([c.reshape(-1) for c in compressed])
+            if self._hvd_op is Average and self._hvd_predivide != 1.0:
+                flat.mul_(1.0 / self._hvd_predivide)
+            perf = _dstate.perf
+            if perf is not None and not self._hvd_dispatched:
+                engine, cuda = carrier
+                perf.before_step(engine if cuda is None else cuda.engine, flat.device)
+            engine, cuda = carrier
+            future = _hook.carry_bucket(
+                flat,
+                self._hvd_first_index + bucket.number % _INDICES_PER_OPTIMIZER,
+                engine=engine,
+                cuda=cuda,
+                average=self._hvd_op is Average or cuda is not None,
+            )
+            bucket.pending = ("engine", future, contexts, cuda is not None)
+        else:
+            prescale, postscale = 1.0, 1.0
+            if self._hvd_op is Average:
+                prescale, postscale = 1.0 / self._hvd_predivide, self._hvd_predivide
+            handle = _grouped_allreduce_async(
+                compressed,
+                name=name,
+                op=self._hvd_op,
+                prescale_factor=prescale,
+                postscale_factor=postscale,
+                process_set=self._hvd_process_set,
+            )
+            bucket.pending = ("ops", handle, contexts, compressed)
+        self._hvd_dispatched.append(bucket)
+
+    def _hvd_carrier(self, compressed: list[torch.Tensor]) -> tuple[Any, Any] | None:
+        """The engine path for these tensors: ``(cpu engine, cuda path)``, or None."""
+        if self._hvd_engine_reason is not None:
+            return None
+        config = _dstate.config
+        if config is None or not config.enabled:
+            return None
+        dtypes = {c.dtype for c in compressed}
+        devices = {c.device for c in compressed}
+        if len(dtypes) != 1 or len(devices) != 1 or next(iter(dtypes)) not in _ENGINE_DTYPES:
+            return None
+        device = next(iter(devices))
+        if device.type == "cpu":
+            return _engines.world_engine(config), None
+        if device.type == "cuda":
+            return None, _engines.cuda_path(config, device)
+        return None
+
+    # -- after backward ------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Waits for every gradient's reduction and writes it into ``.grad``.
+
+        Gradients not yet handed over (a parameter that got none in this
+        backward pass, or fewer passes than ``backward_passes_per_step``)
+        are reduced now, in the same order on every rank: a missing gradient
+        counts as zeros.
+        """
+        if not self._hvd_hooks:
+            self._hvd_synchronized = True
+            return
+        for bucket in self._hvd_plan.buckets:
+            if bucket.pending is None:
+                bucket.ready = len(bucket.params)
+                self._hvd_dispatch(bucket)
+        carried = False
+        for bucket in self._hvd_dispatched:
+            assert bucket.pending is not None
+            kind = bucket.pending[0]
+            if kind == "engine":
+                _, future, contexts, cuda = bucket.pending
+                result = future.wait()
+                carried = True
+                scale = 1.0
+                if self._hvd_op is Average and self._hvd_predivide != 1.0:
+                    scale = self._hvd_predivide
+                if cuda and self._hvd_op is Sum:
+                    scale *= self._hvd_world
+                if scale != 1.0:
+                    result = result * scale
+                offset = 0
+                for p, ctx in zip(bucket.params, contexts):
+                    n = p.grad.numel()  # type: ignore[union-attr]
+                    piece = result[offset : offset + n].view(p.grad.shape)  # type: ignore[union-attr]
+                    offset += n
+                    with torch.no_grad():
+                        p.grad.copy_(self._hvd_compression.decompress(piece, ctx))  # type: ignore[union-attr]
+            elif kind == "ops":
+                _, handle, contexts, compressed = bucket.pending
+                outputs = _synchronize(handle, compressed)
+                for p, out, ctx in zip(bucket.params, outputs, contexts):
+                    with torch.no_grad():
+                        p.grad.copy_(self._hvd_compression.decompress(out, ctx))  # type: ignore[union-attr]
+        for bucket in self._hvd_sparse:
+            for p in bucket.params:
+                p.grad = _sparse_allreduce(p.grad, self._hvd_op, self._hvd_process_set)  # type: ignore[arg-type]
+        if carried:
+            _dstate.steps += 1
+        self._hvd_steps += 1
+        self._hvd_reset()
+        self._hvd_synchronized = True
+
+    def _hvd_reset(self) -> None:
+        for p in self._hvd_params:
+            self._hvd_delay[p] = self._hvd_passes
+        for bucket in self._hvd_plan.buckets:
+            bucket.ready, bucket.pending = 0, None
+        self._hvd_dispatched.clear()
+        self._hvd_sparse.clear()
+        if not self._hvd_rebuilt:
+            self._hvd_rebuild()
+
+    def _hvd_rebuild(self) -> None:
+        """Re-cuts the buckets in the order rank 0's gradients became ready.
+
+        Once, after the first step: every rank takes the order of the
+        process set's first rank (one small broadcast), so the buckets stay
+        the same everywhere.
+        """
+        self._hvd_rebuilt = True
+        order = list(self._hvd_ready_order)
+        seen = set(order)
+        order += [i for i in reversed(range(len(self._hvd_params))) if i not in seen]
+        order = _hvd().broadcast_object(
+            order,
+            root_rank=self._hvd_process_set.ranks[0],
+            name="DistributedOptimizer.ready_order",
+            process_set=self._hvd_process_set,
+        )
+        params = [self._hvd_params[i] for i in order]
+        self._hvd_plan = _cut(params, self._hvd_threshold)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """A block whose ``step()`` does not synchronize.
+
+        For a ``step()`` after an explicit ``synchronize()`` (to clip the
+        reduced gradients, say).
+        """
+        self._hvd_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvd_should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronizes the gradients (unless skipped), then the wrapped step."""
+        if self._hvd_should_synchronize:
+            if self._hvd_synchronized:
+                warnings.warn(
+                    "optimizer.step() called after optimizer.synchronize() outside an "
+                    "optimizer.skip_synchronize() block: the gradients are synchronized a "
+                    "second time, which costs time; wrap step() in skip_synchronize()",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped ``zero_grad``; an error while gradients are in flight."""
+        if self._hvd_dispatched:
+            raise AssertionError(
+                "optimizer.zero_grad() called after loss.backward() and before "
+                "optimizer.step() or optimizer.synchronize(): the gradients being reduced "
+                "would be overwritten"
+            )
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+
+
+def _legacy_hook(optimizer: _DistributedMixin, p: torch.nn.Parameter, *unused: Any) -> None:
+    optimizer._hvd_hook(p)
+
+
+def _set_size(process_set: Any) -> int:
+    """The number of ranks in ``process_set``."""
+    return int(process_set.size())
+
+
+def _engine_reason(op: Any, process_set: Any, hvd: Any) -> str | None:
+    """Why the fused buckets cannot go through the engine, or None."""
+    if op is not Average and op is not Sum:
+        return f"op={op!r}"
+    if process_set is not global_process_set and process_set.size() != hvd.size():
+        return "a process set that is not the whole world"
+    if not dist.is_initialized():
+        return "no default process group"
+    return None
+
+
+def _fusion_bytes(params: list[torch.nn.Parameter]) -> int:
+    """The engine's bucket size for these gradients (as DDP's buckets get)."""
+    config = _dstate.config if _dstate.config is not None else _config.effective_config()
+    gradient_bytes = sum(p.numel() * p.element_size() for p in params)
+    return max(1, int(config.bucket_bytes(gradient_bytes)))
+
+
+def _cut(params: list[torch.nn.Parameter], threshold: int) -> _Plan:
+    """Buckets of consecutive parameters of one dtype and device, up to ``threshold`` bytes."""
+    plan = _Plan()
+    current: list[torch.nn.Parameter] = []
+    size = 0
+    for p in params:
+        if current and (
+            size >= threshold or p.dtype != current[0].dtype or p.device != current[0].device
+        ):
+            _add(plan, current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+    if current:
+        _add(plan, current)
+    return plan
+
+
+def _add(plan: _Plan, params: list[torch.nn.Parameter]) -> None:
+    bucket = _Bucket(len(plan.buckets), list(params))
+    plan.buckets.append(bucket)
+    for p in params:
+        plan.bucket_of[p] = bucket
+
+
+def _plan(
+    params: list[torch.nn.Parameter],
+    groups: list[list[torch.nn.Parameter]] | int | None,
+    threshold: int,
+) -> _Plan:
+    """The first buckets.
+
+    Explicit groups, or the threshold over the reversed parameters (the
+    order backward usually produces gradients in).
+    """
+    if groups is None:
+        return _cut(list(reversed(params)), threshold)
+    plan = _Plan()
+    if isinstance(groups, int):
+        for chunk in _split(params, groups):
+            _add(plan, chunk)
+        return plan
+    grouped: set[torch.nn.Parameter] = set()
+    wanted = set(params)
+    for group in groups:
+        members = [p for p in group if p in wanted]
+        if members:
+            _add(plan, members)
+            grouped.update(members)
+    for p in params:
+        if p not in grouped:
+            _add(plan, [p])
+    return plan
+
+
+def _split(params: list[torch.nn.Parameter], n: int) -> list[list[torch.nn.Parameter]]:
+    """``params`` in ``n`` consecutive chunks of nearly equal length."""
+    n = max(1, min(n, len(params)))
+    base, extra = divmod(len(params), n)
+    chunks, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        chunks.append(params[start:end])
+        start = end
+    return [c for c in chunks if c]
+
+
+def _grouped_allreduce_async(tensors: list[torch.Tensor], **kwargs: Any) -> Any:
+    """One grouped allreduce of the collectives part (in place)."""
+    return _hvd().grouped_allreduce_async_(tensors, **kwargs)
+
+
+def _synchronize(handle: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs of a grouped allreduce."""
+    out = _hvd().synchronize(handle)
+    if out is None:
+        return tensors
+    return list(out)
+
+
+def _sparse_allreduce(grad: torch.Tensor, op: Any, process_set: Any) -> torch.Tensor:
+    """A sparse gradient reduced over the set.
+
+    Every rank's entries, summed (averaged for ``Average``), as a coalesced
+    sparse tensor.
+    """
+    hvd = _hvd()
+    if op is not Average and op is not Sum:
+        raise ValueError(
+            f"op={op!r}: sparse gradients are reduced with Average or "
+            "Sum only; pass sparse_as_dense=True"
+        )
+    grad = grad.coalesce()
+    indices = hvd.allgather(grad.indices().t().contiguous(), process_set=process_set)
+    values = hvd.allgather(grad.values().contiguous(), process_set=process_set)
+    if op is Average:
+        values = values / process_set.size()
+    return torch.sparse_coo_tensor(indices.t(), values, grad.shape).coalesce()
+
+
+def _named(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The optimizer's parameters with names, checked as Horovod checks them.
+
+    Raises:
+        ValueError: an entry is not a ``(name, parameter)`` pair, a name
+            repeats, or a parameter of the optimizer has no name.
+    """
+    if named_parameters is None:
+        return [
+            (f"allreduce.noname.{i}.{j}", p)
+            for i, group in enumerate(optimizer.param_groups)
+            for j, p in enumerate(group["params"])
+        ]
+    named = list(named_parameters)
+    for entry in named:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise ValueError(
+                "named_parameters should be a sequence of (name, parameter) tuples, as "
+                f"model.named_parameters() yields; got an entry of type {type(entry).__name__}"
+            )
+    counts: dict[str, int] = {}
+    for name, _ in named:
+        counts[name] = counts.get(name, 0) + 1
+    duplicates = sorted(name for name, n in counts.items() if n > 1)
+    if duplicates:
+        raise ValueError(
+            "parameter names in named_parameters must be unique; duplicates: "
+            + ", ".join(duplicates)
+        )
+    named_ids = {id(p) for _, p in named}
+    unnamed = [
+        id(p) for group in optimizer.param_groups for p in group["params"] if id(p) not in named_ids
+    ]
+    if unnamed:
+        raise ValueError(
+            "named_parameters was given, but some of the optimizer's parameters are not in it "
+            "(Python object ids: " + ", ".join(str(i) for i in unnamed) + ")"
+        )
+    return named
+
+
+def DistributedOptimizer(  # noqa: N802  (Horovod's name)
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: list[list[torch.nn.Parameter]] | int | None = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = global_process_set,
+) -> torch.optim.Optimizer:
+    """Wraps ``optimizer`` so that ``step()`` applies gradients reduced over the ranks.
+
+    The result is an instance of a subclass of ``optimizer``'s class (so
+    ``isinstance`` checks and learning-rate schedulers keep working), built
+    over the same parameter groups and carrying over their state. Build it
+    on every rank of ``process_set``.
+
+    How the gradients travel: with ``op=Average`` or ``Sum`` on the whole
+    world and compressed gradients of a dtype the engine carries (float32,
+    float64, float16, bfloat16; ``Compression.fp16`` gives float16), they
+    go in fused buckets through the engine, as DDP's do. Otherwise (a
+    process set smaller than the world, ``op=Adasum``, other dtypes, the
+    engine disabled with ``TIACC_TRAINING_DISABLE``) each bucket is one
+    grouped allreduce of the collectives part; sparse gradients are
+    allgathered (``sparse_as_dense=True`` makes them dense first). With
+    ``op=Adasum`` the gradients are combined with Adasum (Horovod's
+    Adasum optimizer applies it to the step's parameter change instead;
+    for plain SGD the two agree).
+
+    Args:
+        optimizer: the torch optimizer to wrap.
+        named_parameters: ``model.named_parameters()``; names must be unique
+            and cover every parameter of ``optimizer`` (default: generated
+            names).
+        compression: ``Compression.none`` or ``Compression.fp16`` (or any
+            class with Horovod's ``compress``/``decompress``).
+        backward_passes_per_step: backward passes whose gradients add up
+            locally before they are reduced (at the last of them, or at an
+            earlier ``step()``/``synchronize()``).
+        op: ``Average``, ``Sum`` or ``Adasum``.
+        gradient_predivide_factor: with ``Average``, gradients are divided by
+            this factor before the sum and by ``size / factor`` after it.
+        num_groups: older form of ``groups=<int>``.
+        groups: an int ``n``: the parameters in ``n`` consecutive groups,
+            each reduced together; or a list of lists of parameters, each
+            list reduced together (a parameter in no list alone). Default:
+            buckets of the engine's fusion threshold, in the order the
+            gradients become ready.
+        sparse_as_dense: turn sparse gradients dense before reducing them.
+        process_set: the ranks whose gradients are reduced (default all).
+
+    Returns:
+        The distributed optimizer.
+
+    Raises:
+        ValueError: a bad argument (named), duplicate or missing names in
+            ``named_parameters``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
+        )
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
+        raise ValueError(
+            f"backward_passes_per_step must be an int, not {backward_passes_per_step!r}"
+        )
+    if backward_passes_per_step < 1:
+        raise ValueError(
+            f"backward_passes_per_step must be at least 1, not {backward_passes_per_step}"
+        )
+    if not isinstance(op, int) or op not in (Average, Sum, Adasum):
+        raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, not {op!r}")
+    op = next(o for o in (Average, Sum, Adasum) if o == op)
+    if gradient_predivide_factor != 1.0 and op is not Average:
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor} needs op=hvd.Average"
+        )
+    if not gradient_predivide_factor > 0:
+        raise ValueError(
+            f"gradient_predivide_factor must be positive, not {gradient_predivide_factor}"
+        )
+    if not (
+        callable(getattr(compression, "compress", None))
+        and callable(getattr(compression, "decompress", None))
+    ):
+        raise ValueError(
+            "compression must have compress() and decompress() (hvd.Compression.none or .fp16)"
+        )
+    if num_groups:
+        warnings.warn(
+            "num_groups is deprecated: pass groups=<int> instead", DeprecationWarning, stacklevel=2
+        )
+        if groups is None:
+            groups = num_groups
+    if groups is not None:
+        if isinstance(groups, bool) or not isinstance(groups, (int, list)):
+            raise ValueError(
+                "groups must be a non-negative int or a list of lists of parameters, not "
+                f"{type(groups).__name__}"
+            )
+        if isinstance(groups, int):
+            if groups < 0:
+                raise ValueError(f"groups must be non-negative, not {groups}")
+            if groups == 0:
+                groups = None
+        else:
+            for i, group in enumerate(groups):
+                if not isinstance(group, (list, tuple)) or not all(
+                    isinstance(p, torch.Tensor) for p in group
+                ):
+                    raise ValueError(f"groups[{i}] must be a list of parameters (tensors)")
+    named = _named(optimizer, named_parameters)
+    _basics.check_initialized()
+    if not process_set.included():
+        raise ValueError(
+            f"this rank ({_hvd().rank()}) is not in the process set {process_set!r}: "
+            "build the DistributedOptimizer on the ranks of its process set only"
+        )
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
+    wrapped = cls.__new__(cls)
+    base.__init__(wrapped, optimizer.param_groups)  # type: ignore[misc]
+    for p, value in optimizer.state.items():
+        wrapped.state[p] = value
+    wrapped._hvd_setup(
+        named,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        process_set,
+    )
+    return wrapped
+
+
+def broadcast_parameters(
+    params: Any, root_rank: int, process_set: Any = global_process_set
+) -> None:
+    """Copies ``root_rank``'s tensors into every rank's, in place.
+
+    Args:
+        params: ``model.state_dict()``, ``model.named_parameters()`` or a
+            list of ``(name, tensor)`` pairs.
+        root_rank: the rank whose values every rank takes.
+        process_set: the ranks taking part.
+
+    Raises:
+        ValueError: ``params`` is of another type, or holds a non-tensor.
+    """
+    hvd = _hvd()
+    if isinstance(params, dict):
+        items = sorted(params.items()) if all(isinstance(k, str) for k in params) else None
+        items = items if items is not None else list(params.items())
+    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
+        items = list(params)
+        for entry in items:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise ValueError(
+                    "params must be a state_dict or a list of (name, tensor) pairs; got an "
+                    f"entry of type {type(entry).__name__}"
+                )
+    else:
+        raise ValueError(f"params must be a state_dict or (name, tensor) pairs, not {type(params)}")
+    handles = []
+    for name, value in items:
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"params[{name!r}] is a {type(value).__name__}, not a tensor: use "
+                "hvd.broadcast_object for other values"
+            )
+        handles.append(
+            hvd.broadcast_async_(
+                value.detach(),
+                root_rank,
+                name=f"broadcast_parameters.{name}",
+                process_set=process_set,
+            )
+        )
+    for handle in handles:
+        hvd.synchronize(handle)
+
+
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    model: Any = None,
+    process_set: Any = global_process_set,
+) -> None:
+    """Makes every rank's optimizer state ``root_rank``'s.
+
+    The state (tensors such as momentum buffers, and scalars such as step
+    counts) and each parameter group's options (``lr``, ``momentum``, ...)
+    become the root's. A rank whose optimizer has no state yet (before its
+    first step) gets the root's all the same: the root sends the layout,
+    every rank allocates it, then the tensors are broadcast in place.
+
+    Args:
+        optimizer: a torch optimizer (``DistributedOptimizer`` or not), with
+            the same parameter groups on every rank.
+        root_rank: the rank whose state every rank takes.
+        model: unused (Horovod's argument, kept for its signature).
+        process_set: the ranks taking part.
+
+    Raises:
+        ValueError: ``optimizer`` is not a torch optimizer, or the ranks'
+            parameter groups differ in length.
+    """
+    del model
+    hvd = _hvd()
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("broadcast_optimizer_state does not support torch.optim.LBFGS")
+    mine = optimizer.state_dict()
+    layout = None
+    if hvd.rank() == root_rank:
+        layout = {
+            "state": {k: _layout(v) for k, v in mine["state"].items()},
+            "param_groups": mine["param_groups"],
+        }
+    layout = hvd.broadcast_object(
+        layout,
+        root_rank=root_rank,
+        name="broadcast_optimizer_state.layout",
+        process_set=process_set,
+    )
+    sizes = [len(g["params"]) for g in layout["param_groups"]]
+    if sizes != [len(g["params"]) for g in mine["param_groups"]]:
+        raise ValueError(
+            f"rank {hvd.rank()}: the optimizer's parameter groups hold "
+            f"{[len(g['params']) for g in mine['param_groups']]} parameters, rank "
+            f"{root_rank}'s hold {sizes}"
+        )
+    devices = {}
+    for group, indices in zip(optimizer.param_groups, (g["params"] for g in mine["param_groups"])):
+        for p, index in zip(group["params"], indices):
+            devices[index] = p.device
+    state = {}
+    tensors = []
+    for key in sorted(layout["state"], key=str):
+        entry = {}
+        for name, spec in layout["state"][key].items():
+            if isinstance(spec, _TensorSpec):
+                own = mine["state"].get(key, {}).get(name)
+                device = spec.device_of(devices.get(key))
+                if (
+                    isinstance(own, torch.Tensor)
+                    and own.shape == spec.shape
+                    and own.dtype == spec.dtype
+                ):
+                    tensor = own
+                else:
+                    tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+                entry[name] = tensor
+                tensors.append((f"{key}.{name}", tensor))
+            else:
+                entry[name] = spec
+        state[key] = entry
+    handles = [
+        hvd.broadcast_async_(
+            t, root_rank, name=f"broadcast_optimizer_state.{n}", process_set=process_set
+        )
+        for n, t in tensors
+    ]
+    for handle in handles:
+        hvd.synchronize(handle)
+    optimizer.load_state_dict({"state": state, "param_groups": layout["param_groups"]})
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    """A state tensor's shape and dtype, as the root sends it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool
+
+    def device_of(self, param_device: torch.device | None) -> torch.device:
+        """Where this rank keeps the tensor: the CPU, or its parameter's device."""
+        if self.on_cpu or param_device is None:
+            return torch.device("cpu")
+        return param_device
+
+
+def _layout(entry: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's state with each tensor replaced by its spec."""
+    return {
+        name: _TensorSpec(tuple(v.shape), v.dtype, v.device.type == "cpu")
+        if isinstance(v, torch.Tensor)
+        else v
+        for name, v in entry.items()
+    }
