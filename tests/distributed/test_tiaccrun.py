@@ -486,3 +486,68 @@ def test_unreachable_host_fails_before_any_rank_starts(tmp_path):
     assert result.returncode == 1
     assert "127.0.0.2: ssh exited with 255: Permission denied (publickey)." in result.stderr
     assert not marker.exists()
+
+
+HVD_SCRIPT = """\
+import json
+import torch
+import tiacc_training.torch.horovod as hvd
+
+hvd.init()
+r = hvd.rank()
+x = torch.arange(6, dtype=torch.float32) * (r + 1)
+total = hvd.allreduce(x, op=hvd.Sum, name="grad.sum")
+mean = hvd.allreduce(x, name="grad.mean")
+gathered = hvd.allgather(torch.full((r + 1, 2), r, dtype=torch.int64), name="rows")
+print("RESULT " + json.dumps({
+    "rank": r, "size": hvd.size(), "local_rank": hvd.local_rank(),
+    "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
+    "cross_size": hvd.cross_size(), "sum": total.tolist(), "mean": mean.tolist(),
+    "gathered": gathered.tolist()}), flush=True)
+hvd.shutdown()
+"""
+
+
+def test_horovod_script_and_its_timeline(tmp_path, fake_ssh):
+    # Rank 0 here, rank 1 over (fake) ssh: both launch paths in one job (a
+    # local-only job runs the same code path as the torch script's test).
+    env, log = fake_ssh
+    script = tmp_path / "hvd_job.py"
+    script.write_text(HVD_SCRIPT)
+    timeline = tmp_path / "timeline.json"
+    hosts = ["-H", "localhost:1,127.0.0.2:1"]
+    result = _run(
+        ["-np", "2", *hosts, "--timeline-filename", str(timeline), sys.executable, str(script)],
+        env=env,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = {}
+    for line in result.stdout.splitlines():
+        prefix, _, rest = line.partition("<stdout>:")
+        if rest.startswith("RESULT "):
+            results[int(prefix.strip("[]"))] = json.loads(rest[len("RESULT ") :])
+    assert sorted(results) == [0, 1]
+    inputs = [torch.arange(6, dtype=torch.float32) * (r + 1) for r in range(2)]
+    expected_sum = torch.stack(inputs).sum(0)
+    expected_rows = torch.cat([torch.full((r + 1, 2), r, dtype=torch.int64) for r in range(2)])
+    for rank, got in results.items():
+        assert (got["rank"], got["size"]) == (rank, 2)
+        # One rank per host: local rank 0 of 1, cross rank = rank of 2.
+        layout = (got["local_rank"], got["local_size"], got["cross_rank"], got["cross_size"])
+        assert layout == (0, 1, rank, 2)
+        assert got["sum"] == expected_sum.tolist()
+        assert got["mean"] == pytest.approx((expected_sum / 2).tolist())
+        assert got["gathered"] == expected_rows.tolist()
+    assert [call[-2] for call in _ssh_calls(log)] == ["127.0.0.2", "127.0.0.2"]
+    # Rank 0 wrote the timeline: a row per tensor name, its phases in order.
+    with open(timeline) as f:
+        events = json.load(f)
+    rows = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert {"grad.sum", "grad.mean", "rows"} <= set(rows.values())
+    for name, op in [("grad.sum", "ALLREDUCE"), ("grad.mean", "ALLREDUCE"), ("rows", "ALLGATHER")]:
+        pid = next(p for p, n in rows.items() if n == name)
+        spans = sorted((e for e in events if e["pid"] == pid and e["ph"] == "X"),
+                       key=lambda e: e["ts"])  # fmt: skip
+        assert [e["name"] for e in spans] == [f"NEGOTIATE_{op}", "QUEUE", op]
+        assert all(e["dur"] >= 0 for e in spans)
