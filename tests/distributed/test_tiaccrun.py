@@ -471,6 +471,18 @@ def test_start_timeout_bounds_the_rendezvous(tmp_path):
     assert "did not open the rendezvous" in result.stderr
     assert "start timeout of 2 s" in result.stderr
     assert time.monotonic() - start < 100
+    # A rank 0 that opens the rendezvous port in time may run past the timeout.
+    script = tmp_path / "listens.py"
+    script.write_text(
+        "import os, socket, time\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    s = socket.socket()\n"
+        "    s.bind(('127.0.0.1', int(os.environ['MASTER_PORT'])))\n"
+        "    s.listen()\n"
+        "time.sleep(5)\n"
+    )
+    result = _run(["-np", "2", "--start-timeout", "2", sys.executable, str(script)], timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_unreachable_host_fails_before_any_rank_starts(tmp_path):
