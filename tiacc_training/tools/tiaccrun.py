@@ -706,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeline-mark-cycles",
         dest="timeline_mark_cycles",
         action="store_true",
-        help="mark cycles on the timeline",
+        help="HOROVOD_TIMELINE_MARK_CYCLES=1 (accepted; the engine has no cycle to mark)",
     )
     tuning = parser.add_argument_group("settings handed to the ranks")
     tuning.add_argument(

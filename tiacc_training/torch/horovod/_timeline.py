@@ -29,7 +29,7 @@ import time
 from collections import deque
 from typing import IO, Any, Callable
 
-__all__ = ["mark", "mark_cycle", "start_from_env", "start_timeline", "stop_timeline"]
+__all__ = ["mark", "start_from_env", "start_timeline", "stop_timeline"]
 
 OPS = frozenset(
     {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER", "JOIN"}
@@ -77,9 +77,8 @@ class _Op:
 class _Timeline:
     """A trace file being written: the queue of marks and its writer thread."""
 
-    def __init__(self, file_path: str, mark_cycles: bool) -> None:
+    def __init__(self, file_path: str) -> None:
         self.path = file_path
-        self.mark_cycles = mark_cycles
         self.origin = time.perf_counter()
         self.marks: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         # Opened here so that a bad path fails in start_timeline, not later.
@@ -98,9 +97,6 @@ class _Timeline:
 
     def put(self, name: str, op: str, phase: str) -> None:
         self.marks.put((time.perf_counter(), name, op, phase))
-
-    def put_cycle(self) -> None:
-        self.marks.put((time.perf_counter(), None, "CYCLE_START", "cycle"))
 
     def close(self) -> None:
         """Writes what is queued and in flight, ends the JSON array."""
@@ -153,11 +149,7 @@ class _Timeline:
             )
         return row
 
-    def _handle(self, t: float, name: str | None, op: str, phase: str) -> None:
-        if phase == "cycle":
-            self._event({"name": op, "ph": "i", "s": "g", "ts": self._us(t), "pid": 0, "tid": 0})
-            return
-        assert name is not None
+    def _handle(self, t: float, name: str, op: str, phase: str) -> None:
         index = _PHASE_INDEX[phase]
         ops = self.in_flight.setdefault(name, deque())
         # The oldest operation of this name that has not reached this phase
@@ -237,17 +229,6 @@ def mark(name: str, op: str, phase: str) -> None:
     timeline.put(name, op, phase)
 
 
-def mark_cycle() -> None:
-    """Marks the start of a cycle (an instant ``CYCLE_START`` across the trace).
-
-    Recorded only when the running timeline was started with
-    ``mark_cycles=True`` (or ``HOROVOD_TIMELINE_MARK_CYCLES=1``).
-    """
-    timeline = _active
-    if timeline is not None and timeline.mark_cycles:
-        timeline.put_cycle()
-
-
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Creates a timeline file at ``file_path`` and starts recording into it.
 
@@ -257,7 +238,10 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
     Args:
         file_path: Where to write the Chrome trace (JSON).
-        mark_cycles: Also mark the start of each cycle (``CYCLE_START``).
+        mark_cycles: Accepted for Horovod's signature. Horovod marks each
+            cycle of its background loop; this engine has no such loop (an
+            operation goes out when it is called), so there is nothing to
+            mark.
 
     Raises:
         ValueError: ``hvd.init()`` has not run, or ``file_path`` is empty.
@@ -275,7 +259,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         if previous is not None:
             previous.close()
         if rank == 0:
-            _active = _Timeline(os.fspath(file_path), bool(mark_cycles))
+            _active = _Timeline(os.fspath(file_path))
         _started = True
         if not _atexit_registered:
             atexit.register(_at_exit)
@@ -310,7 +294,7 @@ def start_from_env() -> None:
     """Starts a timeline when ``HOROVOD_TIMELINE`` names a file.
 
     Called at the end of ``hvd.init()``. ``HOROVOD_TIMELINE_MARK_CYCLES``
-    (``1``/``true``) also marks cycles. ``HOROVOD_TIMELINE=DYNAMIC`` (which
+    is checked and passed on as ``mark_cycles``. ``HOROVOD_TIMELINE=DYNAMIC`` (which
     Horovod needs before ``start_timeline`` can be used) starts nothing: here
     ``start_timeline`` works without it.
 
