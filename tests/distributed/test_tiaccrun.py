@@ -416,7 +416,8 @@ def test_remote_ranks_over_ssh(tmp_path, fake_ssh):
         assert json.loads(text.split("ENV ", 1)[1])["RANK"] == str(rank)
 
 
-def test_sigterm_reaches_local_and_remote_ranks(tmp_path, fake_ssh):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signals_reach_local_and_remote_ranks(tmp_path, fake_ssh, sig):
     env, _ = fake_ssh
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -439,13 +440,13 @@ def test_sigterm_reaches_local_and_remote_ranks(tmp_path, fake_ssh):
             time.sleep(0.1)
         rank_pids = [int(p.read_text()) for p in pids.iterdir()]
         assert len(rank_pids) == 2
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 143
-    assert "SIGTERM: terminating every rank" in err
+    assert proc.returncode == 128 + sig
+    assert f"{sig.name}: terminating every rank" in err
     deadline = time.monotonic() + 30
     alive = rank_pids
     while alive and time.monotonic() < deadline:

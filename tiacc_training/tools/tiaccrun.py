@@ -18,7 +18,8 @@ of ``tiacc_training.torch.distributed`` both run under it.
 Each output line of a rank is printed with the prefix ``[rank]<stdout>:``
 or ``[rank]<stderr>:``. A rank that fails ends the job: the other ranks are
 terminated and tiaccrun prints the rank, its host and its exit code or
-signal, and exits with that code. Ctrl-C and SIGTERM reach every rank.
+signal, and exits with that code. Ctrl-C, SIGTERM and SIGHUP reach every
+rank.
 """
 
 from __future__ import annotations
@@ -493,7 +494,8 @@ class Job:
         self.log = log
         self.procs: list[subprocess.Popen[bytes]] = []
         self.output = _Output(threading.Lock(), prefix=not args.no_prefix)
-        self.stopping: str | None = None
+        # The signal tiaccrun got (SIGINT, SIGTERM, SIGHUP), once it got one.
+        self.stopping: signal.Signals | None = None
 
     def start(self) -> None:
         """Starts every rank and the threads copying its output.
@@ -584,10 +586,10 @@ class Job:
         """
         while True:
             if self.stopping is not None:
-                self.log(f"{self.stopping}: terminating every rank")
+                self.log(f"{self.stopping.name}: terminating every rank")
                 self.terminate()
                 self.output.drain(5.0)
-                return 130 if self.stopping == "SIGINT" else 143
+                return 128 + int(self.stopping)
             running = 0
             for spec, proc in zip(self.specs, self.procs):
                 code = proc.poll()
@@ -849,9 +851,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = Job(specs, list(args.command), args, base_env, log)
 
     def on_signal(signum: int, _frame: object) -> None:
-        job.stopping = signal.Signals(signum).name
+        job.stopping = signal.Signals(signum)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, on_signal) for s in handled}
     try:
         try:
             job.start()
