@@ -16,8 +16,9 @@ exchange: at distance ``d`` (1, 2, 4, ...) each rank swaps half of its
 current segment with rank ``rank ^ d``, keeps the other half, and the ranks
 of each block of ``2d`` add their partial dot products (one small allreduce
 per level); after ``log2(n)`` levels each rank holds ``1/n`` of the result,
-and an allgather puts it back together. The exchanges are
-``all_to_all_single`` calls in which each rank sends to one partner only, so
+and an allgather puts it back together. The halves travel by ``send`` and
+``recv`` between the two partners (on the CPU gloo carries them under the
+"tiacc" backend; the dot products and the allgather run on the engine), so
 CPU and CUDA tensors take the same path.
 
 Sizes that are not a power of two (Horovod refuses them on the CPU): with
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from ._exceptions import wait
 
 __all__ = ["adasum_", "combine", "segments"]
 
@@ -87,16 +90,23 @@ def segments(length: int, power: int) -> list[tuple[int, int]]:
     return result
 
 
-def _exchange(
-    out: torch.Tensor,
-    send: torch.Tensor,
-    recv_splits: list[int],
-    send_splits: list[int],
-    group: object,
-) -> None:
-    dist.all_to_all_single(
-        out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
-    )
+def _swap(send: torch.Tensor, receive: torch.Tensor, me: int, peer: int, group: object) -> None:
+    """Sends ``send`` to global rank ``peer`` and fills ``receive`` from it.
+
+    The lower rank sends first and the higher receives first, so the pair
+    never waits on each other (NCCL runs the two in order on one stream).
+    Empty sides are skipped; both ranks know every size.
+    """
+    steps = [("send", send), ("recv", receive)]
+    if me > peer:
+        steps.reverse()
+    for kind, tensor in steps:
+        if tensor.numel() == 0:
+            continue
+        if kind == "send":
+            wait(dist.isend(tensor, peer, group=group), "Adasum send")
+        else:
+            wait(dist.irecv(tensor, peer, group=group), "Adasum receive")
 
 
 def adasum_(
@@ -125,42 +135,41 @@ def adasum_(
     power = 1 << (n.bit_length() - 1)
     if n > power:
         # Fold the ranks above the largest power of two onto ranks 0 .. n-p-1.
-        send_splits, recv_splits = [0] * n, [0] * n
         if me >= power:
-            send_splits[me - power] = length
-            send = x
-        else:
-            send = x[:0]
-        if me < n - power:
-            recv_splits[me + power] = length
-        received = torch.empty(sum(recv_splits), dtype=work, device=device)
-        _exchange(received, send, recv_splits, send_splits, group)
-        if me < n - power:
+            _swap(x, x[:0], ranks[me], ranks[me - power], group)
+        elif me < n - power:
+            received = torch.empty_like(x)
+            _swap(x[:0], received, ranks[me], ranks[me + power], group)
             x = combine(x, received, ids, partial_dots(x, received, ids, tensors))
     active = me < power
     lo, hi = 0, length
     d = 1
     while d < power:
-        send_splits, recv_splits = [0] * n, [0] * n
-        send, keep = x[:0], (lo, lo)
+        keep = (lo, lo)
+        received = x[:0]
         if active:
             partner = me ^ d
             mid = lo + (hi - lo) // 2
             keep, give = ((lo, mid), (mid, hi)) if me & d == 0 else ((mid, hi), (lo, mid))
-            send_splits[partner] = give[1] - give[0]
-            recv_splits[partner] = keep[1] - keep[0]
+            received = torch.empty(keep[1] - keep[0], dtype=work, device=device)
             send = x[give[0] : give[1]].contiguous()
-        received = torch.empty(sum(recv_splits), dtype=work, device=device)
-        _exchange(received, send, recv_splits, send_splits, group)
+            _swap(send, received, ranks[me], ranks[partner], group)
         block = me // (2 * d)
         dots = torch.zeros(power // (2 * d), tensors, 3, dtype=torch.float64, device=device)
         if active:
-            a = x[keep[0] : keep[1]]
+            # ``a`` is the lower half-block's vector on both ranks of a pair,
+            # so that the block's partial norms add up per side.
+            a, b = x[keep[0] : keep[1]], received
+            if me & d:
+                a, b = b, a
             seg_ids = ids[keep[0] : keep[1]]
-            dots[block] = partial_dots(a, received, seg_ids, tensors)
-        dist.all_reduce(dots, op=dist.ReduceOp.SUM, group=group)
+            dots[block] = partial_dots(a, b, seg_ids, tensors)
+        wait(
+            dist.all_reduce(dots, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            "Adasum dot products",
+        )
         if active:
-            x[keep[0] : keep[1]] = combine(a, received, seg_ids, dots[block])
+            x[keep[0] : keep[1]] = combine(a, b, seg_ids, dots[block])
             lo, hi = keep
         d *= 2
     # Every rank gets every segment back.
@@ -170,7 +179,11 @@ def adasum_(
     if active:
         mine[: hi - lo] = x[lo:hi]
     gathered = torch.empty(n * widest, dtype=work, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    wait(
+        dist.all_gather_into_tensor(gathered, mine, group=group, async_op=True), "Adasum allgather"
+    )
     rows = gathered.view(n, widest)
-    result = torch.cat([rows[r, : end - start] for r, (start, end) in enumerate(parts)])
+    result = torch.empty(length, dtype=work, device=device)
+    for r, (start, end) in enumerate(parts):
+        result[start:end] = rows[r, : end - start]
     buffer.copy_(result)

@@ -9,7 +9,11 @@ so that the same ``except`` clauses work.
 
 from __future__ import annotations
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt"]
+from typing import Any
+
+from tiacc_training.errors import CommError
+
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "wait"]
 
 
 class HorovodInternalError(RuntimeError):
@@ -34,3 +38,36 @@ class HostsUpdatedInterrupt(RuntimeError):
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("the hosts of the job changed")
         self.skip_sync = skip_sync
+
+
+def wait(work: Any, what: str) -> None:
+    """Waits for a torch.distributed work; a failed collective raises ours.
+
+    A work made from a future (the "tiacc" backend's) can finish with the
+    engine's error held in its future rather than raised by ``wait()``, so
+    the future's value is checked too.
+
+    Args:
+        work: what a collective with ``async_op=True`` returned.
+        what: the operation, for the message.
+
+    Raises:
+        HorovodInternalError: the collective failed (its cause: the engine's
+            ``CommError`` or torch's backend error).
+    """
+    try:
+        work.wait()
+    except HorovodInternalError:
+        raise
+    except (CommError, RuntimeError) as error:
+        raise HorovodInternalError(f"{what} failed: {error}") from error
+    try:
+        future = work.get_future()
+    except (AttributeError, RuntimeError):  # works without a future (send, recv)
+        return
+    try:
+        value = future.value()
+    except (CommError, RuntimeError) as error:
+        raise HorovodInternalError(f"{what} failed: {error}") from error
+    if isinstance(value, BaseException):
+        raise HorovodInternalError(f"{what} failed: {value}") from value

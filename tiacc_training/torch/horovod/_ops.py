@@ -48,7 +48,7 @@ from tiacc_training.errors import CommError
 from tiacc_training.torch.distributed import _backend
 
 from . import _adasum, _basics
-from ._exceptions import HorovodInternalError
+from ._exceptions import HorovodInternalError, wait
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 try:
@@ -194,12 +194,7 @@ def _name(kind: str, name: str | None) -> str:
 
 def _wait(work: Any, what: str) -> None:
     """Waits for one work; a failed collective becomes ``HorovodInternalError``."""
-    try:
-        work.wait()
-    except HorovodInternalError:
-        raise
-    except (CommError, RuntimeError) as error:
-        raise HorovodInternalError(f"{what} failed: {error}") from error
+    wait(work, what)
 
 
 def _submit(
@@ -270,7 +265,17 @@ def poll(handle: int) -> bool:
         pending = _handles.get(handle)
     if pending is None:
         raise ValueError(f"handle {handle!r} is unknown: already synchronized, or never issued")
-    return all(work.is_completed() for work in pending.works)
+    return all(_done(work) for work in pending.works)
+
+
+def _done(work: Any) -> bool:
+    """Whether a work finished (works made from a future say so only through it)."""
+    if work.is_completed():
+        return True
+    try:
+        return work.get_future().done()
+    except Exception:  # a work without a future
+        return False
 
 
 # -- checks ------------------------------------------------------------------
@@ -291,7 +296,7 @@ def _small_device(process_set: ProcessSet, like: torch.Tensor | None = None) -> 
         backend = str(dist.get_backend(group))
     except Exception:
         return torch.device("cpu")
-    if "cpu" in backend or backend in ("gloo", _backend.NAME):
+    if backend.strip().lower() != "nccl":  # any group with a CPU backend
         return torch.device("cpu")
     if like is not None and like.is_cuda:
         return like.device
@@ -319,7 +324,10 @@ def _gather_ints(
     if n == 1:
         return [values]
     out = torch.empty(n * len(values), dtype=torch.int64, device=mine.device)
-    dist.all_gather_into_tensor(out, mine, group=process_set.group)
+    _wait(
+        dist.all_gather_into_tensor(out, mine, group=process_set.group, async_op=True),
+        "exchanging tensor shapes",
+    )
     return out.view(n, len(values)).tolist()
 
 
@@ -1111,45 +1119,45 @@ def _alltoall_start(
                 f"first dimension {rows}"
             )
     description = _describe(tensor, skip_first=True)
-    if n == 1:
-        received = list(send)
-    else:
-        # One exchange carries the splits and each rank's dtype and shape.
-        width = len(description) + 1
-        table = torch.tensor(
-            [[s, *description] for s in send],
-            dtype=torch.int64,
-            device=_small_device(process_set, tensor),
-        )
-        incoming = torch.empty_like(table)
-        dist.all_to_all_single(incoming, table, group=process_set.group)
-        table_rows = incoming.view(n, width).tolist()
-        for r, row in enumerate(table_rows):
-            if row[1:] != description:
-                raise ValueError(
-                    f"alltoall {name!r}: the ranks' tensors differ in dtype or in a dimension "
-                    f"other than the first (rank {_basics.rank()}: {_show(description)}; "
-                    f"rank {process_set.ranks[r]}: {_show(row[1:])})"
-                )
-        received = [row[0] for row in table_rows]
-    output = tensor.new_empty((sum(received), *tensor.shape[1:]))
+    # Every rank's splits and dtype and shape, in one allgather.
+    every = _gather_ints([*send, *description], process_set, tensor)
+    for r, row in enumerate(every):
+        if row[n:] != description:
+            raise ValueError(
+                f"alltoall {name!r}: the ranks' tensors differ in dtype or in a dimension "
+                f"other than the first (rank {_basics.rank()}: {_show(description)}; "
+                f"rank {process_set.ranks[r]}: {_show(row[n:])})"
+            )
+    me = process_set.ranks.index(_basics.rank())
+    matrix = [row[:n] for row in every]  # matrix[src][dst]: rows src sends dst
+    received = [matrix[src][me] for src in range(n)]
+    widest = max(max(row) for row in matrix)
+    uniform = all(v == widest for row in matrix for v in row)
+    trailing = tuple(tensor.shape[1:])
+    # Uneven splits travel padded to the widest block, so every rank makes the
+    # same equal-split call (which the engine runs) whatever its own splits.
+    outgoing = tensor
+    if not uniform:
+        outgoing = tensor.new_zeros((n * widest, *trailing))
+        offset = 0
+        for dst, rows_to in enumerate(send):
+            outgoing[dst * widest : dst * widest + rows_to] = tensor[offset : offset + rows_to]
+            offset += rows_to
+    incoming = tensor.new_empty((n * widest, *trailing))
 
     def start() -> list[Any]:
-        if n == 1:
-            output.copy_(tensor)
+        if n == 1 or widest == 0:
+            incoming.copy_(outgoing)
             return []
-        return [
-            dist.all_to_all_single(
-                output,
-                tensor,
-                output_split_sizes=received,
-                input_split_sizes=send,
-                group=process_set.group,
-                async_op=True,
-            )
-        ]
+        return [dist.all_to_all_single(incoming, outgoing, group=process_set.group, async_op=True)]
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        if uniform:
+            output = incoming
+        else:
+            output = torch.cat(
+                [incoming[src * widest : src * widest + received[src]] for src in range(n)]
+            )
         return output, torch.tensor(received, dtype=torch.int32)
 
     return _submit(name, "ALLTOALL", start, finish)

@@ -1,0 +1,644 @@
+"""One rank of a job that checks Horovod's collectives (``tiacc_training.torch.horovod``).
+
+Started by ``test_horovod_ops.py``, with torchrun's variables or (``--env
+horovod``) Horovod's only. ``--suite`` picks the checks: ``full`` (every op,
+dtype, reduction, async handles, grouped ops, objects, join, autograd,
+Adasum, errors; with 4 ranks also process sets), ``basics`` (layout, a few
+ops, shutdown and init again) or ``preinit`` (the script makes the default
+group before ``hvd.init()``). Each check compares the result with a
+reference computed here from every rank's input, which every rank can
+generate. The last line is ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _launch import exit_failed  # noqa: E402
+
+import tiacc_training.torch.horovod as hvd  # noqa: E402
+from tiacc_training.torch.distributed import _backend  # noqa: E402
+
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INTS = [torch.int32, torch.int64]
+checks: list[str] = []
+
+
+def expect(got: Any, want: Any, what: str, atol: float = 0.0) -> None:
+    """Equality (dtype, shape and values; ``atol`` for float tolerances), or an error."""
+    if isinstance(want, torch.Tensor):
+        ok = (
+            isinstance(got, torch.Tensor)
+            and got.dtype == want.dtype
+            and got.shape == want.shape
+            and (
+                torch.equal(got, want)
+                if atol == 0.0
+                else torch.allclose(got.double(), want.double(), atol=atol, rtol=0)
+            )
+        )
+    else:
+        ok = got == want
+    if not ok:
+        raise AssertionError(f"rank {hvd.rank()}: {what}: got {got!r}, want {want!r}")
+    checks.append(what)
+
+
+def raises(kind: type[BaseException], text: str, call: Callable[[], Any], what: str) -> None:
+    """``call`` raises ``kind`` with ``text`` in its message."""
+    try:
+        call()
+    except kind as error:
+        if text not in str(error):
+            raise AssertionError(f"{what}: {kind.__name__} without {text!r}: {error}") from error
+        checks.append(what)
+        return
+    raise AssertionError(f"{what}: no {kind.__name__} raised")
+
+
+def data(rank: int, dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s input: small integers in [-3, 3] every dtype holds exactly."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randint(-3, 4, shape, generator=g).to(dtype)
+
+
+def reduce_ref(
+    op: Any, dtype: torch.dtype, n: int, shape: tuple[int, ...], seed: int
+) -> torch.Tensor:
+    stack = torch.stack([data(r, dtype, shape, seed).double() for r in range(n)])
+    if op is hvd.Sum:
+        out = stack.sum(0)
+    elif op is hvd.Min:
+        out = stack.min(0).values
+    elif op is hvd.Max:
+        out = stack.max(0).values
+    elif op is hvd.Product:
+        out = stack.prod(0)
+    else:  # Average: the sum over the size, integers rounded toward zero
+        out = stack.sum(0) / n
+        if not dtype.is_floating_point:
+            out = out.trunc()
+    return out.to(dtype)
+
+
+def check_basics(n: int, me: int) -> None:
+    expect(hvd.size(), n, "size")
+    expect(hvd.rank(), me, "rank")
+    expect(hvd.local_size(), n, "local_size (one host)")
+    expect(hvd.local_rank(), me, "local_rank")
+    expect((hvd.cross_rank(), hvd.cross_size()), (0, 1), "cross rank and size (one host)")
+    expect(hvd.is_homogeneous(), True, "is_homogeneous")
+    expect(
+        (hvd.mpi_built(), hvd.mpi_enabled(), hvd.ddl_built(), hvd.ccl_built()),
+        (False, False, False, False),
+        "no MPI, DDL, CCL",
+    )
+    expect(hvd.gloo_built(), True, "gloo built")
+    expect(hvd.cuda_built(), torch.version.cuda is not None, "cuda_built")
+    hvd.init()  # a second call does nothing
+    expect(hvd.size(), n, "second init is a no-op")
+
+
+def check_allreduce(n: int, me: int) -> None:
+    shape = (5, 3)
+    for seed, dtype in enumerate(FLOATS + INTS):
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+            x = data(me, dtype, shape, seed)
+            before = x.clone()
+            got = hvd.allreduce(x, op=op)
+            expect(got, reduce_ref(op, dtype, n, shape, seed), f"allreduce {dtype} {op!r}")
+            expect(x, before, f"allreduce leaves its input ({dtype} {op!r})")
+        y = data(me, dtype, shape, seed)
+        same = hvd.allreduce_(y, op=hvd.Sum, name=f"inplace.{dtype}")
+        expect(same is y, True, f"allreduce_ returns its tensor ({dtype})")
+        expect(y, reduce_ref(hvd.Sum, dtype, n, shape, seed), f"allreduce_ {dtype}")
+    # The default op is Average, and average= still works.
+    x = data(me, torch.float32, shape, 7)
+    expect(hvd.allreduce(x), reduce_ref(hvd.Average, torch.float32, n, shape, 7), "default op")
+    expect(
+        hvd.allreduce(x, average=False),
+        reduce_ref(hvd.Sum, torch.float32, n, shape, 7),
+        "average=False",
+    )
+    # Scale factors: float and integer (scaled in float64, rounded toward zero).
+    stack = torch.stack([data(r, torch.float64, shape, 8) for r in range(n)])
+    want = (stack * 0.5).sum(0) * 3.0
+    expect(
+        hvd.allreduce(
+            data(me, torch.float32, shape, 8), op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0
+        ),
+        want.float(),
+        "allreduce prescale/postscale",
+    )
+    ints = torch.stack([data(r, torch.int64, shape, 8) for r in range(n)])
+    want_int = (ints.double() * 1.5).trunc().sum(0)
+    want_int = (want_int * (0.5 / n)).trunc().long()
+    expect(
+        hvd.allreduce(
+            data(me, torch.int64, shape, 8),
+            op=hvd.Average,
+            prescale_factor=1.5,
+            postscale_factor=0.5,
+        ),
+        want_int,
+        "integer Average with scale factors",
+    )
+    # A non-contiguous tensor in place.
+    z = data(me, torch.float32, (3, 4), 9).t()
+    hvd.allreduce_(z, op=hvd.Sum)
+    want_t = torch.stack([data(r, torch.float32, (3, 4), 9) for r in range(n)]).sum(0).t()
+    expect(z, want_t, "allreduce_ of a transposed tensor")
+
+
+def check_async(n: int, me: int) -> None:
+    shape = (64,)
+    handles = []
+    for i in range(4):
+        handles.append(
+            hvd.allreduce_async(
+                data(me, torch.float32, shape, 20 + i), op=hvd.Sum, name=f"async.{i}"
+            )
+        )
+    inplace = data(me, torch.float64, shape, 30)
+    h_inplace = hvd.allreduce_async_(inplace, op=hvd.Max)
+    deadline = time.monotonic() + 60
+    while not all(hvd.poll(h) for h in handles) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    expect(all(hvd.poll(h) for h in handles), True, "poll says done")
+    expect(isinstance(handles[0], int), True, "handles are ints")
+    for i, h in enumerate(handles):
+        expect(
+            hvd.synchronize(h),
+            reduce_ref(hvd.Sum, torch.float32, n, shape, 20 + i),
+            f"allreduce_async {i}",
+        )
+    out = hvd.synchronize(h_inplace)
+    expect(out is inplace, True, "allreduce_async_ returns its tensor")
+    expect(inplace, reduce_ref(hvd.Max, torch.float64, n, shape, 30), "allreduce_async_ Max")
+    raises(ValueError, "unknown", lambda: hvd.synchronize(handles[0]), "synchronize twice")
+    # Broadcast and allgather asynchronously.
+    b = hvd.broadcast_async(data(me, torch.float32, (4,), 31), root_rank=n - 1)
+    g = hvd.allgather_async(data(me, torch.float32, (me + 1, 2), 32))
+    expect(hvd.synchronize(b), data(n - 1, torch.float32, (4,), 31), "broadcast_async")
+    want = torch.cat([data(r, torch.float32, (r + 1, 2), 32) for r in range(n)])
+    expect(hvd.synchronize(g), want, "allgather_async")
+
+
+def check_grouped(n: int, me: int) -> None:
+    shapes = [(3,), (2, 2), (5,), (1, 3)]
+    dtypes = [torch.float32, torch.float32, torch.int64, torch.float64]
+    before = _backend.served_in_process["allreduce"]
+    outs = hvd.grouped_allreduce(
+        [data(me, d, s, 40 + i) for i, (d, s) in enumerate(zip(dtypes, shapes))],
+        op=hvd.Sum,
+        name="grouped",
+    )
+    for i, (d, s) in enumerate(zip(dtypes, shapes)):
+        expect(outs[i], reduce_ref(hvd.Sum, d, n, s, 40 + i), f"grouped_allreduce {i}")
+    # One fused collective per dtype (three dtypes), all on the engine.
+    expect(_backend.served_in_process["allreduce"] - before, 3, "grouped_allreduce fuses per dtype")
+    ts = [data(me, torch.float32, (4,), 50), data(me, torch.float32, (2, 3), 51)]
+    same = hvd.grouped_allreduce_(ts, op=hvd.Average)
+    expect(same[0] is ts[0], True, "grouped_allreduce_ returns its tensors")
+    expect(ts[1], reduce_ref(hvd.Average, torch.float32, n, (2, 3), 51), "grouped_allreduce_")
+    h = hvd.grouped_allreduce_async([data(me, torch.int32, (3,), 52)], op=hvd.Min)
+    expect(
+        hvd.synchronize(h)[0],
+        reduce_ref(hvd.Min, torch.int32, n, (3,), 52),
+        "grouped_allreduce_async",
+    )
+    gathered = hvd.grouped_allgather(
+        [data(me, torch.int64, (me + 1,), 53), data(me, torch.float16, (2, 2), 54)]
+    )
+    expect(
+        gathered[0],
+        torch.cat([data(r, torch.int64, (r + 1,), 53) for r in range(n)]),
+        "grouped_allgather 0",
+    )
+    expect(
+        gathered[1],
+        torch.cat([data(r, torch.float16, (2, 2), 54) for r in range(n)]),
+        "grouped_allgather 1",
+    )
+    rows = 2 * n + 1
+    blocks = hvd.grouped_reducescatter(
+        [data(me, torch.float32, (rows, 2), 55), data(me, torch.float64, (n,), 56)], op=hvd.Sum
+    )
+    full = reduce_ref(hvd.Sum, torch.float32, n, (rows, 2), 55)
+    expect(blocks[0], full[_rows_of(me, rows, n)], "grouped_reducescatter 0")
+    expect(
+        blocks[1],
+        reduce_ref(hvd.Sum, torch.float64, n, (n,), 56)[me : me + 1],
+        "grouped_reducescatter 1",
+    )
+
+
+def _rows_of(me: int, rows: int, n: int) -> slice:
+    """Horovod's split: the first ``rows % n`` ranks get one more row."""
+    base, extra = divmod(rows, n)
+    counts = [base + (1 if r < extra else 0) for r in range(n)]
+    start = sum(counts[:me])
+    return slice(start, start + counts[me])
+
+
+def check_allgather_broadcast(n: int, me: int) -> None:
+    for seed, dtype in enumerate(FLOATS + INTS):
+        x = data(me, dtype, (me + 1, 3), 60 + seed)  # uneven first dimensions
+        want = torch.cat([data(r, dtype, (r + 1, 3), 60 + seed) for r in range(n)])
+        expect(hvd.allgather(x), want, f"allgather uneven {dtype}")
+        even = hvd.allgather(data(me, dtype, (2,), 70 + seed))
+        expect(
+            even,
+            torch.cat([data(r, dtype, (2,), 70 + seed) for r in range(n)]),
+            f"allgather even {dtype}",
+        )
+        for root in range(n):
+            y = data(me, dtype, (4, 2), 80 + seed)
+            expect(
+                hvd.broadcast(y, root_rank=root),
+                data(root, dtype, (4, 2), 80 + seed),
+                f"broadcast {dtype} from {root}",
+            )
+            expect(y, data(me, dtype, (4, 2), 80 + seed), f"broadcast leaves its input {dtype}")
+        z = data(me, dtype, (3,), 90 + seed)
+        expect(hvd.broadcast_(z, root_rank=n - 1) is z, True, "broadcast_ returns its tensor")
+        expect(z, data(n - 1, dtype, (3,), 90 + seed), f"broadcast_ {dtype}")
+
+
+def check_alltoall_reducescatter(n: int, me: int) -> None:
+    def rows(src: int, dst: int) -> int:
+        return (src + 2 * dst) % 3  # zero rows included
+
+    def block(src: int, dst: int, dtype: torch.dtype) -> torch.Tensor:
+        k = rows(src, dst)
+        base = torch.arange(k * 2).reshape(k, 2) + 100 * src + 10 * dst
+        return base.to(dtype)
+
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        send = torch.cat([block(me, j, dtype) for j in range(n)])
+        splits = [rows(me, j) for j in range(n)]
+        out, received = hvd.alltoall(send, splits=splits)
+        expect(out, torch.cat([block(s, me, dtype) for s in range(n)]), f"alltoall uneven {dtype}")
+        expect(
+            received,
+            torch.tensor([rows(s, me) for s in range(n)], dtype=torch.int32),
+            f"alltoall received splits {dtype}",
+        )
+    equal = torch.arange(2 * n).float() + 100 * me
+    got = hvd.alltoall(equal)
+    want = torch.cat([torch.arange(2 * n).float()[2 * me : 2 * me + 2] + 100 * s for s in range(n)])
+    expect(got, want, "alltoall equal splits")
+    h = hvd.alltoall_async(equal, splits=torch.tensor([2] * n))
+    out, received = hvd.synchronize(h)
+    expect(out, want, "alltoall_async")
+    expect(received, torch.full((n,), 2, dtype=torch.int32), "alltoall_async splits")
+    for rows_total in (2 * n, 2 * n + 1, n - 1):
+        for op in (hvd.Sum, hvd.Average):
+            for dtype in (torch.float32, torch.int32):
+                x = data(me, dtype, (rows_total, 3), 110 + rows_total)
+                full = reduce_ref(op, dtype, n, (rows_total, 3), 110 + rows_total)
+                expect(
+                    hvd.reducescatter(x, op=op),
+                    full[_rows_of(me, rows_total, n)],
+                    f"reducescatter {rows_total} rows {op!r} {dtype}",
+                )
+    x = data(me, torch.float32, (n, 2), 120)
+    h = hvd.reducescatter_async(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+    full = reduce_ref(hvd.Sum, torch.float32, n, (n, 2), 120) * 0.5
+    expect(hvd.synchronize(h), full[me : me + 1], "reducescatter_async with scale factors")
+
+
+def check_objects_barrier_join(n: int, me: int) -> None:
+    obj = {"rank": me, "name": f"r{me}", "list": list(range(me + 1))}
+    expect(
+        hvd.broadcast_object(obj, root_rank=n - 1),
+        {"rank": n - 1, "name": f"r{n - 1}", "list": list(range(n))},
+        "broadcast_object",
+    )
+    expect(
+        hvd.allgather_object(obj),
+        [{"rank": r, "name": f"r{r}", "list": list(range(r + 1))} for r in range(n)],
+        "allgather_object",
+    )
+    hvd.barrier()
+    # The last rank joins only once every other rank has (it watches the join's counter).
+    import torch.distributed as dist
+
+    if me == n - 1:
+        store = dist.distributed_c10d._get_default_store()
+        deadline = time.monotonic() + 60
+        while store.add("tiacc_training/horovod/join.0/count", 0) < n - 1:
+            if time.monotonic() > deadline:
+                raise AssertionError("the other ranks did not join")
+            time.sleep(0.01)
+    expect(hvd.join(), n - 1, "join returns the last rank to join")
+    again = hvd.join()
+    expect(hvd.allgather_object(again), [again] * n, "a second join agrees on every rank")
+    expect(0 <= again < n, True, "a second join names a rank")
+
+
+def check_autograd(n: int, me: int) -> None:
+    w = [data(r, torch.float64, (4,), 130) for r in range(n)]
+    for op in (hvd.Sum, hvd.Average):
+        x = data(me, torch.float64, (4,), 131).requires_grad_()
+        y = hvd.allreduce(x, op=op, postscale_factor=2.0)
+        (y * w[me]).sum().backward()
+        want = torch.stack(w).sum(0) * 2.0
+        if op is hvd.Average:
+            want = want / n
+        expect(x.grad, want, f"allreduce gradient {op!r}")
+    # allgather: this rank's rows of the summed gradient.
+    x = data(me, torch.float64, (me + 1, 2), 132).requires_grad_()
+    total = sum(r + 1 for r in range(n))
+    c = [data(r, torch.float64, (total, 2), 133) for r in range(n)]
+    (hvd.allgather(x) * c[me]).sum().backward()
+    start = sum(r + 1 for r in range(me))
+    expect(x.grad, torch.stack(c).sum(0)[start : start + me + 1], "allgather gradient")
+    # broadcast: the averaged gradient on the root, zero elsewhere.
+    root = n - 1
+    x = data(me, torch.float64, (4,), 134).requires_grad_()
+    (hvd.broadcast(x, root_rank=root) * w[me]).sum().backward()
+    want = torch.stack(w).mean(0) if me == root else torch.zeros(4, dtype=torch.float64)
+    expect(x.grad, want, "broadcast gradient")
+    # alltoall: the gradient goes back to its sender.
+    splits = [(me + j) % 2 + 1 for j in range(n)]
+    x = data(me, torch.float64, (sum(splits), 3), 135).requires_grad_()
+    out, received = hvd.alltoall(x, splits=splits)
+    weights = [
+        data(r, torch.float64, (sum((s + r) % 2 + 1 for s in range(n)), 3), 136) for r in range(n)
+    ]
+    (out * weights[me]).sum().backward()
+    pieces = []
+    for j in range(n):  # the rows this rank sent to j sit in j's output after earlier senders
+        offset = sum((s + j) % 2 + 1 for s in range(me))
+        pieces.append(weights[j][offset : offset + splits[j]])
+    expect(x.grad, torch.cat(pieces), "alltoall gradient")
+
+
+def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The definition, in float64."""
+    ab, aa, bb = (a * b).sum(), (a * a).sum(), (b * b).sum()
+    ca = 1 - ab / (2 * aa) if aa > 0 else torch.tensor(1.0, dtype=torch.float64)
+    cb = 1 - ab / (2 * bb) if bb > 0 else torch.tensor(1.0, dtype=torch.float64)
+    return ca * a + cb * b
+
+
+def adasum_tree(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """Pairs (0,1), (2,3), ... then their results, after folding ranks above a power of two."""
+    n = len(vectors)
+    p = 1 << (n.bit_length() - 1)
+    level = [adasum_pair(vectors[i], vectors[i + p]) if i + p < n else vectors[i] for i in range(p)]
+    while len(level) > 1:
+        level = [adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def adasum_input(rank: int, length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7000 + 100 * seed + rank)
+    return torch.randn(length, generator=g, dtype=torch.float64)
+
+
+def check_adasum(ranks: list[int], me: int, process_set: Any = None) -> None:
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    where = f"set {ranks}"
+    for length in (37, 1, 8):
+        vectors = [adasum_input(r, length, length) for r in ranks]
+        want = adasum_tree(vectors)
+        for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 1e-4)):
+            got = hvd.allreduce(adasum_input(me, length, length).to(dtype), op=hvd.Adasum, **kwargs)
+            expect(got, want.to(dtype), f"Adasum {dtype} length {length} {where}", atol=tol)
+    # Grouped: each tensor has its own coefficients.
+    parts = [(5,), (3, 3)]
+    inputs = [[adasum_input(r, 5, 91), adasum_input(r, 9, 92)] for r in ranks]
+    mine = [adasum_input(me, 5, 91), adasum_input(me, 9, 92).reshape(3, 3)]
+    got = hvd.grouped_allreduce(mine, op=hvd.Adasum, **kwargs)
+    for k, shape in enumerate(parts):
+        want = adasum_tree([inputs[i][k] for i in range(len(ranks))]).reshape(shape)
+        expect(got[k], want, f"grouped Adasum tensor {k} {where}", atol=1e-9)
+    # The two limits of the definition: equal vectors average, orthogonal ones add.
+    same = hvd.allreduce(
+        torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), op=hvd.Adasum, **kwargs
+    )
+    expect(
+        same,
+        torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64),
+        f"Adasum of equal {where}",
+        atol=1e-12,
+    )
+    raises(
+        ValueError,
+        "floating-point",
+        lambda: hvd.allreduce(torch.ones(2, dtype=torch.int64), op=hvd.Adasum, **kwargs),
+        "Adasum of integers",
+    )
+
+
+def check_errors(n: int, me: int) -> None:
+    shape = (3,) if me == 0 else (4,)
+    raises(ValueError, "differ", lambda: hvd.allreduce(torch.zeros(shape)), "shape mismatch")
+    dtype = torch.float32 if me == 0 else torch.float64
+    raises(
+        ValueError,
+        "differ",
+        lambda: hvd.broadcast(torch.zeros(2, dtype=dtype), 0),
+        "dtype mismatch",
+    )
+    raises(
+        ValueError,
+        "differ",
+        lambda: hvd.allgather(torch.zeros(2, 2 + (me == 1))),
+        "allgather trailing dimension mismatch",
+    )
+    raises(
+        ValueError,
+        "out of range",
+        lambda: hvd.broadcast(torch.zeros(2), root_rank=n),
+        "root out of range",
+    )
+    raises(
+        ValueError,
+        "splits",
+        lambda: hvd.alltoall(torch.zeros(3), splits=[1] * (n + 1)),
+        "bad splits",
+    )
+    raises(
+        ValueError,
+        "not a Horovod reduction",
+        lambda: hvd.allreduce(torch.zeros(1), op=17),
+        "bad op",
+    )
+    raises(TypeError, "torch.Tensor", lambda: hvd.allreduce([1.0]), "not a tensor")
+
+
+def check_process_sets(n: int, me: int) -> dict[str, Any]:
+    even = hvd.ProcessSet([0, 2])
+    odd_three = hvd.add_process_set([0, 1, 3])
+    hvd.add_process_set(even)
+    expect(even.size(), 2, "set size")
+    expect(even.rank(), {0: 0, 2: 1}.get(me, -1), "set rank")
+    expect(even.included(), me in (0, 2), "set included")
+    expect(hvd.global_process_set.size(), n, "global set size")
+    raises(
+        ValueError, "already registered", lambda: hvd.add_process_set([2, 0]), "same ranks twice"
+    )
+    x = data(me, torch.float32, (6,), 140)
+    if me in (0, 2):
+        got = hvd.allreduce(x, op=hvd.Sum, process_set=even)
+        want = data(0, torch.float32, (6,), 140) + data(2, torch.float32, (6,), 140)
+        expect(got, want, "allreduce on the set {0, 2}")
+        expect(
+            hvd.broadcast(x, root_rank=2, process_set=even),
+            data(2, torch.float32, (6,), 140),
+            "broadcast on the set from global rank 2",
+        )
+        expect(
+            hvd.allgather(x[: me + 1], process_set=even),
+            torch.cat(
+                [data(0, torch.float32, (6,), 140)[:1], data(2, torch.float32, (6,), 140)[:3]]
+            ),
+            "allgather on the set",
+        )
+        raises(
+            ValueError,
+            "not in the process set",
+            lambda: hvd.broadcast(x, root_rank=1, process_set=even),
+            "root outside the set",
+        )
+        expect(hvd.allgather_object(me, process_set=even), [0, 2], "allgather_object on the set")
+        hvd.barrier(process_set=even)
+    else:
+        raises(
+            ValueError,
+            "is not in the process set",
+            lambda: hvd.allreduce(x, process_set=even),
+            "excluded rank's allreduce",
+        )
+        raises(
+            ValueError,
+            "is not in the process set",
+            lambda: hvd.barrier(process_set=even),
+            "excluded rank's barrier",
+        )
+    if me in (0, 1, 3):
+        check_adasum([0, 1, 3], me, odd_three)  # three ranks: not a power of two
+    expect(hvd.remove_process_set(even), True, "remove_process_set")
+    expect(even.size(), None, "a removed set has no size")
+    expect(hvd.remove_process_set(hvd.global_process_set), False, "the global set stays")
+    expect(hvd.remove_process_set(odd_three), True, "remove the second set")
+    return {}
+
+
+def peer_exit(me: int) -> None:
+    """Rank 1 leaves after one allreduce; rank 0's next ones raise HorovodInternalError."""
+    x = torch.ones(1000)
+    hvd.allreduce(x, op=hvd.Sum)
+    if me == 1:
+        os._exit(0)
+    result: dict[str, Any] = {"error": None}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            hvd.allreduce(x, op=hvd.Sum)
+    except hvd.HorovodInternalError as error:
+        result = {
+            "error": type(error).__name__,
+            "cause": type(error.__cause__).__name__,
+            "runtime": isinstance(error, RuntimeError),
+        }
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
+
+
+def served() -> dict[str, int]:
+    return dict(_backend.served_in_process)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--suite", default="full", choices=["full", "basics", "preinit", "peer_exit"]
+    )
+    args = parser.parse_args()
+    result: dict[str, Any] = {}
+    try:
+        raises(
+            ValueError,
+            "call hvd.init() first",
+            lambda: hvd.allreduce(torch.zeros(1)),
+            "an op before init",
+        )
+        raises(ValueError, "call hvd.init() first", hvd.rank, "rank before init")
+        if args.suite == "preinit":
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            default = dist.distributed_c10d._get_default_group()
+            hvd.init()
+            expect(
+                dist.distributed_c10d._get_default_group() is default,
+                True,
+                "the script's group is used",
+            )
+        else:
+            hvd.init()
+        n, me = hvd.size(), hvd.rank()
+        if args.suite == "peer_exit":
+            peer_exit(me)
+        check_basics(n, me)
+        if args.suite == "full":
+            check_allreduce(n, me)
+            check_async(n, me)
+            check_grouped(n, me)
+            check_allgather_broadcast(n, me)
+            check_alltoall_reducescatter(n, me)
+            check_objects_barrier_join(n, me)
+            check_autograd(n, me)
+            check_adasum(list(range(n)), me)
+            check_errors(n, me)
+            if n == 4:
+                check_process_sets(n, me)
+        else:
+            x = data(me, torch.float32, (3,), 1)
+            expect(
+                hvd.allreduce(x, op=hvd.Sum),
+                reduce_ref(hvd.Sum, torch.float32, n, (3,), 1),
+                "allreduce",
+            )
+            hvd.shutdown()
+            expect(hvd.is_initialized(), False, "shutdown")
+            raises(ValueError, "call hvd.init() first", hvd.size, "size after shutdown")
+            hvd.init()
+            expect(
+                hvd.allreduce(x, op=hvd.Max),
+                reduce_ref(hvd.Max, torch.float32, n, (3,), 1),
+                "allreduce after init again",
+            )
+        import torch.distributed as dist
+
+        backend = _backend.cpu_backend_of(None)
+        result = {
+            "checks": len(checks),
+            "served": served(),
+            "cpu_backend": type(backend).__name__,
+            "env_rank": os.environ.get("RANK"),
+        }
+        hvd.barrier()
+        hvd.shutdown()
+        if args.suite == "preinit":
+            result["group_kept"] = dist.is_initialized()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        exit_failed(exc, linger=2.0)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

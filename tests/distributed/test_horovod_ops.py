@@ -1,0 +1,207 @@
+"""Horovod's collectives (``tiacc_training.torch.horovod``) in real jobs.
+
+``horovod_ops_worker.py`` runs on 2 and 4 ranks on loopback and checks,
+on every rank, each operation against a reference it computes from every
+rank's input: allreduce of float and integer types with every reduction and
+scale factors, async handles, grouped ops, uneven allgather and alltoall,
+reducescatter, broadcast, objects, join, autograd, Adasum against its
+definition (also on a set of 3 ranks), process sets and bad input. Other
+jobs start from Horovod's variables only, from a group the script made, and
+alone. The CPU collectives must have been served by the "tiacc" backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import base_env, describe, free_port, run_ranks
+
+WORKER = Path(__file__).resolve().parent / "horovod_ops_worker.py"
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def results_of(ranks: list) -> list[dict]:
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    results = []
+    for r in ranks:
+        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+        assert lines, describe(ranks)
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return results
+
+
+def engine_served(result: dict, names: tuple[str, ...]) -> None:
+    assert result["cpu_backend"] == "TiaccBackend", result
+    for name in names:
+        assert result["served"].get(name, 0) > 0, (name, result)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_operation(world: int) -> None:
+    results = results_of(run_ranks(world, ["--suite", "full"], worker=WORKER, timeout=240.0))
+    for result in results:
+        # Hundreds of checks per rank; the set checks add to the 4-rank job.
+        assert result["checks"] > (220 if world == 4 else 200), result
+        engine_served(
+            result, ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier")
+        )
+
+
+def launch_env_only(world: int, variables: dict[int, dict[str, str]], suite: str) -> list:
+    """Starts ``world`` workers with only ``variables[rank]`` describing the job."""
+    procs = []
+    for rank in range(world):
+        env = {k: v for k, v in base_env().items() if k not in TORCHRUN_VARIABLES}
+        env.update(variables[rank])
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), "--suite", suite],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    from _launch import Rank
+
+    ranks = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        ranks.append(Rank(rank, proc.returncode, out, err, 0.0))
+    return ranks
+
+
+def test_horovodrun_variables_only() -> None:
+    port = str(free_port())
+    variables = {
+        r: {
+            "HOROVOD_RANK": str(r),
+            "HOROVOD_SIZE": "2",
+            "HOROVOD_LOCAL_RANK": str(r),
+            "HOROVOD_LOCAL_SIZE": "2",
+            "HOROVOD_CROSS_RANK": "0",
+            "HOROVOD_CROSS_SIZE": "1",
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
+        }
+        for r in range(2)
+    }
+    for rank, result in enumerate(results_of(launch_env_only(2, variables, "basics"))):
+        engine_served(result, ("allreduce",))
+        # torchrun's names are set for the code that reads them.
+        assert result["env_rank"] == str(rank), result
+
+
+def test_alone_is_a_world_of_one() -> None:
+    results = results_of(launch_env_only(1, {0: {}}, "basics"))
+    assert results[0]["checks"] > 10, results
+
+
+def test_group_made_by_the_script_is_used() -> None:
+    results = results_of(run_ranks(2, ["--suite", "preinit"], worker=WORKER, timeout=180.0))
+    for result in results:
+        # The script's plain gloo group, as it made it (the two lines were not called).
+        assert result["cpu_backend"] == "NoneType", result
+        assert result["group_kept"] is True, result  # shutdown leaves the script's group
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        (
+            {"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+            ("mpich", "1", "4", "1", "2"),
+        ),
+        ({"PMIX_RANK": "3", "PMI_SIZE": "4"}, ("pmix", "3", "4", "0", None)),
+        (
+            {
+                "HOROVOD_RANK": "2",
+                "HOROVOD_SIZE": "3",
+                "HOROVOD_LOCAL_RANK": "0",
+                "HOROVOD_LOCAL_SIZE": "1",
+            },
+            ("horovodrun", "2", "3", "0", "1"),
+        ),
+    ],
+)
+def test_launcher_variables_become_torchrun_ones(
+    monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], expected: tuple
+) -> None:
+    from tiacc_training.torch.horovod import _basics
+
+    for name in (
+        *TORCHRUN_VARIABLES,
+        "OMPI_COMM_WORLD_RANK",
+        "SLURM_PROCID",
+        "PMI_RANK",
+        "PMIX_RANK",
+        "HOROVOD_RANK",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    launcher = _basics.export_launcher_env()
+    got = (
+        launcher,
+        *(os.environ.get(n) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")),
+    )
+    assert got == expected
+
+
+def test_launcher_variables_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiacc_training.torch.horovod import _basics
+
+    for name in (
+        *TORCHRUN_VARIABLES,
+        "OMPI_COMM_WORLD_RANK",
+        "SLURM_PROCID",
+        "PMI_RANK",
+        "PMIX_RANK",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOROVOD_RANK", "4")
+    monkeypatch.setenv("HOROVOD_SIZE", "4")
+    with pytest.raises(ValueError, match="HOROVOD_RANK=4 is not below HOROVOD_SIZE=4"):
+        _basics.export_launcher_env()
+    monkeypatch.delenv("HOROVOD_SIZE")
+    with pytest.raises(ValueError, match="HOROVOD_SIZE is not"):
+        _basics.export_launcher_env()
+
+
+def test_a_peer_that_leaves_raises_horovod_internal_error() -> None:
+    ranks = run_ranks(
+        2,
+        ["--suite", "peer_exit"],
+        env={"TIACC_TRAINING_TIMEOUT": "10", "TIACC_TRAINING_SHM": "0"},
+        worker=WORKER,
+        timeout=180.0,
+    )
+    assert [r.returncode for r in ranks] == [0, 0], describe(ranks)
+    lines = [line for line in ranks[0].stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, describe(ranks)
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["error"] == "HorovodInternalError", describe(ranks)
+    assert result["runtime"] is True, result
+    # The engine's error (or torch's backend error) is the cause.
+    assert result["cause"] in (
+        "CommError",
+        "CommTimeoutError",
+        "DistBackendError",
+        "RuntimeError",
+    ), result
