@@ -20,6 +20,7 @@ import pytest
 from tiacc_training.torch.horovod import _timeline
 
 REPO = Path(__file__).resolve().parents[2]
+TIMELINE_SOURCE = REPO / "tiacc_training" / "torch" / "horovod" / "_timeline.py"
 
 
 @pytest.fixture
@@ -251,8 +252,14 @@ def test_start_from_env(tmp_path, hvd_state, monkeypatch):
 
 def test_valid_json_at_exit_without_stop(tmp_path):
     path = tmp_path / "exit.json"
+    # The module alone (it needs nothing but the standard library), without
+    # the package and torch, so the process starts quickly.
     script = f"""
-from tiacc_training.torch.horovod import _timeline
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_timeline", {str(TIMELINE_SOURCE)!r})
+_timeline = importlib.util.module_from_spec(spec)
+sys.modules["_timeline"] = _timeline
+spec.loader.exec_module(_timeline)
 _timeline._state_source = lambda: (True, 0)
 _timeline.start_timeline({str(path)!r})
 for phase in ("negotiate", "queue", "communicate", "done"):
