@@ -21,7 +21,7 @@ other, so a slow spell of the machine lands on every row; a row's figure is
 the median over all its timed steps, pooled over the rounds, and images/s
 = ranks x batch / median step. Ratios: hvd over our DDP path and over
 native DDP, each layout. To fit a small CPU machine the images are
-``--image`` pixels square (default 64) and the batch ``--batch`` per rank
+``--image`` pixels square (default 32) and the batch ``--batch`` per rank
 (default 4); the gradients are ResNet-50's whole 102 MB of float32 either
 way. Needs root for ``link2x2`` (network namespaces and tc).
 
@@ -195,11 +195,11 @@ def main() -> None:
     parser.add_argument("--layouts", default="loopback2,loopback4,link2x2")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4, help="images per rank per step")
-    parser.add_argument("--image", type=int, default=64, help="image side in pixels")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per job (loopback)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (loopback)")
+    parser.add_argument("--image", type=int, default=32, help="image side in pixels")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per job (loopback)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (loopback)")
     parser.add_argument(
-        "--link-steps", type=int, default=3, help="timed steps per job on the shaped link"
+        "--link-steps", type=int, default=2, help="timed steps per job on the shaped link"
     )
     parser.add_argument("--rate-mbit", type=float, default=200.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
