@@ -109,11 +109,14 @@ def test_host_list():
 
 def test_hostfile(tmp_path):
     good = tmp_path / "hosts"
-    good.write_text("# the cluster\nnode1 slots=4\n\nnode2 slots=2  # spare\nnode3\n")
+    good.write_text(
+        "# the cluster\nnode1 slots=4\n\nnode2 slots=2  # spare\nnode3\nfd00::7 slots=2\n"
+    )
     assert tiaccrun.parse_hostfile(str(good)) == [
         tiaccrun.Host("node1", 4),
         tiaccrun.Host("node2", 2),
         tiaccrun.Host("node3", 1),
+        tiaccrun.Host("fd00::7", 2),
     ]
     cases = {
         "node1 slots=4\nnode2 slots=zero\n": f"{tmp_path / 'bad'}:2",

@@ -127,7 +127,7 @@ def parse_hostfile(path: str) -> list[Host]:
                 raise UsageError(
                     f"{where}: {raw.strip()!r}: expected 'hostname slots=N', not {extra!r}"
                 )
-        if ":" in fields[0] and not fields[0].startswith("["):
+        if fields[0].count(":") == 1:  # host:N (an IPv6 address has more colons)
             raise UsageError(f"{where}: {raw.strip()!r}: write 'host slots=N', not 'host:N'")
         hosts.append(Host(fields[0].strip("[]"), slots))
     if not hosts:
