@@ -453,16 +453,22 @@ class _Output:
         label = f"[{rank}]<{name}>:".encode()
 
         def pump() -> None:
+            console = True
             with stream:
                 for line in iter(stream.readline, b""):
                     if copy is not None:
                         copy.write(line)
                         copy.flush()
+                    if not console:
+                        continue  # keep reading, so that the rank never blocks
                     with self.lock:
-                        sink.write(label + line if self.prefix else line)
-                        if not line.endswith(b"\n"):
-                            sink.write(b"\n")
-                        sink.flush()
+                        try:
+                            sink.write(label + line if self.prefix else line)
+                            if not line.endswith(b"\n"):
+                                sink.write(b"\n")
+                            sink.flush()
+                        except OSError:  # the console went away (a closed pipe)
+                            console = False
             if copy is not None:
                 copy.close()
 
