@@ -356,17 +356,28 @@ def test_a_failing_rank_ends_the_job(tmp_path):
     assert time.monotonic() - start < 100  # rank 0's 300 s sleep was cut short
 
 
-def test_a_killed_rank_is_named_with_its_signal(tmp_path):
+def test_a_killed_rank_is_named_with_its_signal(tmp_path, fake_ssh):
     script = tmp_path / "killed.py"
     script.write_text(
         "import os, signal, time\n"
-        "if os.environ['RANK'] == '0':\n"
+        "if os.environ['RANK'] == os.environ['VICTIM']:\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "time.sleep(300)\n"
     )
-    result = _run(["-np", "2", sys.executable, str(script)], timeout=120)
+    env = base_env({"VICTIM": "0"})
+    result = _run(["-np", "2", sys.executable, str(script)], env=env, timeout=120)
     assert result.returncode == 128 + signal.SIGKILL
-    assert "rank 0 on localhost" in result.stderr and "SIGKILL" in result.stderr
+    assert "rank 0 on localhost (this host) was killed by SIGKILL" in result.stderr
+    # Over ssh the remote shell reports the signal as 128 + its number.
+    env, _ = fake_ssh
+    env["VICTIM"] = "1"
+    hosts = ["-H", "localhost:1,127.0.0.2:1"]
+    result = _run(["-np", "2", *hosts, sys.executable, str(script)], env=env, timeout=120)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert (
+        "rank 1 on 127.0.0.2 (over ssh) exited with code 137 (128 + SIGKILL: killed by a signal)"
+        in result.stderr
+    )
 
 
 def test_remote_ranks_over_ssh(tmp_path, fake_ssh):

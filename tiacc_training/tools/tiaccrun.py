@@ -634,6 +634,11 @@ class Job:
             what = "exited with code 255 (the ssh connection failed, or the rank exited 255)"
         else:
             what = f"exited with code {code}"
+            if code > 128:
+                try:
+                    what += f" (128 + {signal.Signals(code - 128).name}: killed by a signal)"
+                except ValueError:
+                    pass
         return f"rank {spec.rank} on {spec.host} ({where}) {what}; the other ranks were terminated"
 
 
