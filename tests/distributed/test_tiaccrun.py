@@ -315,6 +315,11 @@ def test_two_ranks_train_a_torch_script(tmp_path):
     script.write_text(TRAIN_SCRIPT)
     result = _run(["-np", "2", sys.executable, str(script)], timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
+    # The two lines found the job through torchrun's variables.
+    assert (
+        "[0]<stderr>:tiacc_training: DDP communication through the tiacc engine: "
+        "world_size=2 launcher=torchrun" in result.stderr
+    )
     results = {}
     for line in result.stdout.splitlines():
         prefix, _, rest = line.partition("<stdout>:")
