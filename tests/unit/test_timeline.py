@@ -271,3 +271,27 @@ _timeline.mark("open", "ALLGATHER", "negotiate")
     by_row = _by_row(_events(path))
     assert [e["name"] for e in by_row["w"]] == ["NEGOTIATE_ALLREDUCE", "QUEUE", "ALLREDUCE"]
     assert by_row["open"][0]["args"] == {"unfinished": True}
+
+
+def test_a_failed_write_stops_the_timeline_not_the_job(tmp_path, hvd_state, caplog):
+    class FullDisk:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    _timeline.start_timeline(str(tmp_path / "t.json"))
+    running = _timeline._active
+    running.file = FullDisk()
+    _timeline.mark("x", "ALLREDUCE", "negotiate")
+    _timeline.mark("x", "ALLREDUCE", "done")
+    running.thread.join(timeout=30)
+    assert not running.thread.is_alive()
+    assert _timeline._active is None  # marks are no-ops again
+    _timeline.mark("y", "ALLREDUCE", "negotiate")
+    assert "writing failed" in caplog.text
+    _timeline.stop_timeline()

@@ -122,10 +122,17 @@ class _Timeline:
                     self.file.flush()
                     last_flush = time.monotonic()
             self._finish()
-        except Exception:  # pragma: no cover - a full disk, say
+        except Exception:  # a full disk, say
             _log.exception("timeline %s: writing failed; the timeline is stopped", self.path)
+            self._detach()
         finally:
             self.file.close()
+
+    def _detach(self) -> None:
+        # Marks stop queueing for a writer that no longer runs.
+        global _active
+        if _active is self:
+            _active = None
 
     def _event(self, event: dict[str, Any]) -> None:
         text = json.dumps(event, separators=(",", ":"))
