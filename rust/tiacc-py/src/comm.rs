@@ -20,8 +20,8 @@ use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
 use tiacc_core::comm::tcp::{self, GroupListeners, TOKEN_LEN};
 use tiacc_core::comm::{
-    AlgoSettings, Collective, Completion, DType, Deadline, Engine, FailureBoard, Job, Layout,
-    RawBuf, ReduceOp, SharedBytes,
+    AlgoSettings, Collective, Completion, Counters, DType, Deadline, Engine, FailureBoard, Job,
+    Layout, RawBuf, ReduceOp, SharedBytes,
 };
 use tiacc_core::config::{self, AlgorithmChoice};
 
@@ -277,6 +277,31 @@ impl TcpSetup {
     }
 }
 
+/// An engine's counters as Python sees them (both engines' `counters()`):
+/// `{(path, codec): {"buckets", "bytes_in", "wire_bytes", "wire": {"world",
+/// "intra", "inter"}}}` for every path and codec that carried a bucket
+/// (`tiacc_core::comm::counters`). `None` (an engine not connected yet)
+/// gives an empty dict.
+pub(crate) fn counters_dict<'py>(
+    py: Python<'py>,
+    counters: Option<&Counters>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    for row in counters.map(Counters::snapshot).unwrap_or_default() {
+        let wire = PyDict::new(py);
+        for (name, bytes) in ["world", "intra", "inter"].into_iter().zip(row.wire) {
+            wire.set_item(name, bytes)?;
+        }
+        let entry = PyDict::new(py);
+        entry.set_item("buckets", row.buckets)?;
+        entry.set_item("bytes_in", row.bytes_in)?;
+        entry.set_item("wire_bytes", row.wire_total())?;
+        entry.set_item("wire", wire)?;
+        out.set_item((row.path.name(), row.codec.name()), entry)?;
+    }
+    Ok(out)
+}
+
 /// What every engine is built from: this rank's place in the job, the
 /// configuration, and the algorithm settings derived from them.
 pub(crate) struct EngineInfo {
@@ -375,6 +400,8 @@ pub struct CommEngine {
     auto_choice: Option<String>,
     /// What carries each group's bytes on the first channel, once connected.
     media: Vec<(&'static str, &'static str)>,
+    /// The engine's counters, kept past `shutdown` (for the summary at exit).
+    counters: Option<Arc<Counters>>,
 }
 
 #[pymethods]
@@ -408,6 +435,7 @@ impl CommEngine {
             engine: None,
             auto_choice: None,
             media: Vec::new(),
+            counters: None,
         })
     }
 
@@ -554,6 +582,7 @@ impl CommEngine {
         let engine = py
             .detach(move || Engine::with_channels(spec, timeout, board, turns))
             .py()?;
+        self.counters = Some(Arc::clone(engine.counters()));
         self.engine = Some(engine);
         Ok(())
     }
@@ -752,6 +781,12 @@ impl CommEngine {
             let t = e.progress().take_times();
             (t.steps, t.compute, t.comm)
         })
+    }
+
+    /// What the engine carried so far (see `counters_dict`); empty before
+    /// `connect`, kept after `shutdown`.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        counters_dict(py, self.counters.as_deref())
     }
 
     /// Finishes queued collectives and stops the channel threads. Safe to

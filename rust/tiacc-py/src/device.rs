@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use tiacc_core::comm::backend::{Backend, GroupId, Mem, Shards};
 use tiacc_core::comm::dtype::shard_range;
@@ -34,10 +35,10 @@ use tiacc_core::comm::nccl::{
 use tiacc_core::comm::progress::{self, Position, Progress, Recorder};
 use tiacc_core::comm::sparse::TopKBlock;
 use tiacc_core::comm::transport::{Aborter, OpKind, OpTag, Transport};
-use tiacc_core::comm::{Algorithm, DType, Deadline, Failures};
+use tiacc_core::comm::{Algorithm, Counters, DType, Deadline, Failures};
 use tiacc_core::Error;
 
-use crate::comm::{EngineInfo, PyBoard, TcpSetup};
+use crate::comm::{counters_dict, EngineInfo, PyBoard, TcpSetup};
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
 use crate::nccl::{load, unique_id_from};
@@ -118,6 +119,8 @@ pub struct DeviceEngine {
     progress: Arc<Progress>,
     /// Writes `progress` to the board (when there is one).
     recorder: Option<Recorder>,
+    /// What the channels carried ([`tiacc_core::comm::counters`]).
+    counters: Arc<Counters>,
 }
 
 fn dptr(addr: usize) -> DevicePtr {
@@ -222,6 +225,7 @@ impl DeviceEngine {
             closed: false,
             progress,
             recorder,
+            counters: Arc::new(Counters::new()),
         })
     }
 
@@ -564,6 +568,13 @@ impl DeviceEngine {
         Ok(())
     }
 
+    /// What the engine carried so far, per path and codec (the same form
+    /// as `CommEngine.counters()`; NCCL's wire bytes are the buffers handed
+    /// to its calls).
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        counters_dict(py, Some(&self.counters))
+    }
+
     /// `(steps, compute seconds, communication seconds)` since the last call
     /// (see `tiacc_core::comm::progress`); call it just before a step's
     /// first bucket.
@@ -615,7 +626,7 @@ impl DeviceEngine {
     fn channel(&self, comms: Comms) -> Mutex<Channel> {
         Mutex::new(Channel {
             comms,
-            algorithm: Algorithm::new(self.info.settings),
+            algorithm: Algorithm::with_counters(self.info.settings, Arc::clone(&self.counters)),
             residuals: HashMap::new(),
             seq: 0,
             last: None,
@@ -860,6 +871,24 @@ impl Backend for DeviceBackend<'_, '_> {
         match &*self.comms {
             Comms::Nccl(g) => g.two_d.is_some(),
             Comms::Tcp(g) => g.hierarchy.is_some(),
+        }
+    }
+
+    /// NCCL: the bytes handed to the group's communicator; TCP: what its
+    /// ring sent.
+    fn bytes_sent(&self, group: GroupId) -> u64 {
+        match &*self.comms {
+            Comms::Nccl(g) => match (group, &g.two_d) {
+                (GroupId::World, _) => g.world.bytes_given(),
+                (_, None) => 0,
+                (_, Some(_)) => g.get(group).bytes_given(),
+            },
+            Comms::Tcp(g) => match (group, &g.hierarchy) {
+                (GroupId::World, _) => g.world.bytes_sent(),
+                (GroupId::Intra, Some(h)) => h.intra.bytes_sent(),
+                (GroupId::Inter, Some(h)) => h.inter.bytes_sent(),
+                (_, None) => 0,
+            },
         }
     }
 

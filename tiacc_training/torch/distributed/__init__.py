@@ -60,6 +60,7 @@ __all__ = [
     "ConfigError",
     "comm_config",
     "cuda_transport",
+    "engine_counters",
     "get_engine",
     "init_tiacc_training",
     "is_initialized",
@@ -279,8 +280,9 @@ def stats() -> dict[str, Any]:
         ``"cuda nccl"``, ``"cuda host staging"``), ``accumulated`` (buckets
         kept local by gradient accumulation), ``native`` (buckets or models
         left to torch's own allreduce, per reason: each also warned once,
-        or raised under ``TIACC_TRAINING_STRICT=1``), and ``collectives``
-        (the script's CPU collectives the "tiacc" backend served, per op).
+        or raised under ``TIACC_TRAINING_STRICT=1``), ``collectives``
+        (the script's CPU collectives the "tiacc" backend served, per op),
+        and ``engine``: the engines' own counters (:func:`engine_counters`).
     """
     return {
         "steps": state.steps,
@@ -289,7 +291,58 @@ def stats() -> dict[str, Any]:
         "accumulated": state.accumulated,
         "native": dict(state.native),
         "collectives": dict(_backend.served_in_process),
+        "engine": engine_counters(),
     }
+
+
+def engine_counters() -> dict[tuple[str, str], dict[str, Any]]:
+    """What the engines of the default group counted themselves.
+
+    The CPU engine (CPU buckets, and CUDA buckets staged through the host)
+    and the device engine of the CUDA path (NCCL), each counting where its
+    transports send (see docs/communication.md, "The engine's counters").
+
+    Returns:
+        Per ``(path, codec)`` (path ``"ring"``, ``"topk"``, ``"2d"``,
+        ``"2d+topk"`` or ``"collective"``; codec ``"none"``, ``"fp16"`` or
+        ``"bf16"``): ``buckets``, ``bytes_in`` (as handed to the engine),
+        ``wire_bytes`` (what this rank sent) and ``wire`` (the same per
+        group: ``"world"``, ``"intra"``, ``"inter"``), summed over the
+        engines in use now. Empty before the first engine connects.
+    """
+    engines = [state.engine]
+    cuda = state.cuda
+    if cuda is not None and getattr(cuda, "engine", None) is not state.engine:
+        engines.append(cuda.engine)
+    total: dict[tuple[str, str], dict[str, Any]] = {}
+    for engine in engines:
+        if engine is None or not hasattr(engine, "counters"):
+            continue
+        for key, row in engine.counters().items():
+            empty = {"buckets": 0, "bytes_in": 0, "wire_bytes": 0}
+            into = total.setdefault(key, {**empty, "wire": dict.fromkeys(row["wire"], 0)})
+            for name in ("buckets", "bytes_in", "wire_bytes"):
+                into[name] += row[name]
+            for group, n in row["wire"].items():
+                into["wire"][group] += n
+    return total
+
+
+def _describe_counters(counters: dict[tuple[str, str], dict[str, Any]]) -> str:
+    """The counters as the summary line says them.
+
+    ``ring/fp16: 120 buckets, 48.0 MiB in, 24.1 MiB on the wire`` per path
+    and codec, with the split by group where 2D sent on two.
+    """
+    parts = []
+    for (path, codec), row in sorted(counters.items()):
+        groups = [f"{g} {n / 2**20:.1f}" for g, n in row["wire"].items() if n and g != "world"]
+        split = f" (MiB: {', '.join(groups)})" if len(groups) > 1 else ""
+        parts.append(
+            f"{path}/{codec}: {row['buckets']} buckets, {row['bytes_in'] / 2**20:.1f} MiB in, "
+            f"{row['wire_bytes'] / 2**20:.1f} MiB on the wire{split}"
+        )
+    return "; ".join(parts)
 
 
 def _summary() -> None:
@@ -301,12 +354,14 @@ def _summary() -> None:
         for path, n in sorted(state.carried.items())
     )
     native = sum(state.native.values())
+    counted = _describe_counters(engine_counters())
     logger.info(
-        "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s",
+        "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s%s",
         state.steps,
         carried or "nothing",
         native,
         f" ({'; '.join(sorted(state.native))})" if native else "",
+        f"; the engine counted: {counted}" if counted else "",
     )
 
 

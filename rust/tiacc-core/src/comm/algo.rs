@@ -9,7 +9,10 @@
 //! this same code; only their [`Backend`]s differ.
 
 use super::backend::{Backend, GroupId, Mem};
+use std::sync::Arc;
+
 use super::codec::Compression;
+use super::counters::{wire_of, wire_since, Counters, Path};
 use super::dtype::{shard_range, DType};
 use super::shm::SharedBytes;
 use super::sparse::{sparse_allreduce, DgcOptions, SparseState, TopKOptions};
@@ -90,24 +93,38 @@ impl AlgoSettings {
     }
 }
 
-/// One channel's algorithm: its settings and the Top-K bookkeeping.
+/// One channel's algorithm: its settings, the Top-K bookkeeping and the
+/// engine's counters, where it records every bucket it finishes.
 #[derive(Debug, Clone)]
 pub struct Algorithm {
     settings: AlgoSettings,
     /// Each bucket's Top-K length and step count.
     sparse: SparseState,
+    counters: Arc<Counters>,
 }
 
 impl Algorithm {
+    /// An algorithm with counters of its own.
     pub fn new(settings: AlgoSettings) -> Self {
+        Self::with_counters(settings, Arc::new(Counters::new()))
+    }
+
+    /// An algorithm recording into `counters` (shared by an engine's channels).
+    pub fn with_counters(settings: AlgoSettings, counters: Arc<Counters>) -> Self {
         Algorithm {
             settings,
             sparse: SparseState::default(),
+            counters,
         }
     }
 
     pub fn settings(&self) -> &AlgoSettings {
         &self.settings
+    }
+
+    /// The counters this algorithm records into.
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.counters
     }
 
     /// Sums `buf` (elements of `dtype`) over the world, divided by the world
@@ -149,6 +166,24 @@ impl Algorithm {
         average: bool,
         share: bool,
     ) -> Result<Option<SharedBytes>> {
+        let before = wire_of(b);
+        let (path, codec, result) = self.run_uncounted(b, tag, buf, dtype, average, share)?;
+        let wire = wire_since(before, wire_of(b));
+        self.counters.record(path, codec, buf.bytes as u64, wire);
+        Ok(result)
+    }
+
+    /// [`Algorithm::run`] without the counters: the result, and the path
+    /// and codec that produced it.
+    fn run_uncounted(
+        &mut self,
+        b: &mut dyn Backend,
+        tag: &OpTag,
+        buf: Mem,
+        dtype: DType,
+        average: bool,
+        share: bool,
+    ) -> Result<(Path, Compression, Option<SharedBytes>)> {
         let (rank, size) = (b.rank(GroupId::World), b.size(GroupId::World));
         if self.settings.nan_check {
             if let Some((index, value)) = b.first_non_finite(buf, dtype)? {
@@ -176,6 +211,7 @@ impl Algorithm {
         let Some(wire) = wire else {
             return self.reduce(b, tag, buf, dtype, divisor, share);
         };
+        let codec = self.settings.compression;
         let scale = self.settings.scale;
         let sent = b.alloc(buf.bytes / dtype.size() * wire.size())?;
         b.encode(buf, dtype, scale / divisor, sent, wire)?;
@@ -185,12 +221,13 @@ impl Algorithm {
             bytes: sent.bytes as u64,
             ..*tag
         };
-        self.reduce(b, &wire_tag, sent, wire, 1.0, false)?;
+        let (path, _, _) = self.reduce(b, &wire_tag, sent, wire, 1.0, false)?;
         b.decode(sent, wire, 1.0 / scale, buf, dtype)?;
-        Ok(None)
+        Ok((path, codec, None))
     }
 
-    /// The reduction proper of `buf / divisor`: flat or 2D, dense or Top-K.
+    /// The reduction proper of `buf / divisor`: flat or 2D, dense or Top-K
+    /// (the path it took, and the codec of a compressed inter-node step).
     /// A flat dense sum leaves the division to the backend (a transport
     /// that copies the data divides on the way), and its result in shared
     /// memory when `share` and the backend can; the others divide first.
@@ -202,7 +239,8 @@ impl Algorithm {
         dtype: DType,
         divisor: f64,
         share: bool,
-    ) -> Result<Option<SharedBytes>> {
+    ) -> Result<(Path, Compression, Option<SharedBytes>)> {
+        let none = Compression::None;
         let sparse = self.settings.topk.filter(|o| o.applies(dtype, buf.bytes));
         let two_d = b.hierarchical()
             && self
@@ -211,10 +249,11 @@ impl Algorithm {
                 .is_some_and(|t| buf.bytes as u64 <= t);
         if !two_d && sparse.is_none() {
             if share {
-                return b.allreduce_shared(Some(tag), buf, dtype, divisor, tag.bucket);
+                let shared = b.allreduce_shared(Some(tag), buf, dtype, divisor, tag.bucket)?;
+                return Ok((Path::Ring, none, shared));
             }
             b.allreduce_divided(GroupId::World, Some(tag), buf, dtype, divisor)?;
-            return Ok(None);
+            return Ok((Path::Ring, none, None));
         }
         if divisor != 1.0 {
             b.div(buf, dtype, divisor)?;
@@ -223,7 +262,7 @@ impl Algorithm {
             b.agree(GroupId::World, tag)?;
             let (dgc, state) = (&self.settings.dgc, &mut self.sparse);
             sparse_allreduce(b, GroupId::World, tag.bucket, buf, &options, dgc, state)?;
-            return Ok(None);
+            return Ok((Path::TopK, none, None));
         }
         // Checking the tag inside every node and across nodes covers every rank.
         b.agree(GroupId::Intra, tag)?;
@@ -242,14 +281,15 @@ impl Algorithm {
                 state,
             )?;
             b.allgather(GroupId::Intra, shards, buf, dtype.size())?;
-            return Ok(None);
+            return Ok((Path::TwoDTopK, none, None));
         }
         let wire = self.settings.inter_compression.wire_dtype(dtype);
+        let codec = wire.map_or(none, |_| self.settings.inter_compression);
         let scale = self.settings.scale;
         let step = move |b: &mut dyn Backend, mine: Mem| inter_dense(b, mine, dtype, wire, scale);
         let chunks = pipeline_chunks(buf, dtype, b.pipelines())?;
         b.two_d(dtype, &chunks, &step)?;
-        Ok(None)
+        Ok((Path::TwoD, codec, None))
     }
 }
 

@@ -133,6 +133,10 @@ pub trait Backend {
     /// Whether the intra-node and inter-node groups exist.
     fn hierarchical(&self) -> bool;
 
+    /// Bytes this rank has sent on `group` so far ([`super::Transport::bytes_sent`],
+    /// or the bytes handed to NCCL's calls); 0 for a group this backend
+    /// lacks. Read before and after a bucket for its counters.
+    fn bytes_sent(&self, group: GroupId) -> u64;
     /// Checks that every rank of `group` is about to run `tag`. Backends
     /// that cannot check without waiting on the device do nothing.
     fn agree(&mut self, group: GroupId, tag: &OpTag) -> Result<()>;

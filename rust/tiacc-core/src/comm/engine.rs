@@ -17,6 +17,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::algo::{AlgoSettings, Algorithm};
+use super::codec::Compression;
+use super::counters::{wire_of, wire_since, Counters, Path};
 use super::dtype::{DType, ReduceOp};
 use super::failure::{FailureBoard, Failures};
 use super::host::{Groups, HostBackend};
@@ -155,6 +157,8 @@ pub struct Engine {
     progress: Arc<Progress>,
     /// Writes `progress` to the board (when there is one).
     recorder: Option<Recorder>,
+    /// What the channels carried ([`super::counters`]).
+    counters: Arc<Counters>,
 }
 
 impl Engine {
@@ -191,6 +195,7 @@ impl Engine {
         let failures = Arc::new(Failures::new(board.clone()));
         failures.add_aborters(channels_spec.iter().flat_map(|(g, _)| g.aborters()));
         let progress = Arc::new(Progress::new());
+        let counters = Arc::new(Counters::new());
         let recorder = board
             .clone()
             .map(|b| Recorder::start(progress.clone(), b, rank))
@@ -205,11 +210,12 @@ impl Engine {
             let failures = Arc::clone(&failures);
             let progress = Arc::clone(&progress);
             let turns = turns.clone();
+            let counters = Arc::clone(&counters);
             let thread = std::thread::Builder::new()
                 .name(format!("tiacc-comm-{index}"))
                 .spawn(move || {
                     let backend = HostBackend::new(groups, Deadline::after(timeout));
-                    let algorithm = Algorithm::new(settings);
+                    let algorithm = Algorithm::with_counters(settings, counters);
                     channel_loop(backend, algorithm, rx, timeout, &failures, turns, &progress)
                 })
                 .map_err(|e| Error::Comm {
@@ -230,6 +236,7 @@ impl Engine {
             owner_pid: std::process::id(),
             progress,
             recorder,
+            counters,
         })
     }
 
@@ -252,6 +259,11 @@ impl Engine {
     /// Where this rank is in the job, and its step times.
     pub fn progress(&self) -> &Arc<Progress> {
         &self.progress
+    }
+
+    /// What the channels carried so far, per path and codec.
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.counters
     }
 
     /// The channel a bucket runs on.
@@ -383,6 +395,7 @@ fn channel_loop(
             dtype: if typed { dtype.code() } else { 0 },
             bytes: buf.len() as u64,
         };
+        let before = wire_of(&backend);
         let result = if matches!(job.op, Collective::AllreduceOp { mean: true, .. })
             && !dtype.averages()
         {
@@ -460,6 +473,14 @@ fn channel_loop(
             }
         };
         drop(turn);
+        if result.is_ok() && !matches!(job.op, Collective::Allreduce { .. }) {
+            // The algorithm counts DDP's buckets; these are torch's collectives.
+            let wire = wire_since(before, wire_of(&backend));
+            let bytes = tag.bytes;
+            algorithm
+                .counters()
+                .record(Path::Collective, Compression::None, bytes, wire);
+        }
         progress.complete();
         let result = result.map_err(|err| {
             // A timeout says where every rank was (unless another rank's

@@ -438,6 +438,10 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         self.groups.hierarchical()
     }
 
+    fn bytes_sent(&self, group: GroupId) -> u64 {
+        self.groups.get_ref(group).map_or(0, |t| t.bytes_sent())
+    }
+
     fn agree(&mut self, group: GroupId, tag: &OpTag) -> Result<()> {
         let deadline = self.deadline;
         self.transport(group)?.agree(tag, deadline)

@@ -13,6 +13,7 @@ pub mod algo;
 pub mod auto;
 pub mod backend;
 pub mod codec;
+pub mod counters;
 pub mod dtype;
 pub mod engine;
 pub mod failure;
@@ -27,6 +28,7 @@ pub mod turns;
 
 pub use algo::{AlgoSettings, Algorithm, Layout};
 pub use backend::{Backend, GroupId, Mem, Shards};
+pub use counters::{CounterRow, Counters, Path};
 pub use dtype::{DType, ReduceOp};
 pub use engine::{Collective, Completion, Engine, Job, RawBuf};
 pub use failure::{FailureBoard, Failures};

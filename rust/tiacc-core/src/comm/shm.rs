@@ -452,6 +452,8 @@ pub struct ShmGroup {
     /// not hold a region, on every member alike).
     sharing: bool,
     broken: Failed,
+    /// Bytes this member wrote into shared memory for the others to read.
+    sent: u64,
 }
 
 /// Forms the shared-memory group over `ring`'s members when they are all
@@ -560,6 +562,7 @@ pub fn attach(
         shared_runs: 0,
         sharing: true,
         broken: Failed::default(),
+        sent: 0,
     };
     if rank == 0 {
         group.seg.u64_at(0).store(MAGIC, Ordering::SeqCst);
@@ -1031,6 +1034,7 @@ impl ShmGroup {
             let set = self.next_set();
             // Write the parts the others need: their shards (sum) or our
             // own (gather). Our own shard's part stays in `buf` for a sum.
+            let mut written = 0;
             for j in 0..self.size {
                 if pass.sum.is_some() != (j == r) {
                     let part = cut.part(j, k);
@@ -1042,8 +1046,10 @@ impl ShmGroup {
                         }
                         _ => dst.copy_from_slice(src),
                     }
+                    written += src.len() as u64;
                 }
             }
+            self.sent += written;
             self.barrier_wait(deadline, pass.what)?;
             if let Some((tag_set, tag)) = tag_set.take() {
                 self.check_tags(tag_set, tag)?;
@@ -1056,6 +1062,10 @@ impl ShmGroup {
             match pass.sum {
                 Some(dtype) => {
                     let part = cut.part(r, k);
+                    if pass.into.is_some() || pass.gather {
+                        // The sums of our shard, which the others read.
+                        self.sent += part.len() as u64;
+                    }
                     let mine = &mut buf[part.clone()];
                     if pass.divisor != 1.0 {
                         dtype.div_assign(mine, pass.divisor);
@@ -1180,6 +1190,10 @@ impl Transport for ShmGroup {
 
     fn medium(&self) -> &'static str {
         "shared memory"
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent
     }
 
     fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()> {
@@ -1320,6 +1334,7 @@ impl Transport for ShmGroup {
                 if g.rank == root {
                     let src = &buf[piece.clone()];
                     g.own_slot(set, 0, src.len()).copy_from_slice(src);
+                    g.sent += src.len() as u64;
                 }
                 g.barrier_wait(deadline, "broadcast")?;
                 if g.rank != root {

@@ -234,6 +234,12 @@ pub trait Transport: Send {
     /// logs and checks.
     fn medium(&self) -> &'static str;
 
+    /// Payload bytes this rank has sent to the other members so far, over
+    /// the transport's life: what the TCP ring wrote to its socket (the
+    /// 32-byte collective headers not counted), or what a shared-memory
+    /// member wrote for the others to read. Only grows.
+    fn bytes_sent(&self) -> u64;
+
     /// Checks that every rank is about to run the same collective; the
     /// error names the ranks whose tag differs.
     fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()>;

@@ -9,7 +9,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -103,6 +103,8 @@ pub struct NcclCommunicator {
     /// and are then waited for (up to `wait`) before the next one.
     non_blocking: bool,
     wait: Duration,
+    /// Bytes of the send buffers handed to NCCL's collectives so far.
+    given: AtomicU64,
 }
 
 /// What a poll of a non-blocking communicator found.
@@ -229,6 +231,7 @@ impl NcclCommunicator {
             reason: Mutex::new(None),
             non_blocking: true,
             wait: deadline.timeout,
+            given: AtomicU64::new(0),
         };
         await_ready(
             || built.readiness("ncclCommInitRankConfig"),
@@ -299,6 +302,7 @@ impl NcclCommunicator {
             reason: Mutex::new(None),
             non_blocking: false,
             wait: Duration::ZERO,
+            given: AtomicU64::new(0),
         })
     }
 
@@ -316,6 +320,17 @@ impl NcclCommunicator {
 
     pub fn library(&self) -> &Arc<NcclLibrary> {
         &self.lib
+    }
+
+    /// Bytes of the send buffers handed to this communicator's collectives
+    /// so far (an allreduce's buffer, a reduce-scatter's whole input, an
+    /// allgather's or broadcast's part), counted when NCCL accepted the call.
+    pub fn bytes_given(&self) -> u64 {
+        self.given.load(Ordering::Relaxed)
+    }
+
+    fn count(&self, bytes: usize) {
+        self.given.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
     /// Whether abort or destroy has run.
@@ -402,6 +417,7 @@ impl NcclCommunicator {
         stream: CudaStream,
     ) -> Result<()> {
         let f = self.lib.fns().all_reduce;
+        let sent = count * dtype.size();
         self.call("ncclAllReduce", |comm| {
             // SAFETY: the caller guarantees the pointers, count and stream
             // (this function's contract); `comm` is live (checked in `call`).
@@ -417,6 +433,7 @@ impl NcclCommunicator {
                 )
             }
         })
+        .inspect(|()| self.count(sent))
     }
 
     /// Reduces `recv_count * size` elements at `send` over the group; rank
@@ -435,6 +452,7 @@ impl NcclCommunicator {
         stream: CudaStream,
     ) -> Result<()> {
         let f = self.lib.fns().reduce_scatter;
+        let sent = recv_count * self.size * dtype.size();
         self.call("ncclReduceScatter", |comm| {
             // SAFETY: as in `all_reduce`, under this function's contract.
             unsafe {
@@ -449,6 +467,7 @@ impl NcclCommunicator {
                 )
             }
         })
+        .inspect(|()| self.count(sent))
     }
 
     /// Gathers `send_count` elements from every rank into `recv`
@@ -466,6 +485,7 @@ impl NcclCommunicator {
         stream: CudaStream,
     ) -> Result<()> {
         let f = self.lib.fns().all_gather;
+        let sent = send_count * dtype.size();
         self.call("ncclAllGather", |comm| {
             // SAFETY: as in `all_reduce`, under this function's contract.
             unsafe {
@@ -479,6 +499,7 @@ impl NcclCommunicator {
                 )
             }
         })
+        .inspect(|()| self.count(sent))
     }
 
     /// Gathers `send_bytes` bytes from every rank into `recv`
@@ -496,6 +517,7 @@ impl NcclCommunicator {
         stream: CudaStream,
     ) -> Result<()> {
         let f = self.lib.fns().all_gather;
+        let sent = send_bytes;
         self.call("ncclAllGather", |comm| {
             // SAFETY: as in `all_reduce`, under this function's contract.
             unsafe {
@@ -509,6 +531,7 @@ impl NcclCommunicator {
                 )
             }
         })
+        .inspect(|()| self.count(sent))
     }
 
     /// Copies `count` elements at `root`'s `send` to every rank's `recv`.
@@ -530,6 +553,12 @@ impl NcclCommunicator {
                 self.size
             )));
         }
+        // Only the root's buffer is sent.
+        let sent = if root == self.rank {
+            count * dtype.size()
+        } else {
+            0
+        };
         let root = to_c_int(root, "root")?;
         let f = self.lib.fns().broadcast;
         self.call("ncclBroadcast", |comm| {
@@ -547,6 +576,7 @@ impl NcclCommunicator {
                 )
             }
         })
+        .inspect(|()| self.count(sent))
     }
 
     /// The communicator's asynchronous error: `Ok(None)` while healthy (or

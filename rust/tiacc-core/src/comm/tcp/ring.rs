@@ -41,6 +41,8 @@ pub struct TcpRing {
     stage: Vec<u8>,
     /// Set once a collective failed: the ring's streams are out of step.
     broken: Failed,
+    /// Payload bytes written to `next` so far (headers not counted).
+    sent: u64,
     /// The world rank of each member and the group's name, for messages
     /// (a 2D ring's ranks are its members' indices).
     members: Vec<usize>,
@@ -89,6 +91,7 @@ impl TcpRing {
             prev,
             stage: Vec::new(),
             broken: Failed::default(),
+            sent: 0,
             members: (0..size).collect(),
             group: "world",
         }
@@ -315,6 +318,7 @@ impl TcpRing {
                 let chunk = &buf[range.start + s_off..range.start + send_limit];
                 let k = send_some(next, chunk, &ctx, next_peer)?;
                 s_off += k;
+                self.sent += k as u64;
                 progressed |= k > 0;
             }
             if r_hdr < hdr_len {
@@ -507,13 +511,19 @@ impl Transport for TcpRing {
         "tcp"
     }
 
+    fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+
     fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> Result<()> {
         if self.size == 1 {
             return self.check_usable();
         }
         let mut all = vec![0u8; OpTag::LEN * self.size];
         all[self.rank * OpTag::LEN..(self.rank + 1) * OpTag::LEN].copy_from_slice(&tag.encode());
-        self.guarded(|ring| {
+        // Headers are not payload (see `bytes_sent`).
+        let sent = self.sent;
+        let result = self.guarded(|ring| {
             let steps = ring.allgather_steps(ring.size, OpTag::LEN);
             ring.run(
                 &mut all,
@@ -526,7 +536,9 @@ impl Transport for TcpRing {
             let tags: Vec<Option<OpTag>> =
                 all.chunks_exact(OpTag::LEN).map(OpTag::decode).collect();
             check_agreement(&tags, tag, |r| ring.world(r), |m| ring.ctx(m))
-        })
+        });
+        self.sent = sent;
+        result
     }
 
     fn allreduce_op(
