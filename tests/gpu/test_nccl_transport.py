@@ -7,6 +7,7 @@ variables, like the multi-process CPU tests.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,41 @@ WORKER = Path(__file__).resolve().parent / "_nccl_worker.py"
 CUDA_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
+def _two_nccl_ranks() -> dict[str, str]:
+    """The environment for two ranks over NCCL, or a skip saying why none.
+
+    One GPU per rank where there are two; else both ranks on GPU 0, which
+    NCCL 2.30 and later allows with ``NCCL_MULTI_RANK_GPU_ENABLE=1``. A test
+    that needs two ranks never runs with one instead.
+    """
+    gpus = torch.cuda.device_count()
+    if gpus >= 2:
+        return {}
+    import tiacc_training.torch.distributed as tdist
+
+    try:
+        version = tdist.nccl_version()
+    except Exception as e:  # no NCCL library loads
+        pytest.skip(f"needs two ranks over NCCL: {gpus} GPU here and no NCCL loads ({e})")
+    if version < (2, 30, 0):
+        found = ".".join(map(str, version))
+        pytest.skip(
+            f"needs two ranks over NCCL: {gpus} GPU here, and NCCL {found} cannot put two "
+            "ranks on one GPU (2.30 or later can: set TIACC_TRAINING_NCCL_LIBRARY and "
+            "LD_PRELOAD to a newer libnccl.so.2)"
+        )
+    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    library = os.environ.get("TIACC_TRAINING_NCCL_LIBRARY")
+    return {**env, "TIACC_TRAINING_NCCL_LIBRARY": library} if library else env
+
+
 def _launch(
     world: int,
     args: list[str],
     timeout: float = 600.0,
     one_gpu: bool = False,
     expect_failure: bool = False,
+    env: dict[str, str] | None = None,
 ) -> list[str]:
     """Runs `world` worker ranks; returns their stdout, failing on any error.
 
@@ -34,10 +64,10 @@ def _launch(
     tests check what happens where NCCL cannot share a GPU
     (``test_nccl_algorithms.py`` covers NCCL on a shared GPU). With
     ``expect_failure`` every rank must fail, and their stdout + stderr are
-    returned.
+    returned. ``env`` adds variables (``_two_nccl_ranks``'s).
     """
     shared = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_MULTI_RANK_GPU_ENABLE": "0"}
-    env = {**CUDA_ENV, **(shared if one_gpu else {})}
+    env = {**CUDA_ENV, **(shared if one_gpu else {}), **(env or {})}
     ranks = run_ranks(world, args, env=env, timeout=timeout, worker=WORKER)
     if expect_failure:
         assert all(r.returncode != 0 for r in ranks), describe(ranks)
@@ -61,23 +91,42 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact:
 
 @pytest.mark.parametrize("channels", [1, 4])
 def test_world_of_one_over_nccl_equals_native_ddp(tmp_path: Path, channels: int) -> None:
+    """One rank by design: the NCCL path's set-up and stream handling with
+    no peer (a sum over one rank leaves every bucket as it was)."""
     common = ["--out", str(tmp_path), "--steps", "50", "--backend", "nccl"]
     _launch(1, [*common, "--mode", "native"])
-    out = _launch(1, [*common, "--mode", "tiacc", "--transport", "nccl"])
+    tiacc_args = [*common, "--mode", "tiacc", "--transport", "nccl", "--channels", str(channels)]
+    out = _launch(1, tiacc_args)
     assert "DONE tiacc nccl" in out[0]
     _assert_equal(_params(tmp_path, "tiacc", 0), _params(tmp_path, "native", 0), exact=True)
 
 
+@pytest.mark.parametrize("channels", [1, 4])
+def test_two_ranks_over_nccl_equal_native_ddp(tmp_path: Path, channels: int) -> None:
+    """Two ranks (or a skip saying why there cannot be): a sum of two and
+    the halving are exact, so the engine's NCCL path equals native NCCL DDP
+    bit for bit."""
+    env = _two_nccl_ranks()
+    common = ["--out", str(tmp_path), "--steps", "50", "--backend", "nccl"]
+    _launch(2, [*common, "--mode", "native"], env=env)
+    tiacc_args = [*common, "--mode", "tiacc", "--transport", "nccl", "--channels", str(channels)]
+    out = _launch(2, tiacc_args, env=env)
+    assert all("DONE tiacc nccl" in o for o in out)
+    ours = [_params(tmp_path, "tiacc", r) for r in range(2)]
+    _assert_equal(ours[1], ours[0], exact=True)
+    _assert_equal(ours[0], _params(tmp_path, "native", 0), exact=True)
+
+
 def test_several_nccl_communicators_stay_deadlock_free(tmp_path: Path) -> None:
-    # NCCL refuses two ranks on one GPU: one rank per device, at most two.
-    world = min(2, torch.cuda.device_count())
+    # Two ranks, or a skip saying why there cannot be: one rank has no
+    # peer to deadlock with.
+    env = _two_nccl_ranks()
     args = ["--out", str(tmp_path), "--mode", "tiacc", "--transport", "nccl"]
     # Small buckets: many collectives per step, spread over four channels.
     args += ["--channels", "4", "--steps", "1000", "--bucket-cap-mb", "0.02", "--width", "128"]
-    out = _launch(world, args, timeout=900)
+    out = _launch(2, args, timeout=900, env=env)
     assert all("DONE tiacc nccl" in o for o in out)
-    if world > 1:
-        _assert_equal(_params(tmp_path, "tiacc", 0), _params(tmp_path, "tiacc", 1), exact=True)
+    _assert_equal(_params(tmp_path, "tiacc", 0), _params(tmp_path, "tiacc", 1), exact=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])
