@@ -1,13 +1,16 @@
 """One rank of a job that checks Horovod's collectives (``tiacc_training.torch.horovod``).
 
-Started by ``test_horovod_ops.py``, with torchrun's variables or (``--env
-horovod``) Horovod's only. ``--suite`` picks the checks: ``full`` (every op,
-dtype, reduction, async handles, grouped ops, objects, join, autograd,
-Adasum, errors; with 4 ranks also process sets), ``basics`` (layout, a few
-ops, shutdown and init again) or ``preinit`` (the script makes the default
-group before ``hvd.init()``). Each check compares the result with a
-reference computed here from every rank's input, which every rank can
-generate. The last line is ``RESULT {json}``.
+Started by ``test_horovod_ops.py``, with torchrun's variables, Horovod's
+only, or none (alone). ``--suite full`` checks every op, dtype, reduction,
+async handles, grouped and sparse ops, objects, join, autograd, Adasum and
+bad input (with 4 ranks also process sets, one given to ``init``);
+``--suite basics`` the layout, an allreduce, ``shutdown`` and ``init``
+again. ``--preinit``: the script makes the default group (the two lines,
+then its own ``init_process_group``) before ``hvd.init()``.
+``--peer-exit``: at the end rank 1 leaves and rank 0 expects
+``HorovodInternalError``. Each check compares the result with a reference
+computed here from every rank's input, which every rank can generate. The
+last line is ``RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -240,6 +243,22 @@ def check_grouped(n: int, me: int) -> None:
         reduce_ref(hvd.Sum, torch.float64, n, (n,), 56)[me : me + 1],
         "grouped_reducescatter 1",
     )
+
+
+def sparse_input(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s sparse 5x3 tensor: ``rank + 1`` entries, some shared."""
+    rows = torch.tensor([(rank + k) % 5 for k in range(rank + 1)])
+    cols = torch.tensor([k % 3 for k in range(rank + 1)])
+    values = torch.arange(rank + 1, dtype=torch.float32) + 1 + 10 * rank
+    return torch.sparse_coo_tensor(torch.stack([rows, cols]), values, (5, 3))
+
+
+def check_sparse(n: int, me: int) -> None:
+    dense = torch.stack([sparse_input(r).to_dense() for r in range(n)]).sum(0)
+    for op, want in ((hvd.Sum, dense), (hvd.Average, dense / n)):
+        got = hvd.synchronize(hvd.sparse_allreduce_async(sparse_input(me), name="sparse", op=op))
+        expect(got.is_sparse, True, f"sparse_allreduce_async {op!r} is sparse")
+        expect(got.to_dense(), want, f"sparse_allreduce_async {op!r}")
 
 
 def _rows_of(me: int, rows: int, n: int) -> slice:
@@ -537,25 +556,23 @@ def check_process_sets(n: int, me: int) -> dict[str, Any]:
     return {}
 
 
-def peer_exit(me: int) -> None:
-    """Rank 1 leaves after one allreduce; rank 0's next ones raise HorovodInternalError."""
+def peer_exit(me: int) -> dict[str, Any]:
+    """Rank 1 leaves; rank 0's next allreduces raise HorovodInternalError."""
     x = torch.ones(1000)
     hvd.allreduce(x, op=hvd.Sum)
     if me == 1:
         os._exit(0)
-    result: dict[str, Any] = {"error": None}
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             hvd.allreduce(x, op=hvd.Sum)
     except hvd.HorovodInternalError as error:
-        result = {
+        return {
             "error": type(error).__name__,
             "cause": type(error.__cause__).__name__,
             "runtime": isinstance(error, RuntimeError),
         }
-    print("RESULT " + json.dumps(result), flush=True)
-    os._exit(0)
+    return {"error": None}
 
 
 def served() -> dict[str, int]:
@@ -564,9 +581,11 @@ def served() -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--suite", default="full", choices=["full", "basics", "preinit", "peer_exit"]
-    )
+    parser.add_argument("--suite", default="full", choices=["full", "basics"])
+    # The script makes the default group (with the two lines) before hvd.init().
+    parser.add_argument("--preinit", action="store_true")
+    # After the suite, rank 1 leaves and rank 0 expects HorovodInternalError.
+    parser.add_argument("--peer-exit", action="store_true")
     args = parser.parse_args()
     result: dict[str, Any] = {}
     try:
@@ -577,9 +596,13 @@ def main() -> None:
             "an op before init",
         )
         raises(ValueError, "call hvd.init() first", hvd.rank, "rank before init")
-        if args.suite == "preinit":
-            import torch.distributed as dist
+        import torch.distributed as dist
 
+        first_set = None
+        if args.preinit:
+            import tiacc_training.torch.distributed as tdist
+
+            tdist.init_tiacc_training()
             dist.init_process_group("gloo")
             default = dist.distributed_c10d._get_default_group()
             hvd.init()
@@ -588,16 +611,27 @@ def main() -> None:
                 True,
                 "the script's group is used",
             )
+        elif args.suite == "full" and os.environ.get("WORLD_SIZE") == "4":
+            first_set = hvd.ProcessSet([0, 3])
+            hvd.init(process_sets=[first_set])
         else:
             hvd.init()
         n, me = hvd.size(), hvd.rank()
-        if args.suite == "peer_exit":
-            peer_exit(me)
         check_basics(n, me)
+        if first_set is not None:
+            expect(first_set.included(), me in (0, 3), "a set given to init")
+            if me in (0, 3):
+                expect(
+                    hvd.allreduce(torch.tensor([me]), op=hvd.Sum, process_set=first_set),
+                    torch.tensor([3]),
+                    "allreduce on a set given to init",
+                )
+            expect(hvd.remove_process_set(first_set), True, "remove a set given to init")
         if args.suite == "full":
             check_allreduce(n, me)
             check_async(n, me)
             check_grouped(n, me)
+            check_sparse(n, me)
             check_allgather_broadcast(n, me)
             check_alltoall_reducescatter(n, me)
             check_objects_barrier_join(n, me)
@@ -622,8 +656,6 @@ def main() -> None:
                 reduce_ref(hvd.Max, torch.float32, n, (3,), 1),
                 "allreduce after init again",
             )
-        import torch.distributed as dist
-
         backend = _backend.cpu_backend_of(None)
         result = {
             "checks": len(checks),
@@ -631,13 +663,18 @@ def main() -> None:
             "cpu_backend": type(backend).__name__,
             "env_rank": os.environ.get("RANK"),
         }
-        hvd.barrier()
-        hvd.shutdown()
-        if args.suite == "preinit":
+        if args.peer_exit:
+            result.update(peer_exit(me))
+        else:
+            hvd.barrier()
+            hvd.shutdown()
+        if args.preinit:
             result["group_kept"] = dist.is_initialized()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         exit_failed(exc, linger=2.0)
     print("RESULT " + json.dumps(result), flush=True)
+    if args.peer_exit:
+        os._exit(0)  # the engine cannot shut down in order without rank 1
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ from ._ops import (  # noqa: F401
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from ._process_sets import (  # noqa: F401

@@ -90,6 +90,7 @@ __all__ = [
     "poll",
     "reducescatter",
     "reducescatter_async",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 
@@ -950,6 +951,51 @@ def grouped_allgather(
 ) -> list[torch.Tensor]:
     """Allgathers each tensor of the list, as one operation."""
     return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts reducing a sparse COO tensor: every rank's entries, gathered.
+
+    The indices and values of all ranks are allgathered (one operation) and
+    make one uncoalesced sparse tensor of the input's shape, whose repeated
+    indices add up when it is coalesced or used; ``Average`` divides the
+    values by the set's size.
+
+    Args:
+        tensor: a sparse COO tensor (the same shape and dtype on every rank;
+            the number of entries may differ).
+        name: the operation's name.
+        op: ``Average`` (default) or ``Sum``.
+        process_set: the ranks taking part.
+
+    Returns:
+        A handle; :func:`synchronize` returns the sparse result.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError("sparse_allreduce_async takes a sparse COO tensor")
+    op = _op_of(None, op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async takes Average or Sum, not {op!r}")
+    process_set = resolve(process_set)
+    label = _name("sparse_allreduce", name)
+    indices = tensor._indices().t().contiguous()
+    values = tensor._values().contiguous()
+    pending = _allgather_start([indices, values], process_set, label, name is not None)
+    inner, n = pending.finish, len(process_set.ranks)
+
+    def finish() -> torch.Tensor:
+        all_indices, all_values = inner()
+        if op == Average:
+            all_values = all_values / n
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, tensor.shape)
+
+    pending.finish = finish
+    return _register(pending)
 
 
 # -- broadcast ---------------------------------------------------------------
