@@ -53,7 +53,7 @@ from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
 from ._perf import PerfCheck
 from ._rendezvous import check_same_config, default_store
-from ._state import logger, state
+from ._state import add_counters, engine_counters_of, logger, state
 
 __all__ = [
     "CommError",
@@ -308,23 +308,18 @@ def engine_counters() -> dict[tuple[str, str], dict[str, Any]]:
         ``"bf16"``): ``buckets``, ``bytes_in`` (as handed to the engine),
         ``wire_bytes`` (what this rank sent) and ``wire`` (the same per
         group: ``"world"``, ``"intra"``, ``"inter"``), summed over the
-        engines in use now. Empty before the first engine connects.
+        engines in use now and those stopped or replaced before. Empty
+        before the first engine connects.
     """
+    total: dict[tuple[str, str], dict[str, Any]] = {}
+    add_counters(total, state.retired_counters)
     engines = [state.engine]
     cuda = state.cuda
     if cuda is not None and getattr(cuda, "engine", None) is not state.engine:
         engines.append(cuda.engine)
-    total: dict[tuple[str, str], dict[str, Any]] = {}
     for engine in engines:
-        if engine is None or not hasattr(engine, "counters"):
-            continue
-        for key, row in engine.counters().items():
-            empty = {"buckets": 0, "bytes_in": 0, "wire_bytes": 0}
-            into = total.setdefault(key, {**empty, "wire": dict.fromkeys(row["wire"], 0)})
-            for name in ("buckets", "bytes_in", "wire_bytes"):
-                into[name] += row[name]
-            for group, n in row["wire"].items():
-                into["wire"][group] += n
+        if engine is not None:
+            add_counters(total, engine_counters_of(engine))
     return total
 
 

@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiacc_training import _engine
+
 logger = logging.getLogger("tiacc_training")
 
 
@@ -62,6 +64,51 @@ class State:
     native: Counter[str] = field(default_factory=Counter)
     accumulated: int = 0
     warned: set[str] = field(default_factory=set)
+    # What the engines stopped or replaced so far counted themselves, per
+    # (path, codec) (``stats()["engine"]`` adds the engines in use): an
+    # engine's counters are folded in here when ``engine`` or ``cuda``
+    # stops pointing at it, so the summary at exit still has them after
+    # ``destroy_process_group``.
+    retired_counters: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Sets a field, keeping the counters of an engine that leaves.
+
+        An engine leaving ``engine``, or the NCCL path's device engine
+        leaving ``cuda``, adds its counters to ``retired_counters`` (host
+        staging runs on a CPU engine, counted when that one leaves).
+        """
+        old = self.__dict__.get(name) if name in ("engine", "cuda") else None
+        if old is not None and old is not value:
+            engine = old if name == "engine" else getattr(old, "engine", None)
+            staging = engine is self.__dict__.get("engine") or isinstance(
+                engine, (_engine.CommEngine, type(None))
+            )
+            if name == "engine" or not staging:
+                add_counters(self.retired_counters, engine_counters_of(engine))
+        super().__setattr__(name, value)
+
+
+def engine_counters_of(engine: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """An engine's own counters (``counters()``).
+
+    Empty for an object without them (a test's stand-in).
+    """
+    counters = getattr(engine, "counters", None)
+    return counters() if callable(counters) else {}
+
+
+def add_counters(
+    total: dict[tuple[str, str], dict[str, Any]], counters: dict[tuple[str, str], dict[str, Any]]
+) -> None:
+    """Adds ``counters`` (an engine's, per (path, codec)) into ``total``."""
+    for key, row in counters.items():
+        empty = {"buckets": 0, "bytes_in": 0, "wire_bytes": 0}
+        into = total.setdefault(key, {**empty, "wire": dict.fromkeys(row["wire"], 0)})
+        for name in ("buckets", "bytes_in", "wire_bytes"):
+            into[name] += row[name]
+        for group, n in row["wire"].items():
+            into["wire"][group] = into["wire"].get(group, 0) + n
 
 
 state = State()
