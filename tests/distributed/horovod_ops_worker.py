@@ -365,6 +365,30 @@ def check_objects_barrier_join(n: int, me: int) -> None:
     expect(0 <= again < n, True, "a second join names a rank")
 
 
+def check_join_uneven(n: int, me: int) -> None:
+    """Rank r runs r + 1 allreduces, then joins; the joined ranks add zeros."""
+    for k in range(me + 1):
+        x = torch.full((5,), float(me + 1))
+        got = hvd.allreduce(x, op=hvd.Sum, name=f"uneven.{k}")
+        # Ranks k .. n-1 are still working at the k-th allreduce.
+        expect(got, torch.full((5,), float(sum(r + 1 for r in range(k, n)))), f"join: sum {k}")
+        avg = hvd.allreduce(torch.full((3,), 8.0 * (me + 1)), op=hvd.Average)
+        want = 8.0 * sum(r + 1 for r in range(k, n)) / n
+        expect(avg, torch.full((3,), want), f"join: average {k} over the job's size")
+    if me == n - 1:
+        # Alone now: a grouped allreduce of two dtypes, Adasum (zeros change nothing),
+        # and an operation join does not serve.
+        ints, floats = hvd.grouped_allreduce(
+            [torch.tensor([1, 2], dtype=torch.int64), torch.tensor([0.5])], op=hvd.Sum
+        )
+        expect(ints, torch.tensor([1, 2], dtype=torch.int64), "join: grouped int")
+        expect(floats, torch.tensor([0.5]), "join: grouped float")
+        v = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+        expect(hvd.allreduce(v, op=hvd.Adasum), v, "join: Adasum of one working rank", atol=1e-12)
+        raises(ValueError, "called hvd.join()", lambda: hvd.broadcast(v, 0), "join: broadcast")
+    expect(hvd.join(), n - 1, "join after uneven work names the busiest rank")
+
+
 def check_autograd(n: int, me: int) -> None:
     w = [data(r, torch.float64, (4,), 130) for r in range(n)]
     for op in (hvd.Sum, hvd.Average):
@@ -635,6 +659,7 @@ def main() -> None:
             check_allgather_broadcast(n, me)
             check_alltoall_reducescatter(n, me)
             check_objects_barrier_join(n, me)
+            check_join_uneven(n, me)
             check_autograd(n, me)
             check_adasum(list(range(n)), me)
             check_errors(n, me)

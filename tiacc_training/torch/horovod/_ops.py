@@ -376,6 +376,88 @@ def _agree(
         _agreed[key] = tuple(rows)
 
 
+# The control exchange of the global set: every operation on it starts with
+# one allgather of a fixed-size row per rank, so that ranks inside join()
+# (which only run these exchanges) learn what the others do.
+_ACTIVE, _JOINED = 0, 1
+_KINDS = {
+    "allreduce": 1,
+    "grouped_allreduce": 1,
+    "allgather": 2,
+    "grouped_allgather": 2,
+    "broadcast": 3,
+    "alltoall": 4,
+    "reducescatter": 5,
+    "grouped_reducescatter": 5,
+    "barrier": 6,
+}
+_ALLREDUCE_KIND = 1
+_MAX_BUFFERS = 6
+_HEADER = 6
+
+
+def _control_row(
+    flag: int, kind: int, op: int, digest: int, unit_post: bool, buffers: Sequence[Sequence[int]]
+) -> list[int]:
+    """``[flag, kind, op, digest, unit postscale, buffers, (dtype, numel, tensors, device)...]``."""
+    row = [flag, kind, op, digest, int(unit_post), len(buffers)]
+    for buffer in buffers:
+        row.extend(buffer)
+    return row + [0] * (_HEADER + 4 * _MAX_BUFFERS - len(row))
+
+
+def _check(
+    kind: str,
+    name: str,
+    named: bool,
+    tensors: Sequence[torch.Tensor],
+    process_set: ProcessSet,
+    skip_first: bool = False,
+    extra: Sequence[int] = (),
+    buffers: Sequence[Sequence[int]] = (),
+    unit_post: bool = True,
+) -> None:
+    """Checks the ranks agree on the operation (and, on the global set, on join).
+
+    On a process set of its own this is :func:`_agree`. On the global set
+    every operation exchanges a control row: the kind, op, a digest of the
+    dtypes and shapes, and the fused buffers an allreduce will reduce, so
+    that ranks waiting in :func:`join` can take part in allreduces with
+    zeros. Other operations raise while a rank has joined.
+
+    Raises:
+        ValueError: the ranks' tensors or arguments differ, or an operation
+            other than allreduce runs while a rank has joined.
+    """
+    if process_set is not global_process_set:
+        _agree(kind, name, named, tensors, process_set, skip_first, extra)
+        return
+    rows = [v for t in tensors for v in _describe(t, skip_first)] + list(extra)
+    digest = hash(tuple(rows)) & ((1 << 62) - 1)
+    if len(buffers) > _MAX_BUFFERS:
+        raise ValueError(
+            f"{kind} {name!r}: tensors of more than {_MAX_BUFFERS} dtypes/devices in one operation"
+        )
+    mine = _control_row(
+        _ACTIVE, _KINDS[kind], int(extra[0]) if extra else 0, digest, unit_post, buffers
+    )
+    every = _gather_ints(mine, process_set, tensors[0] if tensors else None)
+    joined = [process_set.ranks[i] for i, row in enumerate(every) if row[0] == _JOINED]
+    if joined and _KINDS[kind] != _ALLREDUCE_KIND:
+        raise ValueError(
+            f"{kind} {name!r}: rank(s) {joined} called hvd.join(); after a join only "
+            "allreduce runs until every rank has joined"
+        )
+    active = [row for row in every if row[0] == _ACTIVE]
+    if all(row == active[0] for row in active):
+        return
+    if joined:
+        raise ValueError(f"{kind} {name!r}: the ranks' tensors or arguments differ")
+    # Every rank saw the difference: one more exchange names it.
+    _agree(kind, name, False, tensors, process_set, skip_first, extra)
+    raise ValueError(f"{kind} {name!r}: the ranks' tensors or arguments differ")
+
+
 def _op_of(average: bool | None, op: Any, default: ReduceOp = Average) -> ReduceOp:
     if average is not None and op is not None:
         raise ValueError("average= and op= cannot both be given (average is deprecated: use op=)")
@@ -444,15 +526,16 @@ def _allreduce_start(
     name: str,
     named: bool,
     kind: str,
+    serving: bool = False,
 ) -> _Pending:
     """Reduces ``tensors`` into ``outputs`` (which may be the same tensors).
 
     Tensors of one dtype and device are fused into one flat buffer and one
-    collective.
+    collective. ``serving``: a rank inside :func:`join` taking part with
+    zeros (the control exchange already ran).
     """
     _check_scales(prescale_factor, postscale_factor)
     _mark(name, "ALLREDUCE", "negotiate")
-    _agree(kind, name, named, tensors, process_set, extra=[int(op)])
     n = len(process_set.ranks)
     group = process_set.group
     if op == Adasum:
@@ -462,6 +545,26 @@ def _allreduce_start(
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.dtype, t.device), []).append(i)
+    if not serving:
+        buffers = [
+            [
+                _DTYPE_CODE.get(dtype, -1),
+                sum(tensors[i].numel() for i in members),
+                len(members),
+                int(device.type == "cuda"),
+            ]
+            for (dtype, device), members in groups.items()
+        ]
+        _check(
+            kind,
+            name,
+            named,
+            tensors,
+            process_set,
+            extra=[int(op)],
+            buffers=buffers,
+            unit_post=postscale_factor == 1.0,
+        )
     plans: list[tuple[torch.Tensor, list[int], float]] = []
 
     def start() -> list[Any]:
@@ -810,6 +913,8 @@ def _allgather_start(
 ) -> _Pending:
     """Gathers each tensor along its first dimension (sizes may differ across ranks)."""
     _mark(name, "ALLGATHER", "negotiate")
+    if process_set is global_process_set:
+        _check("allgather", name, named, [], process_set)
     flat = [t.reshape(1) if t.dim() == 0 else t.contiguous() for t in tensors]
     rows = [v for t in flat for v in _describe(t, skip_first=True)]
     firsts = [t.shape[0] for t in flat]
@@ -1026,7 +1131,7 @@ def _broadcast_start(
     named: bool,
 ) -> _Pending:
     _mark(name, "BROADCAST", "negotiate")
-    _agree("broadcast", name, named, [tensor], process_set, extra=[root_rank])
+    _check("broadcast", name, named, [tensor], process_set, extra=[root_rank])
     buffer = output if output.is_contiguous() else output.contiguous()
     if buffer is not tensor and _basics.rank() == root_rank:
         buffer.copy_(tensor)
@@ -1141,6 +1246,8 @@ def _alltoall_start(
     tensor: torch.Tensor, splits: Any, process_set: ProcessSet, name: str
 ) -> _Pending:
     _mark(name, "ALLTOALL", "negotiate")
+    if process_set is global_process_set:
+        _check("alltoall", name, False, [], process_set)
     n = len(process_set.ranks)
     tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
     rows = tensor.shape[0]
@@ -1291,7 +1398,7 @@ def _reducescatter_start(
     _check_scales(prescale_factor, postscale_factor)
     _mark(name, "REDUCESCATTER", "negotiate")
     flat = [t.reshape(1) if t.dim() == 0 else t for t in tensors]
-    _agree("reducescatter", name, named, flat, process_set, extra=[int(op)])
+    _check("reducescatter", name, named, flat, process_set, extra=[int(op)])
     n = len(process_set.ranks)
     me = process_set.ranks.index(_basics.rank())
     plans: list[tuple[torch.Tensor, int, float]] = []
@@ -1464,6 +1571,8 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     _mark(name, "BARRIER", "negotiate")
     if len(process_set.ranks) == 1:
         return
+    if process_set is global_process_set:
+        _check("barrier", name, False, [], process_set)
     pending = _submit(
         name,
         "BARRIER",
@@ -1479,23 +1588,21 @@ _join_rounds = itertools.count()
 def join(device: int = -1) -> int:
     """Says this rank has finished its work; returns the rank that finished last.
 
-    Every rank of the job calls it; it returns on every rank once all have,
-    with the global rank of the last one to call it (its arrival is counted
-    in the job's store).
-
-    Limit: Horovod lets the ranks that have not joined yet keep running
-    allreduces, with the joined ranks contributing zeros. Here a joined rank
-    takes part in nothing until every rank has joined, so every collective
-    issued before ``join()`` must be issued by every rank (even out the
-    number of batches per rank, e.g. with ``drop_last`` samplers); a
-    collective only some ranks issue fails with ``HorovodInternalError``
-    after the engine's timeout.
+    Every rank of the job calls it. Until every rank has, the ranks inside
+    ``join()`` take part in the allreduces (and grouped allreduces) the
+    others still run on the global set, with zeros, as in Horovod: a sum
+    is the sum over the ranks still working, an average that sum divided
+    by the job's size, Adasum that of the working ranks (a zero vector
+    changes nothing), Min/Max/Product include the zeros. Any other
+    operation on the global set raises ``ValueError`` on the working ranks
+    while a rank has joined; operations on other process sets cannot see
+    the joined ranks and must not include them.
 
     Args:
         device: accepted for Horovod's signature; unused.
 
     Returns:
-        The global rank that joined last.
+        The global rank that joined last, on every rank.
     """
     _basics.check_initialized()
     name = f"join.{next(_join_rounds)}"
@@ -1511,12 +1618,46 @@ def join(device: int = -1) -> int:
     if arrived == size:
         store.set(f"{key}/last", str(_basics.rank()))
     _mark(name, "JOIN", "communicate")
+    while True:
+        every = _gather_ints(_control_row(_JOINED, 0, 0, 0, True, []), global_process_set, None)
+        active = [row for row in every if row[0] == _ACTIVE]
+        if not active:
+            break
+        if active[0][1] == _ALLREDUCE_KIND and all(row == active[0] for row in active):
+            _serve_allreduce(active[0], name)
     try:
         last = int(store.get(f"{key}/last"))
     except RuntimeError as error:
         raise HorovodInternalError(f"join: not every rank joined in time ({error})") from error
     _mark(name, "JOIN", "done")
     return last
+
+
+def _serve_allreduce(row: list[int], name: str) -> None:
+    """A joined rank's part in the others' allreduce: zeros of the same buffers."""
+    op = _OPS[row[2]]
+    tensors: list[torch.Tensor] = []
+    for b in range(row[5]):
+        code, numel, count, cuda = row[_HEADER + 4 * b : _HEADER + 4 * b + 4]
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dtype = _DTYPES[code]
+        # The same fused length and number of tensors (Adasum's dot products are per tensor).
+        tensors.append(torch.zeros(numel, dtype=dtype, device=device))
+        tensors.extend(torch.zeros(0, dtype=dtype, device=device) for _ in range(count - 1))
+    post = 1.0 if row[4] else 0.5  # only whether it is 1 matters (the choice of reduction)
+    pending = _allreduce_start(
+        tensors,
+        tensors,
+        op,
+        1.0,
+        post,
+        global_process_set,
+        f"{name}.allreduce",
+        False,
+        "allreduce",
+        serving=True,
+    )
+    _complete(pending)
 
 
 def _object_bytes(obj: Any, device: torch.device) -> torch.Tensor:
