@@ -19,11 +19,20 @@ Semantics as in Horovod:
   across ranks; ``reducescatter`` splits the first dimension as Horovod
   does (the first ``rows % size`` ranks get one row more).
 * Before the data moves, the ranks compare each tensor's dtype and shape
-  (a small allgather): a mismatch raises ``ValueError`` naming the ranks,
-  on every rank. For a named operation the comparison runs the first time
-  the name is seen with that dtype and shape, after which the same name
-  and shape go straight to the data; unnamed operations are compared every
-  time (name hot-loop tensors, as ``DistributedOptimizer`` does).
+  (a small allgather): a mismatch raises ``ValueError`` on every rank,
+  naming the ranks and shapes where it can. On the global set this
+  exchange runs for every operation and also carries what :func:`join`
+  needs (the kind of operation and its fused buffers), so ranks inside
+  ``join()`` take part in the others' allreduces. On another process set
+  it runs the first time a name is seen with a dtype and shape, after
+  which the same name and shape go straight to the data; unnamed
+  operations there are compared every time.
+* Asynchronous means the data moves in the background: the shape exchange
+  (and, for ``allgather`` and ``alltoall``, the exchange of sizes) happens
+  in the call, and Adasum runs to the end in the call.
+* Uneven ``alltoall`` and ``allgather`` blocks travel padded to the widest
+  block, so every rank makes the same equal-split call, which the engine
+  runs.
 * Gradients flow through ``allreduce``, ``allgather``, ``broadcast`` and
   ``alltoall`` (not their in-place or asynchronous forms).
 * A collective that fails because a peer left or timed out raises

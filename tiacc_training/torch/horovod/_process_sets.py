@@ -14,7 +14,9 @@ destroyed at any time, so sets can always be added and removed after
 ``init()``; the variable is accepted and changes nothing.
 
 Root ranks (``broadcast(root_rank=...)``) are global ranks, as in Horovod;
-:meth:`ProcessSet.rank` is the rank within the set.
+:meth:`ProcessSet.rank` is the rank within the set. ``hvd.join()`` concerns
+the global set: ranks inside it serve the global set's allreduces only, so
+an operation on another set must not include a rank that has joined.
 """
 
 from __future__ import annotations
