@@ -60,6 +60,9 @@ class _Bucket:
     ready: int = 0
     # What is in flight: ("engine", future, contexts) or ("ops", handle, contexts).
     pending: tuple[Any, ...] | None = None
+    # The flat buffer the engine reduces, kept from step to step (the
+    # engine is done with it once synchronize() has waited for it).
+    flat: torch.Tensor | None = None
 
 
 @dataclass
@@ -172,7 +175,8 @@ class _DistributedMixin:
         name = f"DistributedOptimizer.bucket.{bucket.number}"
         carrier = self._hvd_carrier(compressed)
         if carrier is not None:
-            flat = torch.cat([c.reshape(-1) for c in compressed])
+            flat = _flat_buffer(bucket, compressed)
+            torch.cat([c.reshape(-1) for c in compressed], out=flat)
             if self._hvd_op is Average and self._hvd_predivide != 1.0:
                 flat.mul_(1.0 / self._hvd_predivide)
             perf = _dstate.perf
@@ -341,6 +345,21 @@ class _DistributedMixin:
                 "would be overwritten"
             )
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+
+
+def _flat_buffer(bucket: _Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bucket's flat buffer for ``tensors`` (one dtype and device), reused."""
+    total = sum(t.numel() for t in tensors)
+    flat = bucket.flat
+    like = tensors[0]
+    if (
+        flat is None
+        or flat.numel() != total
+        or flat.dtype != like.dtype
+        or flat.device != like.device
+    ):
+        flat = bucket.flat = torch.empty(total, dtype=like.dtype, device=like.device)
+    return flat
 
 
 def _legacy_hook(optimizer: _DistributedMixin, p: torch.nn.Parameter, *unused: Any) -> None:
