@@ -154,10 +154,6 @@ pub const IGNORED: &[(&str, &str)] = &[
         "no autotuner; TIACC_TRAINING_ALGORITHM=auto measures flat against 2D at start-up",
     ),
     (
-        "HOROVOD_TIMELINE",
-        "no timeline; TIACC_TRAINING_PERF_CHECK_N_STEPS reports slow ranks",
-    ),
-    (
         "HOROVOD_GPU_OPERATIONS",
         "TIACC_TRAINING_TRANSPORT chooses what carries CUDA gradients",
     ),
