@@ -224,19 +224,44 @@ def probe_input(kind: str, rank: int, world: int) -> torch.Tensor:
 def probe(args: argparse.Namespace) -> None:
     """One backward pass of a DDP model whose gradient is exactly this
     rank's ``probe_input`` (a bias-free linear layer fed that input): saves
-    the input, the gradient DDP ends with and how many buckets the hook
-    handed to the engine, for the test to compare with its own reference."""
+    the input, the gradient DDP ends with, how many buckets the hook
+    handed to the engine and what the engine's own counters
+    (``tdist.stats()["engine"]``) gained in that pass, for the test to
+    compare with its own references."""
     from tiacc_training.torch.distributed._state import state
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x = probe_input(args.probe, rank, world)
     layer = nn.Linear(PROBE_LEN, 1, bias=False)
     ddp = nn.parallel.DistributedDataParallel(layer)
-    before = state.engine_buckets
+    before, counted = state.engine_buckets, tdist.stats()["engine"]
     ddp(x.unsqueeze(0)).sum().backward()
     carried = state.engine_buckets - before
     grad = layer.weight.grad.detach().reshape(-1).clone()
-    torch.save({"input": x, "grad": grad, "carried": carried}, args.out / f"probe_rank{rank}.pt")
+    torch.save(
+        {
+            "input": x,
+            "grad": grad,
+            "carried": carried,
+            "counted": counters_gained(counted, tdist.stats()["engine"]),
+        },
+        args.out / f"probe_rank{rank}.pt",
+    )
+
+
+def counters_gained(before: dict, after: dict) -> dict:
+    """Per (path, codec) whose counters changed: what each field gained."""
+    gained = {}
+    for key, row in after.items():
+        old = before.get(key, {"buckets": 0, "bytes_in": 0, "wire": {}})
+        if row["buckets"] == old["buckets"]:
+            continue
+        gained[key] = {
+            "buckets": row["buckets"] - old["buckets"],
+            "bytes_in": row["bytes_in"] - old["bytes_in"],
+            "wire": {g: n - old["wire"].get(g, 0) for g, n in row["wire"].items()},
+        }
+    return gained
 
 
 def check_dtypes(engine: object) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +46,61 @@ def assert_probe(out: Path, world: int, reference: Callable) -> torch.Tensor:
             diff = (p["grad"] - want).abs().max().item()
             raise AssertionError(f"rank {rank}: the gradient is off the reference by {diff}")
     return want
+
+
+def transports(rank: object) -> dict[str, str]:
+    """What carries each group's bytes on a rank (its ``ENGINE_TRANSPORTS``
+    line): ``{"world": medium}``, plus ``"intra-node"``/``"inter-node"`` with 2D."""
+    for line in rank.stdout.splitlines():  # type: ignore[attr-defined]
+        if line.startswith("ENGINE_TRANSPORTS="):
+            return ast.literal_eval(line.split("=", 1)[1])
+    raise AssertionError(f"no ENGINE_TRANSPORTS line in {rank.stdout[-2000:]}")  # type: ignore[attr-defined]
+
+
+def shard_bytes(elems: int, parts: int, index: int, elem: int) -> int:
+    """Bytes of shard ``index`` when ``elems`` elements are cut into
+    ``parts`` shards of ``ceil(elems / parts)`` (the last ones shorter)."""
+    chunk = -(-elems // parts)
+    start = min(index * chunk, elems)
+    return (min(start + chunk, elems) - start) * elem
+
+
+def allreduce_wire(medium: str, elems: int, elem: int, parts: int, rank: int) -> int:
+    """Bytes member ``rank`` of ``parts`` sends in an allreduce of ``elems``
+    elements of ``elem`` bytes. The TCP ring's reduce-scatter sends every
+    shard but the member's own, its allgather every shard but the next
+    member's; in shared memory a member writes the others' parts of its
+    buffer and the sums of its own shard, each once: the whole buffer."""
+    if medium == "tcp":
+        shard = lambda i: shard_bytes(elems, parts, i % parts, elem)  # noqa: E731
+        return 2 * elems * elem - shard(rank) - shard(rank + 1)
+    assert medium == "shared memory", medium
+    return elems * elem
+
+
+def allgather_wire(medium: str, block: int, parts: int) -> int:
+    """Bytes a member sends in an allgather of one ``block`` per member: the
+    ring passes on every block but the next member's; in shared memory a
+    member writes its own once."""
+    if medium == "tcp":
+        return (parts - 1) * block
+    assert medium == "shared memory", medium
+    return block
+
+
+def assert_counted(
+    found: list[dict], key: tuple[str, str], wire: Callable[[int], dict[str, int]]
+) -> None:
+    """The engine's own counters on every rank: the probe's one bucket (its
+    float32 bytes) under ``key`` (path, codec) and nothing else, and the bytes
+    each rank sent per group, ``wire(rank)`` (groups left out: none)."""
+    for rank, p in enumerate(found):
+        counted = p["counted"]
+        assert list(counted) == [key], f"rank {rank}: the engine counted {counted}"
+        row = counted[key]
+        assert (row["buckets"], row["bytes_in"]) == (1, p["input"].numel() * 4), (rank, row)
+        want = {"world": 0, "intra": 0, "inter": 0, **wire(rank)}
+        assert row["wire"] == want, f"rank {rank}: sent {row['wire']}, expected {want}"
 
 
 def exact_mean(inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -149,6 +206,20 @@ def test_training_matches_native_ddp(tmp_path: Path, world: int, channels: int) 
     grad = assert_probe(tmp_path, world, lambda inputs: probes(tmp_path, world)[0]["grad"])
     inputs = [p["input"] for p in probes(tmp_path, world)]
     torch.testing.assert_close(grad.double(), exact_mean(inputs), rtol=1e-6, atol=1e-6)
+    # The engine counted the bucket and the bytes its transport sent.
+    medium = transports(ranks[0])["world"]
+    n = grad.numel()
+    assert_counted(
+        probes(tmp_path, world),
+        ("ring", "none"),
+        lambda r: {"world": allreduce_wire(medium, n, 4, world, r)},
+    )
+    # Rank 0's summary at exit says what the engine counted: every bucket of
+    # the 20 steps and the probe's, on the flat path without a codec.
+    summary = re.search(
+        r"ring/none: (\d+) buckets, ([\d.]+) MiB in, ([\d.]+) MiB on the wire", ranks[0].stderr
+    )
+    assert summary and int(summary[1]) > 20, ranks[0].stderr[-3000:]
 
 
 def test_ranks_each_in_a_mount_namespace_of_their_own_share_memory(tmp_path: Path) -> None:
@@ -280,15 +351,37 @@ def final_losses(stdout: str) -> dict[str, float]:
     }
 
 
-@pytest.mark.parametrize("compression", ["fp16", "bf16"])
-def test_half_precision_compression_converges_like_native(tmp_path: Path, compression: str) -> None:
+@pytest.mark.parametrize(
+    ("compression", "shm"), [("fp16", "1"), ("bf16", "0")], ids=["fp16-shm", "bf16-tcp"]
+)
+def test_half_precision_compression_converges_like_native(
+    tmp_path: Path, compression: str, shm: str
+) -> None:
+    """Compressed buckets over shared memory (fp16) and the TCP ring (bf16)."""
     ranks = run_ranks(
         4,
         ["--out", str(tmp_path), "--steps", "300", "--learnable", "--probe", compression],
-        env={"TIACC_TRAINING_COMPRESSION": compression, "TIACC_TRAINING_TIMEOUT": "60"},
+        env={
+            "TIACC_TRAINING_COMPRESSION": compression,
+            "TIACC_TRAINING_SHM": shm,
+            "TIACC_TRAINING_TIMEOUT": "60",
+        },
     )
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     assert f"ENGINE_COMPRESSION={compression}" in ranks[0].stdout
+    medium = transports(ranks[0])["world"]
+    if shm == "0":
+        assert medium == "tcp", medium
+    # On the wire: 2-byte elements, exactly half the bytes the transport
+    # sends for the float32 bucket.
+    n = probes(tmp_path, 4)[0]["input"].numel()
+    assert_counted(
+        probes(tmp_path, 4),
+        ("ring", compression),
+        lambda r: {"world": allreduce_wire(medium, n, 2, 4, r)},
+    )
+    for r in range(4):
+        assert 2 * allreduce_wire(medium, n, 2, 4, r) == allreduce_wire(medium, n, 4, 4, r)
     assert_bitwise_identical_across_ranks(tmp_path, 4)
     # Known gradients no half type holds: the result is each rank's share
     # rounded to the wire type, summed; not the exact average (which an
@@ -342,8 +435,24 @@ def test_two_d_allreduce_on_two_emulated_nodes(tmp_path: Path, extra: dict[str, 
     tolerance = {"rtol": 1e-2, "atol": 1e-3} if extra else {"rtol": 1e-4, "atol": 1e-5}
     for name, value in native.items():
         torch.testing.assert_close(ours[name], value, msg=name, **tolerance)
-    # The probe's one bucket (4 KB) is under the threshold: 2D.
+    # The probe's one bucket (4 KB) is under the threshold: 2D. Inside the
+    # node, the whole bucket in float32 (a reduce-scatter and an allgather
+    # among 2); between nodes, this rank's half of it (its intra-node
+    # shard), in float16 only with scope inter.
     inputs = [p["input"] for p in probes(tmp_path, 4)]
+    media = transports(ranks[0])
+    n = probes(tmp_path, 4)[0]["input"].numel()
+    inter_elem = 2 if extra else 4
+    assert_counted(
+        probes(tmp_path, 4),
+        ("2d", "fp16" if extra else "none"),
+        lambda r: {
+            "intra": allreduce_wire(media["intra-node"], n, 4, 2, r % 2),
+            "inter": allreduce_wire(
+                media["inter-node"], shard_bytes(n, 2, r % 2, 1), inter_elem, 2, r // 2
+            ),
+        },
+    )
     if not extra:
         grad = probes(tmp_path, 4)[0]["grad"]
         assert_probe(tmp_path, 4, lambda _: grad)
@@ -436,6 +545,30 @@ def test_top_k_with_error_feedback_trains_identically_on_every_rank(
     n = grad.numel()
     senders = 2 * 2 if two_d else 4  # 2 nodes on 2 shards, or 4 ranks
     assert 0 < int((grad != 0).sum()) <= senders * math.ceil(n / (2 if two_d else 1) * 0.01)
+    # On the wire, each sender's block of ceil(1% of its elements) pairs:
+    # a 4-byte index and a 4-byte (or float16) value each, the block
+    # padded to 8 bytes; 2D sends its node's bucket densely inside it.
+    value = 2 if fp16_values else 4
+
+    def block(elems: int) -> int:
+        return -(-math.ceil(elems * 0.01) * (4 + value) // 8) * 8
+
+    media = transports(ranks[0])
+    if two_d:
+
+        def wire(r: int) -> dict[str, int]:
+            shard = shard_bytes(n, 2, r % 2, 1)
+            return {
+                "intra": allreduce_wire(media["intra-node"], n, 4, 2, r % 2),
+                "inter": allgather_wire(media["inter-node"], block(shard), 2),
+            }
+
+    else:
+
+        def wire(r: int) -> dict[str, int]:
+            return {"world": allgather_wire(media["world"], block(n), 4)}
+
+    assert_counted(probes(tmp_path, 4), ("2d+topk" if two_d else "topk", "none"), wire)
     # Learning, slower than dense.
     losses = final_losses(ranks[0].stdout)
     # Untrained, the 10-class loss is about 2.3.
