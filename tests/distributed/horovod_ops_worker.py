@@ -155,6 +155,9 @@ def check_allreduce(n: int, me: int) -> None:
         want_int,
         "integer Average with scale factors",
     )
+    # Through fp16 on the wire: back in float32, the values are small integers (exact).
+    got = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16)
+    expect(got, reduce_ref(hvd.Sum, torch.float32, n, shape, 7), "allreduce with fp16 compression")
     # A non-contiguous tensor in place.
     z = data(me, torch.float32, (3, 4), 9).t()
     hvd.allreduce_(z, op=hvd.Sum)

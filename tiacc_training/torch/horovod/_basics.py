@@ -66,6 +66,8 @@ class _Job:
     homogeneous: bool = True
     # Whether init() created the default group (then shutdown() destroys it).
     created_group: bool = False
+    # Default groups init() made in this process (keeps their ports apart).
+    groups_made: int = 0
     # Every rank's (host, local rank, local size), in rank order.
     layout: list[tuple[str, int, int]] = field(default_factory=list)
 
@@ -168,7 +170,6 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         ConfigError: an engine setting is invalid or differs across ranks.
     """
     from tiacc_training.torch import distributed as tdist
-    from tiacc_training.torch.distributed import _group
     from tiacc_training.torch.distributed._state import state
 
     from . import _process_sets
@@ -180,16 +181,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         tdist.init_tiacc_training()
         created = False
         if not dist.is_initialized():
-            _group.ensure_group()
+            _create_group(state)
             created = True
-            if not dist.is_initialized():  # the script destroyed a group of its own before
-                from tiacc_training.torch.distributed import _launch
-
-                launch, arguments = _launch.group_arguments(
-                    None, state.config, state.launch or _launch.launch_env()
-                )
-                state.pending_launch = launch
-                dist.init_process_group(**arguments)
         world = dist.get_world_size()
         if comm is not None and not _is_whole_world(comm, world):
             raise ValueError(
@@ -209,6 +202,26 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     except ImportError:  # pragma: no cover - the timeline module is part of the package
         return
     _timeline.start_from_env()
+
+
+def _create_group(state: Any) -> None:
+    """The default group from the launcher, as ``tdist`` creates it on first use.
+
+    After a :func:`shutdown` the group rendezvouses on the next port
+    (``MASTER_PORT`` plus the number of groups made before): a rank that
+    starts again sooner than rank 0 would otherwise reach rank 0's previous
+    store, still listening on the port until rank 0 destroys it.
+    """
+    from tiacc_training.torch.distributed import _launch
+
+    launch = dict(state.launch or _launch.launch_env())
+    if job.groups_made and launch.get("master_port") is not None:
+        launch["master_port"] = int(launch["master_port"]) + job.groups_made
+    launch, arguments = _launch.group_arguments(None, state.config, launch)
+    state.create_on_use = False
+    state.pending_launch = launch
+    dist.init_process_group(**arguments)
+    job.groups_made += 1
 
 
 def _is_whole_world(comm: Any, world: int) -> bool:
