@@ -191,6 +191,14 @@ def check_async(n: int, me: int) -> None:
     expect(out is inplace, True, "allreduce_async_ returns its tensor")
     expect(inplace, reduce_ref(hvd.Max, torch.float64, n, shape, 30), "allreduce_async_ Max")
     raises(ValueError, "unknown", lambda: hvd.synchronize(handles[0]), "synchronize twice")
+    # A name seen before with the same shape: the shape exchange is not waited for.
+    for step in range(3):
+        bufs = [data(me, torch.float32, (6,), 200 + step + k) for k in range(2)]
+        hs = [hvd.allreduce_async_(b, name=f"repeat.{k}", op=hvd.Sum) for k, b in enumerate(bufs)]
+        for k, h in enumerate(hs):
+            got = hvd.synchronize(h)
+            want = reduce_ref(hvd.Sum, torch.float32, n, (6,), 200 + step + k)
+            expect(got, want, f"named allreduce {k} step {step}")
     # Broadcast and allgather asynchronously.
     b = hvd.broadcast_async(data(me, torch.float32, (4,), 31), root_rank=n - 1)
     g = hvd.allgather_async(data(me, torch.float32, (me + 1, 2), 32))

@@ -23,10 +23,13 @@ Semantics as in Horovod:
   naming the ranks and shapes where it can. On the global set this
   exchange runs for every operation and also carries what :func:`join`
   needs (the kind of operation and its fused buffers), so ranks inside
-  ``join()`` take part in the others' allreduces. On another process set
-  it runs the first time a name is seen with a dtype and shape, after
-  which the same name and shape go straight to the data; unnamed
-  operations there are compared every time.
+  ``join()`` take part in the others' allreduces; an allreduce whose name
+  was seen before with the same dtypes and shapes queues this exchange
+  ahead of its data without waiting for it (checked at ``synchronize``),
+  so named allreduces in a backward pass do not stop for each other. On
+  another process set the exchange runs the first time a name is seen
+  with a dtype and shape, after which the same name and shape go straight
+  to the data; unnamed operations there are compared every time.
 * Asynchronous means the data moves in the background: the shape exchange
   (and, for ``allgather`` and ``alltoall``, the exchange of sizes) happens
   in the call, and Adasum runs to the end in the call.
@@ -425,7 +428,7 @@ def _check(
     extra: Sequence[int] = (),
     buffers: Sequence[Sequence[int]] = (),
     unit_post: bool = True,
-) -> None:
+) -> Callable[[], None] | None:
     """Checks the ranks agree on the operation (and, on the global set, on join).
 
     On a process set of its own this is :func:`_agree`. On the global set
@@ -434,13 +437,21 @@ def _check(
     that ranks waiting in :func:`join` can take part in allreduces with
     zeros. Other operations raise while a rank has joined.
 
+    An allreduce whose name was seen before with the same dtypes and shapes
+    does not wait for the exchange: it is queued ahead of the data on the
+    same group, and the returned function (run before the result is
+    handed out) checks it.
+
+    Returns:
+        ``None`` when checked, or the deferred check.
+
     Raises:
         ValueError: the ranks' tensors or arguments differ, or an operation
             other than allreduce runs while a rank has joined.
     """
     if process_set is not global_process_set:
         _agree(kind, name, named, tensors, process_set, skip_first, extra)
-        return
+        return None
     rows = [v for t in tensors for v in _describe(t, skip_first)] + list(extra)
     digest = hash(tuple(rows)) & ((1 << 62) - 1)
     if len(buffers) > _MAX_BUFFERS:
@@ -450,7 +461,42 @@ def _check(
     mine = _control_row(
         _ACTIVE, _KINDS[kind], int(extra[0]) if extra else 0, digest, unit_post, buffers
     )
+    key = (0, kind, name)
+    if named and _KINDS[kind] == _ALLREDUCE_KIND and _agreed.get(key) == tuple(mine):
+        n = len(process_set.ranks)
+        row = torch.tensor(mine, dtype=torch.int64, device=_small_device(process_set, tensors[0]))
+        out = torch.empty(n * len(mine), dtype=torch.int64, device=row.device)
+        work = dist.all_gather_into_tensor(out, row, group=process_set.group, async_op=True)
+
+        def later() -> None:
+            _wait(work, f"{kind} {name!r}")
+            _judge(kind, name, out.view(n, len(mine)).tolist(), process_set)
+
+        return later
     every = _gather_ints(mine, process_set, tensors[0] if tensors else None)
+    try:
+        _judge(kind, name, every, process_set)
+    except _Differ:
+        # Every rank saw the difference: one more exchange names it.
+        _agree(kind, name, False, tensors, process_set, skip_first, extra)
+        raise ValueError(f"{kind} {name!r}: the ranks' tensors or arguments differ") from None
+    if named:
+        _agreed[key] = tuple(mine)
+    return None
+
+
+class _Differ(ValueError):
+    """The ranks' control rows differ (and no rank has joined)."""
+
+
+def _judge(kind: str, name: str, every: list[list[int]], process_set: ProcessSet) -> None:
+    """Raises when the control rows say the operation cannot run as the ranks issued it.
+
+    Raises:
+        ValueError: a rank has joined and this is not an allreduce, or the
+            working ranks' rows differ while a rank has joined.
+        _Differ: the rows differ and no rank has joined.
+    """
     joined = [process_set.ranks[i] for i, row in enumerate(every) if row[0] == _JOINED]
     if joined and _KINDS[kind] != _ALLREDUCE_KIND:
         raise ValueError(
@@ -462,9 +508,7 @@ def _check(
         return
     if joined:
         raise ValueError(f"{kind} {name!r}: the ranks' tensors or arguments differ")
-    # Every rank saw the difference: one more exchange names it.
-    _agree(kind, name, False, tensors, process_set, skip_first, extra)
-    raise ValueError(f"{kind} {name!r}: the ranks' tensors or arguments differ")
+    raise _Differ(f"{kind} {name!r}: the ranks' tensors or arguments differ")
 
 
 def _op_of(average: bool | None, op: Any, default: ReduceOp = Average) -> ReduceOp:
@@ -554,6 +598,7 @@ def _allreduce_start(
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.dtype, t.device), []).append(i)
+    deferred = None
     if not serving:
         buffers = [
             [
@@ -564,7 +609,7 @@ def _allreduce_start(
             ]
             for (dtype, device), members in groups.items()
         ]
-        _check(
+        deferred = _check(
             kind,
             name,
             named,
@@ -610,6 +655,8 @@ def _allreduce_start(
         return works
 
     def finish() -> list[torch.Tensor]:
+        if deferred is not None:
+            deferred()
         for buffer, members, post in plans:
             _scale_(buffer, post)
             offset = 0
