@@ -411,6 +411,34 @@ def check_process_set(world: int, rank: int) -> None:
     hvd.remove_process_set(subset)
 
 
+def check_sparse(world: int, rank: int) -> None:
+    """Sparse embedding gradients: allgathered (or made dense), then averaged."""
+    torch.manual_seed(3)
+    embedding = nn.Embedding(10, 4, sparse=True)
+    rows = [torch.tensor([r, r + 1, 7]) for r in range(world)]
+
+    def alone(r: int) -> torch.Tensor:
+        twin = copy.deepcopy(embedding)
+        twin(rows[r]).square().sum().backward()
+        return twin.weight.grad.to_dense()
+
+    want = sum(alone(r) for r in range(world)) / world
+    for dense in (False, True):
+        model = copy.deepcopy(embedding)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            sparse_as_dense=dense,
+        )
+        model(rows[rank]).square().sum().backward()
+        opt.synchronize()
+        grad = model.weight.grad
+        assert grad.is_sparse != dense, (dense, grad.layout)
+        close(f"sparse_as_dense={dense}", [grad.to_dense()], [want])
+        with opt.skip_synchronize():
+            opt.step()
+
+
 CHECKS = {
     "train": check_train,
     "passes": check_passes,
@@ -422,6 +450,7 @@ CHECKS = {
     "syncbn": check_sync_batch_norm,
     "api": check_api,
     "process_set": check_process_set,
+    "sparse": check_sparse,
 }
 
 

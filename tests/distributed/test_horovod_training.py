@@ -41,7 +41,18 @@ def _run_checks(world: int, checks: list[str], env: dict[str, str] | None = None
 def test_distributed_optimizer_on_2_ranks() -> None:
     _run_checks(
         2,
-        ["train", "passes", "fp16", "sum", "groups", "broadcast", "syncbn", "api"],
+        [
+            "train",
+            "passes",
+            "fp16",
+            "sum",
+            "adasum",
+            "groups",
+            "sparse",
+            "broadcast",
+            "syncbn",
+            "api",
+        ],
     )
 
 
