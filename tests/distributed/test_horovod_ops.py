@@ -7,7 +7,8 @@ scale factors, async handles, grouped ops, uneven allgather and alltoall,
 reducescatter, broadcast, sparse allreduce, objects, join, autograd, Adasum
 against its definition (also on a set of 3 ranks), process sets and bad
 input; the 2-rank job runs on a group the script made itself. Other jobs
-start from Horovod's variables only (then a peer leaves) and alone. The CPU
+start from Horovod's variables only (then a peer leaves), under mpirun and
+alone. The CPU
 collectives must have been served by the "tiacc" backend.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +130,32 @@ def test_horovodrun_variables_only() -> None:
 def test_alone_is_a_world_of_one() -> None:
     results = results_of(launch_env_only(1, {0: {}}, ["--suite", "basics"]))
     assert results[0]["checks"] > 10, results
+
+
+def test_under_mpirun() -> None:
+    if shutil.which("mpirun") is None:
+        if os.environ.get("TIACC_TEST_REQUIRE_MPIRUN") == "1":
+            pytest.fail("mpirun is required here (install openmpi-bin: make setup)")
+        pytest.skip("mpirun not installed (make setup installs openmpi-bin)")
+    env = {k: v for k, v in base_env().items() if k not in TORCHRUN_VARIABLES}
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "OMPI_MCA_plm_rsh_agent": ""})  # fmt: skip
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+               "-np", "2", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH",
+               "-x", "OMP_NUM_THREADS", sys.executable, str(WORKER),
+               "--suite", "basics"]  # fmt: skip
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [
+        json.loads(line.removeprefix("RESULT "))
+        for line in proc.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    assert len(results) == 2, proc.stdout[-3000:]
+    # Open MPI's variables gave the ranks (0 and 1, RANK set from them).
+    assert sorted(r["env_rank"] for r in results) == ["0", "1"], results
+    for result in results:
+        engine_served(result, ("allreduce",))
 
 
 @pytest.mark.parametrize(
