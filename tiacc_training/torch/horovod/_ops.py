@@ -165,6 +165,8 @@ class _Pending:
     op: str
     result: Any = None
     finished: bool = False
+    # An allgather's first dimensions per tensor and rank (set order).
+    sizes: list[list[int]] | None = None
 
 
 _handles: dict[int, _Pending] = {}
@@ -1025,7 +1027,7 @@ def _allgather_start(
         return results
 
     pending = _submit(name, "ALLGATHER", start, finish)
-    pending.sizes = sizes  # type: ignore[attr-defined]
+    pending.sizes = sizes
     return pending
 
 
@@ -1060,7 +1062,7 @@ class _AllgatherFunction(torch.autograd.Function):
             [tensor], process_set, _name("allgather", name), name is not None
         )
         result = _complete(pending)[0]
-        sizes = pending.sizes[0]  # type: ignore[attr-defined]
+        sizes = pending.sizes[0]
         me = process_set.ranks.index(_basics.rank())
         ctx.rows = (sum(sizes[:me]), sizes[me], tensor.dim() == 0)
         ctx.process_set = process_set
@@ -1759,7 +1761,7 @@ def allgather_object(
     payload = _object_bytes(obj, _small_device(process_set))
     pending = _allgather_start([payload], process_set, label, False)
     gathered = _complete(pending)[0]
-    sizes = pending.sizes[0]  # type: ignore[attr-defined]
+    sizes = pending.sizes[0]
     raw = gathered.cpu().numpy().tobytes()
     objects, offset = [], 0
     for count in sizes:
