@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import struct
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -455,7 +457,8 @@ def _check(
         _agree(kind, name, named, tensors, process_set, skip_first, extra)
         return None
     rows = [v for t in tensors for v in _describe(t, skip_first)] + list(extra)
-    digest = hash(tuple(rows)) & ((1 << 62) - 1)
+    # The same on every rank whatever its interpreter (hash() may not be).
+    digest = zlib.crc32(struct.pack(f"<{len(rows)}q", *rows))
     if len(buffers) > _MAX_BUFFERS:
         raise ValueError(
             f"{kind} {name!r}: tensors of more than {_MAX_BUFFERS} dtypes/devices in one operation"
