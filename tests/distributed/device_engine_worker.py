@@ -141,16 +141,19 @@ def probe_reference(
     return (total.double() * (1 / scale)).float(), True
 
 
-def check_probe(device: object, rank: int, world: int, settings: dict) -> None:
+def check_probe(device: object, rank: int, world: int, settings: dict, medium: str) -> None:
     """Runs the probe through the device engine and compares it with
-    ``probe_reference``; prints ``PROBE <how>``."""
+    ``probe_reference``; prints ``PROBE <how>``. ``medium`` carries the
+    world's bytes (``"tcp"`` or ``"shared memory"``)."""
     intra = len(device.two_d_members[0]) if device.two_d_members is not None else None
     two_d = intra is not None
     whole = WIRES.get(settings["compression"]) is not None and not settings["topk"]
     whole = whole and not two_d and not settings["compression_inter_only"]
     inputs = [probe_input(r, world, settings, whole) for r in range(world)]
     ours = inputs[rank].clone()
+    before = device.counters()
     device.allreduce(ours.view(torch.uint8), "torch.float32", PROBE_INDEX, True, 0)
+    check_probe_counted(before, device.counters(), rank, world, settings, two_d, medium)
     want, exact = probe_reference(inputs, settings, intra)
     if exact:
         if not torch.equal(ours, want):
@@ -165,6 +168,60 @@ def check_probe(device: object, rank: int, world: int, settings: dict) -> None:
     else:
         torch.testing.assert_close(ours.double(), want, rtol=1e-6, atol=1e-8)
     print(f"PROBE {'exact' if exact else 'close'}", flush=True)
+
+
+def check_probe_counted(
+    before: dict, after: dict, rank: int, world: int, settings: dict, two_d: bool, medium: str
+) -> None:
+    """The device engine's counters gained the probe's one float32 bucket,
+    under the path and codec the settings call for. On the flat path, the
+    bytes this rank sent: over TCP the ring's, every shard of the wire copy
+    but its own in the reduce-scatter and but the next rank's in the
+    allgather; in shared memory the others' parts and its own shard's sums,
+    the whole wire copy once."""
+    gained = {k: v for k, v in after.items() if v["buckets"] != before.get(k, {}).get("buckets")}
+    sparse = settings["topk"]
+    path = ("2d" if two_d else "") + ("+topk" if two_d and sparse else "topk" if sparse else "")
+    path = path or "ring"
+    codec = "none" if sparse else settings["compression"]
+    assert list(gained) == [(path, codec)], (path, codec, gained)
+    row, old = after[(path, codec)], before.get((path, codec), {"buckets": 0, "bytes_in": 0})
+    assert (row["buckets"] - old["buckets"], row["bytes_in"] - old["bytes_in"]) == (
+        1,
+        PROBE_LEN * 4,
+    ), row
+    if path == "ring":
+        elem = 4 if codec == "none" else 2
+        chunk = -(-PROBE_LEN // world)
+        shard = [
+            (min(PROBE_LEN, (i + 1) * chunk) - min(PROBE_LEN, i * chunk)) * elem
+            for i in range(world)
+        ]
+        want = 2 * PROBE_LEN * elem - shard[rank] - shard[(rank + 1) % world]
+        if medium == "shared memory":
+            want = PROBE_LEN * elem
+        sent = (
+            row["wire"]["world"]
+            - before.get((path, codec), {"wire": {"world": 0}})["wire"]["world"]
+        )
+        assert sent == want, (sent, want)
+    print("COUNTED probe", flush=True)
+
+
+def check_counters_agree(host: object, device: object) -> None:
+    """Both engines counted the same buckets under the same paths and
+    codecs (the bytes they sent may differ: the host engine's world of one
+    host is in shared memory, the device engine's on TCP rings)."""
+
+    def buckets(engine: object) -> dict:
+        return {
+            k: (v["buckets"], v["bytes_in"])
+            for k, v in engine.counters().items()  # type: ignore[attr-defined]
+            if k[0] != "collective"
+        }
+
+    assert buckets(host) == buckets(device), (buckets(host), buckets(device))
+    print(f"COUNTED {sum(n for n, _ in buckets(device).values())}", flush=True)
 
 
 def main() -> int:
@@ -267,8 +324,11 @@ def main() -> int:
                 results[f"{step}/{index}"] = ours
                 checked += 1
         print(f"EQUAL {checked}", flush=True)
+        check_counters_agree(host, device)
         if args.device == "cpu":
-            check_probe(device, rank, world, settings)
+            # The device engine's TCP groups move to shared memory exactly
+            # where the host engine's do (the same set-up, on one host).
+            check_probe(device, rank, world, settings, host.transports["world"])
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(results, args.out / f"device_rank{rank}.pt")
         device.shutdown()

@@ -91,6 +91,10 @@ def test_the_device_engine_equals_the_host_engine_bit_for_bit(
     ranks = _run(tmp_path, world, env)
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     assert all("EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+    # Both engines' own counters hold the 21 buckets under the same paths
+    # and codecs; the probe's, under the one its settings call for.
+    assert all("COUNTED 21" in r.stdout for r in ranks), describe(ranks)
+    assert all("COUNTED probe" in r.stdout for r in ranks), describe(ranks)
     # The probe against the worker's own reference: bit for bit where the
     # algorithm's roundings are order-free (compression, Top-K), else the
     # float64 average.
@@ -108,8 +112,9 @@ def test_the_device_engine_equals_the_host_engine_bit_for_bit(
 def test_two_ranks_of_one_node(tmp_path: Path) -> None:
     ranks = _run(tmp_path, 2, {"LIGHT_2D_ALLREDUCE": "1", "TIACC_TRAINING_COMPRESSION": "bf16"})
     assert all(r.returncode == 0 and "EQUAL 21" in r.stdout for r in ranks), describe(ranks)
-    # One node: flat, the whole bucket in bfloat16.
+    # One node: flat, the whole bucket in bfloat16 (counted as ring/bf16).
     assert all("PROBE exact" in r.stdout for r in ranks), describe(ranks)
+    assert all("COUNTED probe" in r.stdout for r in ranks), describe(ranks)
 
 
 def test_the_nan_check_names_the_rank_and_no_peer_receives_it(tmp_path: Path) -> None:
