@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -88,6 +89,11 @@ def check_train(world: int, rank: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     assert isinstance(opt, torch.optim.SGD), type(opt).__mro__
+    # The engine's fusion threshold, from whichever variable the test set.
+    threshold = os.environ.get("HOROVOD_FUSION_THRESHOLD") or os.environ.get(
+        "TIACC_TRAINING_FUSION_THRESHOLD"
+    )
+    assert opt._hvd_threshold == int(threshold or 0), (opt._hvd_threshold, threshold)
     buckets = len(opt._hvd_plan.buckets)
     assert buckets > 1, f"the test's fusion threshold should give several buckets, got {buckets}"
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
