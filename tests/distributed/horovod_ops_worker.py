@@ -470,6 +470,13 @@ def check_adasum(ranks: list[int], me: int, process_set: Any = None) -> None:
         for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 1e-4)):
             got = hvd.allreduce(adasum_input(me, length, length).to(dtype), op=hvd.Adasum, **kwargs)
             expect(got, want.to(dtype), f"Adasum {dtype} length {length} {where}", atol=tol)
+        # Half precision: combined in float32, against the definition over the rounded inputs.
+        for dtype in (torch.float16, torch.bfloat16):
+            rounded = [v.to(dtype).double() for v in vectors]
+            want_half = adasum_tree(rounded).to(dtype)
+            got = hvd.allreduce(adasum_input(me, length, length).to(dtype), op=hvd.Adasum, **kwargs)
+            scale = float(want_half.double().abs().max())
+            expect(got, want_half, f"Adasum {dtype} length {length} {where}", atol=0.02 * scale)
     # Grouped: each tensor has its own coefficients.
     parts = [(5,), (3, 3)]
     inputs = [[adasum_input(r, 5, 91), adasum_input(r, 9, 92)] for r in ranks]
