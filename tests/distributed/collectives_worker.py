@@ -127,6 +127,15 @@ def check_collectives(rank: int, world: int, gloo: bool) -> None:
     out = torch.empty(world * (rank + 1))
     dist.all_to_all_single(out, inp, [rank + 1] * world, send)
     expect(out, torch.arange(world).repeat_interleave(rank + 1).float(), "uneven all_to_all")
+    # Splits that look even to rank 0 alone (its row and column of the split
+    # matrix are all 1; the others' are not): every rank must still take the
+    # same way, or the job hangs. Rank i sends rows of value 10 i + j to j.
+    rows = [[1 if i == 0 or j == 0 else 2 for j in range(world)] for i in range(world)]
+    inp = torch.cat([torch.full((rows[rank][j],), float(10 * rank + j)) for j in range(world)])
+    out = torch.empty(sum(rows[j][rank] for j in range(world)))
+    dist.all_to_all_single(out, inp, [rows[j][rank] for j in range(world)], rows[rank])
+    want = torch.cat([torch.full((rows[j][rank],), float(10 * j + rank)) for j in range(world)])
+    expect(out, want, "all_to_all with splits even on rank 0 only")
     dist.barrier()
     # Forwarded: gather, scatter, object collectives, send/recv, reduce.
     got = [torch.empty(2) for _ in range(world)] if rank == 0 else None
@@ -265,10 +274,49 @@ def train(rank: int, world: int, out: Path) -> None:
     )
 
 
+def peer_exits(rank: int) -> None:
+    """The last rank leaves after one allreduce; rank 0's next collectives
+    must raise the engine's error, never return with their output unfilled.
+
+    Prints ``RAISED <how> <error type>`` per way of waiting on rank 0.
+    """
+    from tiacc_training.errors import CommError
+
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    expect(x, torch.full((4,), float(dist.get_world_size())), "allreduce before the exit")
+    if rank == dist.get_world_size() - 1:
+        os._exit(0)
+    if rank != 0:
+        return
+    out = torch.full((4 * dist.get_world_size(),), -7.0)
+    ways = {
+        "async wait": lambda: dist.all_gather_into_tensor(out, x, async_op=True).wait(),
+        "future value": lambda: dist.all_reduce(x, async_op=True).get_future().wait(),
+        "sync all_reduce": lambda: dist.all_reduce(x),
+        "sync barrier": lambda: dist.barrier(),
+    }
+    for how, call in ways.items():
+        try:
+            call()
+        except Exception as error:
+            # CommError itself, or torch's wrapper of a callback's error.
+            kind = (
+                "CommError"
+                if isinstance(error, CommError) or "CommError" in str(error)
+                else type(error).__name__
+            )
+            print(f"RAISED {how} {kind}", flush=True)
+        else:
+            print(f"RETURNED {how} {out.tolist()}", flush=True)
+    os._exit(0)  # the group is broken: no orderly teardown
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--init", choices=["tdist", "explicit"], default="tdist")
     parser.add_argument("--train", action="store_true")
+    parser.add_argument("--peer-exits", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     import tiacc_training.torch.distributed as tdist
@@ -277,6 +325,9 @@ def main() -> None:
     tdist.init_tiacc_training()
     dist.init_process_group("gloo" if args.init == "tdist" else "cpu:tiacc")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.peer_exits:
+        peer_exits(rank)
+        return
     served = _backend.cpu_backend_of()
     gloo = served is None
     try:

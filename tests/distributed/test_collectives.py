@@ -52,7 +52,7 @@ def test_gloo_requested_is_served_by_tiacc(trained: dict) -> None:
         for name in ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"):
             assert result["served"].get(name, 0) > 0, result
         assert result["forwarded"].get("gather") == 1 and result["forwarded"].get("reduce") == 1
-        assert result["forwarded"].get("alltoall") == 1, result  # the uneven one
+        assert result["forwarded"].get("alltoall") == 2, result  # the two with split sizes
         assert result["transport"] in ("shared memory", "tcp"), result
 
 
@@ -81,3 +81,24 @@ def test_four_ranks_with_tiacc_asked_for_explicitly() -> None:
     for result in results:
         assert result["backend"] == "cpu:tiacc", result
         assert result["served"]["allreduce"] >= 100, result
+
+
+def test_a_peer_that_exits_makes_the_next_collectives_raise() -> None:
+    """The engine's error reaches every way of waiting on a collective.
+
+    A work made by torch from the engine's future returned from ``wait()``
+    as if it had succeeded, leaving the output unfilled.
+    """
+    ranks = run_ranks(
+        2, ["--peer-exits"], env={"TIACC_TRAINING_TIMEOUT": "20"}, worker=WORKER, timeout=120.0
+    )
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    lines = [
+        line for line in ranks[0].stdout.splitlines() if line.startswith(("RAISED", "RETURNED"))
+    ]
+    assert lines == [
+        "RAISED async wait CommError",
+        "RAISED future value CommError",
+        "RAISED sync all_reduce CommError",
+        "RAISED sync barrier CommError",
+    ], describe(ranks)

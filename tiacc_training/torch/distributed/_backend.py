@@ -54,10 +54,10 @@ served_in_process: collections.Counter[str] = collections.Counter()
 
 try:  # torch builds without distributed support lack these
     from torch._C._distributed_c10d import Backend as _C10dBackend
-    from torch._C._distributed_c10d import _create_work_from_future
+    from torch._C._distributed_c10d import Work as _C10dWork
 except ImportError as error:  # pragma: no cover - depends on the torch build
     _C10dBackend = object  # type: ignore[assignment,misc]
-    _create_work_from_future = None
+    _C10dWork = object  # type: ignore[assignment,misc]
     _import_error: str | None = f"this torch has no Python c10d backends ({error})"
 else:
     _import_error = None
@@ -366,7 +366,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         served_in_process["barrier"] += 1
         future = torch.futures.Future()
         self._engine.collective_async("barrier", [], 0, 0, "uint8", future)
-        return _create_work_from_future(future)
+        return _EngineWork(future, future.then(_value))
 
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
@@ -456,15 +456,22 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         input_splits: list[int],
         opts: Any,
     ) -> Any:
-        """``all_to_all_single`` with equal splits (uneven ones go to gloo)."""
+        """``all_to_all_single`` without split sizes (given ones go to gloo).
+
+        Every rank must take the same way. Without split sizes the blocks
+        are equal on every rank of a valid call; with them, a rank sees only
+        its own row and column of the job's split matrix, so it cannot know
+        whether the others' are even: such calls always go to gloo.
+        """
+        rows = input.shape[0] if input.dim() else 0
         equal = (
-            _plain(output)
+            not output_splits
+            and not input_splits
+            and _plain(output)
             and _plain(input)
             and output.dtype == input.dtype
             and output.numel() == input.numel()
-            and input.numel() % self._size == 0
-            and _even(output_splits, input.shape[0] if input.dim() else 0, self._size)
-            and _even(input_splits, input.shape[0] if input.dim() else 0, self._size)
+            and rows % self._size == 0
         )
         if not equal:
             return self._forward(
@@ -577,7 +584,8 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         """Queues ``name`` on the engine over ``buffer``; returns its work.
 
         The engine keeps ``result`` (which holds ``buffer``) alive until the
-        collective is done, then completes the work's future with it.
+        collective is done, then completes the work's future with it, or
+        with its error (see :class:`_EngineWork`).
         """
         self.served[name] += 1
         served_in_process[name] += 1
@@ -593,9 +601,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
             reduce=reduce,
             root=root,
         )
-        if then is not None:
-            future = future.then(then)
-        return _create_work_from_future(future)
+        return _EngineWork(future, future.then(then or _value))
 
     def _reduce_scatter_into(
         self, out: torch.Tensor, flat: torch.Tensor, result: Any, op: str
@@ -621,11 +627,65 @@ def _plain(tensor: Any) -> bool:
     )
 
 
-def _even(splits: list[int], rows: int, size: int) -> bool:
-    """Whether ``splits`` (empty: equal) cut ``rows`` into ``size`` equal parts."""
-    if not splits:
-        return rows % size == 0
-    return len(splits) == size and all(s == splits[0] for s in splits)
+class _EngineWork(_C10dWork):  # type: ignore[misc,valid-type]
+    """The work of one collective the engine runs.
+
+    The engine completes its future with the result or with its error
+    (``set_exception``). That error lives only in the future's Python
+    wrapper: a work made by torch from the future (``_create_work_from_future``)
+    returns from ``wait()`` as if it had succeeded, leaving the output
+    unfilled. This work's ``wait()`` raises the engine's error itself, and
+    the future it hands out (``get_future()``, DDP's and the user's
+    callbacks) is completed with that error at torch's level.
+
+    Args:
+        engine_future: the future the engine completes.
+        future: ``engine_future`` followed by the collective's last step
+            (a ``then`` callback that reads ``engine_future.value()``).
+    """
+
+    def __init__(self, engine_future: torch.futures.Future, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._engine_future = engine_future
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Waits for the collective; raises the engine's error if it failed."""
+        self._engine_future.wait()  # raises the engine's CommError as it is
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (successfully or not)."""
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        """Whether the collective finished without an error."""
+        if not self._future.done():
+            return False
+        try:
+            self._future.wait()
+        except Exception:
+            return False
+        return True
+
+    def exception(self) -> Any:
+        """The collective's error, or ``None``."""
+        try:
+            self._engine_future.wait()
+            self._future.wait()
+        except Exception as error:
+            return error
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the result, or failed with the engine's error."""
+        return self._future
+
+
+def _value(future: torch.futures.Future) -> Any:
+    """The future's result; raises the engine's error if it failed."""
+    return future.value()
 
 
 def _last(works: list[Any]) -> Any:
