@@ -295,3 +295,17 @@ def test_a_failed_write_stops_the_timeline_not_the_job(tmp_path, hvd_state, capl
     _timeline.mark("y", "ALLREDUCE", "negotiate")
     assert "writing failed" in caplog.text
     _timeline.stop_timeline()
+
+
+def test_close_ends_the_file_and_later_marks_go_nowhere(tmp_path, hvd_state):
+    """hvd.shutdown() closes the timeline (as Horovod's does)."""
+    path = tmp_path / "timeline.json"
+    _timeline.start_timeline(str(path))
+    _timeline.mark("grad.0", "ALLREDUCE", "negotiate")
+    _timeline.mark("grad.0", "ALLREDUCE", "done")
+    _timeline.close()
+    _timeline.mark("grad.1", "ALLREDUCE", "negotiate")
+    _timeline.mark("grad.1", "ALLREDUCE", "done")
+    rows = _by_row(_events(path))
+    assert set(rows) == {"grad.0"}, rows
+    _timeline.close()  # nothing running: no error

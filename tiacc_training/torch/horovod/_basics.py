@@ -259,16 +259,18 @@ def _find_layout(launch: dict[str, Any]) -> None:
 
 
 def shutdown() -> None:
-    """Stops Horovod: removes the process sets and the group ``init()`` made.
+    """Stops Horovod: the timeline, the process sets, the group ``init()`` made.
 
-    A default group the script created itself stays. ``init()`` may be
-    called again afterwards. Does nothing when not initialised.
+    A running timeline is closed (its file complete), as Horovod's is. A
+    default group the script created itself stays. ``init()`` may be called
+    again afterwards. Does nothing when not initialised.
     """
-    from . import _ops, _process_sets
+    from . import _ops, _process_sets, _timeline
 
     with job.lock:
         if not job.initialized:
             return
+        _timeline.close()  # as Horovod's shutdown: the file is complete
         _ops.forget_handles()
         _process_sets.remove_all()
         job.initialized = False

@@ -1631,6 +1631,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     name = _name("barrier", None)
     _mark(name, "BARRIER", "negotiate")
     if len(process_set.ranks) == 1:
+        _mark(name, "BARRIER", "done")
         return
     if process_set is global_process_set:
         _check("barrier", name, False, [], process_set)

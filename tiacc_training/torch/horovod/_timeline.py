@@ -269,7 +269,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
             _active = _Timeline(os.fspath(file_path))
         _started = True
         if not _atexit_registered:
-            atexit.register(_at_exit)
+            atexit.register(close)
             _atexit_registered = True
 
 
@@ -297,6 +297,15 @@ def stop_timeline() -> None:
             timeline.close()
 
 
+def close() -> None:
+    """Stops the running timeline, if any, without a word (``hvd.shutdown()``, exit)."""
+    global _active, _started
+    with _lock:
+        timeline, _active, _started = _active, None, False
+    if timeline is not None:
+        timeline.close()
+
+
 def start_from_env() -> None:
     """Starts a timeline when ``HOROVOD_TIMELINE`` names a file.
 
@@ -321,16 +330,6 @@ def _env_flag(name: str) -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"{name}={os.environ[name]!r}: expected 1/0, true/false, yes/no or on/off")
-
-
-def _at_exit() -> None:
-    global _active, _started
-    with _lock:
-        timeline = _active
-        _active = None
-        _started = False
-    if timeline is not None:
-        timeline.close()
 
 
 def _after_fork_in_child() -> None:
