@@ -418,17 +418,20 @@ def check_process_set(world: int, rank: int) -> None:
 
 
 def check_sparse(world: int, rank: int) -> None:
-    """Sparse embedding gradients: allgathered (or made dense), then averaged."""
+    """Sparse embedding gradients: allgathered (or made dense), then averaged.
+
+    The embedding shares its bucket with a dense layer's parameters.
+    """
     torch.manual_seed(3)
-    embedding = nn.Embedding(10, 4, sparse=True)
+    embedding = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     rows = [torch.tensor([r, r + 1, 7]) for r in range(world)]
 
-    def alone(r: int) -> torch.Tensor:
+    def alone(r: int) -> list[torch.Tensor]:
         twin = copy.deepcopy(embedding)
         twin(rows[r]).square().sum().backward()
-        return twin.weight.grad.to_dense()
+        return [p.grad.to_dense() for p in twin.parameters()]
 
-    want = sum(alone(r) for r in range(world)) / world
+    want = [sum(t) / world for t in zip(*(alone(r) for r in range(world)))]
     for dense in (False, True):
         model = copy.deepcopy(embedding)
         opt = hvd.DistributedOptimizer(
@@ -436,11 +439,13 @@ def check_sparse(world: int, rank: int) -> None:
             named_parameters=model.named_parameters(),
             sparse_as_dense=dense,
         )
+        assert len(opt._hvd_plan.buckets) == 1, len(opt._hvd_plan.buckets)
         model(rows[rank]).square().sum().backward()
         opt.synchronize()
-        grad = model.weight.grad
+        grad = model[0].weight.grad
         assert grad.is_sparse != dense, (dense, grad.layout)
-        close(f"sparse_as_dense={dense}", [grad.to_dense()], [want])
+        got = [p.grad.to_dense() for p in model.parameters()]
+        close(f"sparse_as_dense={dense}", got, want)
         with opt.skip_synchronize():
             opt.step()
 

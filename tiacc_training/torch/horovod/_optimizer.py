@@ -476,6 +476,8 @@ def _sparse_allreduce(grad: torch.Tensor, op: Any, process_set: Any) -> torch.Te
     sparse tensor.
     """
     hvd = _hvd()
+    if not grad.is_sparse:  # a dense gradient in the same bucket as a sparse one
+        return hvd.allreduce(grad, op=op, process_set=process_set)
     if op is not Average and op is not Sum:
         raise ValueError(
             f"op={op!r}: sparse gradients are reduced with Average or "
