@@ -533,6 +533,12 @@ x = torch.arange(6, dtype=torch.float32) * (r + 1)
 total = hvd.allreduce(x, op=hvd.Sum, name="grad.sum")
 mean = hvd.allreduce(x, name="grad.mean")
 gathered = hvd.allgather(torch.full((r + 1, 2), r, dtype=torch.int64), name="rows")
+model = torch.nn.Linear(4, 2)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+)
+model(torch.ones(3, 4)).sum().backward()
+opt.step()  # its bucket goes straight to the engine
 print("RESULT " + json.dumps({
     "rank": r, "size": hvd.size(), "local_rank": hvd.local_rank(),
     "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
@@ -579,7 +585,10 @@ def test_horovod_script_and_its_timeline(tmp_path, fake_ssh):
         events = json.load(f)
     rows = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert {"grad.sum", "grad.mean", "rows"} <= set(rows.values())
-    for name, op in [("grad.sum", "ALLREDUCE"), ("grad.mean", "ALLREDUCE"), ("rows", "ALLGATHER")]:
+    named = [("grad.sum", "ALLREDUCE"), ("grad.mean", "ALLREDUCE"), ("rows", "ALLGATHER")]
+    # DistributedOptimizer's bucket, handed straight to the engine, is on it too.
+    named.append(("DistributedOptimizer.bucket.0", "ALLREDUCE"))
+    for name, op in named:
         pid = next(p for p, n in rows.items() if n == name)
         spans = sorted((e for e in events if e["pid"] == pid and e["ph"] == "X"),
                        key=lambda e: e["ts"])  # fmt: skip

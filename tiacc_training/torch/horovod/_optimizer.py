@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tiacc_training.torch.distributed import _config, _engines, _hook
 from tiacc_training.torch.distributed._state import state as _dstate
 
-from . import Adasum, Average, Sum, _basics, global_process_set
+from . import Adasum, Average, Sum, _basics, _timeline, global_process_set
 from ._compression import Compression
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
@@ -175,6 +175,9 @@ class _DistributedMixin:
         name = f"DistributedOptimizer.bucket.{bucket.number}"
         carrier = self._hvd_carrier(compressed)
         if carrier is not None:
+            # On the timeline like the collectives' operations: the bucket
+            # complete, handed to the engine, submitted, done.
+            _timeline.mark(name, "ALLREDUCE", "negotiate")
             flat = _flat_buffer(bucket, compressed)
             torch.cat([c.reshape(-1) for c in compressed], out=flat)
             if self._hvd_op is Average and self._hvd_predivide != 1.0:
@@ -184,6 +187,7 @@ class _DistributedMixin:
                 engine, cuda = carrier
                 perf.before_step(engine if cuda is None else cuda.engine, flat.device)
             engine, cuda = carrier
+            _timeline.mark(name, "ALLREDUCE", "queue")
             future = _hook.carry_bucket(
                 flat,
                 self._hvd_first_index + bucket.number % _INDICES_PER_OPTIMIZER,
@@ -191,6 +195,8 @@ class _DistributedMixin:
                 cuda=cuda,
                 average=self._hvd_op is Average or cuda is not None,
             )
+            _timeline.mark(name, "ALLREDUCE", "communicate")
+            future.add_done_callback(lambda _: _timeline.mark(name, "ALLREDUCE", "done"))
             bucket.pending = ("engine", future, contexts, cuda is not None)
         else:
             prescale, postscale = 1.0, 1.0
