@@ -229,10 +229,16 @@ def test_threads_stop_after_an_early_break_and_an_exception(index: Path) -> None
 
 
 def test_ctrl_c_stops_the_threads(index: Path) -> None:
+    # Python's own Ctrl-C handler, also where the suite was started with SIGINT
+    # ignored (a shell's background job: Python then keeps it ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     loader = DataLoader(dataset(index), batch_size=2, num_workers=2)
-    with pytest.raises(KeyboardInterrupt):
-        for _ in loader:
-            signal.raise_signal(signal.SIGINT)  # what Ctrl-C does
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in loader:
+                signal.raise_signal(signal.SIGINT)  # what Ctrl-C does
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert_no_loader_threads()
 
 

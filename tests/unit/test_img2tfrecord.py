@@ -204,7 +204,15 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, sig):
         "--dataset_type", "ImageFold", "--output_dir", str(out), "--records_per_shard", "1",
         "--quiet",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal delivers it, also where the suite itself runs with
+    # SIGINT ignored (a shell's background job), which children inherit.
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 60
     staging = None
     while time.monotonic() < deadline and staging is None:
