@@ -28,10 +28,12 @@ backend string a script asks for into the one to create, and
 
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import functools
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -48,6 +50,8 @@ _reason: str | None = None
 # Backends made per group name in this process: successive groups of one
 # name (a script that creates the default group again) rendezvous apart.
 _generations: collections.Counter[str] = collections.Counter()
+# The backends alive in this process, stopped at exit (see _stop_all).
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
 # Collectives the engine served in this process, over every group and
 # generation (a group's own counts go with it when it is destroyed).
 served_in_process: collections.Counter[str] = collections.Counter()
@@ -322,6 +326,7 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         wait = max(config.timeout, 60.0)
         connect_tcp(self._engine, store, "tiacc", rank, size, wait)
         self.transport = self._engine.transports.get("world", "")
+        _live.add(self)
 
     # -- what torch asks of every backend --------------------------------
 
@@ -625,6 +630,26 @@ def _plain(tensor: Any) -> bool:
         and tensor.is_contiguous()
         and not tensor.is_complex()
     )
+
+
+def _stop_all() -> None:
+    """Stops, at exit, the backends of groups the script never destroyed.
+
+    Many scripts end without ``destroy_process_group``. Their backends'
+    engine and gloo threads would then stop during the interpreter's
+    finalization, when a thread that still reaches for Python aborts the
+    process ("terminate called without an active exception", exit code
+    -6). Registered when the package loads, so it runs after the handlers
+    the script and its libraries register later.
+    """
+    for backend in list(_live):
+        try:
+            backend.shutdown()
+        except Exception:  # noqa: S110 - exiting: nothing left to report to
+            pass
+
+
+atexit.register(_stop_all)
 
 
 class _EngineWork(_C10dWork):  # type: ignore[misc,valid-type]
