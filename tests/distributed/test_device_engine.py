@@ -21,9 +21,8 @@ from _launch import describe, run_ranks
 
 WORKER = Path(__file__).resolve().parent / "device_engine_worker.py"
 
-# The flat variants force flat: on 2 x 2 ranks the host engine's auto would
-# time flat against 2D and could pick either, the device engine (like NCCL)
-# stays flat.
+# The flat variants force flat: on 2 x 2 ranks each engine's auto would time
+# flat against 2D on its own and could pick either (see the auto test).
 FLAT = {"TIACC_TRAINING_ALGORITHM": "flat"}
 ALGORITHMS = {
     "flat": FLAT,
@@ -126,3 +125,31 @@ def test_the_nan_check_names_the_rank_and_no_peer_receives_it(tmp_path: Path) ->
             r.stdout
         ), describe(ranks)
         assert "RECEIVED_ONLY_FINITE=True" in r.stdout or r.rank == 1, describe(ranks)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_auto_measures_on_the_device_engine_and_every_rank_agrees(
+    tmp_path: Path, world: int
+) -> None:
+    """``auto`` times flat against 2D through the device backend (the NCCL
+    path's code, here over TCP on CPU tensors) when the job spans nodes of
+    several ranks, and every rank takes the same choice from the same
+    numbers. One node of two: nothing to measure, flat."""
+    ranks = _run(tmp_path, world, {"TIACC_TRAINING_ALGORITHM": "auto"})
+    assert all(r.returncode == 0 and "EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+    assert all("COUNTED probe" in r.stdout for r in ranks), describe(ranks)
+    choices = [
+        next(x for x in r.stdout.splitlines() if x.startswith("AUTO_CHOICE=")) for r in ranks
+    ]
+    two_d = [next(x for x in r.stdout.splitlines() if x.startswith("TWO_D ")) for r in ranks]
+    if world == 2:
+        assert choices == ["AUTO_CHOICE=None"] * world, describe(ranks)
+        assert all("device=False" in x for x in two_d), two_d
+        return
+    # The timings are averaged over the ranks: every rank prints one line.
+    assert len(set(choices)) == 1, choices
+    line = choices[0].removeprefix("AUTO_CHOICE=")
+    assert line.startswith(("auto: chose 2d (a 4.0 MiB probe", "auto: chose flat (a 4.0 MiB")), line
+    assert "intra-node" in line and "inter-node" in line and "fp16 would take" in line, line
+    chose_2d = line.startswith("auto: chose 2d")
+    assert all(f"device={chose_2d}" in x for x in two_d), (line, two_d)

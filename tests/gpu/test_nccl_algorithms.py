@@ -30,10 +30,12 @@ TESTS = Path(__file__).resolve().parents[1]
 DDP_WORKER = Path(__file__).resolve().parent / "_nccl_worker.py"
 DEVICE_WORKER = TESTS / "distributed" / "device_engine_worker.py"
 
-# Flat variants force flat: the host engine's auto could take 2D on 2 x 2
-# ranks, while NCCL stays flat.
+# Flat variants force flat: on 2 x 2 ranks auto times flat against 2D at
+# start-up (the host engine and NCCL each on their own) and may take either;
+# the "auto" variant checks that path.
 FLAT = {"TIACC_TRAINING_ALGORITHM": "flat"}
 ALGORITHMS = {
+    "auto": {"TIACC_TRAINING_ALGORITHM": "auto"},
     "flat": FLAT,
     "fp16": {**FLAT, "TIACC_TRAINING_COMPRESSION": "fp16"},
     "bf16": {**FLAT, "TIACC_TRAINING_COMPRESSION": "bf16"},
@@ -168,6 +170,15 @@ def test_the_cuda_path_matches_the_host_engine(
         args.append("--exact")
     ranks = _ranks(world, DEVICE_WORKER, args, env)
     assert all(r.returncode == 0 and "EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+    if algorithm == "auto":
+        # 2 x 2 ranks: NCCL's flat and 2D timed on the GPU, one choice on
+        # every rank; one node of two: nothing to measure.
+        choices = {
+            next(x for x in r.stdout.splitlines() if x.startswith("AUTO_CHOICE=")) for r in ranks
+        }
+        assert len(choices) == 1, choices
+        want = "AUTO_CHOICE=auto: chose " if world == 4 else "AUTO_CHOICE=None"
+        assert choices.pop().startswith(want), describe(ranks)
 
 
 @pytest.mark.parametrize("algorithm", ["flat", "2d"])

@@ -59,7 +59,12 @@ def _write_sample(out: Path) -> None:
                     "rows": [
                         _cluster_row("native NCCL (ring)", native, native),
                         _cluster_row("torch bf16_compress_hook", 500.0, native),
+                        _cluster_row("tiacc flat", 700.0, native),
                         _cluster_row("tiacc 2D", 625.0, native),  # 1.6x: met
+                        {
+                            **_cluster_row("tiacc auto", 640.0, native),  # 625 / 640: met
+                            "auto_choice": "tiacc-training: auto: chose 2d (a 4.0 MiB probe",
+                        },
                         _cluster_row("tiacc 2D + fp16", 400.0, native),  # 2.5x: not met
                         _cluster_row("tiacc Top-K 1%", 80.0, native),  # 12.5x: met
                     ],
@@ -125,6 +130,8 @@ def test_summary_reports_counts_skips_goals_and_versions(tmp_path: Path) -> None
     vs_bf16 = goals[(cluster + "tiacc 2D + fp16 vs torch bf16_compress_hook", ">= 1.3x")]
     assert (vs_bf16.measured, vs_bf16.met) == ("1.25x", False)
     assert goals[(cluster + "tiacc Top-K 1% vs native NCCL", ">= 10.0x")].met is True
+    auto = goals[(cluster + "tiacc auto vs the faster of flat and 2D", ">= 0.95x")]
+    assert (auto.measured, auto.met) == ("0.98x (picked 2d)", True)
     overhead = goals[("world of one: overhead over native DDP", "<= 2%")]
     assert (overhead.measured, overhead.met) == ("3.1% (worst of 2)", False)
     cpu = next(g for (name, _), g in goals.items() if name.startswith("CPU decode"))

@@ -355,6 +355,26 @@ impl EngineInfo {
     pub(crate) fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
         self.layout.map(|l| (l.intra_members(), l.inter_members()))
     }
+
+    /// The probe `TIACC_TRAINING_ALGORITHM=auto` runs once the 2D groups
+    /// are connected (its length in bytes), or `None` when nothing is to be
+    /// measured (2D or flat forced, or no 2D groups).
+    pub(crate) fn auto_probe_bytes(&self) -> Option<usize> {
+        let config = &self.config.get().inner;
+        (config.algorithm == AlgorithmChoice::Auto && self.layout.is_some())
+            .then(|| auto::probe_bytes(config.fusion_threshold.min(usize::MAX as u64) as usize))
+    }
+
+    /// Takes `auto`'s choice from `probe`: the settings every channel is
+    /// then built with. Returns the decision (and the line that explains it;
+    /// `turns`: the channels take turns on the link between nodes).
+    pub(crate) fn adopt(&mut self, probe: &auto::Probe, turns: bool) -> auto::Decision {
+        let decision = probe.decide(self.num_channels, turns);
+        let config = &self.config.get().inner;
+        self.settings =
+            AlgoSettings::from_config(config, self.size, self.local_size, decision.two_d);
+        decision
+    }
 }
 
 /// One process's communication engine for CPU buckets over TCP.
@@ -559,19 +579,13 @@ impl CommEngine {
             self.info.timeout,
         )?;
         let mut groups = groups;
-        let config = self.info.config.get().inner.clone();
-        let probe_2d = self.info.layout.is_some() && !groups.is_empty();
-        if config.algorithm == AlgorithmChoice::Auto && probe_2d {
+        if let Some(bytes) = self.info.auto_probe_bytes().filter(|_| !groups.is_empty()) {
             let first = groups.remove(0);
-            let bytes = config.fusion_threshold.min(usize::MAX as u64) as usize;
             let deadline = Deadline::after(self.info.timeout);
             let (first, probe) = py.detach(move || auto::measure(first, bytes, deadline));
             groups.insert(0, first);
-            let decision = probe.py()?.decide(self.info.num_channels);
-            let (size, local_size) = (self.info.size, self.info.local_size);
-            self.info.settings =
-                AlgoSettings::from_config(&config, size, local_size, decision.two_d);
-            self.auto_choice = Some(decision.line);
+            let turns = self.info.spans_nodes;
+            self.auto_choice = Some(self.info.adopt(&probe.py()?, turns).line);
         }
         self.media = groups.first().map(|g| g.media()).unwrap_or_default();
         let settings = self.info.settings;

@@ -228,10 +228,9 @@ impl PyCommConfig {
     }
 
     /// Whether an engine of a `world`-rank job with `local_size` ranks per
-    /// node connects the 2D groups (`measures`: it can run the start-up
-    /// probe that `auto` needs, as the TCP engine does).
-    fn two_d_groups(&self, world: usize, local_size: Option<usize>, measures: bool) -> bool {
-        self.inner.two_d_groups(world, local_size, measures)
+    /// node connects the 2D groups (forced, or for `auto` to measure).
+    fn two_d_groups(&self, world: usize, local_size: Option<usize>) -> bool {
+        self.inner.two_d_groups(world, local_size)
     }
 
     /// Ranks per node for the 2D allreduce: `LIGHT_INTRA_SIZE`, else the

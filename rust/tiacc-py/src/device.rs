@@ -18,13 +18,15 @@
 //! every communicator aborted) and is raised at the next call.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
+use tiacc_core::comm::auto::{self, Probing};
 use tiacc_core::comm::backend::{Backend, GroupId, Mem, Shards};
 use tiacc_core::comm::dtype::shard_range;
 use tiacc_core::comm::engine::channel_of;
@@ -45,6 +47,9 @@ use crate::nccl::{load, unique_id_from};
 
 /// How often the watchdog checks a pending bucket.
 const WATCH_POLL: Duration = Duration::from_millis(5);
+
+/// The bucket number the `auto` probe's errors carry (no bucket of a model).
+const PROBE_BUCKET: u64 = u64::MAX;
 
 /// A torch tensor (flat uint8) and the memory it covers.
 struct Slot {
@@ -121,6 +126,8 @@ pub struct DeviceEngine {
     recorder: Option<Recorder>,
     /// What the channels carried ([`tiacc_core::comm::counters`]).
     counters: Arc<Counters>,
+    /// What `TIACC_TRAINING_ALGORITHM=auto` measured and chose, once it ran.
+    auto_choice: Option<String>,
 }
 
 fn dptr(addr: usize) -> DevicePtr {
@@ -226,6 +233,7 @@ impl DeviceEngine {
             progress,
             recorder,
             counters: Arc::new(Counters::new()),
+            auto_choice: None,
         })
     }
 
@@ -276,8 +284,23 @@ impl DeviceEngine {
         self.info.settings.nan_check
     }
 
+    /// Whether buckets take the 2D allreduce (up to the hierarchical
+    /// threshold), as forced or as `auto` chose.
+    #[getter]
+    fn two_d(&self) -> bool {
+        self.info.settings.hierarchical_threshold.is_some()
+    }
+
+    /// The line explaining what `TIACC_TRAINING_ALGORITHM=auto` measured and
+    /// chose when the engine connected, or `None` when it did not run (a
+    /// forced choice, or no whole nodes of several ranks).
+    #[getter]
+    fn auto_choice(&self) -> Option<String> {
+        self.auto_choice.clone()
+    }
+
     /// World ranks of this rank's node and of its inter-node group, when the
-    /// 2D allreduce is on.
+    /// 2D groups are connected.
     #[getter]
     fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
         self.info.two_d_members()
@@ -402,10 +425,36 @@ impl DeviceEngine {
         };
         self.watchdog =
             Some(Watchdog::start_tracking(self.failures.clone(), WATCH_POLL, Some(tracker)).py()?);
-        self.channels = groups
-            .into_iter()
-            .map(|g| self.channel(Comms::Nccl(g)))
-            .collect();
+        let mut comms: Vec<Comms> = groups.into_iter().map(Comms::Nccl).collect();
+        let chosen = match comms.first_mut() {
+            Some(first) => self.choose_algorithm(py, first)?,
+            None => None,
+        };
+        if chosen == Some(false) {
+            // Flat it is: the 2D communicators would only hold GPU memory.
+            let unused: Vec<_> = comms
+                .iter_mut()
+                .filter_map(|c| match c {
+                    Comms::Nccl(g) => g.two_d.take(),
+                    Comms::Tcp(_) => None,
+                })
+                .collect();
+            py.detach(move || {
+                for comm in unused.into_iter().flat_map(|(a, e)| [a, e]) {
+                    // Nothing is queued on them (the probe waited for its
+                    // work); a failing destroy leaves them closed anyway.
+                    let _ = comm.destroy();
+                }
+            });
+            self.watched = comms
+                .iter()
+                .filter_map(|c| match c {
+                    Comms::Nccl(g) => Some(g.all()),
+                    Comms::Tcp(_) => None,
+                })
+                .collect();
+        }
+        self.channels = comms.into_iter().map(|c| self.channel(c)).collect();
         Ok(())
     }
 
@@ -437,10 +486,11 @@ impl DeviceEngine {
         )?;
         self.failures
             .add_aborters(groups.iter().flat_map(Groups::aborters));
-        self.channels = groups
-            .into_iter()
-            .map(|g| self.channel(Comms::Tcp(g)))
-            .collect();
+        let mut comms: Vec<Comms> = groups.into_iter().map(Comms::Tcp).collect();
+        if let Some(first) = comms.first_mut() {
+            self.choose_algorithm(py, first)?;
+        }
+        self.channels = comms.into_iter().map(|c| self.channel(c)).collect();
         Ok(())
     }
 
@@ -623,6 +673,56 @@ impl DeviceEngine {
 }
 
 impl DeviceEngine {
+    /// Under `TIACC_TRAINING_ALGORITHM=auto` with the 2D groups connected:
+    /// times flat against 2D on the first channel's groups
+    /// ([`auto::probe`], through the backend buckets use), keeps the faster
+    /// in the settings the channels are built with, and says why in
+    /// `auto_choice`. Returns whether 2D was chosen, `None` when nothing was
+    /// measured.
+    fn choose_algorithm(&mut self, py: Python<'_>, comms: &mut Comms) -> PyResult<Option<bool>> {
+        let Some(bytes) = self.info.auto_probe_bytes() else {
+            return Ok(None);
+        };
+        let deadline = Deadline::after(self.info.timeout);
+        // NCCL's steps are only enqueued: the watchdog bounds the probe as
+        // it bounds a bucket (a peer that never arrives), aborting every
+        // communicator at the deadline so that the wait below ends.
+        let done = Arc::new(AtomicBool::new(false));
+        if let (Some(dog), Comms::Nccl(g)) = (&self.watchdog, &*comms) {
+            let flag = done.clone();
+            dog.submit(Pending {
+                at: None,
+                comms: vec![g.world.clone() as Arc<dyn Watched + Send + Sync>],
+                is_done: Box::new(move || Ok(flag.load(Ordering::SeqCst))),
+                deadline,
+            });
+        }
+        let kernels = self.kernels.bind(py);
+        let stream: usize = kernels.call_method0("current_stream")?.extract()?;
+        let mut residuals = HashMap::new();
+        let mut backend = DeviceBackend {
+            py,
+            kernels,
+            comms,
+            residuals: &mut residuals,
+            slots: Vec::new(),
+            stream,
+            deadline,
+            world_rank: self.info.rank,
+            bucket: PROBE_BUCKET,
+        };
+        let result = backend
+            .alloc(bytes)
+            .and_then(|buf| auto::probe(&mut backend, buf));
+        drop(backend);
+        done.store(true, Ordering::SeqCst);
+        let probe = result.map_err(|e| to_pyerr(self.failures.fail(e)))?;
+        // The device engine's channels do not take turns on the link.
+        let decision = self.info.adopt(&probe, false);
+        self.auto_choice = Some(decision.line);
+        Ok(Some(decision.two_d))
+    }
+
     fn channel(&self, comms: Comms) -> Mutex<Channel> {
         Mutex::new(Channel {
             comms,
@@ -688,15 +788,19 @@ impl<'py> DeviceBackend<'_, 'py> {
         name: &str,
         args: impl pyo3::call::PyCallArgs<'py>,
     ) -> tiacc_core::Result<Bound<'py, PyAny>> {
-        self.kernels
-            .call_method1(name, args)
-            .map_err(|e| Error::Comm {
+        self.kernels.call_method1(name, args).map_err(|e| {
+            let what = match self.bucket {
+                PROBE_BUCKET => "the auto probe".to_string(),
+                b => format!("bucket {b}"),
+            };
+            Error::Comm {
                 peer: Some(self.world_rank),
                 message: format!(
-                    "rank {}: bucket {}: the {name} kernel failed: {e}",
-                    self.world_rank, self.bucket
+                    "rank {}: {what}: the {name} kernel failed: {e}",
+                    self.world_rank
                 ),
-            })
+            }
+        })
     }
 
     fn new_slot(&mut self, bytes: usize) -> tiacc_core::Result<Slot> {
@@ -1159,5 +1263,44 @@ fn same_length(a: usize, b: usize) -> tiacc_core::Result<()> {
         Err(Error::InvalidArgument(format!(
             "device backend: element-wise operands of {a} and {b} bytes"
         )))
+    }
+}
+
+/// What the `auto` probe needs besides the collectives: the kernels move
+/// its timings in and out of device memory and wait for the device.
+impl Probing for DeviceBackend<'_, '_> {
+    fn write(&mut self, dst: Mem, src: &[u8]) -> tiacc_core::Result<()> {
+        if dst.bytes != src.len() {
+            return Err(Error::InvalidArgument(format!(
+                "device backend: {} bytes written to a span of {}",
+                src.len(),
+                dst.bytes
+            )));
+        }
+        let (t, o, _) = self.arg(dst)?;
+        let data = PyBytes::new(self.py, src);
+        self.kernel("load", (t, o, data)).map(drop)
+    }
+
+    fn read(&mut self, src: Mem, dst: &mut [u8]) -> tiacc_core::Result<()> {
+        let (t, o, n) = self.arg(src)?;
+        let got = self.kernel("fetch", (t, o, n))?;
+        let bytes = got
+            .cast::<PyBytes>()
+            .map_err(|e| Error::InvalidArgument(format!("the fetch kernel: {e}")))?
+            .as_bytes();
+        if bytes.len() != dst.len() {
+            return Err(Error::InvalidArgument(format!(
+                "device backend: the fetch kernel gave {} bytes, {} were asked for",
+                bytes.len(),
+                dst.len()
+            )));
+        }
+        dst.copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn finish(&mut self) -> tiacc_core::Result<()> {
+        self.kernel("synchronize", ()).map(drop)
     }
 }

@@ -52,7 +52,7 @@ def world_engine(config: Any) -> Any:
         advertised_host(config),
         board=FailureBoard(*_board_args(store, prefix)),
         local_size=launch.get("local_size"),
-        intra_size=node_intra_size(config, launch, store, prefix, rank, world, measures=True),
+        intra_size=node_intra_size(config, launch, store, prefix, rank, world),
     )
     connect_tcp(engine, store, prefix, rank, world, config.timeout)
     if rank == 0 and engine.auto_choice is not None:
@@ -95,6 +95,9 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
 
     The unique ids go through the store, then every communicator is joined
     on ``device`` (whose context exists: DDP's parameters already live there).
+    Under ``TIACC_TRAINING_ALGORITHM=auto`` on whole nodes of several ranks
+    the 2D communicators are joined too, and the engine keeps whichever of
+    flat and 2D its start-up probe measured faster (rank 0 logs the line).
     """
     store = default_store()
     prefix = _next_prefix("nccl")
@@ -107,7 +110,7 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
         "nccl",
         board=FailureBoard(*_board_args(store, prefix)),
         local_size=launch.get("local_size"),
-        intra_size=node_intra_size(config, launch, store, prefix, rank, world, measures=False),
+        intra_size=node_intra_size(config, launch, store, prefix, rank, world),
     )
     dirs = nccl_search_dirs()
 
@@ -117,6 +120,8 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
     ids = nccl_ids(engine, store, prefix, rank, config.timeout, new_id)
     with torch.cuda.device(device):
         engine.connect_nccl(*ids, search_dirs=dirs, library=config.nccl_library)
+    if rank == 0 and engine.auto_choice is not None:
+        logger.info("%s (CUDA buckets, over NCCL)", engine.auto_choice)
     return engine
 
 

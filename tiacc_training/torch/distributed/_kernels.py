@@ -54,6 +54,26 @@ class TorchKernels:
         """Copies ``n`` bytes."""
         dst[dst_off : dst_off + n].copy_(src[src_off : src_off + n])
 
+    def current_stream(self) -> int:
+        """The stream kernels run on now, as NCCL takes it (0 on the CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def synchronize(self) -> None:
+        """Waits until the device has finished all the work queued on it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def load(self, t: torch.Tensor, off: int, data: bytes) -> None:
+        """Copies host bytes ``data`` into ``t`` at byte ``off``."""
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        t[off : off + len(data)].copy_(host)
+
+    def fetch(self, t: torch.Tensor, off: int, n: int) -> bytes:
+        """``n`` bytes of ``t`` from byte ``off``, once the work before is done."""
+        return bytes(t[off : off + n].cpu().tolist())
+
     def div(self, t: torch.Tensor, off: int, nbytes: int, dtype: str, divisor: float) -> None:
         """Divides the elements in place (DDP's averaging)."""
         _view(t, off, nbytes, dtype).div_(divisor)

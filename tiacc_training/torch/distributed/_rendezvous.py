@@ -187,7 +187,6 @@ def node_intra_size(
     prefix: str,
     rank: int,
     world: int,
-    measures: bool,
 ) -> int | None:
     """Ranks per node for the 2D allreduce, checked against every rank's host.
 
@@ -203,14 +202,13 @@ def node_intra_size(
         prefix: the store key prefix of this engine.
         rank: this rank.
         world: the number of ranks.
-        measures: the engine can measure flat against 2D at start-up (the
-            TCP engine), so ``TIACC_TRAINING_ALGORITHM=auto`` connects the
-            2D groups for it when the job spans nodes.
 
     Returns:
-        The ranks per node, or ``None`` when the engine connects no 2D groups.
+        The ranks per node, or ``None`` when the engine connects no 2D groups
+        (neither forced nor, under ``TIACC_TRAINING_ALGORITHM=auto``, a job
+        of whole nodes of several ranks for the start-up probe to measure).
     """
-    if not config.two_d_groups(world, launch.get("local_size"), measures):
+    if not config.two_d_groups(world, launch.get("local_size")):
         return None
     size = config.intra_size_for(launch.get("local_size"))
     # Every rank can tell a world that does not split into nodes: raise

@@ -302,6 +302,12 @@ impl<G: GroupSet> HostBackend<G> {
         mem.pool.append(&mut mem.in_use);
     }
 
+    /// `m`'s bytes, once checked to lie inside memory of the current
+    /// operation.
+    pub fn bytes(&mut self, m: Mem) -> Result<&mut [u8]> {
+        self.mem.slice(m)
+    }
+
     /// `group`'s transport, once it is this operation's turn on the link
     /// if `group` crosses it (every group but the intra-node one).
     fn transport(&mut self, group: GroupId) -> Result<&mut dyn Transport> {

@@ -892,7 +892,7 @@ fn the_auto_probe_gives_every_rank_the_same_numbers() {
     let p = probes[0];
     assert_eq!((p.bytes, p.intra_size, p.nodes), (1 << 20, 2, 2));
     assert!(p.flat_s > 0.0 && p.two_d_s > 0.0 && p.fp16_s > 0.0 && p.inter_latency_s > 0.0);
-    let decision = p.decide(1);
+    let decision = p.decide(1, true);
     assert_eq!(decision.two_d, p.two_d_s < p.flat_s);
 }
 

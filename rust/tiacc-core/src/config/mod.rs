@@ -241,9 +241,9 @@ impl TransportChoice {
 /// Which allreduce algorithm runs ([`ALGORITHM`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AlgorithmChoice {
-    /// Flat on one node; across nodes, whichever of flat and 2D the
-    /// start-up probe measures faster (CPU buckets), flat over NCCL (which
-    /// picks its own ring or tree per topology).
+    /// Flat on one node; across nodes of several ranks each, whichever of
+    /// flat and 2D the start-up probe measures faster (on CPU buckets over
+    /// TCP and on CUDA buckets over NCCL alike).
     #[default]
     Auto,
     /// One ring over every rank.
@@ -700,15 +700,14 @@ impl CommConfig {
     /// Whether an engine of a `world`-rank job (`local_size` ranks per
     /// node, when the launcher said) connects the 2D groups: always when
     /// 2D is forced; under `auto`, when the job spans whole nodes of
-    /// several ranks each (the start-up probe then picks flat or 2D), and
-    /// only for engines that measure (`measures`: the TCP engine).
-    pub fn two_d_groups(&self, world: usize, local_size: Option<usize>, measures: bool) -> bool {
+    /// several ranks each (the start-up probe then picks flat or 2D).
+    pub fn two_d_groups(&self, world: usize, local_size: Option<usize>) -> bool {
         match self.algorithm {
             AlgorithmChoice::TwoD => true,
             AlgorithmChoice::Flat => false,
             AlgorithmChoice::Auto => {
                 let per_node = self.intra_size.or(local_size).unwrap_or(1);
-                measures && per_node > 1 && per_node < world && world % per_node == 0
+                per_node > 1 && per_node < world && world % per_node == 0
             }
         }
     }
@@ -1379,13 +1378,12 @@ mod tests {
         // Auto connects the 2D groups for measuring engines on whole nodes
         // of several ranks, across nodes only.
         let auto = algo(&[]);
-        assert!(auto.two_d_groups(8, Some(4), true));
-        assert!(!auto.two_d_groups(8, Some(4), false));
-        assert!(!auto.two_d_groups(4, Some(4), true));
-        assert!(!auto.two_d_groups(8, Some(1), true));
-        assert!(!auto.two_d_groups(8, None, true));
-        assert!(!auto.two_d_groups(6, Some(4), true));
-        assert!(algo(&[(TWO_D, "1")]).two_d_groups(4, Some(4), false));
+        assert!(auto.two_d_groups(8, Some(4)));
+        assert!(!auto.two_d_groups(4, Some(4)));
+        assert!(!auto.two_d_groups(8, Some(1)));
+        assert!(!auto.two_d_groups(8, None));
+        assert!(!auto.two_d_groups(6, Some(4)));
+        assert!(algo(&[(TWO_D, "1")]).two_d_groups(4, Some(4)));
     }
 
     #[test]

@@ -74,7 +74,7 @@ impl CommConfig {
             self.fusion_text(),
             self.timeout.as_secs_f64()
         )];
-        lines.push(format!("  CPU buckets: tcp; {}", self.applies(job, true)));
+        lines.push(format!("  CPU buckets: tcp; {}", self.applies(job)));
         lines.push(match &job.cuda {
             None => "  CUDA buckets: none (torch sees no CUDA device)".to_string(),
             Some(route) => {
@@ -88,8 +88,7 @@ impl CommConfig {
                     .reason
                     .as_ref()
                     .map_or(String::new(), |r| format!(": {r}"));
-                // Host staging runs the CPU engine, which measures.
-                let what = self.applies(job, route.transport != TransportChoice::Nccl);
+                let what = self.applies(job);
                 format!("  CUDA buckets: {transport} (transport {requested}{reason}); {what}")
             }
         });
@@ -113,9 +112,8 @@ impl CommConfig {
         }
     }
 
-    /// The algorithm, compression, Top-K and NaN check, as they apply on
-    /// an engine that can (`measures`) or cannot run the `auto` probe.
-    fn applies(&self, job: &Job, measures: bool) -> String {
+    /// The algorithm, compression, Top-K and NaN check, as they apply.
+    fn applies(&self, job: &Job) -> String {
         let per_node = match (self.intra_size, job.local_size) {
             (Some(n), _) => format!("{n} ranks per node from {INTRA_SIZE}"),
             (None, Some(n)) => format!("{n} ranks per node from the launcher"),
@@ -127,11 +125,8 @@ impl CommConfig {
                 self.hierarchical_threshold
             ),
             AlgorithmChoice::Flat => "flat ring".to_string(),
-            AlgorithmChoice::Auto if self.two_d_groups(job.world, job.local_size, measures) => {
+            AlgorithmChoice::Auto if self.two_d_groups(job.world, job.local_size) => {
                 format!("auto (flat or 2d, measured when the engine connects; {per_node})")
-            }
-            AlgorithmChoice::Auto if !measures && spans_nodes(job.world, job.local_size) => {
-                format!("flat ring (auto: NCCL picks its own ring or tree; {TWO_D}=1 forces 2d)")
             }
             AlgorithmChoice::Auto => {
                 format!(
@@ -356,18 +351,14 @@ mod tests {
     }
 
     #[test]
-    fn auto_is_measured_on_tcp_across_nodes_and_left_to_nccl_there() {
+    fn auto_is_measured_across_nodes_on_tcp_and_on_nccl_alike() {
         let s = config(&[]).startup(&job(8, Some(4), nccl()));
-        assert!(
-            s.lines[1].contains("algorithm=auto (flat or 2d, measured when the engine connects"),
-            "{}",
-            s.lines[1]
-        );
-        assert!(
-            s.lines[2].contains("algorithm=flat ring (auto: NCCL picks its own ring or tree"),
-            "{}",
-            s.lines[2]
-        );
+        for line in &s.lines[1..3] {
+            assert!(
+                line.contains("algorithm=auto (flat or 2d, measured when the engine connects"),
+                "{line}"
+            );
+        }
         let one_node = config(&[]).startup(&job(4, Some(4), None));
         assert!(one_node.lines[1].contains("algorithm=flat ring (auto: no whole nodes"));
         assert!(one_node.warnings.is_empty(), "{:?}", one_node.warnings);
