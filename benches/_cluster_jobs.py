@@ -19,6 +19,10 @@ from pathlib import Path
 from _machine import REPO
 from netns_cluster import Node, link_stats
 
+# The start of the line rank 0 logs when TIACC_TRAINING_ALGORITHM=auto has
+# timed flat against 2D (the logger's name, either spelling).
+AUTO_PREFIXES = ("tiacc-training: auto", "tiacc_training: auto")
+
 
 def run_job(
     nodes: Sequence[Node],

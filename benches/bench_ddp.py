@@ -92,14 +92,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _cluster_jobs import run_job  # noqa: E402
+from _cluster_jobs import AUTO_PREFIXES, run_job  # noqa: E402
 from _ddp_bench_worker import MODELS, build_model, model_stats  # noqa: E402
 from _machine import REPO, machine_info  # noqa: E402
 from netns_cluster import cluster  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
 WORLD = 4
-AUTO_PREFIXES = ("tiacc-training: auto", "tiacc_training: auto")
 COMPUTE_FLOOR = "compute floor (no DDP)"
 NATIVE = "native DDP (gloo)"
 LOOPBACK_GLOO = "loopback gloo (1 node x 4)"

@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _cluster_jobs import run_job  # noqa: E402
+from _cluster_jobs import AUTO_PREFIXES, run_job  # noqa: E402
 from _machine import REPO, machine_info  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
@@ -170,15 +170,19 @@ def bench_codecs(elements: int, repeats: int) -> list[dict[str, Any]]:
 # by half precision; None where the traffic depends on the data).
 FP16 = ("TIACC_TRAINING_COMPRESSION", "fp16")
 TWO_D = ("LIGHT_2D_ALLREDUCE", "1")
+# Under the default (auto) the engine times flat against 2D at start-up:
+# the fixed rows force their algorithm, the auto row shows what it picks.
+FLAT = ("TIACC_TRAINING_ALGORITHM", "flat")
 TOPK = (("LIGHT_TOPK_ALLREDUCE", "1"), ("LIGHT_TOPK_RATIO", "0.01"))
 CLUSTER_ROWS: list[tuple[str, str, str, tuple[tuple[str, str], ...], float | None]] = [
     ("native NCCL (ring)", "native", "none", (("NCCL_ALGO", "Ring"),), 1.5),
     ("native NCCL (auto)", "native", "none", (), 1.5),
     ("torch bf16_compress_hook", "native", "bf16", (), 0.75),
     ("torch PowerSGD rank 4", "native", "powersgd", (), None),
-    ("tiacc flat", "tiacc", "none", (), 1.5),
-    ("tiacc fp16", "tiacc", "none", (FP16,), 0.75),
-    ("tiacc bf16", "tiacc", "none", (("TIACC_TRAINING_COMPRESSION", "bf16"),), 0.75),
+    ("tiacc auto", "tiacc", "none", (), None),
+    ("tiacc flat", "tiacc", "none", (FLAT,), 1.5),
+    ("tiacc fp16", "tiacc", "none", (FLAT, FP16), 0.75),
+    ("tiacc bf16", "tiacc", "none", (FLAT, ("TIACC_TRAINING_COMPRESSION", "bf16")), 0.75),
     ("tiacc 2D", "tiacc", "none", (TWO_D,), 1.0),
     ("tiacc 2D + fp16", "tiacc", "none", (TWO_D, FP16), 0.5),
     (
@@ -188,7 +192,7 @@ CLUSTER_ROWS: list[tuple[str, str, str, tuple[tuple[str, str], ...], float | Non
         (TWO_D, FP16, ("TIACC_TRAINING_COMPRESSION_SCOPE", "inter")),
         0.5,
     ),
-    ("tiacc Top-K 1%", "tiacc", "none", TOPK, None),
+    ("tiacc Top-K 1%", "tiacc", "none", (FLAT, *TOPK), None),
     ("tiacc 2D + Top-K 1%", "tiacc", "none", (TWO_D, *TOPK), None),
 ]
 
@@ -238,7 +242,14 @@ def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:
                 if not any(w in label for w in wanted):
                     continue
             row_env = {**common, **dict(env)}
-            result = run_job(nodes, WORKER, [*worker_args, "--mode", mode, "--hook", hook], row_env)
+            result = run_job(
+                nodes,
+                WORKER,
+                [*worker_args, "--mode", mode, "--hook", hook],
+                row_env,
+                stderr_prefixes=AUTO_PREFIXES if mode == "tiacc" else (),
+            )
+            auto_lines = result.pop("rank0_stderr_lines", [])
             median = statistics.median(result["step_s"])
             rows.append(
                 {
@@ -249,6 +260,8 @@ def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:
                     **result,
                 }
             )
+            if auto_lines:
+                rows[-1]["auto_choice"] = "; ".join(auto_lines)
             print(f"  {label}: {median * 1000:.0f} ms", flush=True)
     grad_bytes = rows[0]["grad_bytes"]
     native = min(r["median_ms"] for r in rows if r["pipeline"].startswith("native"))

@@ -31,6 +31,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -361,6 +362,7 @@ def evaluate_goals(out: Path, tests: dict[str, Any] | None) -> list[Goal]:
     speedup("tiacc 2D + fp16", 2.7)
     speedup("tiacc 2D + fp16", 1.3, over="torch bf16_compress_hook")
     speedup("tiacc Top-K 1%", 10.0)
+    goals.append(_auto_goal(rows, why))
     ddp = [row for row in nccl.get("ddp", []) if row.get("channels") is not None]
     if ddp:
         worst = max(row["overhead_vs_native"] for row in ddp)
@@ -402,6 +404,23 @@ def evaluate_goals(out: Path, tests: dict[str, Any] | None) -> list[Goal]:
             )
         )
     return goals
+
+
+def _auto_goal(rows: dict[str, dict], why: str | None) -> Goal:
+    """``TIACC_TRAINING_ALGORITHM=auto`` against the faster forced row.
+
+    The faster of the flat and 2D rows is the one its start-up probe
+    should have picked.
+    """
+    name, target = "2 x 2 cluster: tiacc auto vs the faster of flat and 2D", ">= 0.95x"
+    auto, fixed = rows.get("tiacc auto"), [rows.get("tiacc flat"), rows.get("tiacc 2D")]
+    if auto is None or None in fixed:
+        return Goal(name, target, why or "no auto, flat or 2D row", None)
+    best = min(row["median_ms"] for row in fixed if row is not None)
+    ratio = best / auto["median_ms"]
+    chose = re.search(r"auto: chose (\w+)", auto.get("auto_choice", ""))
+    picked = f"picked {chose.group(1)}" if chose else "no auto line logged"
+    return Goal(name, target, f"{ratio:.2f}x ({picked})", ratio >= 0.95)
 
 
 def _load(path: Path) -> Any:
