@@ -6,6 +6,7 @@ Shared by ``tests/distributed`` and ``tests/gpu`` (this folder is on
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -88,6 +89,20 @@ def run_ranks(
             out, err = proc.communicate()
         results.append(Rank(rank, proc.returncode, out, err, time.monotonic() - start))
     return results
+
+
+def json_lines(stdout: str, prefix: str = "RESULT ") -> list:
+    """Every line of ``stdout`` that starts with ``prefix``, parsed as JSON."""
+    return [json.loads(x.removeprefix(prefix)) for x in stdout.splitlines() if x.startswith(prefix)]
+
+
+def results_of(ranks: list[Rank]) -> list[dict]:
+    """Each rank's last ``RESULT`` line; fails, showing every rank's output,
+    when a rank failed or printed none."""
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    results = [json_lines(r.stdout) for r in ranks]
+    assert all(results), describe(ranks)
+    return [lines[-1] for lines in results]
 
 
 def describe(ranks: list[Rank]) -> str:

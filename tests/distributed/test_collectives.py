@@ -10,26 +10,18 @@ batch norm and ``ZeroRedundancyOptimizer`` gives the gloo run's results.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from _launch import describe, run_ranks
+from _launch import describe, results_of, run_ranks
 
 WORKER = Path(__file__).resolve().parent / "collectives_worker.py"
 
 
 def run(world: int, args: list[str], env: dict[str, str] | None = None) -> list[dict]:
     """Runs the worker on ``world`` ranks; every rank's ``RESULT``."""
-    ranks = run_ranks(world, args, env=env, worker=WORKER, timeout=240.0)
-    assert all(r.returncode == 0 for r in ranks), describe(ranks)
-    results = []
-    for r in ranks:
-        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-        assert lines, describe(ranks)
-        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
-    return results
+    return results_of(run_ranks(world, args, env=env, worker=WORKER, timeout=240.0))
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,10 @@ fail here.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from _launch import describe, run_ranks
+from _launch import describe, json_lines, run_ranks
 
 WORKER = Path(__file__).resolve().parent / "ddp_options_worker.py"
 
@@ -26,11 +25,7 @@ def test_ddp_options_match_native_with_every_bucket_through_the_engine(
     ranks = run_ranks(2, [], env={"TIACC_TRAINING_SHM": shm}, worker=WORKER, timeout=300)
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     for r in ranks:
-        results = [
-            json.loads(line.split(" ", 1)[1])
-            for line in r.stdout.splitlines()
-            if line.startswith("RESULT ")
-        ]
+        results = json_lines(r.stdout)
         assert [x["option"] for x in results] == [
             "default",
             "gradient_as_bucket_view",

@@ -14,7 +14,6 @@ collectives must have been served by the "tiacc" backend.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import base_env, describe, free_port, run_ranks
+from _launch import base_env, describe, free_port, json_lines, results_of, run_ranks
 
 WORKER = Path(__file__).resolve().parent / "horovod_ops_worker.py"
 TORCHRUN_VARIABLES = (
@@ -33,16 +32,6 @@ TORCHRUN_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-
-
-def results_of(ranks: list) -> list[dict]:
-    assert all(r.returncode == 0 for r in ranks), describe(ranks)
-    results = []
-    for r in ranks:
-        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-        assert lines, describe(ranks)
-        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
-    return results
 
 
 def engine_served(result: dict, names: tuple[str, ...]) -> None:
@@ -115,9 +104,9 @@ def test_horovodrun_variables_only() -> None:
     }
     ranks = launch_env_only(2, variables, ["--suite", "basics", "--peer-exit"])
     assert [r.returncode for r in ranks] == [0, 0], describe(ranks)
-    lines = [line for line in ranks[0].stdout.splitlines() if line.startswith("RESULT ")]
+    lines = json_lines(ranks[0].stdout)
     assert lines, describe(ranks)
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result = lines[-1]
     engine_served(result, ("allreduce",))
     # torchrun's names are set for the code that reads them.
     assert result["env_rank"] == "0", result
@@ -146,11 +135,7 @@ def test_under_mpirun() -> None:
                "--suite", "basics"]  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [
-        json.loads(line.removeprefix("RESULT "))
-        for line in proc.stdout.splitlines()
-        if line.startswith("RESULT ")
-    ]
+    results = json_lines(proc.stdout)
     assert len(results) == 2, proc.stdout[-3000:]
     # Open MPI's variables gave the ranks (0 and 1, RANK set from them).
     assert sorted(r["env_rank"] for r in results) == ["0", "1"], results
