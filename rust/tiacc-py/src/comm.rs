@@ -317,6 +317,8 @@ pub(crate) struct EngineInfo {
     pub(crate) spans_nodes: bool,
     /// Ranks per node, when the launcher said.
     pub(crate) local_size: Option<usize>,
+    /// What `TIACC_TRAINING_ALGORITHM=auto` measured and chose, once it ran.
+    pub(crate) auto_choice: Option<String>,
 }
 
 impl EngineInfo {
@@ -348,6 +350,7 @@ impl EngineInfo {
             layout,
             spans_nodes: config::spans_nodes(size, local_size),
             local_size,
+            auto_choice: None,
             config: config.unbind(),
         })
     }
@@ -366,16 +369,103 @@ impl EngineInfo {
     }
 
     /// Takes `auto`'s choice from `probe`: the settings every channel is
-    /// then built with. Returns the decision (and the line that explains it;
-    /// `turns`: the channels take turns on the link between nodes).
-    pub(crate) fn adopt(&mut self, probe: &auto::Probe, turns: bool) -> auto::Decision {
+    /// then built with, and the line that explains it (`turns`: the
+    /// channels take turns on the link between nodes). Returns whether 2D
+    /// was chosen.
+    pub(crate) fn adopt(&mut self, probe: &auto::Probe, turns: bool) -> bool {
         let decision = probe.decide(self.num_channels, turns);
         let config = &self.config.get().inner;
         self.settings =
             AlgoSettings::from_config(config, self.size, self.local_size, decision.two_d);
-        decision
+        self.auto_choice = Some(decision.line);
+        decision.two_d
     }
 }
+
+/// The getters both engines (`CommEngine`, `DeviceEngine`) share: what
+/// their [`EngineInfo`] (field `info`) holds, and their listeners' addresses
+/// (from an inherent `fn tcp_setup(&self) -> Option<&TcpSetup>`).
+macro_rules! engine_getters {
+    ($engine:ty) => {
+        #[pymethods]
+        impl $engine {
+            /// The configuration this engine was built from.
+            #[getter]
+            fn config(&self, py: Python<'_>) -> Py<PyCommConfig> {
+                self.info.config.clone_ref(py)
+            }
+
+            #[getter]
+            fn rank(&self) -> usize {
+                self.info.rank
+            }
+
+            #[getter]
+            fn size(&self) -> usize {
+                self.info.size
+            }
+
+            #[getter]
+            fn num_channels(&self) -> usize {
+                self.info.num_channels
+            }
+
+            #[getter]
+            fn timeout(&self) -> f64 {
+                self.info.timeout.as_secs_f64()
+            }
+
+            /// The wire compression of whole buckets (`none`, `fp16`, `bf16`).
+            #[getter]
+            fn compression(&self) -> &'static str {
+                self.info.settings.compression.name()
+            }
+
+            /// Whether buckets are checked for NaN/infinity before sending.
+            #[getter]
+            fn nan_check(&self) -> bool {
+                self.info.settings.nan_check
+            }
+
+            /// Whether buckets take the 2D allreduce (up to the hierarchical
+            /// threshold), as forced or as `auto` chose.
+            #[getter]
+            fn two_d(&self) -> bool {
+                self.info.settings.hierarchical_threshold.is_some()
+            }
+
+            /// The line explaining what `TIACC_TRAINING_ALGORITHM=auto`
+            /// measured and chose when the engine connected, or `None` when
+            /// it did not run (a forced choice, or no whole nodes of several
+            /// ranks).
+            #[getter]
+            fn auto_choice(&self) -> Option<String> {
+                self.info.auto_choice.clone()
+            }
+
+            /// World ranks of this rank's node and of its inter-node group,
+            /// when the 2D groups are connected.
+            #[getter]
+            fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
+                self.info.two_d_members()
+            }
+
+            /// `ip:port` this rank listens on (TCP rings, before connecting).
+            #[getter]
+            fn address(&self) -> Option<String> {
+                self.tcp_setup().and_then(TcpSetup::address)
+            }
+
+            /// `ip:port` of this rank's intra-node and inter-node listeners,
+            /// when the 2D groups are on (TCP rings, before connecting).
+            #[getter]
+            fn two_d_addresses(&self) -> Option<(String, String)> {
+                self.tcp_setup().and_then(TcpSetup::two_d_addresses)
+            }
+        }
+    };
+}
+pub(crate) use engine_getters;
 
 /// One process's communication engine for CPU buckets over TCP.
 ///
@@ -416,8 +506,6 @@ pub struct CommEngine {
     tcp: TcpSetup,
     board: Option<Arc<dyn FailureBoard>>,
     engine: Option<Engine>,
-    /// What `TIACC_TRAINING_ALGORITHM=auto` measured and chose, when it ran.
-    auto_choice: Option<String>,
     /// What carries each group's bytes on the first channel, once connected.
     media: Vec<(&'static str, &'static str)>,
     /// The engine's counters, kept past `shutdown` (for the summary at exit).
@@ -453,68 +541,9 @@ impl CommEngine {
             info,
             board: PyBoard::wrap(board),
             engine: None,
-            auto_choice: None,
             media: Vec::new(),
             counters: None,
         })
-    }
-
-    /// `ip:port` this rank listens on (before `connect`).
-    #[getter]
-    fn address(&self) -> Option<String> {
-        self.tcp.address()
-    }
-
-    /// The configuration this engine was built from.
-    #[getter]
-    fn config(&self, py: Python<'_>) -> Py<PyCommConfig> {
-        self.info.config.clone_ref(py)
-    }
-
-    #[getter]
-    fn rank(&self) -> usize {
-        self.info.rank
-    }
-
-    #[getter]
-    fn size(&self) -> usize {
-        self.info.size
-    }
-
-    #[getter]
-    fn num_channels(&self) -> usize {
-        self.info.num_channels
-    }
-
-    #[getter]
-    fn timeout(&self) -> f64 {
-        self.info.timeout.as_secs_f64()
-    }
-
-    /// `ip:port` of this rank's intra-node and inter-node listeners, when
-    /// the 2D allreduce is on (before `connect`).
-    #[getter]
-    fn two_d_addresses(&self) -> Option<(String, String)> {
-        self.tcp.two_d_addresses()
-    }
-
-    /// World ranks of this rank's node and of its inter-node group, when the
-    /// 2D allreduce is on.
-    #[getter]
-    fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
-        self.info.two_d_members()
-    }
-
-    /// The wire compression of whole buckets (`none`, `fp16`, `bf16`).
-    #[getter]
-    fn compression(&self) -> &'static str {
-        self.info.settings.compression.name()
-    }
-
-    /// Whether buckets are checked for NaN/infinity before sending.
-    #[getter]
-    fn nan_check(&self) -> bool {
-        self.info.settings.nan_check
     }
 
     /// Whether `connect` has completed and `shutdown` has not run.
@@ -528,14 +557,6 @@ impl CommEngine {
         channel_of(bucket, self.info.num_channels)
     }
 
-    /// The line explaining what `TIACC_TRAINING_ALGORITHM=auto` measured and
-    /// chose at `connect`, or `None` when it did not run (a forced choice,
-    /// or a job on one node).
-    #[getter]
-    fn auto_choice(&self) -> Option<String> {
-        self.auto_choice.clone()
-    }
-
     /// What carries each group's bytes, once connected: `"world"` (and with
     /// the 2D groups `"intra-node"` and `"inter-node"`) to `"tcp"` or
     /// `"shared memory"`. Ranks of one host use shared memory unless
@@ -544,13 +565,6 @@ impl CommEngine {
     #[getter]
     fn transports(&self) -> std::collections::BTreeMap<&'static str, &'static str> {
         self.media.iter().copied().collect()
-    }
-
-    /// Whether buckets take the 2D allreduce (up to the hierarchical
-    /// threshold), as forced or as `auto` chose.
-    #[getter]
-    fn two_d(&self) -> bool {
-        self.info.settings.hierarchical_threshold.is_some()
     }
 
     /// Forms the rings with every rank's `addresses` (indexed by rank) and
@@ -585,7 +599,7 @@ impl CommEngine {
             let (first, probe) = py.detach(move || auto::measure(first, bytes, deadline));
             groups.insert(0, first);
             let turns = self.info.spans_nodes;
-            self.auto_choice = Some(self.info.adopt(&probe.py()?, turns).line);
+            self.info.adopt(&probe.py()?, turns);
         }
         self.media = groups.first().map(|g| g.media()).unwrap_or_default();
         let settings = self.info.settings;
@@ -813,7 +827,13 @@ impl CommEngine {
     }
 }
 
+engine_getters!(CommEngine);
+
 impl CommEngine {
+    fn tcp_setup(&self) -> Option<&TcpSetup> {
+        Some(&self.tcp)
+    }
+
     fn engine(&self) -> PyResult<&Engine> {
         self.engine.as_ref().ok_or_else(|| {
             to_pyerr(tiacc_core::Error::Comm {

@@ -40,7 +40,7 @@ use tiacc_core::comm::transport::{Aborter, OpKind, OpTag, Transport};
 use tiacc_core::comm::{Algorithm, Counters, DType, Deadline, Failures};
 use tiacc_core::Error;
 
-use crate::comm::{counters_dict, EngineInfo, PyBoard, TcpSetup};
+use crate::comm::{counters_dict, engine_getters, EngineInfo, PyBoard, TcpSetup};
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
 use crate::nccl::{load, unique_id_from};
@@ -126,8 +126,6 @@ pub struct DeviceEngine {
     recorder: Option<Recorder>,
     /// What the channels carried ([`tiacc_core::comm::counters`]).
     counters: Arc<Counters>,
-    /// What `TIACC_TRAINING_ALGORITHM=auto` measured and chose, once it ran.
-    auto_choice: Option<String>,
 }
 
 fn dptr(addr: usize) -> DevicePtr {
@@ -233,28 +231,7 @@ impl DeviceEngine {
             progress,
             recorder,
             counters: Arc::new(Counters::new()),
-            auto_choice: None,
         })
-    }
-
-    #[getter]
-    fn rank(&self) -> usize {
-        self.info.rank
-    }
-
-    #[getter]
-    fn size(&self) -> usize {
-        self.info.size
-    }
-
-    #[getter]
-    fn num_channels(&self) -> usize {
-        self.info.num_channels
-    }
-
-    #[getter]
-    fn timeout(&self) -> f64 {
-        self.info.timeout.as_secs_f64()
     }
 
     /// `nccl` or `tcp`.
@@ -264,58 +241,6 @@ impl DeviceEngine {
             Collectives::Nccl => "nccl",
             Collectives::Tcp => "tcp",
         }
-    }
-
-    /// The configuration this engine was built from.
-    #[getter]
-    fn config(&self, py: Python<'_>) -> Py<PyCommConfig> {
-        self.info.config.clone_ref(py)
-    }
-
-    /// The wire compression of whole buckets (`none`, `fp16`, `bf16`).
-    #[getter]
-    fn compression(&self) -> &'static str {
-        self.info.settings.compression.name()
-    }
-
-    /// Whether buckets are checked for NaN/infinity before sending.
-    #[getter]
-    fn nan_check(&self) -> bool {
-        self.info.settings.nan_check
-    }
-
-    /// Whether buckets take the 2D allreduce (up to the hierarchical
-    /// threshold), as forced or as `auto` chose.
-    #[getter]
-    fn two_d(&self) -> bool {
-        self.info.settings.hierarchical_threshold.is_some()
-    }
-
-    /// The line explaining what `TIACC_TRAINING_ALGORITHM=auto` measured and
-    /// chose when the engine connected, or `None` when it did not run (a
-    /// forced choice, or no whole nodes of several ranks).
-    #[getter]
-    fn auto_choice(&self) -> Option<String> {
-        self.auto_choice.clone()
-    }
-
-    /// World ranks of this rank's node and of its inter-node group, when the
-    /// 2D groups are connected.
-    #[getter]
-    fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
-        self.info.two_d_members()
-    }
-
-    /// `ip:port` this rank listens on (transport `tcp`, before connecting).
-    #[getter]
-    fn address(&self) -> Option<String> {
-        self.tcp.as_ref().and_then(TcpSetup::address)
-    }
-
-    /// The 2D listeners' addresses (transport `tcp`, before connecting).
-    #[getter]
-    fn two_d_addresses(&self) -> Option<(String, String)> {
-        self.tcp.as_ref().and_then(TcpSetup::two_d_addresses)
     }
 
     /// Whether a `connect_*` call has completed and `shutdown` has not run.
@@ -672,7 +597,13 @@ impl DeviceEngine {
     }
 }
 
+engine_getters!(DeviceEngine);
+
 impl DeviceEngine {
+    fn tcp_setup(&self) -> Option<&TcpSetup> {
+        self.tcp.as_ref()
+    }
+
     /// Under `TIACC_TRAINING_ALGORITHM=auto` with the 2D groups connected:
     /// times flat against 2D on the first channel's groups
     /// ([`auto::probe`], through the backend buckets use), keeps the faster
@@ -718,9 +649,7 @@ impl DeviceEngine {
         done.store(true, Ordering::SeqCst);
         let probe = result.map_err(|e| to_pyerr(self.failures.fail(e)))?;
         // The device engine's channels do not take turns on the link.
-        let decision = self.info.adopt(&probe, false);
-        self.auto_choice = Some(decision.line);
-        Ok(Some(decision.two_d))
+        Ok(Some(self.info.adopt(&probe, false)))
     }
 
     fn channel(&self, comms: Comms) -> Mutex<Channel> {
