@@ -614,6 +614,8 @@ impl DeviceEngine {
         let Some(bytes) = self.info.auto_probe_bytes() else {
             return Ok(None);
         };
+        let kernels = self.kernels.bind(py);
+        let stream: usize = kernels.call_method0("current_stream")?.extract()?;
         let deadline = Deadline::after(self.info.timeout);
         // NCCL's steps are only enqueued: the watchdog bounds the probe as
         // it bounds a bucket (a peer that never arrives), aborting every
@@ -628,8 +630,6 @@ impl DeviceEngine {
                 deadline,
             });
         }
-        let kernels = self.kernels.bind(py);
-        let stream: usize = kernels.call_method0("current_stream")?.extract()?;
         let mut residuals = HashMap::new();
         let mut backend = DeviceBackend {
             py,
