@@ -73,6 +73,7 @@ impl NcclGroups {
         }
     }
 
+    /// The world communicator, then the 2D ones when present.
     fn all(&self) -> Vec<Arc<NcclCommunicator>> {
         let mut out = vec![self.world.clone()];
         if let Some((a, e)) = &self.two_d {
@@ -371,13 +372,10 @@ impl DeviceEngine {
                     let _ = comm.destroy();
                 }
             });
-            self.watched = comms
-                .iter()
-                .filter_map(|c| match c {
-                    Comms::Nccl(g) => Some(g.all()),
-                    Comms::Tcp(_) => None,
-                })
-                .collect();
+            // Each channel's watched list is `NcclGroups::all`: world first.
+            for watched in &mut self.watched {
+                watched.truncate(1);
+            }
         }
         self.channels = comms.into_iter().map(|c| self.channel(c)).collect();
         Ok(())
