@@ -89,19 +89,19 @@ TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 
 def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 240) -> str:
-    proc = subprocess.run(
-        command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-    out = proc.stdout + proc.stderr
-    native = any("/native/" in part for part in command)
-    if proc.returncode != 0 and native and TORCH_EXIT_ABORT in out:
-        # The reference run without our lines hit stock torch's exit abort
-        # (seen in CI with Accelerate's launcher): run the reference again.
+    def once() -> tuple[int, str]:
         proc = subprocess.run(
             command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
         )
-        out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(command)} failed:\n{out[-6000:]}"
+        return proc.returncode, proc.stdout + proc.stderr
+
+    code, out = once()
+    native = any("/native/" in part for part in command)
+    if code != 0 and native and TORCH_EXIT_ABORT in out:
+        # The reference run without our lines hit stock torch's exit abort
+        # (seen in CI with Accelerate's launcher): run the reference again.
+        code, out = once()
+    assert code == 0, f"{' '.join(command)} failed:\n{out[-6000:]}"
     return out
 
 
