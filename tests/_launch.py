@@ -25,11 +25,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# TIACC_TEST_BACKEND_FORM=process-group runs every job with the "tiacc"
+# backend in its older form, even on a torch that takes the newer one.
+FORCED_FORM = os.environ.get("TIACC_TEST_BACKEND_FORM", "")
+
+
 def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIACC_TRAINING_")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+    if FORCED_FORM == "process-group":
+        env["TIACC_TRAINING_COLLECTIVES"] = "tiacc-process-group"
     env.update(extra or {})
     return env
+
+
+def tiacc_class() -> str:
+    """The class that serves the "tiacc" backend's CPU collectives in the jobs.
+
+    ``TiaccBackend`` where this torch constructs c10d ``Backend`` subclasses
+    and the older form is not forced, ``TiaccProcessGroup`` otherwise.
+    """
+    from tiacc_training.torch.distributed import _backend
+
+    newer = _backend.forms()[_backend.BACKEND] is None
+    return "TiaccBackend" if newer and FORCED_FORM != "process-group" else "TiaccProcessGroup"
 
 
 @dataclass

@@ -80,6 +80,14 @@ DTYPES = [
 ]
 
 
+def by_op(counts: dict) -> dict[str, int]:
+    """Counts per ``(op, reason)`` summed per op."""
+    total: dict[str, int] = {}
+    for (op, _), n in counts.items():
+        total[op] = total.get(op, 0) + n
+    return total
+
+
 def check_collectives(rank: int, world: int, gloo: bool) -> None:
     """Every collective, reduction and type against local references."""
     for dtype in DTYPES:
@@ -99,6 +107,10 @@ def check_collectives(rank: int, world: int, gloo: bool) -> None:
         dist.reduce_scatter_tensor(out, big, op=dist.ReduceOp.MAX)
         expect(out, reference("max", world, dtype), f"reduce_scatter_tensor max {dtype}")
         expect(big, torch.cat([values(rank, dtype)] * world), "reduce_scatter keeps its input")
+        if dtype.is_floating_point and not gloo:
+            # The average FSDP2 asks for (gloo has none).
+            dist.reduce_scatter_tensor(out, big, op=dist.ReduceOp.AVG)
+            expect(out, reference("avg", world, dtype), f"reduce_scatter_tensor avg {dtype}")
         outs = [torch.empty(10, dtype=dtype) for _ in range(world)]
         dist.all_gather(outs, values(rank, dtype))
         for r, o in enumerate(outs):
@@ -307,6 +319,7 @@ def peer_exits(rank: int) -> None:
                 else type(error).__name__
             )
             print(f"RAISED {how} {kind}", flush=True)
+            print(f"TEXT {how} {str(error)[:300]!r}", flush=True)
         else:
             print(f"RETURNED {how} {out.tolist()}", flush=True)
     os._exit(0)  # the group is broken: no orderly teardown
@@ -339,10 +352,13 @@ def main() -> None:
     cpu = dist.group.WORLD._get_backend(torch.device("cpu"))
     result = {
         "backend": str(dist.get_backend()),
-        "cpu_backend": type(cpu).__name__,
+        "cpu_backend": type(
+            dist.group.WORLD if isinstance(dist.group.WORLD, _backend.TiaccProcessGroup) else cpu
+        ).__name__,
         "line": _backend.describe_cpu_collectives(),
         "served": dict(served.served) if served else {},
-        "forwarded": dict(served.forwarded) if served else {},
+        "forwarded": by_op(served.forwarded) if served else {},
+        "forwarded_why": sorted([*k, n] for k, n in served.forwarded.items()) if served else [],
         "transport": served.transport if served else None,
         "env": os.environ.get("TIACC_TRAINING_COLLECTIVES"),
     }

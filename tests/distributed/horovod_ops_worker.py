@@ -703,7 +703,9 @@ def main() -> None:
         result = {
             "checks": len(checks),
             "served": served(),
-            "cpu_backend": type(backend).__name__,
+            "cpu_backend": {"backend": "TiaccBackend", "process-group": "TiaccProcessGroup"}.get(
+                getattr(backend, "form", ""), type(backend).__name__
+            ),
             "env_rank": os.environ.get("RANK"),
         }
         if args.peer_exit:

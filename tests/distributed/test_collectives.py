@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import describe, results_of, run_ranks
+from _launch import FORCED_FORM, describe, results_of, run_ranks, tiacc_class
 
 WORKER = Path(__file__).resolve().parent / "collectives_worker.py"
 
@@ -37,7 +37,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, l
 def test_gloo_requested_is_served_by_tiacc(trained: dict) -> None:
     _, results = trained["tiacc"]
     for result in results:
-        assert result["cpu_backend"] == "TiaccBackend", result
+        assert result["cpu_backend"] == tiacc_class(), result
         assert result["backend"] == "cpu:tiacc", result
         assert result["line"].startswith("CPU collectives: tiacc"), result
         # The engine ran every native collective; gloo only what it forwards.
@@ -88,6 +88,13 @@ def test_a_peer_that_exits_makes_the_next_collectives_raise() -> None:
     lines = [
         line for line in ranks[0].stdout.splitlines() if line.startswith(("RAISED", "RETURNED"))
     ]
+    if FORCED_FORM == "process-group":
+        # The older form on a torch that takes the newer: that torch sends
+        # some calls (all_gather_into_tensor) straight to the gloo
+        # registered under the group, which raises its own error. Every
+        # way still raises.
+        assert [line.split()[0] for line in lines] == ["RAISED"] * 4, describe(ranks)
+        return
     assert lines == [
         "RAISED async wait CommError",
         "RAISED future value CommError",

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import base_env, describe, free_port, json_lines, results_of, run_ranks
+from _launch import base_env, describe, free_port, json_lines, results_of, run_ranks, tiacc_class
 
 WORKER = Path(__file__).resolve().parent / "horovod_ops_worker.py"
 TORCHRUN_VARIABLES = (
@@ -35,7 +35,7 @@ TORCHRUN_VARIABLES = (
 
 
 def engine_served(result: dict, names: tuple[str, ...]) -> None:
-    assert result["cpu_backend"] == "TiaccBackend", result
+    assert result["cpu_backend"] == tiacc_class(), result
     for name in names:
         assert result["served"].get(name, 0) > 0, (name, result)
 

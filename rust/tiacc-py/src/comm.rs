@@ -694,7 +694,7 @@ impl CommEngine {
         let size = self.info.size;
         let op = match collective {
             "allreduce" => Collective::AllreduceOp { op, mean },
-            "reduce_scatter" => Collective::ReduceScatter { op },
+            "reduce_scatter" => Collective::ReduceScatter { op, mean },
             "allgather" => Collective::Allgather,
             "alltoall" => Collective::AllToAll,
             "broadcast" if root < size => Collective::Broadcast { root },

@@ -164,7 +164,7 @@ impl PyCommConfig {
         self.inner.nccl_socket_ifname.clone()
     }
 
-    /// What serves torch.distributed's CPU collectives: `"tiacc"` or
+    /// What serves torch.distributed's CPU collectives: `"tiacc"`, `"tiacc-process-group"` or
     /// `"gloo"` (`TIACC_TRAINING_COLLECTIVES`).
     #[getter]
     fn collectives(&self) -> &'static str {

@@ -282,7 +282,9 @@ def stats() -> dict[str, Any]:
         left to torch's own allreduce, per reason: each also warned once,
         or raised under ``TIACC_TRAINING_STRICT=1``), ``collectives``
         (the script's CPU collectives the "tiacc" backend served, per op),
-        and ``engine``: the engines' own counters (:func:`engine_counters`).
+        ``forwarded`` (those it handed to gloo, per op and reason:
+        ``{"gather": {"an op the engine does not run": 2}}``), and
+        ``engine``: the engines' own counters (:func:`engine_counters`).
     """
     return {
         "steps": state.steps,
@@ -291,8 +293,17 @@ def stats() -> dict[str, Any]:
         "accumulated": state.accumulated,
         "native": dict(state.native),
         "collectives": dict(_backend.served_in_process),
+        "forwarded": _forwarded(),
         "engine": engine_counters(),
     }
+
+
+def _forwarded() -> dict[str, dict[str, int]]:
+    """The CPU collectives forwarded to gloo, per op and reason."""
+    table: dict[str, dict[str, int]] = {}
+    for (op, why), n in sorted(_backend.forwarded_in_process.items()):
+        table.setdefault(op, {})[why] = n
+    return table
 
 
 def engine_counters() -> dict[tuple[str, str], dict[str, Any]]:
@@ -342,7 +353,9 @@ def _describe_counters(counters: dict[tuple[str, str], dict[str, Any]]) -> str:
 
 def _summary() -> None:
     """Rank 0's last line: what went through the engine, and what did not."""
-    if not state.logged or (not state.steps and not state.native):
+    served = sum(_backend.served_in_process.values())
+    forwarded = sum(_backend.forwarded_in_process.values())
+    if not state.logged or not (state.steps or state.native or served or forwarded):
         return
     carried = ", ".join(
         f"{n} {path} bucket(s) ({state.carried_bytes[path] / 2**20:.1f} MiB)"
@@ -351,13 +364,31 @@ def _summary() -> None:
     native = sum(state.native.values())
     counted = _describe_counters(engine_counters())
     logger.info(
-        "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s%s",
+        "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s%s; %s",
         state.steps,
         carried or "nothing",
         native,
         f" ({'; '.join(sorted(state.native))})" if native else "",
         f"; the engine counted: {counted}" if counted else "",
+        _describe_collectives(served, forwarded),
     )
+
+
+def _describe_collectives(served: int, forwarded: int) -> str:
+    """The CPU collectives as the summary line says them.
+
+    ``CPU collectives: 12 served by the engine (allreduce 10, barrier 2),
+    1 forwarded to gloo (gather: an op the engine does not run 1)``.
+    """
+    text = f"CPU collectives: {served} served by the engine"
+    if served:
+        rows = sorted(_backend.served_in_process.items())
+        text += f" ({', '.join(f'{op} {n}' for op, n in rows)})"
+    text += f", {forwarded} forwarded to gloo"
+    if forwarded:
+        pairs = sorted(_backend.forwarded_in_process.items())
+        text += f" ({'; '.join(f'{op}: {why} {n}' for (op, why), n in pairs)})"
+    return text
 
 
 def shutdown() -> None:

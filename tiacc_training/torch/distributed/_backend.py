@@ -1,24 +1,24 @@
 """torch.distributed's "tiacc" backend: CPU collectives through the engine.
 
-A c10d backend written in Python (a subclass of torch's ``Backend``, which
-torch 2.x lets Python override) and registered under the name ``"tiacc"``
-for CPU tensors. Each group that uses it gets its own engine (one channel,
-so collectives run in the order they are issued, as gloo runs them),
-connected over the store torch hands the backend, and a gloo backend
-underneath on the same store.
+Registered under the name ``"tiacc"`` for CPU tensors. The collectives
+themselves are ``_collectives.CpuCollectives`` (the engine, gloo
+underneath for the rest); this module hands them to torch in the form the
+running torch can take, found by constructing one (never by its version):
 
-The engine runs ``all_reduce`` (sum, product, min, max, and the average of
-floating-point tensors), ``broadcast``, ``all_gather`` /
-``all_gather_into_tensor``, ``reduce_scatter`` / ``reduce_scatter_tensor``,
-``all_to_all_single`` with equal splits, and ``barrier``, with
-``async_op=True`` returning work that waits on the engine. The element
-types and reductions it carries are the engine's own
-(``_engine.collective_dtypes()``, ``_engine.collective_ops()``); anything
-else (another type or reduction, several tensors per call, tensors that
-are not contiguous, ``gather``, ``scatter``, ``send``/``recv``, uneven
-splits, ...) is forwarded to the gloo backend underneath, so every call
-that works on gloo works here, with gloo's results. Results are exact: no
-compression, Top-K or 2D algorithm applies to these collectives.
+* ``"backend"``: a subclass of torch's c10d ``Backend``, which the group
+  uses for its CPU tensors next to the other devices' backends. Only a
+  torch whose ``Backend`` has a Python trampoline can construct one.
+* ``"process-group"``: a subclass of torch's ``ProcessGroup``, which
+  Python has been able to subclass on every torch 2.x. torch then uses it
+  as the whole group, so it also hands the tensors of the group's other
+  devices (``"cpu:tiacc,cuda:nccl"``) to the backend asked for there, and
+  registers gloo and those backends under it for the calls torch makes in
+  C++ without asking Python.
+* ``"gloo"``: neither can be constructed; gloo serves the CPU collectives
+  and the start-up line says why.
+
+``TIACC_TRAINING_COLLECTIVES=tiacc-process-group`` takes the second form
+even where the first works; ``=gloo`` keeps gloo and constructs nothing.
 
 ``register()`` registers the name once per process (importing
 ``tiacc_training.torch.distributed`` calls it); ``cpu_backend()`` turns the
@@ -28,47 +28,102 @@ backend string a script asks for into the one to create, and
 
 from __future__ import annotations
 
-import atexit
-import collections
 import datetime
 import functools
+import sys
 import threading
-import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from tiacc_training import _engine
 
+from . import _collectives
+from ._collectives import NOT_IN_ENGINE, CpuCollectives
+
 # The backend's name, as ``init_process_group`` takes it.
 NAME = "tiacc"
+# The forms, newest first.
+BACKEND, PROCESS_GROUP, GLOO = "backend", "process-group", "gloo"
+
+# Kept here too: what ``stats()`` and the tests read.
+served_in_process = _collectives.served_in_process
+forwarded_in_process = _collectives.forwarded_in_process
 
 _lock = threading.Lock()
 _registered: bool | None = None
 _reason: str | None = None
-# Backends made per group name in this process: successive groups of one
-# name (a script that creates the default group again) rendezvous apart.
-_generations: collections.Counter[str] = collections.Counter()
-# The backends alive in this process, stopped at exit (see _stop_all).
-_live: weakref.WeakSet[Any] = weakref.WeakSet()
-# Collectives the engine served in this process, over every group and
-# generation (a group's own counts go with it when it is destroyed).
-served_in_process: collections.Counter[str] = collections.Counter()
+# Which forms this torch constructs, and why not the others (the probe).
+_forms: dict[str, str | None] | None = None
 
 try:  # torch builds without distributed support lack these
     from torch._C._distributed_c10d import Backend as _C10dBackend
-    from torch._C._distributed_c10d import Work as _C10dWork
+    from torch._C._distributed_c10d import ProcessGroup as _C10dProcessGroup
 except ImportError as error:  # pragma: no cover - depends on the torch build
     _C10dBackend = object  # type: ignore[assignment,misc]
-    _C10dWork = object  # type: ignore[assignment,misc]
-    _import_error: str | None = f"this torch has no Python c10d backends ({error})"
+    _C10dProcessGroup = object  # type: ignore[assignment,misc]
+    _import_error: str | None = f"this torch has no c10d classes ({error})"
 else:
     _import_error = None
 
 
+def _torch() -> str:
+    return f"torch {torch.__version__}"
+
+
+def forms() -> dict[str, str | None]:
+    """Which forms of the backend this torch can construct (probed once).
+
+    Returns:
+        ``{"backend": None | why not, "process-group": None | why not}``:
+        ``None`` where a bare subclass of that torch class was constructed.
+    """
+    global _forms
+    if _forms is not None:
+        return _forms
+    found: dict[str, str | None] = {}
+    for form, base in ((BACKEND, _C10dBackend), (PROCESS_GROUP, _C10dProcessGroup)):
+        if _import_error is not None:
+            found[form] = _import_error
+            continue
+        try:
+            probe = type("_Probe", (base,), {})
+            probe(0, 1)
+        except Exception as error:
+            found[form] = f"{_torch()} cannot construct a Python {base.__name__} ({error})"
+        else:
+            found[form] = None
+    _forms = found
+    return found
+
+
+def path(config: Any = None) -> str:
+    """The form that serves CPU collectives: ``"backend"``, ``"process-group"`` or ``"gloo"``.
+
+    Args:
+        config: the engine configuration (``CommConfig``), or ``None`` for
+            the environment's.
+    """
+    if config is None:
+        config = _engine.CommConfig.from_env()
+    if config.collectives == GLOO or not register():
+        return GLOO
+    return _form_for(config.collectives)
+
+
+def _form_for(choice: str) -> str:
+    """The form to construct for ``TIACC_TRAINING_COLLECTIVES=choice``."""
+    found = forms()
+    if choice != "tiacc-process-group" and found[BACKEND] is None:
+        return BACKEND
+    return PROCESS_GROUP if found[PROCESS_GROUP] is None else GLOO
+
+
 def register() -> bool:
     """Registers the "tiacc" backend with torch.distributed (once per process).
+
+    It claims success only after the probe constructed one of the forms.
 
     Returns:
         Whether "tiacc" can be used; when not, ``unavailable_reason()`` says why.
@@ -86,6 +141,9 @@ def _register() -> tuple[bool, str | None]:
         return False, _import_error
     if not dist.is_available() or not dist.is_gloo_available():
         return False, "this torch has no gloo backend to forward collectives to"
+    found = forms()
+    if all(why is not None for why in found.values()):
+        return False, "; ".join(why for why in found.values() if why)
     plugins = getattr(dist.Backend, "_plugins", {})
     if NAME.upper() in plugins:
         return True, None
@@ -95,9 +153,9 @@ def _register() -> tuple[bool, str | None]:
         try:
             dist.Backend.register_backend(NAME, _create, extended_api=True)
         except Exception as error:
-            return False, f"torch refused to register a Python backend ({error})"
+            return False, f"{_torch()} refused to register a Python backend ({error})"
     except Exception as error:
-        return False, f"torch refused to register a Python backend ({error})"
+        return False, f"{_torch()} refused to register a Python backend ({error})"
     _route_monitored_barrier()
     return True, None
 
@@ -118,14 +176,14 @@ def _route_monitored_barrier() -> None:
         timeout: datetime.timedelta | float | None = None,
         wait_all_ranks: bool = False,
     ) -> Any:
-        backend = cpu_backend_of(group)
-        if backend is None:
+        collectives = cpu_backend_of(group)
+        if collectives is None:
             return original(group, timeout, wait_all_ranks)
         if timeout is None:
-            timeout = backend.timeout
+            timeout = collectives.timeout
         elif not isinstance(timeout, datetime.timedelta):
             timeout = datetime.timedelta(seconds=float(timeout))
-        return backend.gloo.monitored_barrier(timeout, wait_all_ranks)
+        return collectives.gloo.monitored_barrier(timeout, wait_all_ranks)
 
     for module in (dist, distributed_c10d):
         module.monitored_barrier = monitored_barrier  # type: ignore[assignment]
@@ -145,12 +203,10 @@ def serves(config: Any) -> bool:
             the environment's.
 
     Returns:
-        False where ``TIACC_TRAINING_COLLECTIVES=gloo`` or the backend could
-        not be registered.
+        False where ``TIACC_TRAINING_COLLECTIVES=gloo`` or no form of the
+        backend can be constructed on this torch.
     """
-    if config is None:
-        config = _engine.CommConfig.from_env()
-    return config.collectives == NAME and register()
+    return path(config) != GLOO
 
 
 def cpu_backend(requested: str | None, config: Any) -> str:
@@ -158,7 +214,7 @@ def cpu_backend(requested: str | None, config: Any) -> str:
 
     CPU tensors go to "tiacc" where the script asked for gloo, or for
     nothing (torch's default is gloo for CPU tensors), unless
-    ``TIACC_TRAINING_COLLECTIVES=gloo`` or this torch cannot register the
+    ``TIACC_TRAINING_COLLECTIVES=gloo`` or this torch cannot construct the
     backend. Every other device keeps what the script asked for; ``None``
     means torch's default there too (NCCL for CUDA tensors where CUDA is
     available). An explicit "tiacc" is kept as asked.
@@ -188,6 +244,15 @@ def cpu_backend(requested: str | None, config: Any) -> str:
             # gloo also serves CUDA tensors: keep it there.
             return f"cpu:{NAME},cuda:gloo" if torch.cuda.is_available() else f"cpu:{NAME}"
         return requested
+    devices = _device_map(text, requested)
+    if use and devices.get("cpu", "").lower() == "gloo":
+        devices["cpu"] = NAME
+        return _join(devices)
+    return requested
+
+
+def _device_map(text: str, requested: str) -> dict[str, str]:
+    """``"cpu:gloo,cuda:nccl"`` as ``{"cpu": "gloo", "cuda": "nccl"}``."""
     devices = {}
     for part in text.split(","):
         device, sep, backend = part.partition(":")
@@ -196,27 +261,36 @@ def cpu_backend(requested: str | None, config: Any) -> str:
                 f"init_process_group(backend={requested!r}): {part!r} is not 'device:backend'"
             )
         devices[device.strip().lower()] = backend.strip()
-    if use and devices.get("cpu", "").lower() == "gloo":
-        devices["cpu"] = NAME
-        return _join(devices)
-    return requested
+    return devices
 
 
 def _join(devices: dict[str, str]) -> str:
     return ",".join(f"{device}:{backend}" for device, backend in devices.items())
 
 
-def cpu_backend_of(group: Any = None) -> TiaccBackend | None:
-    """The "tiacc" backend serving ``group``'s CPU tensors (default group), or ``None``."""
+def cpu_backend_of(group: Any = None) -> CpuCollectives | None:
+    """The "tiacc" collectives serving ``group``'s CPU tensors (default group), or ``None``."""
     if not dist.is_initialized():
         return None
     if group is None or group is dist.GroupMember.WORLD:
         group = dist.distributed_c10d._get_default_group()
+    if isinstance(group, TiaccProcessGroup):
+        return group.collectives
     try:
         backend = group._get_backend(torch.device("cpu"))
     except Exception:  # no CPU backend in this group
         return None
-    return backend if isinstance(backend, TiaccBackend) else None
+    return backend.collectives if isinstance(backend, TiaccBackend) else None
+
+
+def form_of(group: Any = None) -> str | None:
+    """The form serving ``group``'s CPU collectives, or ``None``.
+
+    Returns:
+        ``"backend"``, ``"process-group"``, or ``None`` where "tiacc" does not serve them.
+    """
+    collectives = cpu_backend_of(group)
+    return None if collectives is None else collectives.form
 
 
 def describe_cpu_collectives(config: Any = None, group: Any = None) -> str:
@@ -228,17 +302,24 @@ def describe_cpu_collectives(config: Any = None, group: Any = None) -> str:
 
     Returns:
         For example ``"CPU collectives: tiacc (the engine over shared
-        memory; other ops forwarded to gloo)"`` or ``"CPU collectives: gloo
-        (TIACC_TRAINING_COLLECTIVES=gloo)"``.
+        memory, as a c10d Backend; other ops forwarded to gloo)"`` or
+        ``"CPU collectives: gloo (TIACC_TRAINING_COLLECTIVES=gloo)"``.
     """
-    backend = cpu_backend_of(group)
-    if backend is not None:
-        medium = backend.transport
+    collectives = cpu_backend_of(group)
+    if collectives is not None:
+        medium = collectives.transport
         where = f"the engine over {medium}" if medium else "the engine"
-        return f"CPU collectives: {NAME} ({where}; other ops forwarded to gloo)"
+        if collectives.form == BACKEND:
+            form = "as a c10d Backend"
+        else:
+            why = forms()[BACKEND]
+            form = "as a ProcessGroup" + (
+                f": {why}" if why else " (TIACC_TRAINING_COLLECTIVES=tiacc-process-group)"
+            )
+        return f"CPU collectives: {NAME} ({where}, {form}; other ops forwarded to gloo)"
     if config is None:
         config = _engine.CommConfig.from_env()
-    if config.collectives != NAME:
+    if config.collectives == GLOO:
         why = "TIACC_TRAINING_COLLECTIVES=gloo"
     elif not register():
         why = f"the {NAME} backend is unavailable: {_reason}"
@@ -253,31 +334,154 @@ def _has_cpu(group: Any) -> bool:
     return torch.device("cpu") in getattr(group, "_device_types", [torch.device("cpu")])
 
 
-def _create(options: Any, backend_options: Any = None) -> TiaccBackend:
-    """The factory torch calls (extended API): one backend per group."""
-    return TiaccBackend(
+def stop(group: Any = None) -> None:
+    """Stops the engine of ``group``'s "tiacc" collectives (all groups' for the world).
+
+    ``destroy_process_group`` runs it first: torch shuts a c10d
+    ``Backend`` down itself, but not every torch tells a Python
+    ``ProcessGroup`` it is being destroyed.
+    """
+    if group is None or group is dist.GroupMember.WORLD:
+        _collectives.stop_all()
+        return
+    collectives = cpu_backend_of(group)
+    if collectives is not None:
+        collectives.shutdown()
+
+
+def _create(options: Any, backend_options: Any = None) -> Any:
+    """The factory torch calls (extended API): one backend per group, in this torch's form."""
+    config = _engine.CommConfig.from_env()
+    from ._state import state
+
+    if state.config is not None:
+        config = state.config
+    # An explicit "tiacc" is kept even under TIACC_TRAINING_COLLECTIVES=gloo.
+    form = _form_for(config.collectives)
+    args = (
         options.store,
         options.group_rank,
         options.group_size,
         options.timeout,
         str(getattr(options, "group_id", "") or "group"),
     )
+    if form == BACKEND:
+        return TiaccBackend(*args)
+    if form == PROCESS_GROUP:
+        return TiaccProcessGroup(*args, devices=_other_devices())
+    raise RuntimeError(f"the {NAME} backend cannot be constructed: {_reason}")
 
 
-# torch's reduce operations, by their enum, to the engine's names.
-def _op_names() -> dict[Any, str]:
-    kinds = dist.ReduceOp.RedOpType
-    return {
-        kinds.SUM: "sum",
-        kinds.PRODUCT: "product",
-        kinds.MIN: "min",
-        kinds.MAX: "max",
-        kinds.AVG: "avg",
-    }
+def _other_devices() -> dict[str, str]:
+    """The backends the group being created asked for on devices other than the CPU.
+
+    torch builds a group's backends device by device and, once one of
+    them is a ``ProcessGroup``, uses it as the whole group: the
+    ``ProcessGroup`` form must serve the other devices itself. Their
+    backends are in the device map of torch's group builder, the caller
+    of the factory; without one (a torch that builds groups otherwise),
+    the group serves the CPU only.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "_new_process_group_helper":
+        frame = frame.f_back
+    if frame is not None:
+        config = frame.f_locals.get("backend_config")
+        devices = getattr(config, "get_device_backend_map", None)
+        if callable(devices):
+            return {d: str(b) for d, b in devices().items() if d != "cpu" and str(b) != NAME}
+    return {}
+
+
+# -- the two forms ----------------------------------------------------------
+#
+# torch calls a backend's collectives by its own method names, which differ
+# between its Backend and its ProcessGroup classes for some of them. Both
+# forms take every name to the group's CpuCollectives: the ones the engine
+# serves to its method of that name, the others to gloo (counted).
+
+# Names the engine serves, the same in both classes.
+_SERVED = {name: name for name in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
+# Names the engine serves, as the Backend class spells them.
+_SERVED_BACKEND = {
+    **_SERVED,
+    "all_gather_single": "allgather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "all_to_all_single": "all_to_all_single",
+    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+}
+# Names the engine serves, as the ProcessGroup class spells them.
+_SERVED_GROUP = {
+    **_SERVED,
+    "_allgather_base": "allgather_into_tensor",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+    "alltoall_base": "all_to_all_single",
+    "allgather_into_tensor_coalesced": "allgather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
+}
+# Names gloo serves: torch's name -> (the op as counted, gloo's method).
+_GLOO = {
+    "allreduce_coalesced": ("allreduce_coalesced", "allreduce_coalesced"),
+    "reduce": ("reduce", "reduce"),
+    "allgather_coalesced": ("allgather_coalesced", "allgather_coalesced"),
+    "gather": ("gather", "gather"),
+    "scatter": ("scatter", "scatter"),
+    "alltoall": ("alltoall", "alltoall"),
+    "send": ("send", "send"),
+    "recv": ("recv", "recv"),
+    "recv_anysource": ("recv", "recv_anysource"),
+}
+_GLOO_BACKEND = {**_GLOO, "allreduce_sparse": ("allreduce", "allreduce")}
+
+
+def _served(name: str, ours: str) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.collectives, ours)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"torch's ``{name}``: the engine's ``{ours}``, or gloo's."
+    return method
+
+
+def _forwarded(name: str, op: str, gloo_method: str) -> Callable[..., Any]:
+    def method(self: Any, *args: Any) -> Any:
+        collectives = self.collectives
+        return collectives.forward(op, NOT_IN_ENGINE, getattr(collectives.gloo, gloo_method), *args)
+
+    method.__name__ = name
+    method.__doc__ = f"torch's ``{name}``: forwarded to gloo (counted)."
+    return method
+
+
+def _by_device(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` for CPU tensors; the device's own backend for the others."""
+
+    def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        device = _device_of(args)
+        if device is not None and device != "cpu":
+            return getattr(self.device_backend(device), name)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    dispatch.__name__ = name
+    dispatch.__doc__ = method.__doc__
+    return dispatch
+
+
+def _device_of(args: Any) -> str | None:
+    """The device type of the first tensor in a call's arguments."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device.type
+        if isinstance(arg, (list, tuple)):
+            found = _device_of(arg)
+            if found is not None:
+                return found
+    return None
 
 
 class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
-    """The backend of one group's CPU tensors.
+    """The "backend" form: a c10d ``Backend`` for one group's CPU tensors.
 
     Args:
         store: the group's store (a ``PrefixStore`` torch made for it).
@@ -287,48 +491,14 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         group_name: the group's name (keeps the rendezvous of groups apart).
 
     Attributes:
-        served: collectives the engine ran, by name (``"allreduce"``, ...).
-        forwarded: collectives forwarded to gloo, by name.
-        gloo: the gloo backend underneath.
-        timeout: the group's timeout.
-        transport: what carries the engine's bytes (``"shared memory"``,
-            ``"tcp"``).
+        collectives: the group's CPU collectives (counts, gloo, transport).
     """
 
     def __init__(
         self, store: Any, rank: int, size: int, timeout: datetime.timedelta, group_name: str
     ) -> None:
         super().__init__(rank, size)
-        from ._engines import advertised_host
-        from ._rendezvous import FailureBoard, board_store, connect_tcp
-        from ._state import state
-
-        self._rank, self._size = rank, size
-        self.served: collections.Counter[str] = collections.Counter()
-        self.forwarded: collections.Counter[str] = collections.Counter()
-        self._dtypes = frozenset(_engine.collective_dtypes())
-        self._ops = frozenset(_engine.collective_ops())
-        self._op_names = _op_names()
-        self.timeout = timeout
-        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        config = state.config if state.config is not None else _engine.CommConfig.from_env()
-        _generations[group_name] += 1
-        prefix = f"tiacc_training/backend/{group_name}/{_generations[group_name]}"
-        client, address = board_store(store)
-        self._engine = _engine.CommEngine(
-            config,
-            rank,
-            size,
-            advertised_host(config, store),
-            board=FailureBoard(client, prefix, address),
-            channels=1,
-        )
-        wait = max(config.timeout, 60.0)
-        connect_tcp(self._engine, store, "tiacc", rank, size, wait)
-        self.transport = self._engine.transports.get("world", "")
-        _live.add(self)
-
-    # -- what torch asks of every backend --------------------------------
+        self.collectives = CpuCollectives(store, rank, size, timeout, group_name, BACKEND)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """The name torch reports for this backend."""
@@ -336,385 +506,127 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
 
     def shutdown(self) -> None:
         """Stops the engine's channel (torch calls it on ``destroy_process_group``)."""
-        self._engine.shutdown()
-        try:
-            self.gloo.shutdown()
-        except Exception:  # an older gloo backend without shutdown
-            pass
+        self.collectives.shutdown()
 
     def abort(self) -> None:
         """Stops at once (torch's abort)."""
         self.shutdown()
 
-    # -- collectives the engine runs ---------------------------------------
+    def barrier(self, opts: Any = None) -> Any:
+        """``barrier``: returns once every rank has entered it."""
+        return self.collectives.barrier(opts)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        """``all_reduce``: the engine's reduction, or gloo's."""
-        op = self._op_name(opts.reduceOp)
-        tensor = self._single(tensors)
-        if tensor is None or op not in self._ops or self._dtype(tensor) is None:
-            return self._forward("allreduce", self.gloo.allreduce, tensors, opts)
-        if op == "avg" and tensor.dtype == torch.bool:
-            return self._forward("allreduce", self.gloo.allreduce, tensors, opts)
-        return self._run("allreduce", tensor, tensors, reduce=op)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        """``broadcast`` from ``opts.rootRank``, as bytes."""
-        tensor = self._single(tensors)
-        if tensor is None or opts.rootTensor != 0:
-            return self._forward("broadcast", self.gloo.broadcast, tensors, opts)
-        return self._run("broadcast", tensor, tensors, as_bytes=True, root=opts.rootRank)
+for _name, _ours in _SERVED_BACKEND.items():
+    setattr(TiaccBackend, _name, _served(_name, _ours))
+for _name, (_op, _gloo) in _GLOO_BACKEND.items():
+    setattr(TiaccBackend, _name, _forwarded(_name, _op, _gloo))
+
+
+class TiaccProcessGroup(_C10dProcessGroup):  # type: ignore[misc,valid-type]
+    """The "process-group" form: the whole group, for a torch that cannot subclass ``Backend``.
+
+    CPU tensors go to the group's :class:`CpuCollectives`; the tensors of
+    another device to the backend the group asked for there (``nccl``, or
+    gloo). gloo and those backends are also registered under the group,
+    for the calls torch makes in C++ without asking Python.
+
+    Args:
+        store: the group's store (a ``PrefixStore`` torch made for it).
+        rank: this process's rank in the group.
+        size: the group's number of ranks.
+        timeout: the group's timeout.
+        group_name: the group's name (keeps the rendezvous of groups apart).
+        devices: the backend asked for on each other device (``{"cuda": "nccl"}``).
+
+    Attributes:
+        collectives: the group's CPU collectives (counts, gloo, transport).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        group_name: str,
+        devices: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(rank, size)
+        self.collectives = CpuCollectives(store, rank, size, timeout, group_name, PROCESS_GROUP)
+        types = _C10dProcessGroup.BackendType
+        self._register_backend(torch.device("cpu"), types.GLOO, self.collectives.gloo)
+        default = getattr(self, "_set_default_backend", None)
+        if default is not None:  # what torch's own hooks on a group look up
+            default(types.GLOO)
+        self._devices: dict[str, Any] = {}
+        for device, backend in (devices or {}).items():
+            name = backend.lower()
+            if name == GLOO:
+                made, kind = self.collectives.gloo, types.GLOO
+            elif name == "nccl":
+                made, kind = _nccl(store, rank, size, timeout, group_name), types.NCCL
+            else:
+                raise ValueError(
+                    f"the {NAME} backend (as a ProcessGroup, {_torch()}) serves {device} "
+                    f"tensors through gloo or nccl, not {backend!r}"
+                )
+            self._devices[device] = made
+            self._register_backend(torch.device(device), kind, made)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """The name torch reports for this group."""
+        return NAME
+
+    def device_backend(self, device: str) -> Any:
+        """The backend serving ``device``'s tensors.
+
+        Raises:
+            RuntimeError: the group was not created with a backend for ``device``.
+        """
+        backend = self._devices.get(device)
+        if backend is None:
+            raise RuntimeError(
+                f"this {NAME} group serves CPU tensors"
+                + (f" and {', '.join(self._devices)} tensors" if self._devices else "")
+                + f", not {device} tensors: ask for one in init_process_group's backend "
+                f"(e.g. 'cpu:gloo,{device}:nccl')"
+            )
+        return backend
+
+    def shutdown(self) -> None:
+        """Stops the engine's channel and the backends underneath."""
+        self.collectives.shutdown()
+        for backend in self._devices.values():
+            stop = getattr(backend, "shutdown", None) or getattr(backend, "_shutdown", None)
+            if stop is not None and backend is not self.collectives.gloo:
+                stop()
+
+    def abort(self) -> None:
+        """Stops at once (torch's abort)."""
+        self.shutdown()
 
     def barrier(self, opts: Any = None) -> Any:
         """``barrier``: returns once every rank has entered it."""
-        self.served["barrier"] += 1
-        served_in_process["barrier"] += 1
-        future = torch.futures.Future()
-        self._engine.collective_async("barrier", [], 0, 0, "uint8", future)
-        return _EngineWork(future, future.then(_value))
-
-    def allgather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
-        """``all_gather`` into a list of tensors (equal pieces, any dtype)."""
-        tensor = self._single(inputs)
-        ok = (
-            tensor is not None
-            and len(outputs) == 1
-            and len(outputs[0]) == self._size
-            and all(
-                _plain(o) and o.shape == tensor.shape and o.dtype == tensor.dtype
-                for o in outputs[0]
-            )
-        )
-        if not ok:
-            return self._forward("allgather", self.gloo.allgather, outputs, inputs, opts)
-        flat = torch.empty(self._size * tensor.numel(), dtype=tensor.dtype)
-        flat.view(self._size, -1)[self._rank].copy_(tensor.reshape(-1))
-        pieces = outputs[0]
-
-        def scatter_back(future: torch.futures.Future) -> list[list[torch.Tensor]]:
-            future.value()  # raises the engine's error, if any
-            for piece, part in zip(pieces, flat.view(self._size, -1)):
-                piece.copy_(part.view(piece.shape))
-            return outputs
-
-        return self._run("allgather", flat, [flat], as_bytes=True, then=scatter_back)
-
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
-        """``all_gather_into_tensor``: equal pieces into one tensor."""
-        ok = (
-            _plain(output)
-            and _plain(input)
-            and output.dtype == input.dtype
-            and output.numel() == self._size * input.numel()
-        )
-        if not ok:
-            return self._forward("allgather", self.gloo._allgather_base, output, input, opts)
-        output.view(-1).view(self._size, -1)[self._rank].copy_(input.view(-1))
-        return self._run("allgather", output, [output], as_bytes=True)
-
-    def reduce_scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
-    ) -> Any:
-        """``reduce_scatter`` of a list of equal tensors."""
-        op = self._op_name(opts.reduceOp)
-        out = self._single(outputs)
-        ok = (
-            out is not None
-            and op in self._ops
-            and op != "avg"
-            and self._dtype(out) is not None
-            and len(inputs) == 1
-            and len(inputs[0]) == self._size
-            and all(_plain(t) and t.shape == out.shape and t.dtype == out.dtype for t in inputs[0])
-        )
-        if not ok:
-            return self._forward("reduce_scatter", self.gloo.reduce_scatter, outputs, inputs, opts)
-        flat = torch.cat([t.reshape(-1) for t in inputs[0]])
-        return self._reduce_scatter_into(out, flat, outputs, op)
-
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
-        """``reduce_scatter_tensor``: this rank's block of the reduced tensor."""
-        op = self._op_name(opts.reduceOp)
-        ok = (
-            _plain(output)
-            and _plain(input)
-            and op in self._ops
-            and op != "avg"
-            and self._dtype(output) is not None
-            and output.dtype == input.dtype
-            and input.numel() == self._size * output.numel()
-        )
-        if not ok:
-            return self._forward(
-                "reduce_scatter", self.gloo._reduce_scatter_base, output, input, opts
-            )
-        # The engine uses the rest of the buffer as scratch: reduce a copy.
-        return self._reduce_scatter_into(output, input.reshape(-1).clone(), [output], op)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002
-        output_splits: list[int],
-        input_splits: list[int],
-        opts: Any,
-    ) -> Any:
-        """``all_to_all_single`` without split sizes (given ones go to gloo).
-
-        Every rank must take the same way. Without split sizes the blocks
-        are equal on every rank of a valid call; with them, a rank sees only
-        its own row and column of the job's split matrix, so it cannot know
-        whether the others' are even: such calls always go to gloo.
-        """
-        rows = input.shape[0] if input.dim() else 0
-        equal = (
-            not output_splits
-            and not input_splits
-            and _plain(output)
-            and _plain(input)
-            and output.dtype == input.dtype
-            and output.numel() == input.numel()
-            and rows % self._size == 0
-        )
-        if not equal:
-            return self._forward(
-                "alltoall",
-                self.gloo.alltoall_base,
-                output,
-                input,
-                output_splits,
-                input_splits,
-                opts,
-            )
-        output.view(-1).copy_(input.view(-1))
-        return self._run("alltoall", output, [output], as_bytes=True)
-
-    # -- collectives gloo runs ----------------------------------------------
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        """Forwarded to gloo."""
-        return self._forward("allreduce_coalesced", self.gloo.allreduce_coalesced, tensors, opts)
-
-    def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        """Forwarded to gloo (sparse tensors)."""
-        return self._forward("allreduce", self.gloo.allreduce, tensors, opts)
-
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        """Forwarded to gloo."""
-        return self._forward("reduce", self.gloo.reduce, tensors, opts)
-
-    def allgather_coalesced(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
-        """Forwarded to gloo."""
-        return self._forward(
-            "allgather_coalesced", self.gloo.allgather_coalesced, outputs, inputs, opts
-        )
-
-    def all_gather_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
-        """Each pair through ``all_gather_single``, in order."""
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _last(works)
-
-    def reduce_scatter_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
-        """Each pair through ``reduce_scatter_single``, in order."""
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _last(works)
-
-    def gather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
-        """Forwarded to gloo."""
-        return self._forward("gather", self.gloo.gather, outputs, inputs, opts)
-
-    def scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
-    ) -> Any:
-        """Forwarded to gloo."""
-        return self._forward("scatter", self.gloo.scatter, outputs, inputs, opts)
-
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> Any:
-        """Forwarded to gloo."""
-        return self._forward("alltoall", self.gloo.alltoall, outputs, inputs, opts)
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        """Forwarded to gloo."""
-        return self._forward("send", self.gloo.send, tensors, dst, tag)
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        """Forwarded to gloo."""
-        return self._forward("recv", self.gloo.recv, tensors, src, tag)
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
-        """Forwarded to gloo."""
-        return self._forward("recv", self.gloo.recv_anysource, tensors, tag)
-
-    # -- helpers --------------------------------------------------------------
-
-    def _op_name(self, op: Any) -> str | None:
-        return self._op_names.get(getattr(op, "op", op))
-
-    def _dtype(self, tensor: torch.Tensor) -> str | None:
-        name = str(tensor.dtype).removeprefix("torch.")
-        return name if name in self._dtypes else None
-
-    @staticmethod
-    def _single(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        """The one plain CPU tensor of a call, or ``None`` (gloo takes the rest)."""
-        if len(tensors) != 1 or not _plain(tensors[0]):
-            return None
-        return tensors[0]
-
-    def _forward(self, name: str, method: Any, *args: Any) -> Any:
-        self.forwarded[name] += 1
-        return method(*args)
-
-    def _run(
-        self,
-        name: str,
-        buffer: torch.Tensor,
-        result: Any,
-        *,
-        reduce: str = "sum",
-        as_bytes: bool = False,
-        root: int = 0,
-        then: Any = None,
-    ) -> Any:
-        """Queues ``name`` on the engine over ``buffer``; returns its work.
-
-        The engine keeps ``result`` (which holds ``buffer``) alive until the
-        collective is done, then completes the work's future with it, or
-        with its error (see :class:`_EngineWork`).
-        """
-        self.served[name] += 1
-        served_in_process[name] += 1
-        dtype = "uint8" if as_bytes else self._dtype(buffer)
-        future = torch.futures.Future()
-        self._engine.collective_async(
-            name,
-            result,
-            buffer.data_ptr(),
-            buffer.numel() * buffer.element_size(),
-            dtype,
-            future,
-            reduce=reduce,
-            root=root,
-        )
-        return _EngineWork(future, future.then(then or _value))
-
-    def _reduce_scatter_into(
-        self, out: torch.Tensor, flat: torch.Tensor, result: Any, op: str
-    ) -> Any:
-        block = flat.view(self._size, -1)[self._rank]
-
-        def copy_out(future: torch.futures.Future) -> Any:
-            future.value()
-            out.copy_(block.view(out.shape))
-            return result
-
-        return self._run("reduce_scatter", flat, [flat], reduce=op, then=copy_out)
+        return self.collectives.barrier(opts)
 
 
-def _plain(tensor: Any) -> bool:
-    """A dense, contiguous CPU tensor (what the engine takes as memory)."""
-    return (
-        isinstance(tensor, torch.Tensor)
-        and tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and tensor.is_contiguous()
-        and not tensor.is_complex()
-    )
+for _name, _ours in _SERVED_GROUP.items():
+    setattr(TiaccProcessGroup, _name, _by_device(_name, _served(_name, _ours)))
+for _name, (_op, _gloo) in _GLOO.items():
+    setattr(TiaccProcessGroup, _name, _by_device(_name, _forwarded(_name, _op, _gloo)))
 
 
-def _stop_all() -> None:
-    """Stops, at exit, the backends of groups the script never destroyed.
-
-    Many scripts end without ``destroy_process_group``. Their backends'
-    engine and gloo threads would then stop during the interpreter's
-    finalization, when a thread that still reaches for Python aborts the
-    process ("terminate called without an active exception", exit code
-    -6). Registered when the package loads, so it runs after the handlers
-    the script and its libraries register later.
-    """
-    for backend in list(_live):
-        try:
-            backend.shutdown()
-        except Exception:  # noqa: S110 - exiting: nothing left to report to
-            pass
-
-
-atexit.register(_stop_all)
-
-
-class _EngineWork(_C10dWork):  # type: ignore[misc,valid-type]
-    """The work of one collective the engine runs.
-
-    The engine completes its future with the result or with its error
-    (``set_exception``). That error lives only in the future's Python
-    wrapper: a work made by torch from the future (``_create_work_from_future``)
-    returns from ``wait()`` as if it had succeeded, leaving the output
-    unfilled. This work's ``wait()`` raises the engine's error itself, and
-    the future it hands out (``get_future()``, DDP's and the user's
-    callbacks) is completed with that error at torch's level.
-
-    Args:
-        engine_future: the future the engine completes.
-        future: ``engine_future`` followed by the collective's last step
-            (a ``then`` callback that reads ``engine_future.value()``).
-    """
-
-    def __init__(self, engine_future: torch.futures.Future, future: torch.futures.Future) -> None:
-        super().__init__()
-        self._engine_future = engine_future
-        self._future = future
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Waits for the collective; raises the engine's error if it failed."""
-        self._engine_future.wait()  # raises the engine's CommError as it is
-        self._future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the collective has finished (successfully or not)."""
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        """Whether the collective finished without an error."""
-        if not self._future.done():
-            return False
-        try:
-            self._future.wait()
-        except Exception:
-            return False
-        return True
-
-    def exception(self) -> Any:
-        """The collective's error, or ``None``."""
-        try:
-            self._engine_future.wait()
-            self._future.wait()
-        except Exception as error:
-            return error
-        return None
-
-    def get_future(self) -> torch.futures.Future:
-        """A future completed with the result, or failed with the engine's error."""
-        return self._future
-
-
-def _value(future: torch.futures.Future) -> Any:
-    """The future's result; raises the engine's error if it failed."""
-    return future.value()
-
-
-def _last(works: list[Any]) -> Any:
-    """Waits for all but the last work (in order) and returns the last."""
-    for work in works[:-1]:
-        work.wait()
-    return works[-1] if works else None
+def _nccl(store: Any, rank: int, size: int, timeout: datetime.timedelta, group_name: str) -> Any:
+    """An NCCL backend for the CUDA tensors of a "process-group" form group."""
+    if not dist.is_nccl_available():
+        raise RuntimeError(f"{_torch()} has no NCCL backend for the group's CUDA tensors")
+    options = dist.ProcessGroupNCCL.Options()
+    for name, value in (
+        ("_timeout", timeout),
+        ("is_high_priority_stream", False),
+        ("group_name", group_name),
+    ):
+        if hasattr(options, name):
+            setattr(options, name, value)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), rank, size, options)

@@ -126,6 +126,7 @@ def _destroy_process_group(group: Any = None) -> None:
         close_all()
         state.create_on_use = False
         state.finished = False
+    _backend.stop(group)
     _original_destroy(group)
 
 

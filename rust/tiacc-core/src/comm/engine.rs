@@ -86,8 +86,9 @@ pub enum Collective {
     AllreduceOp { op: ReduceOp, mean: bool },
     /// Reduce with `op` into this rank's equal shard of the buffer (the
     /// rest is scratch): torch's reduce-scatter when the buffer holds one
-    /// block per rank.
-    ReduceScatter { op: ReduceOp },
+    /// block per rank. With `mean`, this rank's shard is then divided by
+    /// the world size, as `AllreduceOp`'s is.
+    ReduceScatter { op: ReduceOp, mean: bool },
     /// Every rank's equal shard of the buffer to every rank.
     Allgather,
     /// Block `j` of every rank's buffer to rank `j` (equal blocks).
@@ -110,7 +111,7 @@ impl Collective {
     fn reduce_op(self) -> Option<ReduceOp> {
         match self {
             Collective::Allreduce { .. } => Some(ReduceOp::Sum),
-            Collective::AllreduceOp { op, .. } | Collective::ReduceScatter { op } => Some(op),
+            Collective::AllreduceOp { op, .. } | Collective::ReduceScatter { op, .. } => Some(op),
             _ => None,
         }
     }
@@ -396,8 +397,11 @@ fn channel_loop(
             bytes: buf.len() as u64,
         };
         let before = wire_of(&backend);
-        let result = if matches!(job.op, Collective::AllreduceOp { mean: true, .. })
-            && !dtype.averages()
+        let result = if matches!(
+            job.op,
+            Collective::AllreduceOp { mean: true, .. }
+                | Collective::ReduceScatter { mean: true, .. }
+        ) && !dtype.averages()
         {
             Err(Error::InvalidArgument(format!(
                 "an average of {} elements has no meaning",
@@ -462,8 +466,14 @@ fn channel_loop(
                         .map_or(Ok(()), |t| t.take(deadline))
                         .and_then(|()| world.agree(&tag, deadline))
                         .and_then(|()| match job.op {
-                            Collective::ReduceScatter { op } => {
-                                world.reduce_scatter_op(buf, dtype, op, deadline)
+                            Collective::ReduceScatter { op, mean } => {
+                                world.reduce_scatter_op(buf, dtype, op, deadline).map(|()| {
+                                    if mean && size > 1 {
+                                        let block = buf.len() / size;
+                                        let shard = &mut buf[rank * block..(rank + 1) * block];
+                                        dtype.div_assign(shard, size as f64);
+                                    }
+                                })
                             }
                             Collective::Allgather => world.allgather(buf, dtype.size(), deadline),
                             _ => world.alltoall(buf, deadline),

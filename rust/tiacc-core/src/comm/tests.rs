@@ -1691,7 +1691,10 @@ fn the_engine_runs_torch_collectives_in_order_and_averages_after_the_sum() {
         engine.run(max, &mut buf, DType::I32, 0).unwrap();
         out.push(decode(DType::I32, &buf));
         let mut buf = encode(DType::I64, &[rank as f64; 3]);
-        let rs = Collective::ReduceScatter { op: ReduceOp::Min };
+        let rs = Collective::ReduceScatter {
+            op: ReduceOp::Min,
+            mean: false,
+        };
         engine.run(rs, &mut buf, DType::I64, 0).unwrap();
         out.push(decode(DType::I64, &buf[rank * 8..rank * 8 + 8]));
         let mut buf = vec![0u8; 3 * 2];
@@ -1718,6 +1721,16 @@ fn the_engine_runs_torch_collectives_in_order_and_averages_after_the_sum() {
         let mut buf = encode(DType::I64, &[r * r + 1.0, -(r * r) - 1.0]);
         engine.run(mean, &mut buf, DType::I64, 0).unwrap();
         out.push(decode(DType::I64, &buf));
+        // A mean reduce-scatter divides this rank's shard only: blocks of
+        // two, rank r contributes r + 1 and 10 * r to every block.
+        let block = [rank as f64 + 1.0, 10.0 * rank as f64];
+        let mut buf = encode(DType::F32, &block.repeat(p));
+        let rs_mean = Collective::ReduceScatter {
+            op: ReduceOp::Sum,
+            mean: true,
+        };
+        engine.run(rs_mean, &mut buf, DType::F32, 0).unwrap();
+        out.push(decode(DType::F32, &buf[rank * 8..rank * 8 + 8]));
         // An average of bools is refused, with a typed error.
         let mut buf = encode(DType::Bool, &[1.0]);
         let err = engine.run(mean, &mut buf, DType::Bool, 0).unwrap_err();
@@ -1732,6 +1745,8 @@ fn the_engine_runs_torch_collectives_in_order_and_averages_after_the_sum() {
         let r = rank as f64;
         assert_eq!(out[4], vec![r, 10.0 + r, 20.0 + r]);
         assert_eq!(out[5], vec![2.0, -2.0]);
+        // (1 + 2 + 3) / 3 and (0 + 10 + 20) / 3.
+        assert_eq!(out[6], vec![2.0, 10.0]);
     }
 }
 

@@ -39,7 +39,9 @@ pub const NCCL_LIBRARY: &str = "TIACC_TRAINING_NCCL_LIBRARY";
 /// memory; `0`: through loopback TCP.
 pub const SHM: &str = "TIACC_TRAINING_SHM";
 /// What serves torch.distributed's CPU collectives of the default group:
-/// `tiacc` (the engine's backend, default) or `gloo`.
+/// `tiacc` (the engine's backend, default), `tiacc-process-group` (the same
+/// backend in the form every torch 2.x takes, even where the newer one
+/// works) or `gloo`.
 pub const COLLECTIVES: &str = "TIACC_TRAINING_COLLECTIVES";
 
 /// Gradient compression on the wire: `none`, `fp16` or `bf16`.
@@ -179,20 +181,26 @@ pub const MAX_NUM_STREAMS: usize = 64;
 /// What serves torch.distributed's CPU collectives ([`COLLECTIVES`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CollectivesChoice {
-    /// The engine's "tiacc" backend (ops it does not implement go to gloo).
+    /// The engine's "tiacc" backend (ops it does not implement go to gloo),
+    /// in the newest form the running torch can construct.
     #[default]
     Tiacc,
+    /// The same backend as a torch.distributed `ProcessGroup` subclass, the
+    /// form every torch 2.x takes, even where the newer one works.
+    TiaccProcessGroup,
     /// torch's gloo, as the script asked.
     Gloo,
 }
 
 impl CollectivesChoice {
-    /// Parses `tiacc` or `gloo` (any case); errors name `variable`.
+    /// Parses `tiacc`, `tiacc-process-group` or `gloo` (any case); errors
+    /// name `variable`.
     pub fn parse(variable: &str, value: &str) -> Result<Self> {
         match value.trim().to_ascii_lowercase().as_str() {
             "tiacc" => Ok(CollectivesChoice::Tiacc),
+            "tiacc-process-group" => Ok(CollectivesChoice::TiaccProcessGroup),
             "gloo" => Ok(CollectivesChoice::Gloo),
-            _ => Err(bad(variable, value, "tiacc or gloo")),
+            _ => Err(bad(variable, value, "tiacc, tiacc-process-group or gloo")),
         }
     }
 
@@ -200,6 +208,7 @@ impl CollectivesChoice {
     pub fn name(self) -> &'static str {
         match self {
             CollectivesChoice::Tiacc => "tiacc",
+            CollectivesChoice::TiaccProcessGroup => "tiacc-process-group",
             CollectivesChoice::Gloo => "gloo",
         }
     }
@@ -1461,6 +1470,10 @@ mod tests {
         assert_eq!(
             choice(&[(COLLECTIVES, " GLOO ")]).unwrap(),
             CollectivesChoice::Gloo
+        );
+        assert_eq!(
+            choice(&[(COLLECTIVES, "Tiacc-Process-Group")]).unwrap(),
+            CollectivesChoice::TiaccProcessGroup
         );
         assert_eq!(
             choice(&[(COLLECTIVES, "tiacc")]).unwrap(),

@@ -1,0 +1,455 @@
+"""The CPU collectives of one group: the engine where it can, gloo otherwise.
+
+One :class:`CpuCollectives` per group that uses the "tiacc" backend: an
+engine of one channel (so collectives run in the order they are issued, as
+gloo runs them), connected over the store torch hands the backend, and a
+gloo backend underneath on the same store. Whatever form torch takes the
+backend in (``_backend``: a c10d ``Backend`` subclass, or a
+``ProcessGroup`` subclass on a torch that cannot subclass ``Backend``),
+its CPU collectives are these methods.
+
+The engine runs ``all_reduce`` (sum, product, min, max, and the average
+of floating-point tensors), ``broadcast``, ``all_gather`` /
+``all_gather_into_tensor``, ``reduce_scatter`` / ``reduce_scatter_tensor``
+(the average included, as FSDP2 asks), ``all_to_all_single`` with equal
+splits, and ``barrier``; every call returns work that waits on the engine
+(:class:`EngineWork`). The element types and reductions it carries are the
+engine's own (``_engine.collective_dtypes()``, ``_engine.collective_ops()``);
+anything else is forwarded to gloo, so every call that works on gloo works
+here, with gloo's results, and is counted with its reason
+(``forwarded_in_process``). Results are exact: no compression, Top-K or 2D
+algorithm applies to these collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import datetime
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from tiacc_training import _engine
+
+try:  # torch builds without distributed support lack it
+    from torch._C._distributed_c10d import Work as _C10dWork
+except ImportError:  # pragma: no cover - depends on the torch build
+    _C10dWork = object  # type: ignore[assignment,misc]
+
+# Collectives the engine served in this process, by op, over every group
+# and generation (a group's own counts go with it when it is destroyed).
+served_in_process: collections.Counter[str] = collections.Counter()
+# Collectives forwarded to gloo in this process, by (op, reason).
+forwarded_in_process: collections.Counter[tuple[str, str]] = collections.Counter()
+# Engines made per group name in this process: successive groups of one
+# name (a script that creates the default group again) rendezvous apart.
+_generations: collections.Counter[str] = collections.Counter()
+# The groups' collectives alive in this process, stopped at exit.
+_live: weakref.WeakSet[CpuCollectives] = weakref.WeakSet()
+
+# Why a call goes to gloo (the reasons ``stats()`` counts).
+NOT_IN_ENGINE = "an op the engine does not run"
+LAYOUT = "several tensors, or a tensor that is not dense, contiguous and real"
+SHAPES = "outputs that are not one equal piece per rank"
+SPLITS = "all_to_all with split sizes"
+
+
+def _op_names() -> dict[Any, str]:
+    """The reduce operations of torch, by their enum, to the engine's names."""
+    kinds = dist.ReduceOp.RedOpType
+    return {
+        kinds.SUM: "sum",
+        kinds.PRODUCT: "product",
+        kinds.MIN: "min",
+        kinds.MAX: "max",
+        kinds.AVG: "avg",
+    }
+
+
+class CpuCollectives:
+    """The CPU collectives of one group.
+
+    Args:
+        store: the group's store (a ``PrefixStore`` torch made for it).
+        rank: this process's rank in the group.
+        size: the group's number of ranks.
+        timeout: the group's timeout.
+        group_name: the group's name (keeps the rendezvous of groups apart).
+        form: the form torch holds them in (``"backend"``, ``"process-group"``).
+
+    Attributes:
+        form: as given.
+        served: collectives the engine ran, by op (``"allreduce"``, ...).
+        forwarded: collectives forwarded to gloo, by ``(op, reason)``.
+        gloo: the gloo backend underneath.
+        timeout: the group's timeout.
+        transport: what carries the engine's bytes (``"shared memory"``,
+            ``"tcp"``).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        group_name: str,
+        form: str,
+    ) -> None:
+        from ._engines import advertised_host
+        from ._rendezvous import FailureBoard, board_store, connect_tcp
+        from ._state import state
+
+        self.rank, self.size, self.form = rank, size, form
+        self.served: collections.Counter[str] = collections.Counter()
+        self.forwarded: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._dtypes = frozenset(_engine.collective_dtypes())
+        self._ops = frozenset(_engine.collective_ops())
+        self._op_names = _op_names()
+        self.timeout = timeout
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        config = state.config if state.config is not None else _engine.CommConfig.from_env()
+        _generations[group_name] += 1
+        prefix = f"tiacc_training/backend/{group_name}/{_generations[group_name]}"
+        client, address = board_store(store)
+        self._engine = _engine.CommEngine(
+            config,
+            rank,
+            size,
+            advertised_host(config, store),
+            board=FailureBoard(client, prefix, address),
+            channels=1,
+        )
+        connect_tcp(self._engine, store, "tiacc", rank, size, max(config.timeout, 60.0))
+        self.transport = self._engine.transports.get("world", "")
+        _live.add(self)
+
+    def shutdown(self) -> None:
+        """Stops the engine's channel and the gloo backend underneath."""
+        self._engine.shutdown()
+        try:
+            self.gloo.shutdown()
+        except Exception:  # an older gloo backend without shutdown
+            pass
+
+    # -- collectives the engine runs ---------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """``all_reduce``: the engine's reduction, or gloo's."""
+        op = self._op_name(opts.reduceOp)
+        tensor = self._single(tensors)
+        why = self._why_not(tensor, op)
+        if why is not None:
+            return self.forward("allreduce", why, self.gloo.allreduce, tensors, opts)
+        return self._run("allreduce", tensor, tensors, reduce=op)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """``broadcast`` from ``opts.rootRank``, as bytes."""
+        tensor = self._single(tensors)
+        if tensor is None or opts.rootTensor != 0:
+            return self.forward("broadcast", LAYOUT, self.gloo.broadcast, tensors, opts)
+        return self._run("broadcast", tensor, tensors, as_bytes=True, root=opts.rootRank)
+
+    def barrier(self, opts: Any = None) -> Any:
+        """``barrier``: returns once every rank has entered it."""
+        self._count_served("barrier")
+        future = torch.futures.Future()
+        self._engine.collective_async("barrier", [], 0, 0, "uint8", future)
+        return EngineWork(future, future.then(_value))
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """``all_gather`` into a list of tensors (equal pieces, any dtype)."""
+        tensor = self._single(inputs)
+        if tensor is None:
+            return self.forward("allgather", LAYOUT, self.gloo.allgather, outputs, inputs, opts)
+        equal = (
+            len(outputs) == 1
+            and len(outputs[0]) == self.size
+            and all(
+                _plain(o) and o.shape == tensor.shape and o.dtype == tensor.dtype
+                for o in outputs[0]
+            )
+        )
+        if not equal:
+            return self.forward("allgather", SHAPES, self.gloo.allgather, outputs, inputs, opts)
+        flat = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype)
+        flat.view(self.size, -1)[self.rank].copy_(tensor.reshape(-1))
+        pieces = outputs[0]
+
+        def scatter_back(future: torch.futures.Future) -> list[list[torch.Tensor]]:
+            future.value()  # raises the engine's error, if any
+            for piece, part in zip(pieces, flat.view(self.size, -1)):
+                piece.copy_(part.view(piece.shape))
+            return outputs
+
+        return self._run("allgather", flat, [flat], as_bytes=True, then=scatter_back)
+
+    def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
+        """``all_gather_into_tensor``: equal pieces into one tensor."""
+        if not (_plain(output) and _plain(input)):
+            return self.forward("allgather", LAYOUT, self.gloo._allgather_base, output, input, opts)
+        if output.dtype != input.dtype or output.numel() != self.size * input.numel():
+            return self.forward("allgather", SHAPES, self.gloo._allgather_base, output, input, opts)
+        output.view(-1).view(self.size, -1)[self.rank].copy_(input.view(-1))
+        return self._run("allgather", output, [output], as_bytes=True)
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> Any:
+        """``reduce_scatter`` of a list of equal tensors."""
+        op = self._op_name(opts.reduceOp)
+        out = self._single(outputs)
+        why = self._why_not(out, op)
+        if why is None and not (
+            len(inputs) == 1
+            and len(inputs[0]) == self.size
+            and all(_plain(t) and t.shape == out.shape and t.dtype == out.dtype for t in inputs[0])
+        ):
+            why = SHAPES
+        if why is not None:
+            return self.forward(
+                "reduce_scatter", why, self.gloo.reduce_scatter, outputs, inputs, opts
+            )
+        flat = torch.cat([t.reshape(-1) for t in inputs[0]])
+        return self._reduce_scatter_into(out, flat, outputs, op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
+        """``reduce_scatter_tensor``: this rank's block of the reduced tensor."""
+        op = self._op_name(opts.reduceOp)
+        why = self._why_not(output if _plain(output) and _plain(input) else None, op)
+        if why is None and (
+            output.dtype != input.dtype or input.numel() != self.size * output.numel()
+        ):
+            why = SHAPES
+        if why is not None:
+            return self.forward(
+                "reduce_scatter", why, self.gloo._reduce_scatter_base, output, input, opts
+            )
+        # The engine uses the rest of the buffer as scratch: reduce a copy.
+        return self._reduce_scatter_into(output, input.reshape(-1).clone(), [output], op)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: Any,
+    ) -> Any:
+        """``all_to_all_single`` without split sizes (given ones go to gloo).
+
+        Every rank must take the same way. Without split sizes the blocks
+        are equal on every rank of a valid call; with them, a rank sees only
+        its own row and column of the job's split matrix, so it cannot know
+        whether the others' are even: such calls always go to gloo.
+        """
+        args = (output, input, output_splits, input_splits, opts)
+        if output_splits or input_splits:
+            return self.forward("alltoall", SPLITS, self.gloo.alltoall_base, *args)
+        if not (_plain(output) and _plain(input)):
+            return self.forward("alltoall", LAYOUT, self.gloo.alltoall_base, *args)
+        rows = input.shape[0] if input.dim() else 0
+        if output.dtype != input.dtype or output.numel() != input.numel() or rows % self.size != 0:
+            return self.forward("alltoall", SHAPES, self.gloo.alltoall_base, *args)
+        output.view(-1).copy_(input.view(-1))
+        return self._run("alltoall", output, [output], as_bytes=True)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """Each pair through :meth:`allgather_into_tensor`, in order."""
+        return _last([self.allgather_into_tensor(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """Each pair through :meth:`reduce_scatter_tensor`, in order."""
+        return _last([self.reduce_scatter_tensor(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    # -- everything else: gloo ------------------------------------------------
+
+    def forward(self, name: str, why: str, method: Callable[..., Any], *args: Any) -> Any:
+        """Runs a call on gloo, counted as ``(name, why)``."""
+        self.forwarded[name, why] += 1
+        forwarded_in_process[name, why] += 1
+        return method(*args)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _op_name(self, op: Any) -> str | None:
+        return self._op_names.get(getattr(op, "op", op))
+
+    def _dtype(self, tensor: torch.Tensor) -> str | None:
+        name = str(tensor.dtype).removeprefix("torch.")
+        return name if name in self._dtypes else None
+
+    def _why_not(self, tensor: torch.Tensor | None, op: str | None) -> str | None:
+        """Why the engine cannot reduce ``tensor`` with ``op`` (``None``: it can)."""
+        if tensor is None:
+            return LAYOUT
+        if op not in self._ops:
+            return "a reduction the engine does not run"
+        if self._dtype(tensor) is None:
+            return f"{str(tensor.dtype).removeprefix('torch.')} elements"
+        if op == "avg" and tensor.dtype == torch.bool:
+            return "the average of bool elements"
+        return None
+
+    @staticmethod
+    def _single(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """The one plain CPU tensor of a call, or ``None`` (gloo takes the rest)."""
+        if len(tensors) != 1 or not _plain(tensors[0]):
+            return None
+        return tensors[0]
+
+    def _count_served(self, name: str) -> None:
+        self.served[name] += 1
+        served_in_process[name] += 1
+
+    def _run(
+        self,
+        name: str,
+        buffer: torch.Tensor,
+        result: Any,
+        *,
+        reduce: str = "sum",
+        as_bytes: bool = False,
+        root: int = 0,
+        then: Any = None,
+    ) -> Any:
+        """Queues ``name`` on the engine over ``buffer``; returns its work.
+
+        The engine keeps ``result`` (which holds ``buffer``) alive until the
+        collective is done, then completes the work's future with it, or
+        with its error (see :class:`EngineWork`).
+        """
+        self._count_served(name)
+        dtype = "uint8" if as_bytes else self._dtype(buffer)
+        future = torch.futures.Future()
+        self._engine.collective_async(
+            name,
+            result,
+            buffer.data_ptr(),
+            buffer.numel() * buffer.element_size(),
+            dtype,
+            future,
+            reduce=reduce,
+            root=root,
+        )
+        return EngineWork(future, future.then(then or _value))
+
+    def _reduce_scatter_into(
+        self, out: torch.Tensor, flat: torch.Tensor, result: Any, op: str
+    ) -> Any:
+        block = flat.view(self.size, -1)[self.rank]
+
+        def copy_out(future: torch.futures.Future) -> Any:
+            future.value()
+            out.copy_(block.view(out.shape))
+            return result
+
+        return self._run("reduce_scatter", flat, [flat], reduce=op, then=copy_out)
+
+
+def _plain(tensor: Any) -> bool:
+    """A dense, contiguous CPU tensor (what the engine takes as memory)."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and tensor.is_contiguous()
+        and not tensor.is_complex()
+    )
+
+
+def stop_all() -> None:
+    """Stops, at exit, the collectives of groups the script never destroyed.
+
+    Many scripts end without ``destroy_process_group``. Their engine and
+    gloo threads would then stop during the interpreter's finalization,
+    when a thread that still reaches for Python aborts the process
+    ("terminate called without an active exception", exit code -6).
+    Registered when the package loads, so it runs after the handlers the
+    script and its libraries register later.
+    """
+    for collectives in list(_live):
+        try:
+            collectives.shutdown()
+        except Exception:  # noqa: S110 - exiting: nothing left to report to
+            pass
+
+
+atexit.register(stop_all)
+
+
+class EngineWork(_C10dWork):  # type: ignore[misc,valid-type]
+    """The work of one collective the engine runs.
+
+    The engine completes its future with the result or with its error
+    (``set_exception``). That error lives only in the future's Python
+    wrapper: a work made by torch from the future (``_create_work_from_future``)
+    returns from ``wait()`` as if it had succeeded, leaving the output
+    unfilled. This work's ``wait()`` raises the engine's error itself, and
+    the future it hands out (``get_future()``, DDP's and the user's
+    callbacks) is completed with that error at torch's level.
+
+    Args:
+        engine_future: the future the engine completes.
+        future: ``engine_future`` followed by the collective's last step
+            (a ``then`` callback that reads ``engine_future.value()``).
+    """
+
+    def __init__(self, engine_future: torch.futures.Future, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._engine_future = engine_future
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Waits for the collective; raises the engine's error if it failed."""
+        self._engine_future.wait()  # raises the engine's CommError as it is
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (successfully or not)."""
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        """Whether the collective finished without an error."""
+        if not self._future.done():
+            return False
+        try:
+            self._future.wait()
+        except Exception:
+            return False
+        return True
+
+    def exception(self) -> Any:
+        """The collective's error, or ``None``."""
+        try:
+            self._engine_future.wait()
+            self._future.wait()
+        except Exception as error:
+            return error
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the result, or failed with the engine's error."""
+        return self._future
+
+
+def _value(future: torch.futures.Future) -> Any:
+    """The future's result; raises the engine's error if it failed."""
+    return future.value()
+
+
+def _last(works: list[Any]) -> Any:
+    """Waits for all but the last work (in order) and returns the last."""
+    for work in works[:-1]:
+        work.wait()
+    return works[-1] if works else None
