@@ -305,7 +305,10 @@ def test_torchrun_launch(tmp_path: Path) -> None:
     ]
     proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert "CPU buckets: tcp" in proc.stderr and "launcher=torchrun" in proc.stderr
+    assert "CPU buckets: shared memory (one host);" in proc.stderr, proc.stderr
+    assert "launcher=torchrun" in proc.stderr
+    # And what the engine really connected says the same.
+    assert "CPU buckets connected: world over shared memory" in proc.stderr, proc.stderr
     assert_bitwise_identical_across_ranks(tmp_path, 2)
 
 

@@ -127,7 +127,7 @@ def test_the_start_up_report_says_what_applies_to_each_kind_of_bucket() -> None:
         },
     )
     # One rank: auto has no nodes to go 2D over.
-    assert "CPU buckets: tcp; algorithm=flat ring (auto: " in out
+    assert "CPU buckets: in process (a world of one); algorithm=flat ring (auto: " in out
     assert "compression=fp16" in out
     assert "nan_check=on" in out
     if torch.cuda.is_available():

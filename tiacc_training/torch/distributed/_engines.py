@@ -55,8 +55,11 @@ def world_engine(config: Any) -> Any:
         intra_size=node_intra_size(config, launch, store, prefix, rank, world),
     )
     connect_tcp(engine, store, prefix, rank, world, config.timeout)
-    if rank == 0 and engine.auto_choice is not None:
-        logger.info("%s", engine.auto_choice)
+    if rank == 0:
+        carried = ", ".join(f"{group} over {how}" for group, how in engine.transports.items())
+        logger.info("  CPU buckets connected: %s", carried or "nothing to carry (a world of one)")
+        if engine.auto_choice is not None:
+            logger.info("%s", engine.auto_choice)
     state.engine = engine
     return engine
 

@@ -74,7 +74,11 @@ impl CommConfig {
             self.fusion_text(),
             self.timeout.as_secs_f64()
         )];
-        lines.push(format!("  CPU buckets: tcp; {}", self.applies(job)));
+        lines.push(format!(
+            "  CPU buckets: {}; {}",
+            self.cpu_medium(job),
+            self.applies(job)
+        ));
         lines.push(match &job.cuda {
             None => "  CUDA buckets: none (torch sees no CUDA device)".to_string(),
             Some(route) => {
@@ -95,6 +99,19 @@ impl CommConfig {
         let mut warnings = self.notices.clone();
         warnings.extend(self.warnings(job));
         Startup { lines, warnings }
+    }
+
+    /// What carries CPU buckets between the ranks of `job`: shared memory
+    /// between the ranks of a host (unless `TIACC_TRAINING_SHM=0`), TCP
+    /// between hosts. The engine logs what it connected when it does.
+    fn cpu_medium(&self, job: &Job) -> &'static str {
+        match job.local_size {
+            _ if job.world <= 1 => "in process (a world of one)",
+            _ if !self.shared_memory => "tcp (TIACC_TRAINING_SHM=0)",
+            Some(n) if n >= job.world => "shared memory (one host)",
+            Some(1) => "tcp (one rank per host)",
+            _ => "shared memory between the ranks of a host, tcp between hosts",
+        }
     }
 
     /// The bucket cap as the report gives it.
@@ -396,8 +413,18 @@ mod tests {
             );
             assert!(line.contains("nan_check=on"), "{line}");
         }
-        assert!(s.lines[1].starts_with("  CPU buckets: tcp;"));
+        assert!(s.lines[1].starts_with(
+            "  CPU buckets: shared memory between the ranks of a host, tcp between hosts;"
+        ));
         assert!(s.lines[2].starts_with("  CUDA buckets: nccl 2.30.7 (transport auto);"));
+        let t = config(&[]).startup(&job(2, Some(2), None));
+        assert!(t.lines[1].starts_with("  CPU buckets: shared memory (one host);"));
+        let t = config(&[("TIACC_TRAINING_SHM", "0")]).startup(&job(2, Some(2), None));
+        assert!(t.lines[1].starts_with("  CPU buckets: tcp (TIACC_TRAINING_SHM=0);"));
+        let t = config(&[]).startup(&job(4, Some(1), None));
+        assert!(t.lines[1].starts_with("  CPU buckets: tcp (one rank per host);"));
+        let t = config(&[]).startup(&job(1, None, None));
+        assert!(t.lines[1].starts_with("  CPU buckets: in process (a world of one);"));
         assert!(s.warnings.is_empty(), "{:?}", s.warnings);
 
         let staged = CudaRoute {
