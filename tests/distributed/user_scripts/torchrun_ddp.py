@@ -28,10 +28,13 @@ def dataset():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--backend", default="gloo", help="'none': no backend argument")
     args = parser.parse_args()
 
-    dist.init_process_group(backend=args.backend)
+    if args.backend == "none":
+        dist.init_process_group()
+    else:
+        dist.init_process_group(backend=args.backend)
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
