@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -36,6 +37,11 @@ _original_register_comm_hook = DistributedDataParallel.register_comm_hook
 _original_register_builtin = DistributedDataParallel._register_builtin_comm_hook
 _init_signature = inspect.signature(_original_init)
 
+# The hook's counters (``HookState``'s, and the process's ``steps``): a CUDA
+# model's gradient and comm hooks run on autograd's device threads, the
+# check on the thread that calls the model.
+_counters = threading.Lock()
+
 
 class HookState:
     """State of the engine's comm hook on one DDP model."""
@@ -53,10 +59,17 @@ class HookState:
         config = _state.state.config
         self.accumulate_n_steps: int = 1 if config is None else config.accumulate_n_steps
         self.passes = 0
-        # The never-ran check: calls of the hook, and backward passes that
-        # should have called it (counted by a gradient hook on a parameter).
+        # The never-ran check (``_watch_for_a_hook_that_never_runs``): calls
+        # of the hook; ``calls`` when the last forward prepared DDP's reducer
+        # for a synced backward (None: no such forward since the last
+        # backward); ``calls`` when that backward accumulated gradients
+        # (None: none waiting for the check); synced backward passes, and
+        # those the hook missed.
         self.calls = 0
+        self.armed_at: int | None = None
+        self.pending_since: int | None = None
         self.synced_backwards = 0
+        self.missed = 0
         self.reported = False
 
 
@@ -142,39 +155,72 @@ def _step_aside(config: Any, what: str, fix: str, warn: bool = True) -> None:
 def _watch_for_a_hook_that_never_runs(
     ddp: DistributedDataParallel, hook_state: HookState, config: Any
 ) -> None:
-    """Reports, at the next forward, a backward pass the engine never saw.
+    """Reports, at the next forward, a synced backward pass the engine never saw.
 
-    A gradient hook on one parameter counts the backward passes that should
-    have reached the engine's comm hook (not those under ``no_sync()``); a
-    forward pre-hook then checks that the comm hook ran. It can be missing
-    when something replaced DDP's hook registration before this package
-    loaded, or registered a hook of its own through another route.
+    A backward pass is synced (DDP's reducer reduces its buckets, through
+    the engine's comm hook) exactly when the forward that built it ran
+    DDP's ``prepare_for_backward``: grad mode on and
+    ``require_backward_grad_sync`` (not under ``no_sync()``) at that
+    forward. A forward hook takes that decision as DDP took it, and a
+    post-accumulate-grad hook on one parameter (which fires where DDP's own
+    autograd hooks fire: when a gradient is accumulated into ``.grad``)
+    counts the pass. The next forward's pre-hook checks that the comm hook
+    ran since that forward. A backward through the wrapped module itself,
+    one whose forward ran under ``no_sync()``, or ``torch.autograd.grad``
+    (which accumulates nothing) is no synced pass, and is not counted. The
+    hook can be missing when something replaced DDP's hook registration
+    before this package loaded, or registered a hook through another route.
     """
     parameter = next((p for p in ddp.module.parameters() if p.requires_grad), None)
     if parameter is None:
         return
 
-    def count_backward(grad: torch.Tensor) -> None:
-        if ddp.require_backward_grad_sync:
+    def arm(module: Any, inputs: Any, output: Any) -> None:
+        # DDP's own condition for prepare_for_backward, at the same moment.
+        if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
+            return
+        if getattr(ddp, "_delay_all_reduce_all_params", False):
+            return  # every parameter is delayed: no bucket goes through a hook
+        with _counters:
+            hook_state.armed_at = hook_state.calls
+
+    def count_backward(*_: Any) -> None:
+        with _counters:
+            if hook_state.armed_at is None:
+                return
+            hook_state.pending_since = hook_state.armed_at
+            hook_state.armed_at = None
             hook_state.synced_backwards += 1
 
     def check(module: Any, inputs: Any) -> None:
-        if hook_state.reported or hook_state.synced_backwards == 0:
-            return
-        hook_state.reported = True
-        if hook_state.calls == 0 and hook_state.user_hook is None:
-            state.native["the comm hook never ran"] += 1
-            _step_aside(
-                config,
-                f"the tiacc engine's comm hook did not run in {hook_state.synced_backwards} "
-                "backward pass(es) of a DDP model built after init_tiacc_training(): its "
-                "gradients went through torch's own allreduce (something replaced DDP's "
-                "comm hook registration)",
-                "import tiacc_training.torch.distributed and call init_tiacc_training() before "
-                "other libraries that patch DistributedDataParallel",
-            )
+        with _counters:
+            since = hook_state.pending_since
+            if since is None:
+                return
+            hook_state.pending_since = None
+            if hook_state.calls > since or hook_state.user_hook is not None:
+                return
+            hook_state.missed += 1
+            if hook_state.reported:
+                return
+            hook_state.reported = True
+            missed = hook_state.missed
+        state.native["the comm hook never ran"] += 1
+        _step_aside(
+            config,
+            f"the tiacc engine's comm hook did not run in {missed} "
+            "backward pass(es) of a DDP model built after init_tiacc_training(): its "
+            "gradients went through torch's own allreduce (something replaced DDP's "
+            "comm hook registration)",
+            "import tiacc_training.torch.distributed and call init_tiacc_training() before "
+            "other libraries that patch DistributedDataParallel",
+        )
 
-    parameter.register_hook(count_backward)
+    if hasattr(parameter, "register_post_accumulate_grad_hook"):  # torch >= 2.1
+        parameter.register_post_accumulate_grad_hook(count_backward)
+    else:  # torch 2.0: the gradient as computed (autograd.grad counts too)
+        parameter.register_hook(count_backward)
+    ddp.register_forward_hook(arm)
     ddp.register_forward_pre_hook(check)
 
 
@@ -182,10 +228,11 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
     """DDP comm hook: hands the bucket to the engine, returns its future."""
     if state.user_hook is not None:
         return state.user_hook(state.user_state, bucket)
-    state.calls += 1
     buf = bucket.buffer()
-    if bucket.is_last():
-        _state.state.steps += 1
+    with _counters:
+        state.calls += 1
+        if bucket.is_last():
+            _state.state.steps += 1
     if state.accumulate_n_steps > 1:
         communicates = state.passes % state.accumulate_n_steps == state.accumulate_n_steps - 1
         if bucket.is_last():
