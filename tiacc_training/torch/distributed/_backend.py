@@ -209,7 +209,7 @@ def serves(config: Any) -> bool:
     return path(config) != GLOO
 
 
-def cpu_backend(requested: str | None, config: Any) -> str:
+def cpu_backend(requested: str | None, config: Any) -> str | None:
     """The backend string to hand to ``init_process_group``.
 
     CPU tensors go to "tiacc" where the script asked for gloo, or for
@@ -227,7 +227,8 @@ def cpu_backend(requested: str | None, config: Any) -> str:
     Returns:
         For example ``"cpu:tiacc,cuda:nccl"`` for ``None`` on a CUDA
         machine, ``"cpu:tiacc"`` for ``"gloo"`` without CUDA, ``"nccl"`` for
-        ``"nccl"``.
+        ``"nccl"``; on a torch that takes one backend name only (2.0),
+        ``"tiacc"`` for the first two (see :func:`_spelled`).
     """
     if requested is not None and not isinstance(requested, str):
         requested = str(requested)  # a ``dist.Backend`` value
@@ -236,19 +237,66 @@ def cpu_backend(requested: str | None, config: Any) -> str:
         devices = {"cpu": NAME if use else "gloo"}
         if torch.cuda.is_available():
             devices["cuda"] = "nccl"
-        return _join(devices) if use else ("gloo" if len(devices) == 1 else _join(devices))
+        return _spelled(devices) if use else ("gloo" if len(devices) == 1 else _spelled(devices))
     text = requested.strip()
     if ":" not in text:
         name = text.lower()
         if name == "gloo" and use:
             # gloo also serves CUDA tensors: keep it there.
-            return f"cpu:{NAME},cuda:gloo" if torch.cuda.is_available() else f"cpu:{NAME}"
+            devices = {"cpu": NAME}
+            if torch.cuda.is_available():
+                devices["cuda"] = "gloo"
+            return _spelled(devices)
         return requested
     devices = _device_map(text, requested)
     if use and devices.get("cpu", "").lower() == "gloo":
         devices["cpu"] = NAME
-        return _join(devices)
+        return _spelled(devices)
     return requested
+
+
+def takes_device_strings() -> bool:
+    """Whether this torch parses backend strings per device (``"cpu:gloo,cuda:nccl"``).
+
+    torch 2.0 takes one backend name for every device only. Probed once,
+    by parsing one.
+    """
+    global _device_strings
+    if _device_strings is None:
+        try:
+            dist.distributed_c10d.BackendConfig("cpu:gloo,cuda:nccl")
+        except Exception:
+            _device_strings = False
+        else:
+            _device_strings = True
+    return _device_strings
+
+
+_device_strings: bool | None = None
+# On a torch that takes one backend name only: the backends a group created
+# under the name "tiacc" serves its other devices' tensors with.
+_single_name_devices: dict[str, str] = {}
+
+
+def _spelled(devices: dict[str, str]) -> str | None:
+    """``devices`` as the backend string this torch takes (``None``: torch's default).
+
+    Where torch parses strings per device, ``"cpu:tiacc,cuda:nccl"``.
+    Where it takes one name only: that name when every device has the same
+    backend, ``"tiacc"`` for a CPU on "tiacc" (the other devices' backends
+    are kept for the group it creates, which then serves those devices
+    too), and ``None`` for torch's own default (gloo for CPU tensors, NCCL
+    for CUDA tensors).
+    """
+    global _single_name_devices
+    if takes_device_strings():
+        return _join(devices)
+    if devices.get("cpu") == NAME:
+        _single_name_devices = {d: b for d, b in devices.items() if d != "cpu"}
+        return NAME
+    if len(set(devices.values())) == 1:
+        return next(iter(devices.values()))
+    return None
 
 
 def _device_map(text: str, requested: str) -> dict[str, str]:
@@ -389,7 +437,14 @@ def _other_devices() -> dict[str, str]:
         config = frame.f_locals.get("backend_config")
         devices = getattr(config, "get_device_backend_map", None)
         if callable(devices):
-            return {d: str(b) for d, b in devices().items() if d != "cpu" and str(b) != NAME}
+            found = {str(d): str(b) for d, b in devices().items() if str(d) != "cpu"}
+            # One name for every device ("tiacc" on a torch that takes one
+            # name only): the backends the script's call asked for there.
+            return {
+                d: _single_name_devices.get(d, "") if b.lower() == NAME else b
+                for d, b in found.items()
+                if b.lower() != NAME or _single_name_devices.get(d)
+            }
     return {}
 
 
