@@ -16,7 +16,12 @@ import pytest
 import torch
 from _launch import FORCED_FORM, describe, results_of, run_ranks, tiacc_class
 
+from tiacc_training.torch.distributed import _backend
+
 WORKER = Path(__file__).resolve().parent / "collectives_worker.py"
+# What dist.get_backend() says for a group whose CPU tensors are on "tiacc"
+# (torch 2.0 takes one backend name for every device).
+CPU_TIACC = "cpu:tiacc" if _backend.takes_device_strings() else "tiacc"
 
 
 def run(world: int, args: list[str], env: dict[str, str] | None = None) -> list[dict]:
@@ -38,7 +43,7 @@ def test_gloo_requested_is_served_by_tiacc(trained: dict) -> None:
     _, results = trained["tiacc"]
     for result in results:
         assert result["cpu_backend"] == tiacc_class(), result
-        assert result["backend"] == "cpu:tiacc", result
+        assert result["backend"] == CPU_TIACC, result
         assert result["line"].startswith("CPU collectives: tiacc"), result
         # The engine ran every native collective; gloo only what it forwards.
         for name in ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"):
@@ -58,6 +63,8 @@ def test_the_variable_keeps_gloo(trained: dict) -> None:
 
 def test_sync_batch_norm_and_zero_train_as_on_gloo(trained: dict) -> None:
     (ours, _), (theirs, _) = trained["tiacc"], trained["gloo"]
+    if (theirs / "gloo_lacks_all_gather_into_tensor").exists():
+        pytest.skip(f"gloo of torch {torch.__version__} has no all_gather_into_tensor to compare")
     for rank in range(2):
         mine = torch.load(ours / f"train_rank{rank}.pt")
         gloo = torch.load(theirs / f"train_rank{rank}.pt")
@@ -71,7 +78,7 @@ def test_sync_batch_norm_and_zero_train_as_on_gloo(trained: dict) -> None:
 def test_four_ranks_with_tiacc_asked_for_explicitly() -> None:
     results = run(4, ["--init", "explicit"])
     for result in results:
-        assert result["backend"] == "cpu:tiacc", result
+        assert result["backend"] == CPU_TIACC, result
         assert result["served"]["allreduce"] >= 100, result
 
 

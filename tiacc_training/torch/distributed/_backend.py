@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import sys
 import threading
 from typing import Any, Callable
@@ -58,11 +59,13 @@ _reason: str | None = None
 _forms: dict[str, str | None] | None = None
 
 try:  # torch builds without distributed support lack these
+    from torch._C import _distributed_c10d as _c10d
     from torch._C._distributed_c10d import Backend as _C10dBackend
     from torch._C._distributed_c10d import ProcessGroup as _C10dProcessGroup
 except ImportError as error:  # pragma: no cover - depends on the torch build
     _C10dBackend = object  # type: ignore[assignment,misc]
     _C10dProcessGroup = object  # type: ignore[assignment,misc]
+    _c10d = None  # type: ignore[assignment]
     _import_error: str | None = f"this torch has no c10d classes ({error})"
 else:
     _import_error = None
@@ -490,8 +493,30 @@ _GLOO = {
 _GLOO_BACKEND = {**_GLOO, "allreduce_sparse": ("allreduce", "allreduce")}
 
 
+# The options each collective takes, for torch's own Python calls that leave
+# them out (torch 2.0's all_gather calls ``allgather(outputs, inputs)``; on
+# a ProcessGroup subclass that call reaches our method, not the binding
+# whose default fills them in).
+_OPTIONS = {
+    "allreduce": "AllreduceOptions",
+    "broadcast": "BroadcastOptions",
+    "allgather": "AllgatherOptions",
+    "allgather_into_tensor": "AllgatherOptions",
+    "allgather_into_tensor_coalesced": "AllgatherOptions",
+    "reduce_scatter": "ReduceScatterOptions",
+    "reduce_scatter_tensor": "ReduceScatterOptions",
+    "reduce_scatter_tensor_coalesced": "ReduceScatterOptions",
+    "all_to_all_single": "AllToAllOptions",
+}
+
+
 def _served(name: str, ours: str) -> Callable[..., Any]:
+    wanted = len(inspect.signature(getattr(CpuCollectives, ours)).parameters) - 1
+    options = getattr(_c10d, _OPTIONS[ours], None)
+
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == wanted - 1 and "opts" not in kwargs and options is not None:
+            args = (*args, options())
         return getattr(self.collectives, ours)(*args, **kwargs)
 
     method.__name__ = name
@@ -608,7 +633,10 @@ class TiaccProcessGroup(_C10dProcessGroup):  # type: ignore[misc,valid-type]
         devices: dict[str, str] | None = None,
     ) -> None:
         super().__init__(rank, size)
-        self.collectives = CpuCollectives(store, rank, size, timeout, group_name, PROCESS_GROUP)
+        # Torch's C++ code waits on this form's work too: see _collectives._finished.
+        self.collectives = CpuCollectives(
+            store, rank, size, timeout, group_name, PROCESS_GROUP, synchronous=True
+        )
         types = _C10dProcessGroup.BackendType
         self._register_backend(torch.device("cpu"), types.GLOO, self.collectives.gloo)
         default = getattr(self, "_set_default_backend", None)

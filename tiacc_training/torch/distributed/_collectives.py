@@ -34,10 +34,12 @@ import torch.distributed as dist
 
 from tiacc_training import _engine
 
-try:  # torch builds without distributed support lack it
+try:  # torch builds without distributed support lack them
     from torch._C._distributed_c10d import Work as _C10dWork
+    from torch._C._distributed_c10d import _create_work_from_future as _C10dWorkFromFuture
 except ImportError:  # pragma: no cover - depends on the torch build
     _C10dWork = object  # type: ignore[assignment,misc]
+    _C10dWorkFromFuture = None
 
 # Collectives the engine served in this process, by op, over every group
 # and generation (a group's own counts go with it when it is destroyed).
@@ -79,6 +81,8 @@ class CpuCollectives:
         timeout: the group's timeout.
         group_name: the group's name (keeps the rendezvous of groups apart).
         form: the form torch holds them in (``"backend"``, ``"process-group"``).
+        synchronous: finish each engine collective before returning its
+            work (see :func:`_finished`).
 
     Attributes:
         form: as given.
@@ -98,12 +102,14 @@ class CpuCollectives:
         timeout: datetime.timedelta,
         group_name: str,
         form: str,
+        synchronous: bool = False,
     ) -> None:
         from ._engines import advertised_host
         from ._rendezvous import FailureBoard, board_store, connect_tcp
         from ._state import state
 
         self.rank, self.size, self.form = rank, size, form
+        self.synchronous = synchronous
         self.served: collections.Counter[str] = collections.Counter()
         self.forwarded: collections.Counter[tuple[str, str]] = collections.Counter()
         self._dtypes = frozenset(_engine.collective_dtypes())
@@ -158,7 +164,7 @@ class CpuCollectives:
         self._count_served("barrier")
         future = torch.futures.Future()
         self._engine.collective_async("barrier", [], 0, 0, "uint8", future)
-        return EngineWork(future, future.then(_value))
+        return self._work(future, future.then(_value))
 
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
@@ -341,7 +347,13 @@ class CpuCollectives:
             reduce=reduce,
             root=root,
         )
-        return EngineWork(future, future.then(then or _value))
+        return self._work(future, future.then(then or _value))
+
+    def _work(self, engine_future: torch.futures.Future, future: torch.futures.Future) -> Any:
+        """The work torch gets: :class:`EngineWork`, or (synchronous) a finished one."""
+        if self.synchronous:
+            return _finished(engine_future, future)
+        return EngineWork(engine_future, future)
 
     def _reduce_scatter_into(
         self, out: torch.Tensor, flat: torch.Tensor, result: Any, op: str
@@ -441,6 +453,23 @@ class EngineWork(_C10dWork):  # type: ignore[misc,valid-type]
     def get_future(self) -> torch.futures.Future:
         """A future completed with the result, or failed with the engine's error."""
         return self._future
+
+
+def _finished(engine_future: torch.futures.Future, future: torch.futures.Future) -> Any:
+    """Waits for a collective here, then hands torch finished work.
+
+    A ``ProcessGroup`` written in Python returns work that torch's C++ code
+    (DDP's parameter check and start-up broadcast) waits on too. Not every
+    torch keeps the Python side of such work alive once it crossed into
+    C++ (2.0 does not): C++ then waits on a bare c10d ``Work`` that nothing
+    completes, and the job hangs. So in that form the call itself waits
+    (raising the engine's error, as a synchronous call does) and returns
+    torch's own work over the finished future, which C++ and Python can
+    both wait on; ``async_op=True`` then returns finished work.
+    """
+    engine_future.wait()  # raises the engine's CommError as it is
+    future.wait()
+    return _C10dWorkFromFuture(future)
 
 
 def _value(future: torch.futures.Future) -> Any:
