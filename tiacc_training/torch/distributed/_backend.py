@@ -560,7 +560,25 @@ def _device_of(args: Any) -> str | None:
     return None
 
 
-class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
+class _Form:
+    """What both forms answer torch the same way (a mixin before torch's class)."""
+
+    collectives: CpuCollectives
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """The name torch reports."""
+        return NAME
+
+    def abort(self) -> None:
+        """Stops at once (torch's abort)."""
+        self.shutdown()  # type: ignore[attr-defined]
+
+    def barrier(self, opts: Any = None) -> Any:
+        """``barrier``: returns once every rank has entered it."""
+        return self.collectives.barrier(opts)
+
+
+class TiaccBackend(_Form, _C10dBackend):  # type: ignore[misc,valid-type]
     """The "backend" form: a c10d ``Backend`` for one group's CPU tensors.
 
     Args:
@@ -580,21 +598,9 @@ class TiaccBackend(_C10dBackend):  # type: ignore[misc,valid-type]
         super().__init__(rank, size)
         self.collectives = CpuCollectives(store, rank, size, timeout, group_name, BACKEND)
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        """The name torch reports for this backend."""
-        return NAME
-
     def shutdown(self) -> None:
         """Stops the engine's channel (torch calls it on ``destroy_process_group``)."""
         self.collectives.shutdown()
-
-    def abort(self) -> None:
-        """Stops at once (torch's abort)."""
-        self.shutdown()
-
-    def barrier(self, opts: Any = None) -> Any:
-        """``barrier``: returns once every rank has entered it."""
-        return self.collectives.barrier(opts)
 
 
 for _name, _ours in _SERVED_BACKEND.items():
@@ -603,7 +609,7 @@ for _name, (_op, _gloo) in _GLOO_BACKEND.items():
     setattr(TiaccBackend, _name, _forwarded(_name, _op, _gloo))
 
 
-class TiaccProcessGroup(_C10dProcessGroup):  # type: ignore[misc,valid-type]
+class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-type]
     """The "process-group" form: the whole group, for a torch that cannot subclass ``Backend``.
 
     CPU tensors go to the group's :class:`CpuCollectives`; the tensors of
@@ -612,11 +618,7 @@ class TiaccProcessGroup(_C10dProcessGroup):  # type: ignore[misc,valid-type]
     for the calls torch makes in C++ without asking Python.
 
     Args:
-        store: the group's store (a ``PrefixStore`` torch made for it).
-        rank: this process's rank in the group.
-        size: the group's number of ranks.
-        timeout: the group's timeout.
-        group_name: the group's name (keeps the rendezvous of groups apart).
+        store, rank, size, timeout, group_name: as for :class:`TiaccBackend`.
         devices: the backend asked for on each other device (``{"cuda": "nccl"}``).
 
     Attributes:
@@ -657,10 +659,6 @@ class TiaccProcessGroup(_C10dProcessGroup):  # type: ignore[misc,valid-type]
             self._devices[device] = made
             self._register_backend(torch.device(device), kind, made)
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        """The name torch reports for this group."""
-        return NAME
-
     def device_backend(self, device: str) -> Any:
         """The backend serving ``device``'s tensors.
 
@@ -684,14 +682,6 @@ class TiaccProcessGroup(_C10dProcessGroup):  # type: ignore[misc,valid-type]
             stop = getattr(backend, "shutdown", None) or getattr(backend, "_shutdown", None)
             if stop is not None and backend is not self.collectives.gloo:
                 stop()
-
-    def abort(self) -> None:
-        """Stops at once (torch's abort)."""
-        self.shutdown()
-
-    def barrier(self, opts: Any = None) -> Any:
-        """``barrier``: returns once every rank has entered it."""
-        return self.collectives.barrier(opts)
 
 
 for _name, _ours in _SERVED_GROUP.items():
