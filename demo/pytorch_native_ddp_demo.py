@@ -216,7 +216,15 @@ def worker(args: argparse.Namespace) -> None:
         comm_how = "native DDP (no comm hook)"
         if args.mode == "tiacc":
             config = tdist.comm_config()
-            path = f"CUDA buckets over {tdist.cuda_transport()}" if cuda else "CPU buckets over tcp"
+            engine = tdist.get_engine()  # the CPU engine, connected when the model was built
+            carried = (
+                ", ".join(sorted(set(engine.transports.values()))) if engine else "no CPU engine"
+            )
+            path = (
+                f"CUDA buckets over {tdist.cuda_transport()}"
+                if cuda
+                else f"CPU buckets over {carried}"
+            )
             comm_how = (
                 f"tiacc engine: {config['num_streams']} channel(s), "
                 f"compression {config['compression']}, {path}, "
