@@ -21,6 +21,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -90,14 +91,35 @@ TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 
 def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 240) -> str:
+    native = any("/native/" in part for part in command)
+
     def once() -> tuple[int, str]:
-        proc = subprocess.run(
-            command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # the launcher and its workers, stopped together
         )
-        return proc.returncode, proc.stdout + proc.stderr
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            if native:
+                # Our run passed first; stock torch's own run hung (torch
+                # 2.0's gloo joins its threads forever when a sub-group is
+                # destroyed): there is no reference to compare with.
+                pytest.skip(
+                    f"the reference run on stock torch {torch.__version__} hung for "
+                    f"{timeout:.0f} s: {(stdout + stderr)[-300:]!r}"
+                )
+            raise
+        return proc.returncode, stdout + stderr
 
     code, out = once()
-    native = any("/native/" in part for part in command)
     for _ in range(2):
         if code == 0 or not native or TORCH_EXIT_ABORT not in out:
             break
