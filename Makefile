@@ -12,7 +12,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build wheel demo demo-run gpu-kit gpu-check test test-rust test-python test-compat bench bench-ddp bench-nccl bench-topk bench-collectives bench-horovod lint docs-check fmt fuzz fuzz-merge clean
+.PHONY: help setup build wheel demo demo-run gpu-kit gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv bench bench-ddp bench-nccl bench-topk bench-collectives bench-horovod lint docs-check fmt fuzz fuzz-merge clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -48,13 +48,27 @@ build: setup ## alias of setup
 wheel: $(STAMPS)/venv ## build the abi3 wheel (release) into dist/
 	$(VENV)/bin/maturin build --release -q -o dist
 
-# The torch range we claim, tested by `make test-compat`: the oldest release
-# with the torchvision made for it (and numpy 1, which it was built against),
-# and the newest torch and torchvision on PyPI.
-TORCH_OLDEST ?= torch==2.0.0 torchvision==0.15.1 numpy<2
-TORCH_NEWEST ?= torch torchvision numpy
-# The CPU tests that touch torch (unit tests, DDP through the engine, init).
-COMPAT_TESTS ?= tests/unit tests/distributed/test_init.py tests/distributed/test_ddp_engine.py
+# The torch range we claim, in four legs: the oldest release with the
+# torchvision made for it (and numpy 1, which it was built against), one in
+# the middle, 2.11 (what current CUDA 13 GPU images ship) and the newest on
+# PyPI. `make test-compat` runs every leg in full, each in a fresh venv under
+# .compat/ with the built wheel; CI runs the 2.11 leg from the source tree
+# (`make test-torch-leg LEG=2.11`) next to `make test` on the newest.
+TORCH_LEGS ?= 2.0 2.6 2.11 newest
+TORCH_LEG_2.0 ?= torch==2.0.1 torchvision==0.15.2 numpy<2
+TORCH_LEG_2.6 ?= torch==2.6.0 torchvision==0.21.0
+TORCH_LEG_2.11 ?= torch==2.11.0 torchvision==0.26.0
+TORCH_LEG_newest ?= torch torchvision numpy
+# The frameworks the user-script tests train with (pip picks the releases
+# that go with each leg's torch).
+LEG_EXTRAS := accelerate pytorch-lightning
+# What a leg runs: the user scripts, the "tiacc" backend's collectives, the
+# DDP engine, init, and the Horovod API.
+LEG_TESTS ?= tests/distributed/test_user_scripts.py tests/distributed/test_collectives.py \
+             tests/distributed/test_ddp_engine.py tests/distributed/test_init.py \
+             tests/distributed/test_horovod_ops.py tests/distributed/test_horovod_training.py
+COMPAT_TESTS ?= tests/unit $(LEG_TESTS)
+LEG ?= 2.11
 
 demo: setup ## generate + pack a dataset, then train a CNN with 2 ranks (tiacc vs stock PyTorch)
 	$(MAKE) --no-print-directory demo-run
@@ -95,13 +109,19 @@ test-rust: ## cargo test of the engine (and its NCCL loader tests where a librar
 	  echo "NCCL loader tests not run: no libnccl.so.2 in $(VENV) (set TIACC_TEST_NCCL_LIBRARY)"; \
 	fi
 
-test-python: setup ## pytest
+test-python: setup ## pytest (then the backend's collective tests again with its older form forced)
 	$(PY) -m pytest tests -q --durations=10
+	TIACC_TEST_BACKEND_FORM=process-group $(PY) -m pytest tests/distributed/test_collectives.py -q
 
-test-compat: wheel ## install the wheel into fresh venvs with the oldest and newest torch; run the CPU tests
+test-compat: wheel ## every torch leg (TORCH_LEGS) in a fresh venv with the built wheel: unit, user-script, backend, DDP, Horovod tests
 	@wheel=$$(ls -t dist/tiacc_training-*-abi3-*.whl | head -1); echo "testing $$wheel"; \
-	tools/test_compat.sh torch-oldest "$$wheel" "$(TORCH_OLDEST)" $(COMPAT_TESTS) && \
-	tools/test_compat.sh torch-newest "$$wheel" "$(TORCH_NEWEST)" $(COMPAT_TESTS)
+	$(foreach leg,$(TORCH_LEGS),tools/test_compat.sh torch-$(leg) "$$wheel" "$(TORCH_LEG_$(leg)) $(LEG_EXTRAS)" $(COMPAT_TESTS) && ) true
+
+test-torch-leg: setup ## one torch leg from the source tree, e.g. make test-torch-leg LEG=2.11 (CI runs this one)
+	tools/test_compat.sh torch-$(LEG) tree "$(TORCH_LEG_$(LEG)) $(LEG_EXTRAS)" $(LEG_TESTS)
+
+torch-leg-venv: ## only make the venv of a torch leg (CI: while the build runs; then COMPAT_REUSE=1)
+	COMPAT_SETUP_ONLY=1 tools/test_compat.sh torch-$(LEG) tree "$(TORCH_LEG_$(LEG)) $(LEG_EXTRAS)"
 
 bench: setup ## benchmarks (write benches/results/*.json)
 	$(PY) benches/bench_pack.py
