@@ -101,6 +101,45 @@ def forms() -> dict[str, str | None]:
     return found
 
 
+def cpp_waits_on_python_work() -> bool:
+    """Whether torch's C++ code, waiting on work a Python group returned, reaches its ``wait``.
+
+    Probed once: a bare ``ProcessGroup`` subclass's ``allreduce`` returns a
+    Python ``Work`` through torch's C++ ``allreduce``, and the work that
+    comes back is waited on for 50 ms. Where torch kept the Python side
+    alive (2.7 and later), the Python ``wait`` answers; where it did not
+    (2.0 to 2.6), C++ waits on a bare ``Work`` that nothing completes and
+    times out.
+    """
+    global _cpp_waits
+    if _cpp_waits is None:
+        _cpp_waits = False
+        if _import_error is None:
+            reached = []
+
+            class _Work(_c10d.Work):  # type: ignore[misc,name-defined]
+                def wait(self, timeout: Any = None) -> bool:
+                    reached.append(True)
+                    return True
+
+            class _Group(_C10dProcessGroup):  # type: ignore[misc,valid-type]
+                def allreduce(self, tensors: Any, opts: Any) -> Any:
+                    return _Work()
+
+            try:
+                work = _C10dProcessGroup.allreduce(
+                    _Group(0, 1), [torch.zeros(1)], _c10d.AllreduceOptions()
+                )
+                work.wait(datetime.timedelta(milliseconds=50))
+            except Exception:  # noqa: S110 - timed out: C++ waited on its own
+                pass
+            _cpp_waits = bool(reached)
+    return _cpp_waits
+
+
+_cpp_waits: bool | None = None
+
+
 def path(config: Any = None) -> str:
     """The form that serves CPU collectives: ``"backend"``, ``"process-group"`` or ``"gloo"``.
 
@@ -635,9 +674,17 @@ class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-ty
         devices: dict[str, str] | None = None,
     ) -> None:
         super().__init__(rank, size)
-        # Torch's C++ code waits on this form's work too: see _collectives._finished.
+        # torch's C++ code waits on this form's work too (DDP's parameter
+        # check): where it cannot wait on work written in Python, each
+        # collective finishes in the call (_collectives._finished).
         self.collectives = CpuCollectives(
-            store, rank, size, timeout, group_name, PROCESS_GROUP, synchronous=True
+            store,
+            rank,
+            size,
+            timeout,
+            group_name,
+            PROCESS_GROUP,
+            synchronous=not cpp_waits_on_python_work(),
         )
         types = _C10dProcessGroup.BackendType
         self._register_backend(torch.device("cpu"), types.GLOO, self.collectives.gloo)

@@ -48,7 +48,11 @@ def wait(work: Any, what: str) -> None:
     the future's value is checked too.
 
     Args:
-        work: what a collective with ``async_op=True`` returned.
+        work: what a collective with ``async_op=True`` returned, or a
+            callable that issues it: a collective can fail while it is
+            issued, too (the "tiacc" backend on a torch whose C++ code
+            cannot wait on work written in Python finishes each collective
+            in the call).
         what: the operation, for the message.
 
     Raises:
@@ -56,6 +60,8 @@ def wait(work: Any, what: str) -> None:
             ``CommError`` or torch's backend error).
     """
     try:
+        if callable(work) and not hasattr(work, "wait"):
+            work = work()
         work.wait()
     except HorovodInternalError:
         raise

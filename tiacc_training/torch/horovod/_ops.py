@@ -342,7 +342,7 @@ def _gather_ints(
         return [values]
     out = torch.empty(n * len(values), dtype=torch.int64, device=mine.device)
     _wait(
-        dist.all_gather_into_tensor(out, mine, group=process_set.group, async_op=True),
+        lambda: dist.all_gather_into_tensor(out, mine, group=process_set.group, async_op=True),
         "exchanging tensor shapes",
     )
     return out.view(n, len(values)).tolist()
@@ -471,7 +471,10 @@ def _check(
         n = len(process_set.ranks)
         row = torch.tensor(mine, dtype=torch.int64, device=_small_device(process_set, tensors[0]))
         out = torch.empty(n * len(mine), dtype=torch.int64, device=row.device)
-        work = dist.all_gather_into_tensor(out, row, group=process_set.group, async_op=True)
+        try:
+            work = dist.all_gather_into_tensor(out, row, group=process_set.group, async_op=True)
+        except (CommError, RuntimeError) as error:
+            raise HorovodInternalError(f"{kind} {name!r} failed: {error}") from error
 
         def later() -> None:
             _wait(work, f"{kind} {name!r}")
