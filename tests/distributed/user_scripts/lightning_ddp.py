@@ -39,7 +39,7 @@ class PrintLoss(pl.Callback):
 
 
 def main():
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(384, 24, generator=g)
     y = (x[:, :3].argmax(dim=1)).long()
