@@ -12,7 +12,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build wheel demo demo-run gpu-kit gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv bench bench-ddp bench-nccl bench-topk bench-collectives bench-horovod lint docs-check fmt fuzz fuzz-merge clean
+.PHONY: help setup build wheel demo demo-run gpu-kit gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv test-torch-smoke bench bench-ddp bench-nccl bench-topk bench-collectives bench-horovod lint docs-check fmt fuzz fuzz-merge clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -124,6 +124,14 @@ test-torch-leg: setup ## one torch leg from the source tree, e.g. make test-torc
 
 torch-leg-venv: ## only make the venv of a torch leg (CI: while the build runs; then COMPAT_REUSE=1)
 	COMPAT_SETUP_ONLY=1 tools/test_compat.sh torch-$(LEG) tree "$(TORCH_LEG_$(LEG)) $(LEG_EXTRAS)"
+
+# Every minor torch release from 2.0 to the newest on PyPI, one after the
+# other in a fresh venv (TORCH_SMOKE_RELEASES, SMOKE_WHEEL, SMOKE_DIR: see
+# tools/torch_smoke.sh): the path the "tiacc" backend takes, an all_reduce and
+# a DDP step; the table in docs/limits.md is rendered from the results.
+test-torch-smoke: ## smoke-test the tiacc backend on every minor torch 2.x (fresh venvs); table into docs/limits.md
+	tools/torch_smoke.sh; status=$$?; \
+	$(or $(wildcard $(PY)),python3) tools/torch_table.py && exit $$status
 
 bench: setup ## benchmarks (write benches/results/*.json)
 	$(PY) benches/bench_pack.py
