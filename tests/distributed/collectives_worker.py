@@ -360,7 +360,7 @@ def main() -> None:
     from tiacc_training.torch.distributed import _backend
 
     tdist.init_tiacc_training()
-    # torch 2.0 takes one backend name for every device: "tiacc" there.
+    # torch 2.0.0 takes one backend name for every device: "tiacc" there.
     explicit = "cpu:tiacc" if _backend.takes_device_strings() else "tiacc"
     dist.init_process_group("gloo" if args.init == "tdist" else explicit)
     rank, world = dist.get_rank(), dist.get_world_size()

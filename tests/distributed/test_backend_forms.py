@@ -96,7 +96,7 @@ print("RESULT " + json.dumps({
 """,
         {"TIACC_TRAINING_COLLECTIVES": "tiacc-process-group"},
     )
-    # torch 2.0 takes one backend name for every device.
+    # torch 2.0.0 takes one backend name for every device.
     assert result["backend"] == ("cpu:tiacc,cuda:gloo" if result["strings"] else "tiacc"), result
     assert result["group"] == "TiaccProcessGroup", result
     assert result["devices"] == ["cpu", "cuda"], result

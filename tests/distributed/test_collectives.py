@@ -20,7 +20,7 @@ from tiacc_training.torch.distributed import _backend
 
 WORKER = Path(__file__).resolve().parent / "collectives_worker.py"
 # What dist.get_backend() says for a group whose CPU tensors are on "tiacc"
-# (torch 2.0 takes one backend name for every device).
+# (torch 2.0.0 takes one backend name for every device).
 CPU_TIACC = "cpu:tiacc" if _backend.takes_device_strings() else "tiacc"
 
 

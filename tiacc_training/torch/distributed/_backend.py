@@ -269,7 +269,7 @@ def cpu_backend(requested: str | None, config: Any) -> str | None:
     Returns:
         For example ``"cpu:tiacc,cuda:nccl"`` for ``None`` on a CUDA
         machine, ``"cpu:tiacc"`` for ``"gloo"`` without CUDA, ``"nccl"`` for
-        ``"nccl"``; on a torch that takes one backend name only (2.0),
+        ``"nccl"``; on a torch that takes one backend name only (2.0.0),
         ``"tiacc"`` for the first two (see :func:`_spelled`).
     """
     if requested is not None and not isinstance(requested, str):
@@ -300,7 +300,7 @@ def cpu_backend(requested: str | None, config: Any) -> str | None:
 def takes_device_strings() -> bool:
     """Whether this torch parses backend strings per device (``"cpu:gloo,cuda:nccl"``).
 
-    torch 2.0 takes one backend name for every device only. Probed once,
+    torch 2.0.0 takes one backend name for every device only. Probed once,
     by parsing one.
     """
     global _device_strings
