@@ -441,11 +441,9 @@ def stop(group: Any = None) -> None:
 
 def _create(options: Any, backend_options: Any = None) -> Any:
     """The factory torch calls (extended API): one backend per group, in this torch's form."""
-    config = _engine.CommConfig.from_env()
     from ._state import state
 
-    if state.config is not None:
-        config = state.config
+    config = state.config if state.config is not None else _engine.CommConfig.from_env()
     # An explicit "tiacc" is kept even under TIACC_TRAINING_COLLECTIVES=gloo.
     form = _form_for(config.collectives)
     args = (
