@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,18 @@ def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 24
         # (seen in CI with Accelerate's launcher, and with Lightning on
         # torch 2.11): run the reference again, twice at most.
         code, out = once()
+    if code != 0 and native and TORCH_EXIT_ABORT in out and _losses(out):
+        # Three reference runs in a row ended in stock torch's exit abort
+        # (seen in CI with FSDP2 on gloo under load). The abort comes after
+        # the script printed its losses: a run cut short earlier prints
+        # fewer steps, and the comparison with ours fails on the missing
+        # keys.
+        warnings.warn(
+            f"the reference run on stock torch {torch.__version__} ended in its exit "
+            "abort three times; its printed losses are the reference",
+            stacklevel=2,
+        )
+        return out
     assert code == 0, f"{' '.join(command)} failed:\n{out[-6000:]}"
     return out
 
