@@ -17,9 +17,10 @@ from torchvision.transforms import v2
 
 from tests.conftest import pack_folder
 from tests.unit.test_fused_path import MEAN, STD, mean_abs_01, pair, photo_like, same_seed_items
+from tiacc_training import _engine
 from tiacc_training.torch import _fused
 from tiacc_training.torch._fused import FusedPlan
-from tiacc_training.torch._random_params import flip_draw
+from tiacc_training.torch._random_params import sample
 from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
 
 # transforms.v2 left beta, with tv_tensors, in torchvision 0.16 (torch 2.1).
@@ -97,7 +98,7 @@ def v2_to_tensor():
 def test_crop_draws_equal_v2_make_params(scale, ratio):
     step = v2.RandomResizedCrop(32, scale=scale, ratio=ratio)
     plan = FusedPlan.from_transform(v2.Compose([step, v2.ToImage()]))
-    assert plan is not None and plan.crop_params is not None
+    assert plan is not None and plan.kind == "rrc"
     for seed in range(40):
         for width, height in SIZES:
             stand_in = Image.new("RGB", (width, height))
@@ -106,7 +107,8 @@ def test_crop_draws_equal_v2_make_params(scale, ratio):
             want = (p["top"], p["left"], p["height"], p["width"])
             after_want = torch.rand(1)
             torch.manual_seed(seed)
-            assert plan.crop_params(width, height) == want, (seed, width, height)
+            [((left, top, w, h), *_)] = plan.sample([(width, height)])
+            assert (top, left, h, w) == want, (seed, width, height)
             assert torch.equal(torch.rand(1), after_want), "random stream consumed differently"
 
 
@@ -114,12 +116,14 @@ def test_crop_draws_equal_v2_make_params(scale, ratio):
 def test_flip_draws_equal_v2_random_horizontal_flip(p):
     image = Image.frombytes("RGB", (3, 1), bytes(range(9)))  # not mirror-symmetric
     step = v2.RandomHorizontalFlip(p)
+    sampler = _engine.Sampler("center", center=(1, 3), flip_p=p)
     for seed in range(100):
         torch.manual_seed(seed)
         flipped = step(image).tobytes() != image.tobytes()
         after_want = torch.rand(1)
         torch.manual_seed(seed)
-        assert flip_draw(p) == flipped, seed
+        [(*_, flip)] = sample(sampler, [(3, 1)], None)
+        assert flip == flipped, seed
         assert torch.equal(torch.rand(1), after_want), "random stream consumed differently"
 
 

@@ -23,6 +23,7 @@ import torch.utils.data
 
 from tiacc_training import _engine
 from tiacc_training.errors import missing_file
+from tiacc_training.torch._random_params import TorchDraws, reproducible
 
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
@@ -255,10 +256,6 @@ class IndexedDataset(torch.utils.data.Dataset):
         """
         plan = self._plan
         assert plan is not None
-        # One read per record: the sizes, to draw the parameters, come with
-        # the bytes that are then rendered.
-        images = self._data.read_images(idx, threads)
-        geometries = [plan.sample(w, h, generator) for w, h in images.sizes]
         height, width = plan.output_size
         as_float = plan.to_float and not uint8
         out = torch.empty(
@@ -267,9 +264,22 @@ class IndexedDataset(torch.utils.data.Dataset):
             pin_memory=pin_memory,
         )
         mean, std = (plan.mean, plan.std) if as_float else (None, None)
-        self._data.render_images(
-            images, geometries, out.numpy(), mean, std, self.decode_downscale, threads
-        )
+        flag = reproducible(plan.sampler) if generator is not None else None
+        if generator is not None and flag is not None:
+            # A generator of the caller's own (a loader thread's): read, draw
+            # and render in one call with the GIL released.
+            self._data.load_batch(
+                idx, plan.sampler, generator, TorchDraws(generator), flag, out.numpy(),
+                mean, std, self.decode_downscale, threads,
+            )  # fmt: skip
+        else:
+            # One read per record: the sizes, to draw the parameters, come
+            # with the bytes that are then rendered.
+            images = self._data.read_images(idx, threads)
+            geometries = plan.sample(images.sizes, generator)
+            self._data.render_images(
+                images, geometries, out.numpy(), mean, std, self.decode_downscale, threads
+            )
         targets: list[Any] = [self.targets[i] for i in idx]
         if self.target_transform is not None:
             targets = [self.target_transform(t) for t in targets]

@@ -55,7 +55,7 @@ class DeviceDecoder:
         ds = self.dataset
         plan = ds._plan
         images = ds._data.read_images(idx, 1)
-        geometries = [plan.sample(w, h, generator) for w, h in images.sizes]
+        geometries = plan.sample(images.sizes, generator)
         encoded = [images.encoded(k) for k in range(len(idx))]
         height, width = plan.output_size
         to_float = plan.to_float

@@ -48,14 +48,15 @@ import torch
 import torchvision.transforms as T
 from torchvision.transforms import InterpolationMode
 
-from tiacc_training.torch._random_params import ResizedCropParams, flip_draw
+from tiacc_training import _engine
+from tiacc_training.torch import _random_params
 
 try:
     import torchvision.transforms.v2 as T2
 except ImportError:  # torchvision < 0.15 has no v2 API
     T2 = None
 
-Geometry = tuple[tuple[int, int, int, int], tuple[int, int], tuple[int, int, int, int], bool]
+Geometry = _random_params.Geometry
 
 
 def _classes(*names: str) -> tuple[type, ...]:
@@ -101,24 +102,6 @@ def _bilinear(t: Any) -> bool:
     return isinstance(mode, (InterpolationMode, str, int)) and mode in _BILINEAR
 
 
-def _resized_size(
-    height: int, width: int, size: Union[int, Sequence[int], None], max_size: Optional[int]
-) -> tuple[int, int]:
-    """``Resize``'s output (height, width), as torchvision computes it for PIL."""
-    if isinstance(size, (list, tuple)) and len(size) == 2:
-        return int(size[0]), int(size[1])
-    short, long = (width, height) if width <= height else (height, width)
-    if size is None:  # v2 only: the longer edge becomes max_size
-        assert max_size is not None
-        new_short, new_long = int(max_size * short / long), max_size
-    else:
-        requested = size if isinstance(size, int) else size[0]
-        new_short, new_long = requested, int(requested * long / short)
-        if max_size is not None and new_long > max_size:
-            new_short, new_long = int(max_size * new_short / new_long), max_size
-    return (new_long, new_short) if width <= height else (new_short, new_long)
-
-
 def _resize_error(step: Any) -> Optional[str]:
     """Why torchvision would reject this ``Resize`` when called, or None."""
     size, max_size = step.size, step.max_size
@@ -131,21 +114,6 @@ def _resize_error(step: Any) -> Optional[str]:
     if max_size <= (size if isinstance(size, int) else size[0]):
         return "max_size must exceed size"
     return None
-
-
-def _center_window(height: int, width: int, crop: tuple[int, int]) -> tuple[int, int, int, int]:
-    """``CenterCrop``'s window (left, top, width, height), padding included."""
-    ch, cw = crop
-    pl = (cw - width) // 2 if cw > width else 0
-    pt = (ch - height) // 2 if ch > height else 0
-    pr = (cw - width + 1) // 2 if cw > width else 0
-    pb = (ch - height + 1) // 2 if ch > height else 0
-    ph, pw = height + pt + pb, width + pl + pr
-    if (ph, pw) == (ch, cw):
-        return -pl, -pt, cw, ch
-    top = int(round((ph - ch) / 2.0))
-    left = int(round((pw - cw) / 2.0))
-    return left - pl, top - pt, cw, ch
 
 
 def _channel_triple(values: Any) -> Optional[tuple[float, float, float]]:
@@ -234,8 +202,8 @@ class FusedPlan:
     std: Optional[tuple[float, float, float]]
     output_size: tuple[int, int]
     """(height, width) of every output."""
-    crop_params: Optional[ResizedCropParams] = None
-    """The crop draw of a ``"rrc"`` plan (its scale and ratio as planned)."""
+    sampler: Any = None
+    """The engine's ``Sampler``: each image's geometry (see ``_random_params``)."""
 
     @classmethod
     def from_transform(cls, transform: Any, warn: bool = False) -> Optional[FusedPlan]:
@@ -337,44 +305,32 @@ class FusedPlan:
             return None, steps.cannot(_AFTER_CONVERSION)
         if steps.peek() is not None:
             return None, steps.cannot()
-        crop_params = None
         if crop_kind == "rrc":
-            crop_params = ResizedCropParams(first.scale, first.ratio)
-            log_ratio = getattr(first, "_log_ratio", None)
-            if isinstance(log_ratio, torch.Tensor) and log_ratio.numel() == 2:
-                # v2 takes the log once, at construction: draw with exactly that.
-                crop_params.log_ratio = (float(log_ratio[0]), float(log_ratio[1]))
-        return cls(crop_kind, first, center, flip_p, to_float, mean, std, out, crop_params), None
+            sampler = _random_params.crop_sampler(
+                first.scale, first.ratio, out, flip_p, _random_params.log_ratio_of(first)
+            )
+        elif crop_kind == "resize":
+            size = first.size
+            sizes = None if size is None else [size] if isinstance(size, int) else list(size)
+            sampler = _engine.Sampler(
+                "resize", size=sizes, max_size=first.max_size, center=center, flip_p=flip_p
+            )
+        else:
+            sampler = _engine.Sampler("center", center=center, flip_p=flip_p)
+        plan = cls(crop_kind, first, center, flip_p, to_float, mean, std, out, sampler)
+        return plan, None
 
     def sample(
-        self, width: int, height: int, generator: Optional[torch.Generator] = None
-    ) -> Geometry:
-        """Draws this image's parameters (torch's RNG, torchvision's order).
+        self, sizes: Sequence[tuple[int, int]], generator: Optional[torch.Generator] = None
+    ) -> list[Geometry]:
+        """Draws each image's parameters (torch's RNG, torchvision's order).
 
         Args:
-            width: The image's width.
-            height: The image's height.
+            sizes: ``(width, height)`` of each image, in batch order.
             generator: Where to draw from (default: torch's global generator,
                 as torchvision draws).
         """
-        step = self.geometry_step
-        if self.crop_params is not None:
-            top, left, h, w = self.crop_params(width, height, generator)
-            oh, ow = self.output_size
-            crop, resize, window = (left, top, w, h), (ow, oh), (0, 0, ow, oh)
-        else:
-            rh, rw = height, width
-            if self.kind == "resize":
-                rh, rw = _resized_size(height, width, step.size, step.max_size)
-            crop, resize = (0, 0, width, height), (rw, rh)
-            if self.center_crop is not None:
-                window = _center_window(rh, rw, self.center_crop)
-            else:
-                window = (0, 0, rw, rh)
-        flip = False
-        if self.flip_p is not None:
-            flip = flip_draw(self.flip_p, generator)
-        return crop, resize, window, flip
+        return _random_params.sample(self.sampler, sizes, generator)
 
 
 def _conversion(steps: _Steps) -> tuple[bool, Optional[str]]:

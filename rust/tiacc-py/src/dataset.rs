@@ -4,13 +4,18 @@
 
 use std::path::PathBuf;
 
-use numpy::{PyArray1, PyArray3, PyArray4, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tiacc_core::dataset::{BatchOut, EncodedImages as CoreImages, IndexedDataset as CoreDataset};
 use tiacc_core::image::decode::RgbImage;
 use tiacc_core::image::fused::{Geometry, Output};
+use tiacc_core::image::sampling::{
+    sample_reproduced, Draws, Placement, ResizeTo, Sampler as CoreSampler, TorchCpuRng,
+};
 
 use crate::errors::ResultExt;
 
@@ -212,6 +217,110 @@ impl IndexedDataset {
                 .render_images(&images.inner, g, downscale, output, buf, threads)
         })
     }
+
+    /// Reads `indices`, draws each image's geometry with `sampler` from the
+    /// torch CPU `generator` (reproduced, see `Sampler.sample`), and renders
+    /// them into `out` as `render_batch` does: all in one call with the GIL
+    /// released, taken again only for an image the reproduction cannot
+    /// decide (drawn with `draws`). The generator ends where torch's own
+    /// draws would have left it.
+    #[pyo3(signature = (indices, sampler, generator, draws, fused_multiply_add, out, mean = None, std = None, downscale = true, threads = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn load_batch(
+        &self,
+        py: Python<'_>,
+        indices: Vec<usize>,
+        sampler: &Sampler,
+        generator: &Bound<'_, PyAny>,
+        draws: &Bound<'_, PyAny>,
+        fused_multiply_add: bool,
+        out: &Bound<'_, PyAny>,
+        mean: Option<[f32; 3]>,
+        std: Option<[f32; 3]>,
+        downscale: bool,
+        threads: usize,
+    ) -> PyResult<()> {
+        let (h, w) = sampler.output()?;
+        if indices.is_empty() {
+            return Err(PyValueError::new_err("load_batch needs at least one index"));
+        }
+        let source = TorchSource {
+            generator: generator.clone().unbind(),
+            draws: draws.clone().unbind(),
+            fused_multiply_add,
+        };
+        let mut rng = source.state(py)?;
+        let shape = [indices.len(), 3, h as usize, w as usize];
+        let core = sampler.inner;
+        let mut failed: Option<PyErr> = None;
+        let result = with_out(py, out, shape, mean, std, |output, buf| {
+            let images = self.inner.read_images(&indices, threads)?;
+            let geometries = sample_reproduced(&core, images.sizes(), &mut rng, |k, before| {
+                let (width, height) = images.sizes()[k];
+                Python::attach(|py| source.draw_one(py, &core, width, height, before)).map_err(
+                    |e| {
+                        failed = Some(e);
+                        tiacc_core::error::Error::InvalidArgument(
+                            "drawing from torch failed".into(),
+                        )
+                    },
+                )
+            })?;
+            self.inner
+                .render_images(&images, &geometries, downscale, output, buf, threads)
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        result?;
+        source.set_state(py, &rng)
+    }
+}
+
+/// A torch CPU generator, and the object that draws from it with torch's
+/// calls (`_random_params.TorchDraws`).
+struct TorchSource {
+    generator: Py<PyAny>,
+    draws: Py<PyAny>,
+    fused_multiply_add: bool,
+}
+
+impl TorchSource {
+    /// The generator's state, reproduced.
+    fn state(&self, py: Python<'_>) -> PyResult<TorchCpuRng> {
+        let state = self
+            .generator
+            .bind(py)
+            .call_method0("get_state")?
+            .call_method0("numpy")?;
+        let state: PyReadonlyArray1<'_, u8> = state.extract()?;
+        TorchCpuRng::from_state(state.as_slice()?, self.fused_multiply_add).py()
+    }
+
+    /// Moves the generator to `rng`'s state.
+    fn set_state(&self, py: Python<'_>, rng: &TorchCpuRng) -> PyResult<()> {
+        let state = PyArray1::from_vec(py, rng.state());
+        let tensor = py.import("torch")?.call_method1("from_numpy", (state,))?;
+        self.generator
+            .bind(py)
+            .call_method1("set_state", (tensor,))?;
+        Ok(())
+    }
+
+    /// One image drawn by torch from the state `before`: its geometry and
+    /// the generator after.
+    fn draw_one(
+        &self,
+        py: Python<'_>,
+        sampler: &CoreSampler,
+        width: u32,
+        height: u32,
+        before: &TorchCpuRng,
+    ) -> PyResult<(Geometry, TorchCpuRng)> {
+        self.set_state(py, before)?;
+        let geometry = sampler.sample(width, height, &mut PyDraws(self.draws.bind(py)))?;
+        Ok((geometry, self.state(py)?))
+    }
 }
 
 /// Checks `out` against `geometries` and runs `render` on its buffer with
@@ -247,6 +356,21 @@ fn render_into(
         ));
     }
     let shape = [n, 3, wh as usize, ww as usize];
+    with_out(py, out, shape, mean, std, |output, buf| {
+        render(&geometries, output, buf)
+    })
+}
+
+/// Checks that `out` is a C-contiguous float32 or uint8 array of `shape`
+/// and runs `fill` on its buffer with the GIL released.
+fn with_out(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    shape: [usize; 4],
+    mean: Option<[f32; 3]>,
+    std: Option<[f32; 3]>,
+    fill: impl FnOnce(Output, BatchOut<'_>) -> tiacc_core::error::Result<()> + Send,
+) -> PyResult<()> {
     let check = |got: &[usize]| -> PyResult<()> {
         if got != shape {
             return Err(PyValueError::new_err(format!(
@@ -263,17 +387,195 @@ fn render_into(
             mean: mean.unwrap_or([0.0; 3]),
             std: std.unwrap_or([1.0; 3]),
         };
-        py.detach(|| render(&geometries, output, BatchOut::Float(buf)))
-            .py()
+        py.detach(|| fill(output, BatchOut::Float(buf))).py()
     } else if let Ok(arr) = out.cast::<PyArray4<u8>>() {
         check(arr.shape())?;
         let mut rw = arr.try_readwrite()?;
         let buf = rw.as_slice_mut()?;
-        py.detach(|| render(&geometries, Output::Uint8, BatchOut::Uint8(buf)))
-            .py()
+        py.detach(|| fill(Output::Uint8, BatchOut::Uint8(buf))).py()
     } else {
         Err(PyTypeError::new_err(
             "out must be a C-contiguous 4-D numpy array of float32 or uint8",
         ))
     }
+}
+
+/// The geometry of a fused transform chain (see
+/// `tiacc_core::image::sampling`): built by the Python plan, sampled here.
+#[pyclass(module = "tiacc_training._engine", frozen)]
+pub struct Sampler {
+    inner: CoreSampler,
+}
+
+impl Sampler {
+    fn output(&self) -> PyResult<(u32, u32)> {
+        self.inner.output_size().ok_or_else(|| {
+            PyValueError::new_err("this sampler's output size differs per image: it cannot batch")
+        })
+    }
+}
+
+/// Draws that call torch: an object with `uniform(low, high)`,
+/// `exp_uniform(low, high)`, `randint(high)` and `flip(p)`.
+struct PyDraws<'a, 'py>(&'a Bound<'py, PyAny>);
+
+impl Draws for PyDraws<'_, '_> {
+    type Error = PyErr;
+
+    fn uniform(&mut self, low: f64, high: f64) -> PyResult<f64> {
+        self.0.call_method1("uniform", (low, high))?.extract()
+    }
+
+    fn exp_uniform(&mut self, low: f64, high: f64) -> PyResult<(f64, f64)> {
+        let value: f64 = self.0.call_method1("exp_uniform", (low, high))?.extract()?;
+        Ok((value, value))
+    }
+
+    fn unsure(&self) -> PyErr {
+        // Never: torch's own value is one value.
+        PyValueError::new_err("a draw from torch gave a range of values")
+    }
+
+    fn randint(&mut self, high: u64) -> PyResult<u64> {
+        self.0.call_method1("randint", (high,))?.extract()
+    }
+
+    fn flip(&mut self, p: f64) -> PyResult<bool> {
+        self.0.call_method1("flip", (p,))?.extract()
+    }
+}
+
+fn geometry_tuple(g: Geometry) -> GeometryTuple {
+    (g.crop, g.resize, g.window, g.flip)
+}
+
+#[pymethods]
+impl Sampler {
+    /// `kind` is `"rrc"` (`RandomResizedCrop`: `scale`, `log_ratio`,
+    /// `ratio` and `output` `(height, width)`), `"resize"` (`size`: `[h, w]`,
+    /// `[n]` or None, `max_size`, and `center` `(height, width)` of a
+    /// following `CenterCrop`) or `"center"` (`center`); `flip_p` is
+    /// `RandomHorizontalFlip`'s `p`.
+    #[new]
+    #[pyo3(signature = (kind, *, output = None, scale = None, log_ratio = None, ratio = None, size = None, max_size = None, center = None, flip_p = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        kind: &str,
+        output: Option<(u32, u32)>,
+        scale: Option<(f64, f64)>,
+        log_ratio: Option<(f64, f64)>,
+        ratio: Option<(f64, f64)>,
+        size: Option<Vec<u32>>,
+        max_size: Option<u32>,
+        center: Option<(u32, u32)>,
+        flip_p: Option<f64>,
+    ) -> PyResult<Self> {
+        let need = |what: &str| PyValueError::new_err(format!("Sampler({kind:?}) needs {what}"));
+        let placement = match kind {
+            "rrc" => {
+                let ratio = ratio.ok_or_else(|| need("ratio"))?;
+                Placement::ResizedCrop {
+                    scale: scale.ok_or_else(|| need("scale"))?,
+                    log_ratio: log_ratio.ok_or_else(|| need("log_ratio"))?,
+                    ratio_range: (ratio.0.min(ratio.1), ratio.0.max(ratio.1)),
+                    output: output.ok_or_else(|| need("output"))?,
+                }
+            }
+            "resize" => Placement::Resize {
+                size: match size.as_deref() {
+                    Some([h, w]) => ResizeTo::Exact(*h, *w),
+                    Some([n]) => ResizeTo::Shorter(*n),
+                    None if max_size.is_some() => ResizeTo::Longer,
+                    _ => return Err(need("size: [h, w], [n], or None with max_size")),
+                },
+                max_size,
+                center,
+            },
+            "center" => Placement::Center {
+                crop: center.ok_or_else(|| need("center"))?,
+            },
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "Sampler kind must be 'rrc', 'resize' or 'center', got {other:?}"
+                )))
+            }
+        };
+        Ok(Sampler {
+            inner: CoreSampler { placement, flip_p },
+        })
+    }
+
+    /// `(height, width)` of every output, or None when it varies.
+    #[getter]
+    fn output_size(&self) -> Option<(u32, u32)> {
+        self.inner.output_size()
+    }
+
+    /// Whether every random range is ordered (torch refuses the others;
+    /// such a chain must draw from torch to raise torch's error).
+    #[getter]
+    fn ranges_ordered(&self) -> bool {
+        self.inner.ranges_ordered()
+    }
+
+    /// The geometries of images of `sizes` (`(width, height)` each), drawn
+    /// from a reproduction of the torch CPU `generator` (its state read,
+    /// and set to where torch's own draws would have left it); an image
+    /// the reproduction cannot decide is drawn with `draws` (torch's calls).
+    fn sample(
+        &self,
+        py: Python<'_>,
+        sizes: Vec<(u32, u32)>,
+        generator: &Bound<'_, PyAny>,
+        draws: &Bound<'_, PyAny>,
+        fused_multiply_add: bool,
+    ) -> PyResult<Vec<GeometryTuple>> {
+        let source = TorchSource {
+            generator: generator.clone().unbind(),
+            draws: draws.clone().unbind(),
+            fused_multiply_add,
+        };
+        let mut rng = source.state(py)?;
+        let geometries = sample_reproduced(&self.inner, &sizes, &mut rng, |k, before| {
+            let (width, height) = sizes[k];
+            source.draw_one(py, &self.inner, width, height, before)
+        })?;
+        source.set_state(py, &rng)?;
+        Ok(geometries.into_iter().map(geometry_tuple).collect())
+    }
+
+    /// The geometries of images of `sizes`, drawing from `draws` (an
+    /// object with `uniform`, `exp_uniform`, `randint` and `flip`, each one
+    /// torch call).
+    fn sample_with(
+        &self,
+        sizes: Vec<(u32, u32)>,
+        draws: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<GeometryTuple>> {
+        let geometries = self.inner.sample_all(&sizes, &mut PyDraws(draws))?;
+        Ok(geometries.into_iter().map(geometry_tuple).collect())
+    }
+}
+
+/// `count` draws of `torch.empty(1).uniform_(low, high)` (followed by the
+/// C library's float32 `exp` when `exp`), reproduced from the torch CPU
+/// generator whose `get_state()` is `state`: how the caller checks the
+/// reproduction against the running torch.
+#[pyfunction]
+#[pyo3(signature = (state, fused_multiply_add, low, high, count, exp = false))]
+pub fn torch_cpu_uniform(
+    state: PyReadonlyArray1<'_, u8>,
+    fused_multiply_add: bool,
+    low: f64,
+    high: f64,
+    count: usize,
+    exp: bool,
+) -> PyResult<Vec<f64>> {
+    let mut rng = TorchCpuRng::from_state(state.as_slice()?, fused_multiply_add).py()?;
+    let mut values = Vec::with_capacity(count);
+    for _ in 0..count {
+        let value = rng.uniform_f32(low, high);
+        values.push(f64::from(if exp { value.exp() } else { value }));
+    }
+    Ok(values)
 }

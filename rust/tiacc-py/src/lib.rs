@@ -36,6 +36,8 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pack::ImagePacker>()?;
     m.add_class::<dataset::IndexedDataset>()?;
     m.add_class::<dataset::EncodedImages>()?;
+    m.add_class::<dataset::Sampler>()?;
+    m.add_function(wrap_pyfunction!(dataset::torch_cpu_uniform, m)?)?;
     m.add_function(wrap_pyfunction!(config::comm_config, m)?)?;
     m.add_class::<config::PyCommConfig>()?;
     m.add_function(wrap_pyfunction!(comm::launch_env, m)?)?;
