@@ -93,6 +93,8 @@ class _DistributedMixin:
     ) -> None:
         hvd = _hvd()
         self._hvd_names = {p: name for name, p in named_parameters}
+        # Horovod's attribute for the same map (scripts and tests read it).
+        self._parameter_names = self._hvd_names
         self._hvd_compression = compression
         self._hvd_passes = backward_passes_per_step
         self._hvd_op = op
@@ -741,7 +743,9 @@ def broadcast_optimizer_state(
     counts) and each parameter group's options (``lr``, ``momentum``, ...)
     become the root's. A rank whose optimizer has no state yet (before its
     first step) gets the root's all the same: the root sends the layout,
-    every rank allocates it, then the tensors are broadcast in place.
+    every rank allocates it, then the tensors are broadcast in place. When
+    this rank's optimizer has no state yet, its parameters that take
+    gradients and have none get zero gradients, as Horovod leaves them.
 
     Args:
         optimizer: a torch optimizer (``DistributedOptimizer`` or not), with
@@ -763,6 +767,14 @@ def broadcast_optimizer_state(
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("broadcast_optimizer_state does not support torch.optim.LBFGS")
     mine = optimizer.state_dict()
+    if not mine["state"]:
+        # As Horovod: a new optimizer's parameters that take gradients get
+        # zero ones (Horovod then steps to create the state; here the root's
+        # layout creates it, so the parameters do not move).
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     layout = None
     if hvd.rank() == root_rank:
         layout = {
