@@ -396,7 +396,12 @@ def check_join_uneven(n: int, me: int) -> None:
         expect(floats, torch.tensor([0.5]), "join: grouped float")
         v = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
         expect(hvd.allreduce(v, op=hvd.Adasum), v, "join: Adasum of one working rank", atol=1e-12)
-        raises(ValueError, "called hvd.join()", lambda: hvd.broadcast(v, 0), "join: broadcast")
+        raises(
+            hvd.HorovodInternalError,
+            "called hvd.join()",
+            lambda: hvd.broadcast(v, 0),
+            "join: broadcast",
+        )
     expect(hvd.join(), n - 1, "join after uneven work names the busiest rank")
 
 
@@ -505,16 +510,22 @@ def check_adasum(ranks: list[int], me: int, process_set: Any = None) -> None:
 
 def check_errors(n: int, me: int) -> None:
     shape = (3,) if me == 0 else (4,)
-    raises(ValueError, "differ", lambda: hvd.allreduce(torch.zeros(shape)), "shape mismatch")
+    # Mismatches fail on every rank with Horovod's error (a RuntimeError).
+    raises(
+        hvd.HorovodInternalError,
+        "differ",
+        lambda: hvd.allreduce(torch.zeros(shape)),
+        "shape mismatch",
+    )
     dtype = torch.float32 if me == 0 else torch.float64
     raises(
-        ValueError,
+        hvd.HorovodInternalError,
         "differ",
         lambda: hvd.broadcast(torch.zeros(2, dtype=dtype), 0),
         "dtype mismatch",
     )
     raises(
-        ValueError,
+        hvd.HorovodInternalError,
         "differ",
         lambda: hvd.allgather(torch.zeros(2, 2 + (me == 1))),
         "allgather trailing dimension mismatch",

@@ -5,14 +5,15 @@ A Horovod script moves over by changing one import line::
     import tiacc_training.torch.horovod as hvd
 
 CPU tensors go through the engine's collectives (shared memory or TCP),
-CUDA tensors through NCCL; ``DistributedOptimizer`` hands its fused
+CUDA tensors through the group's CUDA backend (NCCL); ``DistributedOptimizer`` hands its fused
 gradient buckets to the same engine as the DDP hook, with its settings
 (``TIACC_TRAINING_*``, ``LIGHT_*``) and algorithms.
 """
 
 from __future__ import annotations
 
-# -- basics, collectives and process sets (_basics.py, _ops.py, _process_sets.py) --
+# -- basics, collectives and process sets (_basics.py, _ops.py gathering the
+#    collectives' modules, _process_sets.py) --
 from ._basics import (  # noqa: F401
     ccl_built,
     cross_rank,

@@ -1,0 +1,254 @@
+"""Reducescatter and grouped reducescatter.
+
+The first dimension is cut into ``size`` blocks, the first ``rows % size``
+ranks of the set one row longer, as Horovod cuts it. ``Sum``, ``Average``,
+``Min``, ``Max`` and ``Product``; ``Adasum`` is refused with
+:class:`HorovodInternalError` on every rank, as Horovod refuses it, and a
+tensor without dimensions with ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _basics
+from ._common import (
+    TORCH_OPS,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    check_list,
+    check_scales,
+    check_tensor,
+    op_of,
+    scale_,
+)
+from ._exceptions import HorovodInternalError
+from ._handles import Pending, mark, name_of, register, submit, synchronize
+from ._negotiation import Call, attempt, negotiate, refuse
+from ._process_sets import ProcessSet, global_process_set, resolve
+
+__all__ = [
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "reducescatter",
+    "reducescatter_async",
+]
+
+
+def _check(tensors: list[torch.Tensor], op: ReduceOp, pre: Any, post: Any) -> None:
+    if op not in (Sum, Average, Min, Max, Product):
+        raise HorovodInternalError(
+            f"reducescatter takes Sum, Average, Min, Max or Product, not {op!r}"
+        )
+    check_scales(pre, post)
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("reducescatter needs tensors of at least one dimension")
+
+
+def start(
+    tensors: list[torch.Tensor],
+    op: ReduceOp,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    name: str,
+    named: bool,
+    kind: str,
+) -> Pending:
+    """Reduces each tensor and leaves this rank its block of the first dimension."""
+    mark(name, "REDUCESCATTER", "negotiate")
+    _, refusal = attempt(lambda: _check(tensors, op, prescale_factor, postscale_factor))
+    call = Call(kind, name, named, process_set, tensors, op=int(op), refusal=refusal)
+    if refusal is None:
+        call.prescale, call.postscale = prescale_factor, postscale_factor
+    negotiate(call)
+    n = len(process_set.ranks)
+    me = process_set.ranks.index(_basics.rank())
+    plans: list[tuple[torch.Tensor, int, float]] = []
+
+    def issue() -> list[Any]:
+        works = []
+        for t in tensors:
+            rows = t.shape[0]
+            base, extra = divmod(rows, n)
+            counts = [base + (1 if r < extra else 0) for r in range(n)]
+            widest = base + (1 if extra else 0)
+            if extra:
+                padded = t.new_zeros((n, widest, *t.shape[1:]))
+                offset = 0
+                for r, c in enumerate(counts):
+                    padded[r, :c] = t[offset : offset + c]
+                    offset += c
+                source = padded.view(n * widest, *t.shape[1:])
+            else:
+                source = t.contiguous().clone()
+            scale_(source, prescale_factor)
+            out = t.new_empty((widest, *t.shape[1:]))
+            post = postscale_factor
+            torch_op = TORCH_OPS.get(int(op))
+            if op == Average:
+                torch_op, post = dist.ReduceOp.SUM, post / n
+            if n == 1:
+                out.copy_(source)
+            else:
+                works.append(
+                    dist.reduce_scatter_tensor(
+                        out, source, torch_op, group=process_set.group, async_op=True
+                    )
+                )
+            plans.append((out, counts[me], post))
+        return works
+
+    def finish() -> list[torch.Tensor]:
+        results = []
+        for out, count, post in plans:
+            result = out[:count] if out.shape[0] != count else out
+            result = result.contiguous()
+            scale_(result, post)
+            results.append(result)
+        return results
+
+    pending = submit(name, "REDUCESCATTER", issue, finish)
+    if named:
+        pending.key = (int(process_set.process_set_id or 0), kind, name)
+    return pending
+
+
+def _async(
+    kind: str,
+    tensors: Any,
+    name: str | None,
+    op: Any,
+    process_set: ProcessSet,
+    prescale_factor: float,
+    postscale_factor: float,
+) -> Pending:
+    process_set = resolve(process_set)
+    label = name_of(kind, name)
+    values, refusal = attempt(
+        lambda: (
+            check_list(tensors) if kind == "grouped_reducescatter" else [check_tensor(tensors)],
+            op_of(None, op),
+        )
+    )
+    if refusal is not None:
+        refuse(kind, label, process_set, refusal)
+    checked, reduction = values
+    return start(
+        checked,
+        reduction,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        label,
+        name is not None,
+        kind,
+    )
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Starts reducing ``tensor`` over the set, keeping this rank's block of rows.
+
+    Args:
+        tensor: this rank's input (the same shape on every rank).
+        name: the operation's name.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        process_set: the ranks taking part.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+
+    Returns:
+        A handle; :func:`synchronize` returns this rank's block.
+    """
+    pending = _async(
+        "reducescatter", tensor, name, op, process_set, prescale_factor, postscale_factor
+    )
+    inner = pending.finish
+    pending.finish = lambda: inner()[0]
+    return register(pending)
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = None,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Reduces ``tensor`` over the set and returns this rank's block of rows."""
+    context = None
+    if compression is not None and isinstance(tensor, torch.Tensor):
+        tensor, context = compression.compress(tensor)
+    result = synchronize(
+        reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
+    )
+    if compression is not None:
+        result = compression.decompress(result, context)
+    return result
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Starts a reducescatter of each tensor, as one operation.
+
+    Returns:
+        A handle; :func:`synchronize` returns the list of this rank's blocks.
+    """
+    return register(
+        _async(
+            "grouped_reducescatter",
+            tensors,
+            name,
+            op,
+            process_set,
+            prescale_factor,
+            postscale_factor,
+        )
+    )
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: Any = None,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reducescatters each tensor of the list, as one operation."""
+    contexts = None
+    if compression is not None and isinstance(tensors, (list, tuple)):
+        pairs = [compression.compress(t) for t in tensors]
+        tensors, contexts = [p[0] for p in pairs], [p[1] for p in pairs]
+    results = synchronize(
+        grouped_reducescatter_async(
+            tensors, name, op, process_set, prescale_factor, postscale_factor
+        )
+    )
+    if contexts is not None:
+        results = [compression.decompress(r, c) for r, c in zip(results, contexts)]
+    return results
