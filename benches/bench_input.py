@@ -27,6 +27,12 @@ ImageNet-sized JPEGs (``tools/make_image_folder.py``: ~500x375, quality 90,
 * ``decode_bound``: PIL's plain decode (``Image.open().convert("RGB")``),
   images/s on one core x the number of cores: what a PIL pipeline cannot beat.
 
+Scaling part (``--scaling``, on by default): stock ``ImageFolder`` and the
+drop-in loader at 1, 2, 4, 8 and 15 workers (as many as the cores allow, at
+least 2), and the GIL time the drop-in loader takes from a training thread
+per image (``gil_held_us_per_image``), with the engine's draws and with
+torch's per-image draws.
+
 Training part (``--train``; on by default where CUDA is available): ResNet-50
 (bf16 autocast, channels_last, batch ``--train-batch``) trained for
 ``--train-steps`` steps fed by each loader with ``--train-workers`` workers,
@@ -121,7 +127,9 @@ def worker_peak_rss_mb(iterator: Any) -> list[float]:
     return peaks
 
 
-def run_loader(dataset: Any, loader_class: Any = DataLoader) -> dict[str, Any]:
+def run_loader(
+    dataset: Any, loader_class: Any = DataLoader, workers: int = WORKERS
+) -> dict[str, Any]:
     """Iterates the whole dataset once after a warm-up batch; returns stats."""
     if loader_class == "dali":
         return run_dali(dataset)
@@ -129,7 +137,7 @@ def run_loader(dataset: Any, loader_class: Any = DataLoader) -> dict[str, Any]:
         dataset,
         batch_size=BATCH,
         shuffle=True,
-        num_workers=WORKERS,
+        num_workers=workers,
         drop_last=True,
         persistent_workers=False,
     )
@@ -338,6 +346,84 @@ def decode_bound(img_dir: Path, limit: int = 300) -> dict[str, float]:
             "bound": per_core * (os.cpu_count() or 1)}  # fmt: skip
 
 
+def sweep_workers(cores: int) -> list[int]:
+    """The worker counts of the sweep: 1, 2, 4, 8, 15, up to the cores (at least 2)."""
+    top = max(2, cores - 1) if cores > 2 else 2
+    return [w for w in (1, 2, 4, 8, 15) if w <= top]
+
+
+def gil_held_us_per_image(index: Path, batches: int = 12) -> dict[str, float]:
+    """GIL-held microseconds per image of the drop-in loader's batch, in one thread.
+
+    Each batch is what a drop-in worker thread does (``_fused_batch`` with
+    its own generator, then the labels collated); the engine counts the time
+    it ran with the GIL released, and the rest of the wall time held it.
+    """
+    from torch.utils.data._utils.collate import default_collate
+
+    from tiacc_training import _engine
+
+    ds = IndexTFRDataset(str(index.parent), str(index), transform())
+    order = torch.randperm(len(ds)).tolist()
+    work = [order[i * BATCH : (i + 1) * BATCH] for i in range(batches + 1)]
+    generator = torch.Generator().manual_seed(0)
+    ds._fused_batch(work[0], threads=1, generator=generator)  # warm-up, the probe
+    released = _engine.data_gil_released_seconds()
+    start = time.perf_counter()
+    for indices in work[1:]:
+        _images, targets = ds._fused_batch(indices, threads=1, generator=generator)
+        default_collate(targets)
+    wall = time.perf_counter() - start
+    released = _engine.data_gil_released_seconds() - released
+    images = batches * BATCH
+    return {"us_per_image": (wall - released) / images * 1e6,
+            "wall_us_per_image": wall / images * 1e6}  # fmt: skip
+
+
+def scaling_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str, Any]:
+    """Images/s against the worker count, stock and ours, and the GIL time per image."""
+    from tiacc_training.torch import _random_params
+
+    cores = os.cpu_count() or 1
+    counts = sweep_workers(cores)
+    sweep: dict[str, dict[str, float]] = {"stock_imagefolder": {}, "dropin": {}}
+    for workers in counts:
+        for name in sweep:
+            rates = []
+            for rep in range(args.repeats):
+                torch.manual_seed(rep)
+                if name == "stock_imagefolder":
+                    row = run_loader(ImageFolder(str(img_dir), transform()), DataLoader, workers)
+                else:
+                    ds = IndexTFRDataset(str(index.parent), str(index), transform())
+                    row = run_loader(ds, DropInLoader, workers)
+                rates.append(row["images_per_s"])
+            sweep[name][str(workers)] = statistics.median(rates)
+            print(f"  {name:<18} {workers:>2} workers {sweep[name][str(workers)]:8.1f} images/s",
+                  flush=True)  # fmt: skip
+    gil: dict[str, Any] = {}
+    for draws in ("engine", "torch"):
+        saved = dict(_random_params._CHECKED)
+        if draws == "torch":  # every draw through torch's calls, as before the engine drew
+            _random_params._CHECKED["flag"] = None
+        try:
+            gil[draws] = gil_held_us_per_image(index)
+        finally:
+            _random_params._CHECKED.clear()
+            _random_params._CHECKED.update(saved)
+        print(f"  GIL held per image, {draws} draws: {gil[draws]['us_per_image']:.1f} us "
+              f"(of {gil[draws]['wall_us_per_image']:.0f} us)", flush=True)  # fmt: skip
+    ours = sweep["dropin"]
+    return {
+        "workers": counts,
+        "images_per_s": sweep,
+        "dropin_2_vs_1_workers": ours["2"] / ours["1"],
+        "stock_2_vs_1_workers": sweep["stock_imagefolder"]["2"] / sweep["stock_imagefolder"]["1"],
+        "gil_held_per_image": gil,
+        "goals": {"dropin_2_vs_1_workers": 1.9, "gil_held_us_per_image": 20.0},
+    }
+
+
 def main() -> int:
     """Runs the benchmark; returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -357,6 +443,12 @@ def main() -> int:
     p.add_argument("--train-steps", type=int, default=60)
     p.add_argument("--train-workers", type=int, default=0, help="default: cores - 1")
     p.add_argument("--skip-loaders", action="store_true", help="only the training part")
+    p.add_argument(
+        "--scaling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the worker sweep and the GIL time per image",
+    )
     args = p.parse_args()
     if args.train is None:
         args.train = torch.cuda.is_available()
@@ -370,6 +462,8 @@ def main() -> int:
     if not args.skip_loaders:
         torch.set_num_threads(1)
         result.update(loader_part(args, img_dir, index))
+        if args.scaling:
+            result["scaling"] = scaling_part(args, img_dir, index)
         torch.set_num_threads(os.cpu_count() or 1)
     if args.train:
         result["training"] = train_part(args, img_dir, index)

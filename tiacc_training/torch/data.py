@@ -48,6 +48,7 @@ Additions:
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import warnings
@@ -183,6 +184,7 @@ class _ThreadedIter:
             )
         self.device = loader._tiacc_device
         self.closed = False
+        _LIVE.add(self)
         self.epoch = 0
         self.results: queue.SimpleQueue[tuple[int, int, Any]] = queue.SimpleQueue()
         self.inputs: list[queue.SimpleQueue[Optional[tuple[int, int, list[int]]]]] = []
@@ -313,6 +315,22 @@ class _ThreadedIter:
 
     def __del__(self) -> None:
         self.close()
+
+
+_LIVE: weakref.WeakSet[_ThreadedIter] = weakref.WeakSet()
+"""Iterators whose threads may still run: stopped before the interpreter exits."""
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stops every loader's threads at exit, before torch and CUDA are torn down.
+
+    A loader left mid-epoch (a ``break`` kept alive, persistent workers)
+    would otherwise have its threads, and the CUDA streams of GPU decoding,
+    outlive the interpreter's own shutdown.
+    """
+    for it in list(_LIVE):
+        it.close()
 
 
 def _work(it: Any, worker: int, inbox: queue.SimpleQueue) -> None:

@@ -3,6 +3,8 @@
 //! wraps it; the Rust core's type has the same name.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use numpy::{
     PyArray1, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods,
@@ -18,6 +20,30 @@ use tiacc_core::image::sampling::{
 };
 
 use crate::errors::ResultExt;
+
+/// Nanoseconds the data methods of this process ran with the GIL released.
+static RELEASED_NS: AtomicU64 = AtomicU64::new(0);
+
+/// `f` with the GIL released, its time added to [`RELEASED_NS`].
+fn released<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
+    py.detach(|| {
+        let start = Instant::now();
+        let out = f();
+        let spent = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        RELEASED_NS.fetch_add(spent, Ordering::Relaxed);
+        out
+    })
+}
+
+/// Seconds the data methods of this process (reads, decodes, renders, whole
+/// batches) have run with the GIL released, in every thread together: the
+/// rest of a batch's time in them held the GIL. (An image drawn from torch
+/// inside `load_batch` takes the GIL back for its draws: about one in five
+/// thousand, counted as released.)
+#[pyfunction]
+pub fn data_gil_released_seconds() -> f64 {
+    RELEASED_NS.load(Ordering::Relaxed) as f64 * 1e-9
+}
 
 /// Random access to the records of a packed dataset (index + shards).
 #[pyclass(module = "tiacc_training._engine", frozen)]
@@ -81,7 +107,7 @@ fn to_array<'py>(py: Python<'py>, img: RgbImage) -> PyResult<Bound<'py, PyArray3
 impl IndexedDataset {
     #[new]
     fn new(py: Python<'_>, root: PathBuf, index: PathBuf) -> PyResult<Self> {
-        let inner = py.detach(|| CoreDataset::open(&root, &index)).py()?;
+        let inner = released(py, || CoreDataset::open(&root, &index)).py()?;
         Ok(IndexedDataset { inner })
     }
 
@@ -102,7 +128,7 @@ impl IndexedDataset {
 
     /// The encoded image bytes of record `index`.
     fn image_bytes<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyBytes>> {
-        let data = py.detach(|| self.inner.image_bytes(index)).py()?;
+        let data = released(py, || self.inner.image_bytes(index)).py()?;
         Ok(PyBytes::new(py, &data))
     }
 
@@ -114,15 +140,13 @@ impl IndexedDataset {
         indices: Vec<usize>,
         threads: usize,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let all = py
-            .detach(|| self.inner.image_bytes_batch(&indices, threads))
-            .py()?;
+        let all = released(py, || self.inner.image_bytes_batch(&indices, threads)).py()?;
         Ok(all.iter().map(|d| PyBytes::new(py, d)).collect())
     }
 
     /// Record `index` decoded to an `(H, W, 3)` uint8 RGB array.
     fn decode<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyArray3<u8>>> {
-        let img = py.detach(|| self.inner.decode(index)).py()?;
+        let img = released(py, || self.inner.decode(index)).py()?;
         to_array(py, img)
     }
 
@@ -135,9 +159,7 @@ impl IndexedDataset {
         indices: Vec<usize>,
         threads: usize,
     ) -> PyResult<Vec<Bound<'py, PyArray3<u8>>>> {
-        let images = py
-            .detach(|| self.inner.decode_batch(&indices, threads))
-            .py()?;
+        let images = released(py, || self.inner.decode_batch(&indices, threads)).py()?;
         images.into_iter().map(|img| to_array(py, img)).collect()
     }
 
@@ -149,7 +171,7 @@ impl IndexedDataset {
         indices: Vec<usize>,
         threads: usize,
     ) -> PyResult<Vec<(u32, u32)>> {
-        py.detach(|| self.inner.image_sizes(&indices, threads)).py()
+        released(py, || self.inner.image_sizes(&indices, threads)).py()
     }
 
     /// Reads the images of `indices` and their sizes in parallel with the
@@ -161,9 +183,7 @@ impl IndexedDataset {
         indices: Vec<usize>,
         threads: usize,
     ) -> PyResult<EncodedImages> {
-        let inner = py
-            .detach(|| self.inner.read_images(&indices, threads))
-            .py()?;
+        let inner = released(py, || self.inner.read_images(&indices, threads)).py()?;
         Ok(EncodedImages { inner })
     }
 
@@ -387,12 +407,12 @@ fn with_out(
             mean: mean.unwrap_or([0.0; 3]),
             std: std.unwrap_or([1.0; 3]),
         };
-        py.detach(|| fill(output, BatchOut::Float(buf))).py()
+        released(py, || fill(output, BatchOut::Float(buf))).py()
     } else if let Ok(arr) = out.cast::<PyArray4<u8>>() {
         check(arr.shape())?;
         let mut rw = arr.try_readwrite()?;
         let buf = rw.as_slice_mut()?;
-        py.detach(|| fill(Output::Uint8, BatchOut::Uint8(buf))).py()
+        released(py, || fill(Output::Uint8, BatchOut::Uint8(buf))).py()
     } else {
         Err(PyTypeError::new_err(
             "out must be a C-contiguous 4-D numpy array of float32 or uint8",

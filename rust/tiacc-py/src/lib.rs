@@ -38,6 +38,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dataset::EncodedImages>()?;
     m.add_class::<dataset::Sampler>()?;
     m.add_function(wrap_pyfunction!(dataset::torch_cpu_uniform, m)?)?;
+    m.add_function(wrap_pyfunction!(dataset::data_gil_released_seconds, m)?)?;
     m.add_function(wrap_pyfunction!(config::comm_config, m)?)?;
     m.add_class::<config::PyCommConfig>()?;
     m.add_function(wrap_pyfunction!(comm::launch_env, m)?)?;
