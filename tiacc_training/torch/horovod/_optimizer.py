@@ -1,4 +1,4 @@
-"""Horovod's DistributedOptimizer and the broadcasts of parameters and state.
+"""Horovod's DistributedOptimizer: gradients reduced in fused buckets as they become ready.
 
 ``DistributedOptimizer`` wraps a torch optimizer: a hook on every
 parameter fires as its gradient is accumulated in backward, and the
@@ -10,7 +10,9 @@ Each full bucket goes down the same path as the DDP hook's buckets
 for CUDA), so the engine's channels, 2D algorithm, wire compression, Top-K
 and NaN check apply, and ``tdist.stats()`` counts the buckets. ``step()``
 (or ``synchronize()``) waits for the buckets and writes the reduced
-gradients back into ``.grad``.
+gradients back into ``.grad``. The buckets are planned in ``_buckets``;
+``broadcast_parameters`` and ``broadcast_optimizer_state`` live in
+``_broadcast_state``.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tiacc_training.torch.distributed import _config, _engines, _hook
+from tiacc_training.torch.distributed import _engines, _hook
 from tiacc_training.torch.distributed._state import state as _dstate
 
 from . import Adasum, Average, Sum, _basics, _timeline, global_process_set
+from ._broadcast_state import broadcast_optimizer_state, broadcast_parameters
+from ._buckets import Bucket, cut, first_plan, fusion_bytes, named_parameters_of
 from ._compression import Compression
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
@@ -49,28 +52,6 @@ def _hvd() -> Any:
     from tiacc_training.torch import horovod
 
     return horovod
-
-
-@dataclass
-class _Bucket:
-    """Parameters whose gradients are reduced together."""
-
-    number: int
-    params: list[torch.nn.Parameter]
-    ready: int = 0
-    # What is in flight: ("engine", future, contexts) or ("ops", handle, contexts).
-    pending: tuple[Any, ...] | None = None
-    # The flat buffer the engine reduces, kept from step to step (the
-    # engine is done with it once synchronize() has waited for it).
-    flat: torch.Tensor | None = None
-
-
-@dataclass
-class _Plan:
-    """The buckets of one optimizer and where each parameter is."""
-
-    buckets: list[_Bucket] = field(default_factory=list)
-    bucket_of: dict[torch.nn.Parameter, _Bucket] = field(default_factory=dict)
 
 
 class _DistributedMixin:
@@ -111,16 +92,16 @@ class _DistributedMixin:
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
         self._hvd_hooks: list[Any] = []
-        self._hvd_dispatched: list[_Bucket] = []
-        self._hvd_sparse: list[_Bucket] = []
+        self._hvd_dispatched: list[Bucket] = []
+        self._hvd_sparse: list[Bucket] = []
         self._hvd_steps = 0
         global _optimizers_built
         self._hvd_first_index = _BUCKET_BASE + _optimizers_built * _INDICES_PER_OPTIMIZER
         _optimizers_built += 1
         world = _set_size(process_set)
         self._hvd_world = world
-        self._hvd_threshold = _fusion_bytes(self._hvd_params)
-        self._hvd_plan = _plan(self._hvd_params, groups, self._hvd_threshold)
+        self._hvd_threshold = fusion_bytes(self._hvd_params)
+        self._hvd_plan = first_plan(self._hvd_params, groups, self._hvd_threshold)
         self._hvd_engine_reason = _engine_reason(op, process_set, hvd)
         if world > 1 and process_set.included():
             self._hvd_register_hooks()
@@ -155,7 +136,7 @@ class _DistributedMixin:
         if bucket.ready == len(bucket.params):
             self._hvd_dispatch(bucket)
 
-    def _hvd_dispatch(self, bucket: _Bucket) -> None:
+    def _hvd_dispatch(self, bucket: Bucket) -> None:
         """Starts the reduction of a bucket whose gradients are all in."""
         grads = []
         for p in bucket.params:
@@ -315,7 +296,7 @@ class _DistributedMixin:
             process_set=self._hvd_process_set,
         )
         params = [self._hvd_params[i] for i in order]
-        self._hvd_plan = _cut(params, self._hvd_threshold)
+        self._hvd_plan = cut(params, self._hvd_threshold)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -355,7 +336,7 @@ class _DistributedMixin:
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
 
-def _flat_buffer(bucket: _Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
+def _flat_buffer(bucket: Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
     """The bucket's flat buffer for ``tensors`` (one dtype and device), reused."""
     total = sum(t.numel() for t in tensors)
     flat = bucket.flat
@@ -388,80 +369,6 @@ def _engine_reason(op: Any, process_set: Any, hvd: Any) -> str | None:
     if not dist.is_initialized():
         return "no default process group"
     return None
-
-
-def _fusion_bytes(params: list[torch.nn.Parameter]) -> int:
-    """The engine's bucket size for these gradients (as DDP's buckets get)."""
-    config = _dstate.config if _dstate.config is not None else _config.effective_config()
-    gradient_bytes = sum(p.numel() * p.element_size() for p in params)
-    return max(1, int(config.bucket_bytes(gradient_bytes)))
-
-
-def _cut(params: list[torch.nn.Parameter], threshold: int) -> _Plan:
-    """Buckets of consecutive parameters of one dtype and device, up to ``threshold`` bytes."""
-    plan = _Plan()
-    current: list[torch.nn.Parameter] = []
-    size = 0
-    for p in params:
-        if current and (
-            size >= threshold or p.dtype != current[0].dtype or p.device != current[0].device
-        ):
-            _add(plan, current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel() * p.element_size()
-    if current:
-        _add(plan, current)
-    return plan
-
-
-def _add(plan: _Plan, params: list[torch.nn.Parameter]) -> None:
-    bucket = _Bucket(len(plan.buckets), list(params))
-    plan.buckets.append(bucket)
-    for p in params:
-        plan.bucket_of[p] = bucket
-
-
-def _plan(
-    params: list[torch.nn.Parameter],
-    groups: list[list[torch.nn.Parameter]] | int | None,
-    threshold: int,
-) -> _Plan:
-    """The first buckets.
-
-    Explicit groups, or the threshold over the reversed parameters (the
-    order backward usually produces gradients in).
-    """
-    if groups is None:
-        return _cut(list(reversed(params)), threshold)
-    plan = _Plan()
-    if isinstance(groups, int):
-        for chunk in _split(params, groups):
-            _add(plan, chunk)
-        return plan
-    grouped: set[torch.nn.Parameter] = set()
-    wanted = set(params)
-    for group in groups:
-        members = [p for p in group if p in wanted]
-        if members:
-            _add(plan, members)
-            grouped.update(members)
-    for p in params:
-        if p not in grouped:
-            _add(plan, [p])
-    return plan
-
-
-def _split(params: list[torch.nn.Parameter], n: int) -> list[list[torch.nn.Parameter]]:
-    """``params`` in ``n`` consecutive chunks of nearly equal length."""
-    n = max(1, min(n, len(params)))
-    base, extra = divmod(len(params), n)
-    chunks, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        chunks.append(params[start:end])
-        start = end
-    return [c for c in chunks if c]
 
 
 def _grouped_allreduce_async(tensors: list[torch.Tensor], **kwargs: Any) -> Any:
@@ -497,50 +404,6 @@ def _sparse_allreduce(grad: torch.Tensor, op: Any, process_set: Any) -> torch.Te
     if op is Average:
         values = values / process_set.size()
     return torch.sparse_coo_tensor(indices.t(), values, grad.shape).coalesce()
-
-
-def _named(
-    optimizer: torch.optim.Optimizer,
-    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
-) -> list[tuple[str, torch.nn.Parameter]]:
-    """The optimizer's parameters with names, checked as Horovod checks them.
-
-    Raises:
-        ValueError: an entry is not a ``(name, parameter)`` pair, a name
-            repeats, or a parameter of the optimizer has no name.
-    """
-    if named_parameters is None:
-        return [
-            (f"allreduce.noname.{i}.{j}", p)
-            for i, group in enumerate(optimizer.param_groups)
-            for j, p in enumerate(group["params"])
-        ]
-    named = list(named_parameters)
-    for entry in named:
-        if not (isinstance(entry, tuple) and len(entry) == 2):
-            raise ValueError(
-                "named_parameters should be a sequence of (name, parameter) tuples, as "
-                f"model.named_parameters() yields; got an entry of type {type(entry).__name__}"
-            )
-    counts: dict[str, int] = {}
-    for name, _ in named:
-        counts[name] = counts.get(name, 0) + 1
-    duplicates = sorted(name for name, n in counts.items() if n > 1)
-    if duplicates:
-        raise ValueError(
-            "parameter names in named_parameters must be unique; duplicates: "
-            + ", ".join(duplicates)
-        )
-    named_ids = {id(p) for _, p in named}
-    unnamed = [
-        id(p) for group in optimizer.param_groups for p in group["params"] if id(p) not in named_ids
-    ]
-    if unnamed:
-        raise ValueError(
-            "named_parameters was given, but some of the optimizer's parameters are not in it "
-            "(Python object ids: " + ", ".join(str(i) for i in unnamed) + ")"
-        )
-    return named
 
 
 def DistributedOptimizer(  # noqa: N802  (Horovod's name)
@@ -656,7 +519,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name)
                     isinstance(p, torch.Tensor) for p in group
                 ):
                     raise ValueError(f"groups[{i}] must be a list of parameters (tensors)")
-    named = _named(optimizer, named_parameters)
+    named = named_parameters_of(optimizer, named_parameters)
     _basics.check_initialized()
     if not process_set.included():
         raise ValueError(
@@ -680,176 +543,3 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name)
         process_set,
     )
     return wrapped
-
-
-def broadcast_parameters(
-    params: Any, root_rank: int, process_set: Any = global_process_set
-) -> None:
-    """Copies ``root_rank``'s tensors into every rank's, in place.
-
-    Args:
-        params: ``model.state_dict()``, ``model.named_parameters()`` or a
-            list of ``(name, tensor)`` pairs.
-        root_rank: the rank whose values every rank takes.
-        process_set: the ranks taking part.
-
-    Raises:
-        ValueError: ``params`` is of another type, or holds a non-tensor.
-    """
-    hvd = _hvd()
-    if isinstance(params, dict):
-        items = sorted(params.items()) if all(isinstance(k, str) for k in params) else None
-        items = items if items is not None else list(params.items())
-    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
-        items = list(params)
-        for entry in items:
-            if not (isinstance(entry, tuple) and len(entry) == 2):
-                raise ValueError(
-                    "params must be a state_dict or a list of (name, tensor) pairs; got an "
-                    f"entry of type {type(entry).__name__}"
-                )
-    else:
-        raise ValueError(f"params must be a state_dict or (name, tensor) pairs, not {type(params)}")
-    handles = []
-    for name, value in items:
-        if value is None:
-            continue
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(
-                f"params[{name!r}] is a {type(value).__name__}, not a tensor: use "
-                "hvd.broadcast_object for other values"
-            )
-        handles.append(
-            hvd.broadcast_async_(
-                value.detach(),
-                root_rank,
-                name=f"broadcast_parameters.{name}",
-                process_set=process_set,
-            )
-        )
-    for handle in handles:
-        hvd.synchronize(handle)
-
-
-def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    root_rank: int,
-    model: Any = None,
-    process_set: Any = global_process_set,
-) -> None:
-    """Makes every rank's optimizer state ``root_rank``'s.
-
-    The state (tensors such as momentum buffers, and scalars such as step
-    counts) and each parameter group's options (``lr``, ``momentum``, ...)
-    become the root's. A rank whose optimizer has no state yet (before its
-    first step) gets the root's all the same: the root sends the layout,
-    every rank allocates it, then the tensors are broadcast in place. When
-    this rank's optimizer has no state yet, its parameters that take
-    gradients and have none get zero gradients, as Horovod leaves them.
-
-    Args:
-        optimizer: a torch optimizer (``DistributedOptimizer`` or not), with
-            the same parameter groups on every rank.
-        root_rank: the rank whose state every rank takes.
-        model: unused (Horovod's argument, kept for its signature).
-        process_set: the ranks taking part.
-
-    Raises:
-        ValueError: ``optimizer`` is not a torch optimizer, or the ranks'
-            parameter groups differ in length.
-    """
-    del model
-    hvd = _hvd()
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(
-            f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
-        )
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("broadcast_optimizer_state does not support torch.optim.LBFGS")
-    mine = optimizer.state_dict()
-    if not mine["state"]:
-        # As Horovod: a new optimizer's parameters that take gradients get
-        # zero ones (Horovod then steps to create the state; here the root's
-        # layout creates it, so the parameters do not move).
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-    layout = None
-    if hvd.rank() == root_rank:
-        layout = {
-            "state": {k: _layout(v) for k, v in mine["state"].items()},
-            "param_groups": mine["param_groups"],
-        }
-    layout = hvd.broadcast_object(
-        layout,
-        root_rank=root_rank,
-        name="broadcast_optimizer_state.layout",
-        process_set=process_set,
-    )
-    sizes = [len(g["params"]) for g in layout["param_groups"]]
-    if sizes != [len(g["params"]) for g in mine["param_groups"]]:
-        raise ValueError(
-            f"rank {hvd.rank()}: the optimizer's parameter groups hold "
-            f"{[len(g['params']) for g in mine['param_groups']]} parameters, rank "
-            f"{root_rank}'s hold {sizes}"
-        )
-    devices = {}
-    for group, indices in zip(optimizer.param_groups, (g["params"] for g in mine["param_groups"])):
-        for p, index in zip(group["params"], indices):
-            devices[index] = p.device
-    state = {}
-    tensors = []
-    for key in sorted(layout["state"], key=str):
-        entry = {}
-        for name, spec in layout["state"][key].items():
-            if isinstance(spec, _TensorSpec):
-                own = mine["state"].get(key, {}).get(name)
-                device = spec.device_of(devices.get(key))
-                if (
-                    isinstance(own, torch.Tensor)
-                    and own.shape == spec.shape
-                    and own.dtype == spec.dtype
-                ):
-                    tensor = own
-                else:
-                    tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
-                entry[name] = tensor
-                tensors.append((f"{key}.{name}", tensor))
-            else:
-                entry[name] = spec
-        state[key] = entry
-    handles = [
-        hvd.broadcast_async_(
-            t, root_rank, name=f"broadcast_optimizer_state.{n}", process_set=process_set
-        )
-        for n, t in tensors
-    ]
-    for handle in handles:
-        hvd.synchronize(handle)
-    optimizer.load_state_dict({"state": state, "param_groups": layout["param_groups"]})
-
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    """A state tensor's shape and dtype, as the root sends it."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    on_cpu: bool
-
-    def device_of(self, param_device: torch.device | None) -> torch.device:
-        """Where this rank keeps the tensor: the CPU, or its parameter's device."""
-        if self.on_cpu or param_device is None:
-            return torch.device("cpu")
-        return param_device
-
-
-def _layout(entry: dict[str, Any]) -> dict[str, Any]:
-    """One parameter's state with each tensor replaced by its spec."""
-    return {
-        name: _TensorSpec(tuple(v.shape), v.dtype, v.device.type == "cpu")
-        if isinstance(v, torch.Tensor)
-        else v
-        for name, v in entry.items()
-    }
