@@ -480,6 +480,14 @@ def process_set_left_after_a_failure(n: int, me: int) -> None:
     hvd.remove_process_set(hvd.add_process_set([0]))
 
 
+@case
+def process_set_added_differently(n: int, me: int) -> None:
+    must_raise(ValueError, lambda: hvd.add_process_set([me]), "each rank names another set")
+    asked = [0, n] if me == 0 else [0]
+    must_raise(ValueError, lambda: hvd.add_process_set(asked), "rank 0 names a rank too large")
+    hvd.remove_process_set(hvd.add_process_set([0]))  # nothing was left registered
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2))

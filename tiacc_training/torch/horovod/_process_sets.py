@@ -8,6 +8,11 @@ collectives on an NCCL communicator of its own. As in Horovod, every rank of
 the job registers and removes every set, in the same order (the group's
 creation is collective), including ranks outside the set.
 
+Before a set is registered the ranks compare what they were asked to add,
+so a refusal (a rank out of range, a set already registered) or ranks that
+name different sets raise ``ValueError`` on every rank and leave nothing
+registered anywhere.
+
 ``HOROVOD_DYNAMIC_PROCESS_SETS``: Horovod only lets sets be added or
 removed after ``init()`` with that variable set. Here groups can be made and
 destroyed at any time, so sets can always be added and removed after
@@ -117,6 +122,11 @@ def reset_global(ranks: list[int]) -> None:
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Registers a process set; every rank of the job calls it, in the same order.
 
+    The ranks first compare what they were asked to add (one small
+    exchange), so that a set is registered on every rank or on none: when
+    a rank refuses (its own error below) or the ranks name different sets,
+    every rank raises ``ValueError`` and nothing is registered.
+
     Args:
         process_set: a :class:`ProcessSet`, or a list of global ranks.
 
@@ -125,8 +135,9 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
     Raises:
         ValueError: Horovod is not initialised, a rank is not below
-            ``hvd.size()``, the set is already registered, or a registered
-            set holds the same ranks.
+            ``hvd.size()``, the set is already registered, a registered
+            set holds the same ranks, or another rank refused or named
+            other ranks.
     """
     global _next_id
     _basics.check_initialized()
@@ -134,22 +145,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         process_set = ProcessSet(process_set)
     world = _basics.size()
     with _lock:
-        if process_set.process_set_id is not None and process_set.process_set_id in _sets:
-            raise ValueError(f"{process_set} is already registered")
-        if not process_set.ranks:
-            raise ValueError("a process set needs at least one rank")
-        bad = [r for r in process_set.ranks if r >= world]
-        if bad:
-            raise ValueError(
-                f"process set ranks {bad} are not below the job's size {world} "
-                f"(ranks {process_set.ranks})"
-            )
-        for other in _sets.values():
-            if other.ranks == process_set.ranks:
-                raise ValueError(
-                    f"a process set with ranks {process_set.ranks} is already registered "
-                    f"(id {other.process_set_id})"
-                )
+        refusal = _refusal(process_set, world)
+        _agree(process_set, world, refusal)
         if process_set.ranks == list(range(world)):
             group = dist.GroupMember.WORLD
         else:
@@ -159,6 +156,46 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         _sets[_next_id] = process_set
         _next_id += 1
     return process_set
+
+
+def _refusal(process_set: ProcessSet, world: int) -> ValueError | None:
+    """Why this rank cannot add ``process_set``, or ``None``."""
+    if process_set.process_set_id is not None and process_set.process_set_id in _sets:
+        return ValueError(f"{process_set} is already registered")
+    if not process_set.ranks:
+        return ValueError("a process set needs at least one rank")
+    bad = [r for r in process_set.ranks if r >= world]
+    if bad:
+        return ValueError(
+            f"process set ranks {bad} are not below the job's size {world} "
+            f"(ranks {process_set.ranks})"
+        )
+    for other in _sets.values():
+        if other.ranks == process_set.ranks:
+            return ValueError(
+                f"a process set with ranks {process_set.ranks} is already registered "
+                f"(id {other.process_set_id})"
+            )
+    return None
+
+
+def _agree(process_set: ProcessSet, world: int, refusal: ValueError | None) -> None:
+    """Raises on every rank unless every rank can add the same set."""
+    from ._negotiation import gather_ints
+
+    row = [int(refusal is not None), len(process_set.ranks)]
+    row += (process_set.ranks + [-1] * world)[:world]
+    every = gather_ints(row, global_process_set)
+    refused = [r for r, theirs in enumerate(every) if theirs[0]]
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise ValueError(f"rank(s) {refused} could not add the process set {process_set.ranks}")
+    if any(theirs != every[0] for theirs in every):
+        named = "; ".join(
+            f"rank {r}: {theirs[2 : 2 + theirs[1]]}" for r, theirs in enumerate(every)
+        )
+        raise ValueError(f"the ranks asked to add different process sets ({named})")
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
