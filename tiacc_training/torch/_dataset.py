@@ -268,10 +268,12 @@ class IndexedDataset(torch.utils.data.Dataset):
         if generator is not None and flag is not None:
             # A generator of the caller's own (a loader thread's): read, draw
             # and render in one call with the GIL released.
+            state = generator.get_state()
             self._data.load_batch(
-                idx, plan.sampler, generator, TorchDraws(generator), flag, out.numpy(),
-                mean, std, self.decode_downscale, threads,
+                idx, plan.sampler, state.numpy(), generator, TorchDraws(generator), flag,
+                out.numpy(), mean, std, self.decode_downscale, threads,
             )  # fmt: skip
+            generator.set_state(state)
         else:
             # One read per record: the sizes, to draw the parameters, come
             # with the bytes that are then rendered.

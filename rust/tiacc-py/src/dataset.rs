@@ -238,19 +238,21 @@ impl IndexedDataset {
         })
     }
 
-    /// Reads `indices`, draws each image's geometry with `sampler` from the
-    /// torch CPU `generator` (reproduced, see `Sampler.sample`), and renders
-    /// them into `out` as `render_batch` does: all in one call with the GIL
-    /// released, taken again only for an image the reproduction cannot
-    /// decide (drawn with `draws`). The generator ends where torch's own
-    /// draws would have left it.
-    #[pyo3(signature = (indices, sampler, generator, draws, fused_multiply_add, out, mean = None, std = None, downscale = true, threads = 0))]
+    /// Reads `indices`, draws each image's geometry with `sampler` from a
+    /// reproduction of the torch CPU generator whose `get_state()` is in
+    /// `state`, and renders them into `out` as `render_batch` does: all in
+    /// one call with the GIL released, taken again only for an image the
+    /// reproduction cannot decide (drawn by `draws` from `generator`).
+    /// `state` is then the state torch's own draws would have left, for the
+    /// caller's `generator.set_state()`.
+    #[pyo3(signature = (indices, sampler, state, generator, draws, fused_multiply_add, out, mean = None, std = None, downscale = true, threads = 0))]
     #[allow(clippy::too_many_arguments)]
     fn load_batch(
         &self,
         py: Python<'_>,
         indices: Vec<usize>,
         sampler: &Sampler,
+        state: &Bound<'_, PyArray1<u8>>,
         generator: &Bound<'_, PyAny>,
         draws: &Bound<'_, PyAny>,
         fused_multiply_add: bool,
@@ -264,12 +266,14 @@ impl IndexedDataset {
         if indices.is_empty() {
             return Err(PyValueError::new_err("load_batch needs at least one index"));
         }
+        let mut state = state.try_readwrite()?;
+        let state = state.as_slice_mut()?;
+        let mut rng = TorchCpuRng::from_state(state, fused_multiply_add).py()?;
         let source = TorchSource {
             generator: generator.clone().unbind(),
             draws: draws.clone().unbind(),
             fused_multiply_add,
         };
-        let mut rng = source.state(py)?;
         let shape = [indices.len(), 3, h as usize, w as usize];
         let core = sampler.inner;
         let mut failed: Option<PyErr> = None;
@@ -287,13 +291,14 @@ impl IndexedDataset {
                 )
             })?;
             self.inner
-                .render_images(&images, &geometries, downscale, output, buf, threads)
+                .render_images(&images, &geometries, downscale, output, buf, threads)?;
+            state.copy_from_slice(&rng.state());
+            Ok(())
         });
         if let Some(e) = failed {
             return Err(e);
         }
-        result?;
-        source.set_state(py, &rng)
+        result
     }
 }
 
