@@ -4,8 +4,8 @@
 //! inherits the pool's bookkeeping but none of its threads: using it would
 //! hang. Pools here are created on first use and remembered with the id of
 //! the process that created them; a forked child sees a different id and
-//! starts its own. The parent's pool is leaked in the child, never dropped:
-//! dropping it would signal threads that do not exist there.
+//! starts its own. The parent's pools are leaked in the child, never
+//! dropped: dropping them would signal threads that do not exist there.
 
 use std::sync::{Arc, Mutex};
 
@@ -13,19 +13,23 @@ use crate::error::{Error, Result};
 
 struct Cached {
     pid: u32,
-    threads: usize,
-    pool: Arc<rayon::ThreadPool>,
+    pools: Vec<Arc<rayon::ThreadPool>>,
 }
 
-static POOL: Mutex<Option<Cached>> = Mutex::new(None);
+/// The pools of this process, one per size asked for: two datasets asking
+/// for different sizes each keep theirs instead of rebuilding one on every
+/// call.
+static POOLS: Mutex<Option<Cached>> = Mutex::new(None);
 
-/// Threads to use when the caller does not say: the available parallelism.
+/// Threads to use when the caller does not say: the cores this process may
+/// run on (its CPU affinity and cgroup quota, as the standard library reads
+/// them).
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// The pool of this process with `threads` threads (0: [`default_threads`]),
-/// created on first use and recreated after a fork or a change of size.
+/// created on first use and again in a forked child.
 pub fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
     let threads = if threads == 0 {
         default_threads()
@@ -34,12 +38,23 @@ pub fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
     };
     let pid = std::process::id();
     // A poisoned lock only means another thread panicked while holding it;
-    // the cached value is still a valid pool or None.
-    let mut slot = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(cached) = slot.as_ref() {
-        if cached.pid == pid && cached.threads == threads {
-            return Ok(Arc::clone(&cached.pool));
+    // the cached pools are still valid.
+    let mut slot = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.as_ref().is_some_and(|c| c.pid != pid) {
+        if let Some(inherited) = slot.take() {
+            std::mem::forget(inherited); // inherited across fork: its threads are not ours
         }
+    }
+    let cached = slot.get_or_insert_with(|| Cached {
+        pid,
+        pools: Vec::new(),
+    });
+    if let Some(pool) = cached
+        .pools
+        .iter()
+        .find(|p| p.current_num_threads() == threads)
+    {
+        return Ok(Arc::clone(pool));
     }
     let pool = Arc::new(
         rayon::ThreadPoolBuilder::new()
@@ -48,16 +63,7 @@ pub fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
             .build()
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?,
     );
-    let old = slot.replace(Cached {
-        pid,
-        threads,
-        pool: Arc::clone(&pool),
-    });
-    if let Some(old) = old {
-        if old.pid != pid {
-            std::mem::forget(old); // inherited across fork: its threads are not ours
-        }
-    }
+    cached.pools.push(Arc::clone(&pool));
     Ok(pool)
 }
 
@@ -96,13 +102,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reused_until_size_changes() {
+    fn one_pool_per_size_kept() {
         let a = pool(2).unwrap();
         let b = pool(2).unwrap();
         assert!(Arc::ptr_eq(&a, &b));
         let c = pool(3).unwrap();
         assert!(!Arc::ptr_eq(&a, &c));
         assert_eq!(c.current_num_threads(), 3);
+        // Asking for 2 again finds the first pool, not a new one.
+        assert!(Arc::ptr_eq(&a, &pool(2).unwrap()));
         assert_eq!(pool(0).unwrap().current_num_threads(), default_threads());
     }
 }
