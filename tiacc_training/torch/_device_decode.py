@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import torch
 
-_JPEG_MAGIC = b"\xff\xd8\xff"
 # Padded float32 staging beyond this is resampled in smaller groups.
 _STAGING_BYTES = 512 << 20
 # torchvision's CUDA decoder keeps one nvJPEG state per device: one batch at
@@ -56,7 +55,10 @@ class DeviceDecoder:
         plan = ds._plan
         images = ds._data.read_images(idx, 1)
         geometries = plan.sample(images.sizes, generator)
-        encoded = [images.encoded(k) for k in range(len(idx))]
+        # One copy of every image's bytes (in the engine, the GIL released);
+        # the decoder takes slices of it.
+        packed, offsets, is_jpeg = images.packed()
+        flat = torch.from_numpy(packed)
         height, width = plan.output_size
         to_float = plan.to_float
         out = torch.empty(
@@ -64,8 +66,8 @@ class DeviceDecoder:
             dtype=torch.float32 if to_float else torch.uint8,
             device=self.device,
         )
-        jpegs = [k for k, data in enumerate(encoded) if data[:3] == _JPEG_MAGIC]
-        decoded = self._decode([encoded[k] for k in jpegs])
+        jpegs = [k for k in range(len(idx)) if is_jpeg[k]]
+        decoded = self._decode([flat[offsets[k] : offsets[k + 1]] for k in jpegs])
         ok = [k for k, img in zip(jpegs, decoded) if img is not None]
         if ok:
             pixels = _resample(
@@ -92,13 +94,16 @@ class DeviceDecoder:
             targets = [ds.target_transform(t) for t in targets]
         return out, targets
 
-    def _decode(self, data: list[bytes]) -> list[Optional[torch.Tensor]]:
-        """CHW uint8 RGB images on the device (``None`` where it failed)."""
+    def _decode(self, inputs: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        """CHW uint8 RGB images on the device (``None`` where it failed).
+
+        Args:
+            inputs: Each JPEG's bytes, a 1-D uint8 CPU tensor.
+        """
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        if not data:
+        if not inputs:
             return []
-        inputs = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
         with _DECODE_LOCK:
             try:
                 return list(decode_jpeg(inputs, mode=ImageReadMode.RGB, device=self.device))

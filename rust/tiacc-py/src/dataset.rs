@@ -87,6 +87,29 @@ impl EncodedImages {
         Ok(PyBytes::new(py, data))
     }
 
+    /// Every image's bytes in one uint8 array (copied with the GIL
+    /// released), the offsets where each starts (and the end: one more
+    /// than the images), and whether each is a JPEG: what a device decoder
+    /// takes as slices, without a copy per image.
+    fn packed<'py>(&self, py: Python<'py>) -> (Bound<'py, PyArray1<u8>>, Vec<usize>, Vec<bool>) {
+        let data = self.inner.data();
+        let (bytes, offsets) = released(py, || {
+            let mut offsets = Vec::with_capacity(data.len() + 1);
+            let mut bytes = Vec::with_capacity(data.iter().map(|d| d.len()).sum());
+            for d in data {
+                offsets.push(bytes.len());
+                bytes.extend_from_slice(d);
+            }
+            offsets.push(bytes.len());
+            (bytes, offsets)
+        });
+        let jpeg = data
+            .iter()
+            .map(|d| d.starts_with(b"\xff\xd8\xff"))
+            .collect();
+        (PyArray1::from_vec(py, bytes), offsets, jpeg)
+    }
+
     /// The images at `positions`, in that order (the bytes are shared).
     fn select(&self, positions: Vec<usize>) -> PyResult<EncodedImages> {
         Ok(EncodedImages {
