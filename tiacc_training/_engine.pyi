@@ -346,7 +346,36 @@ class EncodedImages:
     @property
     def indices(self) -> list[int]: ...
     def encoded(self, position: int) -> bytes: ...
+    def packed(self) -> tuple[Any, list[int], list[bool]]: ...
     def select(self, positions: list[int]) -> EncodedImages: ...
+
+class Sampler:
+    def __init__(
+        self,
+        kind: str,
+        *,
+        output: Optional[tuple[int, int]] = None,
+        scale: Optional[tuple[float, float]] = None,
+        log_ratio: Optional[tuple[float, float]] = None,
+        ratio: Optional[tuple[float, float]] = None,
+        size: Optional[list[int]] = None,
+        max_size: Optional[int] = None,
+        center: Optional[tuple[int, int]] = None,
+        flip_p: Optional[float] = None,
+    ) -> None: ...
+    @property
+    def output_size(self) -> Optional[tuple[int, int]]: ...
+    @property
+    def ranges_ordered(self) -> bool: ...
+    def sample(
+        self, sizes: list[tuple[int, int]], generator: Any, draws: Any, fused_multiply_add: bool
+    ) -> list[Any]: ...
+    def sample_with(self, sizes: list[tuple[int, int]], draws: Any) -> list[Any]: ...
+
+def torch_cpu_uniform(
+    state: Any, fused_multiply_add: bool, low: float, high: float, count: int, exp: bool = False
+) -> list[float]: ...
+def data_gil_released_seconds() -> float: ...
 
 class IndexedDataset:
     def __init__(self, root: _Path, index: _Path) -> None: ...
@@ -373,6 +402,20 @@ class IndexedDataset:
         self,
         images: EncodedImages,
         geometries: list[Any],
+        out: Any,
+        mean: Optional[tuple[float, float, float]] = None,
+        std: Optional[tuple[float, float, float]] = None,
+        downscale: bool = True,
+        threads: int = 0,
+    ) -> None: ...
+    def load_batch(
+        self,
+        indices: list[int],
+        sampler: Sampler,
+        state: Any,
+        generator: Any,
+        draws: Any,
+        fused_multiply_add: bool,
         out: Any,
         mean: Optional[tuple[float, float, float]] = None,
         std: Optional[tuple[float, float, float]] = None,
