@@ -29,9 +29,10 @@ ImageNet-sized JPEGs (``tools/make_image_folder.py``: ~500x375, quality 90,
 
 Scaling part (``--scaling``, on by default): stock ``ImageFolder`` and the
 drop-in loader at 1, 2, 4, 8 and 15 workers (as many as the cores allow, at
-least 2), and the GIL time the drop-in loader takes from a training thread
-per image (``gil_held_us_per_image``), with the engine's draws and with
-torch's per-image draws.
+least 2), the engine alone in as many threads at once (the machine's own
+ceiling for that many workers), and the GIL time the drop-in loader takes
+from a training thread per image (``gil_held_us_per_image``), with the
+engine's draws and with torch's per-image draws.
 
 Training part (``--train``; on by default where CUDA is available): ResNet-50
 (bf16 autocast, channels_last, batch ``--train-batch``) trained for
@@ -388,27 +389,59 @@ def gil_held_us_per_image(index: Path, batches: int = 12) -> dict[str, float]:
             "consumer_free_us_per_image": freed / images * 1e6}  # fmt: skip
 
 
+def engine_threads(index: Path, threads: int) -> float:
+    """Images/s of the engine alone in ``threads`` threads at once, no loader.
+
+    What the machine's cores give together (shared caches, memory, the
+    hypervisor): the ceiling of a loader with that many workers.
+    """
+    import threading
+
+    ds = IndexTFRDataset(str(index.parent), str(index), transform())
+    order = torch.randperm(len(ds)).tolist()
+    batches = [order[i : i + BATCH] for i in range(0, len(order) - BATCH + 1, BATCH)]
+
+    def work(mine: list[list[int]]) -> None:
+        generator = torch.Generator().manual_seed(0)
+        for indices in mine:
+            ds._fused_batch(indices, threads=1, generator=generator)
+
+    work(batches[:1])  # warm-up
+    pool = [threading.Thread(target=work, args=(batches[k::threads],)) for k in range(threads)]
+    start = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return BATCH * len(batches) / (time.perf_counter() - start)
+
+
 def scaling_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str, Any]:
     """Images/s against the worker count, stock and ours, and the GIL time per image."""
     from tiacc_training.torch import _random_params
 
     cores = os.cpu_count() or 1
     counts = sweep_workers(cores)
-    sweep: dict[str, dict[str, float]] = {"stock_imagefolder": {}, "dropin": {}}
-    for workers in counts:
-        for name in sweep:
-            rates = []
-            for rep in range(args.repeats):
+    names = ("stock_imagefolder", "dropin")
+    rates: dict[tuple[str, int], list[float]] = {(n, w): [] for n in names for w in counts}
+    # Repeats interleaved over the worker counts and loaders, so a machine
+    # whose speed drifts during the run drifts every cell alike.
+    for rep in range(args.repeats):
+        for workers in counts:
+            for name in names:
                 torch.manual_seed(rep)
                 if name == "stock_imagefolder":
                     row = run_loader(ImageFolder(str(img_dir), transform()), DataLoader, workers)
                 else:
                     ds = IndexTFRDataset(str(index.parent), str(index), transform())
                     row = run_loader(ds, DropInLoader, workers)
-                rates.append(row["images_per_s"])
-            sweep[name][str(workers)] = statistics.median(rates)
-            print(f"  {name:<18} {workers:>2} workers {sweep[name][str(workers)]:8.1f} images/s",
-                  flush=True)  # fmt: skip
+                rates[name, workers].append(row["images_per_s"])
+                print(f"  repeat {rep + 1}/{args.repeats}  {name:<18} {workers:>2} workers "
+                      f"{row['images_per_s']:8.1f} images/s", flush=True)  # fmt: skip
+    sweep = {n: {str(w): statistics.median(rates[n, w]) for w in counts} for n in names}
+    engine = {str(w): engine_threads(index, w) for w in counts}
+    for w, rate in engine.items():
+        print(f"  engine alone, {w} threads at once {rate:8.1f} images/s", flush=True)
     gil: dict[str, Any] = {}
     for draws in ("engine", "torch"):
         saved = dict(_random_params._CHECKED)
@@ -427,6 +460,9 @@ def scaling_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[s
         "images_per_s": sweep,
         "dropin_2_vs_1_workers": ours["2"] / ours["1"],
         "stock_2_vs_1_workers": sweep["stock_imagefolder"]["2"] / sweep["stock_imagefolder"]["1"],
+        "runs": {n: {str(w): rates[n, w] for w in counts} for n in names},
+        "engine_alone_threads": engine,
+        "engine_2_vs_1_threads": engine["2"] / engine["1"],
         "gil_held_per_image": gil,
         "goals": {"dropin_2_vs_1_workers": 1.9, "gil_held_us_per_image": 20.0},
     }

@@ -157,3 +157,40 @@ def test_resize_and_center_crop_windows_as_torchvision():
             want = torch.zeros(ch, cw, dtype=torch.bool)
             want[max(0, -top) : min(ch, rh - top), max(0, -left) : min(cw, rw - left)] = True
             assert torch.equal(inside, want), (size, width, height)
+
+
+def test_a_whole_batch_in_the_engine_equals_torchs_draws(tmp_path):
+    # load_batch (read, draw, render with the GIL released) against the
+    # same batch drawn by torch's calls: equal pixels, equal generator
+    # state, and the images the engine was unsure of went to torch.
+    from tests.conftest import pack_folder, write_image
+    from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
+
+    write_image(tmp_path / "imgs" / "a" / "0.JPEG", 500, 375, 0)
+    write_image(tmp_path / "imgs" / "a" / "1.JPEG", 640, 480, 1)
+    index = pack_folder(tmp_path, 10)
+    transform = T.Compose([T.RandomResizedCrop(8), T.RandomHorizontalFlip(), T.ToTensor()])
+    ds = IndexTFRDataset(str(index.parent), str(index), transform)
+    plan = ds._plan
+    indices = [0, 1] * 6000
+
+    class Counting(TorchDraws):
+        images = 0
+
+        def flip(self, p: float) -> bool:
+            Counting.images += 1
+            return super().flip(p)
+
+    ours = torch.Generator().manual_seed(3)
+    state = ours.get_state()
+    got = torch.empty((len(indices), 3, 8, 8))
+    ds._data.load_batch(indices, plan.sampler, state.numpy(), ours, Counting(ours),
+                        reproduction(), got.numpy(), None, None, True, 1)  # fmt: skip
+    theirs = torch.Generator().manual_seed(3)
+    images = ds._data.read_images(indices, 1)
+    geometries = plan.sampler.sample_with(images.sizes, TorchDraws(theirs))
+    want = torch.empty_like(got)
+    ds._data.render_images(images, geometries, want.numpy(), None, None, True, 1)
+    assert torch.equal(got, want)
+    assert torch.equal(state, theirs.get_state())
+    assert Counting.images > 0
