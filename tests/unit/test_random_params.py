@@ -163,11 +163,14 @@ def test_a_whole_batch_in_the_engine_equals_torchs_draws(tmp_path):
     # load_batch (read, draw, render with the GIL released) against the
     # same batch drawn by torch's calls: equal pixels, equal generator
     # state, and the images the engine was unsure of went to torch.
-    from tests.conftest import pack_folder, write_image
+    from PIL import Image
+
+    from tests.conftest import pack_folder
     from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
 
-    write_image(tmp_path / "imgs" / "a" / "0.JPEG", 500, 375, 0)
-    write_image(tmp_path / "imgs" / "a" / "1.JPEG", 640, 480, 1)
+    (tmp_path / "imgs" / "a").mkdir(parents=True)
+    for k, size in enumerate([(500, 375), (640, 480)]):  # flat: quick to decode
+        Image.new("RGB", size, (120, 80 + k, 40)).save(tmp_path / "imgs" / "a" / f"{k}.JPEG")
     index = pack_folder(tmp_path, 10)
     transform = T.Compose([T.RandomResizedCrop(8), T.RandomHorizontalFlip(), T.ToTensor()])
     ds = IndexTFRDataset(str(index.parent), str(index), transform)
