@@ -415,13 +415,20 @@ def check_autograd(n: int, me: int) -> None:
         if op is hvd.Average:
             want = want / n
         expect(x.grad, want, f"allreduce gradient {op!r}")
-    # allgather: this rank's rows of the summed gradient.
+    # allgather: this rank's rows of the averaged gradient (as Horovod's).
     x = data(me, torch.float64, (me + 1, 2), 132).requires_grad_()
     total = sum(r + 1 for r in range(n))
     c = [data(r, torch.float64, (total, 2), 133) for r in range(n)]
     (hvd.allgather(x) * c[me]).sum().backward()
     start = sum(r + 1 for r in range(me))
-    expect(x.grad, torch.stack(c).sum(0)[start : start + me + 1], "allgather gradient")
+    expect(x.grad, torch.stack(c).mean(0)[start : start + me + 1], "allgather gradient")
+    # reducescatter: the gathered gradient, times the size for Sum (as Horovod's).
+    for op, factor in ((hvd.Sum, n), (hvd.Average, 1)):
+        x = data(me, torch.float64, (2 * n, 3), 137).requires_grad_()
+        block = hvd.reducescatter(x, op=op)
+        (block * w[me][0]).sum().backward()
+        want = torch.cat([torch.full((2, 3), float(w[r][0]) * factor) for r in range(n)])
+        expect(x.grad, want.double(), f"reducescatter gradient {op!r}")
     # broadcast: the averaged gradient on the root, zero elsewhere.
     root = n - 1
     x = data(me, torch.float64, (4,), 134).requires_grad_()

@@ -112,7 +112,7 @@ def allgather_async(
 
 
 class _AllgatherFunction(torch.autograd.Function):
-    """Allgather whose gradient is this rank's rows of the summed gradient."""
+    """Allgather whose gradient is this rank's rows of the averaged gradient (as Horovod's)."""
 
     @staticmethod
     def forward(
@@ -132,11 +132,46 @@ class _AllgatherFunction(torch.autograd.Function):
         from ._allreduce import allreduce_async
 
         offset, count, scalar = ctx.rows
-        summed = synchronize(
-            allreduce_async(grad.contiguous(), None, None, Sum, 1.0, 1.0, ctx.process_set)
+        averaged = synchronize(
+            allreduce_async(grad.contiguous(), None, None, Average, 1.0, 1.0, ctx.process_set)
         )
-        mine = summed.narrow(0, offset, count)
+        mine = averaged.narrow(0, offset, count)
         return (mine.reshape(()) if scalar else mine), None, None
+
+
+class _GroupedAllgatherFunction(torch.autograd.Function):
+    """Grouped allgather; each gradient as :class:`_AllgatherFunction`'s."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, name: str | None, process_set: ProcessSet, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        process_set, label, checked = _checked(
+            "grouped_allgather", list(tensors), name, process_set
+        )
+        pending = start(checked, process_set, label, name is not None, "grouped_allgather")
+        results = complete(pending)
+        me = process_set.ranks.index(_basics.rank())
+        ctx.rows = [
+            (sum(sizes[:me]), sizes[me], t.dim() == 0) for sizes, t in zip(pending.sizes, tensors)
+        ]
+        ctx.process_set = process_set
+        return tuple(results)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
+        from ._allreduce import grouped_allreduce_async
+
+        averaged = synchronize(
+            grouped_allreduce_async(
+                [g.contiguous() for g in grads], None, None, Average, 1.0, 1.0, ctx.process_set
+            )
+        )
+        mine = []
+        for grad, (offset, count, scalar) in zip(averaged, ctx.rows):
+            rows = grad.narrow(0, offset, count)
+            mine.append(rows.reshape(()) if scalar else rows)
+        return (None, None, *mine)
 
 
 def allgather(
@@ -144,8 +179,8 @@ def allgather(
 ) -> torch.Tensor:
     """Concatenates every rank's ``tensor`` along the first dimension; gradients flow.
 
-    The gradient of this rank's input is its rows of the sum over the ranks
-    of the output's gradient.
+    The gradient of this rank's input is its rows of the average over the
+    ranks of the output's gradient, as Horovod's.
     """
     if not isinstance(tensor, torch.Tensor):
         _checked("allgather", tensor, name, process_set)  # refused on every rank
@@ -171,7 +206,17 @@ def grouped_allgather(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    """Allgathers each tensor of the list, as one operation."""
+    """Allgathers each tensor of the list, as one operation.
+
+    Gradients flow through each tensor as through :func:`allgather`.
+    """
+    if (
+        isinstance(tensors, (list, tuple))
+        and all(isinstance(t, torch.Tensor) for t in tensors)
+        and any(t.requires_grad for t in tensors)
+        and torch.is_grad_enabled()
+    ):
+        return list(_GroupedAllgatherFunction.apply(name, process_set, *tensors))
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 

@@ -18,9 +18,12 @@ part lives:
   and their autograd functions;
 * :mod:`._join`: ``barrier`` and ``join``.
 
-Gradients flow through ``allreduce``, ``allgather``, ``broadcast`` and
-``alltoall`` (not their in-place or asynchronous forms). A collective that
-fails because a peer left or timed out raises
+Gradients flow through ``allreduce``, ``allgather``, ``broadcast``,
+``alltoall``, ``reducescatter`` and the grouped forms of allreduce,
+allgather and reducescatter, with Horovod's conventions (allgather's
+gradient averaged over the ranks, reducescatter's gathered and scaled by
+the size for ``Sum``); not through the in-place or asynchronous forms.
+A collective that fails because a peer left or timed out raises
 :class:`~._exceptions.HorovodInternalError`, its cause the engine's
 ``CommError``.
 """

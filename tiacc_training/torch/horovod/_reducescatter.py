@@ -183,6 +183,76 @@ def reducescatter_async(
     return register(pending)
 
 
+def _backward_scale(op: ReduceOp, n: int, pre: float, post: float) -> float:
+    """What Horovod multiplies a reducescatter's gradient by before gathering it."""
+    return (n if op == Sum else 1) * pre * post
+
+
+class _ReducescatterFunction(torch.autograd.Function):
+    """Reducescatter whose gradient is the allgather of the gradient (scaled as Horovod's)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: Any,
+        process_set: ProcessSet,
+        pre: float,
+        post: float,
+    ) -> torch.Tensor:  # noqa: D102
+        process_set = resolve(process_set)
+        ctx.scale = _backward_scale(op_of(None, op), len(process_set.ranks), pre, post)
+        ctx.process_set = process_set
+        return synchronize(reducescatter_async(tensor, name, op, process_set, pre, post))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
+        from ._allgather import allgather_async
+
+        gathered = synchronize(
+            allgather_async(grad.contiguous() * ctx.scale, None, ctx.process_set)
+        )
+        return gathered, None, None, None, None, None
+
+
+class _GroupedReducescatterFunction(torch.autograd.Function):
+    """Grouped reducescatter; each gradient as :class:`_ReducescatterFunction`'s."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        name: str | None,
+        op: Any,
+        process_set: ProcessSet,
+        pre: float,
+        post: float,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        process_set = resolve(process_set)
+        ctx.scale = _backward_scale(op_of(None, op), len(process_set.ranks), pre, post)
+        ctx.process_set = process_set
+        handle = grouped_reducescatter_async(list(tensors), name, op, process_set, pre, post)
+        return tuple(synchronize(handle))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
+        from ._allgather import grouped_allgather_async
+
+        scaled = [g.contiguous() * ctx.scale for g in grads]
+        gathered = synchronize(grouped_allgather_async(scaled, None, ctx.process_set))
+        return (None, None, None, None, None, *gathered)
+
+
+def _differentiable(tensors: Any) -> bool:
+    items = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+    return (
+        torch.is_grad_enabled()
+        and all(isinstance(t, torch.Tensor) for t in items)
+        and any(t.requires_grad for t in items)
+    )
+
+
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -192,13 +262,23 @@ def reducescatter(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
-    """Reduces ``tensor`` over the set and returns this rank's block of rows."""
+    """Reduces ``tensor`` over the set and returns this rank's block of rows.
+
+    Gradients flow as through Horovod's: the gradient of the input is the
+    allgather of the output's gradient, times the set's size for ``Sum``
+    and times the scale factors.
+    """
     context = None
     if compression is not None and isinstance(tensor, torch.Tensor):
         tensor, context = compression.compress(tensor)
-    result = synchronize(
-        reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
-    )
+    if _differentiable(tensor):
+        result = _ReducescatterFunction.apply(
+            tensor, name, op, process_set, prescale_factor, postscale_factor
+        )
+    else:
+        result = synchronize(
+            reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
+        )
     if compression is not None:
         result = compression.decompress(result, context)
     return result
@@ -239,16 +319,23 @@ def grouped_reducescatter(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
-    """Reducescatters each tensor of the list, as one operation."""
+    """Reducescatters each tensor of the list, as one operation; gradients flow."""
     contexts = None
     if compression is not None and isinstance(tensors, (list, tuple)):
         pairs = [compression.compress(t) for t in tensors]
         tensors, contexts = [p[0] for p in pairs], [p[1] for p in pairs]
-    results = synchronize(
-        grouped_reducescatter_async(
-            tensors, name, op, process_set, prescale_factor, postscale_factor
+    if isinstance(tensors, (list, tuple)) and _differentiable(tensors):
+        results = list(
+            _GroupedReducescatterFunction.apply(
+                name, op, process_set, prescale_factor, postscale_factor, *tensors
+            )
         )
-    )
+    else:
+        results = synchronize(
+            grouped_reducescatter_async(
+                tensors, name, op, process_set, prescale_factor, postscale_factor
+            )
+        )
     if contexts is not None:
         results = [compression.decompress(r, c) for r, c in zip(results, contexts)]
     return results
