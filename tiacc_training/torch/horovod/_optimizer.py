@@ -94,6 +94,8 @@ class _DistributedMixin:
         self._hvd_hooks: list[Any] = []
         self._hvd_dispatched: list[Bucket] = []
         self._hvd_sparse: list[Bucket] = []
+        # Sparse gradients reduced dense (sparse_as_dense): sparse again after.
+        self._hvd_densified: list[torch.nn.Parameter] = []
         self._hvd_steps = 0
         global _optimizers_built
         self._hvd_first_index = _BUCKET_BASE + _optimizers_built * _INDICES_PER_OPTIMIZER
@@ -144,6 +146,7 @@ class _DistributedMixin:
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse and self._hvd_sparse_as_dense:
                 p.grad = p.grad.to_dense()
+                self._hvd_densified.append(p)
             grads.append(p.grad)
         if any(g.is_sparse for g in grads):
             # Reduced in synchronize(), in plan order (allgather of indices and values).
@@ -262,6 +265,8 @@ class _DistributedMixin:
         for bucket in self._hvd_sparse:
             for p in bucket.params:
                 p.grad = _sparse_allreduce(p.grad, self._hvd_op, self._hvd_process_set)  # type: ignore[arg-type]
+        for p in self._hvd_densified:  # as Horovod: the optimizer gets a sparse gradient back
+            p.grad = p.grad.to_sparse()  # type: ignore[union-attr]
         if carried:
             _dstate.steps += 1
         self._hvd_steps += 1
@@ -275,6 +280,7 @@ class _DistributedMixin:
             bucket.ready, bucket.pending = 0, None
         self._hvd_dispatched.clear()
         self._hvd_sparse.clear()
+        self._hvd_densified.clear()
         if not self._hvd_rebuilt:
             self._hvd_rebuild()
 
@@ -457,7 +463,9 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name)
             buckets of the engine's fusion threshold, in the order the
             gradients become ready.
         sparse_as_dense: turn sparse gradients dense before reducing them.
-        process_set: the ranks whose gradients are reduced (default all).
+        process_set: the ranks whose gradients are reduced (default all);
+            on a rank outside it the optimizer reduces nothing and steps on
+            its own gradients, as Horovod's.
 
     Returns:
         The distributed optimizer.
@@ -521,11 +529,9 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name)
                     raise ValueError(f"groups[{i}] must be a list of parameters (tensors)")
     named = named_parameters_of(optimizer, named_parameters)
     _basics.check_initialized()
-    if not process_set.included():
-        raise ValueError(
-            f"this rank ({_hvd().rank()}) is not in the process set {process_set!r}: "
-            "build the DistributedOptimizer on the ranks of its process set only"
-        )
+    # A rank outside process_set gets the optimizer too, as in Horovod: it
+    # reduces nothing (no hooks; synchronize() does nothing) and steps on
+    # its own gradients.
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
     wrapped = cls.__new__(cls)
