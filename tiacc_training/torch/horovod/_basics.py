@@ -66,8 +66,11 @@ class _Job:
     homogeneous: bool = True
     # Whether init() created the default group (then shutdown() destroys it).
     created_group: bool = False
-    # Default groups init() made in this process (keeps their ports apart).
+    # Default groups init() made in this process (keeps their keys apart).
     groups_made: int = 0
+    # The store of the first default group init() made, kept after shutdown()
+    # so that init() again rendezvouses on it instead of opening a new port.
+    store: Any = None
     # Every rank's (host, local rank, local size), in rank order.
     layout: list[tuple[str, int, int]] = field(default_factory=list)
 
@@ -207,20 +210,25 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 def _create_group(state: Any) -> None:
     """The default group from the launcher, as ``tdist`` creates it on first use.
 
-    After a :func:`shutdown` the group rendezvouses on the next port
-    (``MASTER_PORT`` plus the number of groups made before): a rank that
-    starts again sooner than rank 0 would otherwise reach rank 0's previous
-    store, still listening on the port until rank 0 destroys it.
+    After a :func:`shutdown` the group rendezvouses on the store of the
+    first group, which :func:`shutdown` kept (under a prefix of its own for
+    each group): binding ``MASTER_PORT`` again could fail while the
+    previous server socket lingers, and a nearby port could be taken.
     """
     from tiacc_training.torch.distributed import _launch
 
     launch = dict(state.launch or _launch.launch_env())
-    if job.groups_made and launch.get("master_port") is not None:
-        launch["master_port"] = int(launch["master_port"]) + job.groups_made
     launch, arguments = _launch.group_arguments(None, state.config, launch)
+    if job.store is not None:
+        del arguments["init_method"]
+        arguments["store"] = dist.PrefixStore(
+            f"tiacc_training/horovod/init.{job.groups_made}", job.store
+        )
     state.create_on_use = False
     state.pending_launch = launch
     dist.init_process_group(**arguments)
+    if job.store is None:
+        job.store = dist.distributed_c10d._get_default_store()
     job.groups_made += 1
 
 
