@@ -236,7 +236,7 @@ def allgather_duplicate_name(n: int, me: int) -> None:
 def allgather_grad_and_grouped(n: int, me: int) -> None:
     x = torch.ones(me + 2, 2, requires_grad=True)
     hvd.allgather(x).sum().backward()
-    same(x.grad, torch.full((me + 2, 2), float(n)), "allgather gradient")
+    same(x.grad, torch.ones(me + 2, 2), "allgather gradient (averaged, as Horovod's)")
     got = hvd.grouped_allgather([torch.full((1,), me), torch.full((2,), me)])
     same(got[1], torch.arange(n).repeat_interleave(2), "grouped allgather")
 
@@ -421,8 +421,9 @@ def join_while_a_named_allreduce_changes(n: int, me: int) -> None:
     if me == 0:
         hvd.join()
     else:
-        got = hvd.allreduce(torch.ones(5), name="sequence.joined", op=hvd.Sum)
-        same(got, torch.full((5,), float(n - 1)), "the joined rank follows the new shape")
+        for _ in range(2):  # a new shape, then the same again (not waited for)
+            got = hvd.allreduce(torch.ones(5), name="sequence.joined", op=hvd.Sum)
+            same(got, torch.full((5,), float(n - 1)), "the joined rank follows the new shape")
         hvd.join()
 
 
@@ -552,6 +553,46 @@ def broadcast_state_and_train(n: int, me: int) -> None:
     for theirs in weights[1:]:
         for a, b in zip(weights[0], theirs):
             same(a, b, "the ranks' weights stay equal")
+
+
+@case
+def optimizer_on_a_rank_outside_its_set(n: int, me: int) -> None:
+    first = hvd.add_process_set([0])
+    try:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = hvd.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), process_set=first
+        )
+        model(torch.full((2, 6), float(me))).sum().backward()
+        opt.step()  # rank 0 reduces over its set of one; the others step alone
+    finally:
+        hvd.remove_process_set(first)
+
+
+@case
+def sparse_as_dense_hands_back_sparse(n: int, me: int) -> None:
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SparseAdam(list(embedding.parameters()), lr=0.1)
+    opt = hvd.DistributedOptimizer(opt, sparse_as_dense=True)
+    embedding(torch.tensor([[1, 2 + me]])).sum().backward()
+    opt.step()
+    if not embedding.weight.grad.is_sparse:
+        raise AssertionError("the optimizer got a dense gradient")
+
+
+@case
+def reducescatter_grad(n: int, me: int) -> None:
+    for op, factor in ((hvd.Sum, n), (hvd.Average, 1)):
+        x = torch.ones(2 * n, 2, requires_grad=True)
+        hvd.reducescatter(x, op=op).sum().backward()
+        same(x.grad, torch.full((2 * n, 2), float(factor)), f"reducescatter gradient {op!r}")
+    xs = [torch.ones(n, requires_grad=True), torch.ones(2 * n, requires_grad=True)]
+    sum(b.sum() for b in hvd.grouped_reducescatter(xs, op=hvd.Sum)).backward()
+    same(xs[1].grad, torch.full((2 * n,), float(n)), "grouped reducescatter gradient")
+    ys = [torch.ones(me + 1, requires_grad=True)]
+    hvd.grouped_allgather(ys)[0].sum().backward()
+    same(ys[0].grad, torch.ones(me + 1), "grouped allgather gradient (averaged)")
 
 
 def in_step(n: int) -> None:
