@@ -197,3 +197,19 @@ def test_a_whole_batch_in_the_engine_equals_torchs_draws(tmp_path):
     assert torch.equal(got, want)
     assert torch.equal(state, theirs.get_state())
     assert Counting.images > 0
+
+
+def test_a_sampler_pickles_for_spawned_workers():
+    import pickle
+
+    for sampler in [
+        crop_sampler((0.08, 1.0), (3 / 4, 4 / 3), (24, 32), flip_p=0.3),
+        _engine.Sampler("resize", size=[256], max_size=300, center=(224, 224), flip_p=None),
+        _engine.Sampler("center", center=(5, 7), flip_p=0.5),
+    ]:
+        again = pickle.loads(pickle.dumps(sampler))
+        assert again.output_size == sampler.output_size
+        torch.manual_seed(0)
+        want = sample(sampler, SIZES, None)
+        torch.manual_seed(0)
+        assert sample(again, SIZES, None) == want
