@@ -12,13 +12,14 @@
 
 use std::time::Instant;
 
-use tiacc_core::comm::sparse::{pack, sum, TopKBlock};
+use tiacc_core::comm::backend::TopKBlock;
+use tiacc_core::comm::sparse::{pack, sum};
 
 /// The kernels as first written: an n-float corrected copy, an n-entry
 /// index array and a quickselect over it, an n-float accumulator.
 mod baseline {
     use half::f16;
-    use tiacc_core::comm::sparse::TopKBlock;
+    use tiacc_core::comm::backend::TopKBlock;
 
     fn f32_at(bytes: &[u8], i: usize) -> f32 {
         f32::from_ne_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]])

@@ -27,6 +27,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use tiacc_core::comm::auto::{self, Probing};
+use tiacc_core::comm::backend::TopKBlock;
 use tiacc_core::comm::backend::{Backend, GroupId, Mem, Shards};
 use tiacc_core::comm::dtype::shard_range;
 use tiacc_core::comm::engine::channel_of;
@@ -35,7 +36,6 @@ use tiacc_core::comm::nccl::{
     DevicePtr, Group, NcclCommunicator, NcclUniqueId, Pending, ReduceOp, Tracker, Watchdog, Watched,
 };
 use tiacc_core::comm::progress::{self, Position, Progress, Recorder};
-use tiacc_core::comm::sparse::TopKBlock;
 use tiacc_core::comm::transport::{Aborter, OpKind, OpTag, Transport};
 use tiacc_core::comm::{Algorithm, Counters, DType, Deadline, Failures};
 use tiacc_core::Error;
@@ -1030,7 +1030,7 @@ impl Backend for DeviceBackend<'_, '_> {
         &mut self,
         dtype: DType,
         chunks: &[Mem],
-        inter: &tiacc_core::comm::algo::InterStep,
+        inter: &tiacc_core::comm::backend::InterStep,
     ) -> tiacc_core::Result<()> {
         tiacc_core::comm::algo::two_d_in_order(self, dtype, chunks, inter)
     }

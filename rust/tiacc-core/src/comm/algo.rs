@@ -8,13 +8,13 @@
 //! optionally Top-K sparse. The CPU path (TCP) and the CUDA path (NCCL) run
 //! this same code; only their [`Backend`]s differ.
 
-use super::backend::{Backend, GroupId, Mem};
+use super::backend::{Backend, GroupId, InterStep, Mem};
 use std::sync::Arc;
 
 use super::codec::Compression;
 use super::counters::{wire_of, wire_since, Counters, Path};
 use super::dtype::{shard_range, DType};
-use super::shm::SharedBytes;
+use super::mapping::SharedBytes;
 use super::sparse::{sparse_allreduce, DgcOptions, SparseState, TopKOptions};
 use super::transport::OpTag;
 use crate::config::{self, CommConfig};
@@ -311,10 +311,6 @@ fn inter_dense(
     b.allreduce(GroupId::Inter, None, half, wire)?;
     b.decode(half, wire, 1.0 / scale, mine, dtype)
 }
-
-/// What the 2D allreduce does to each chunk's shard between the intra-node
-/// reduce-scatter and allgather (it may run on another thread).
-pub type InterStep<'a> = dyn Fn(&mut dyn Backend, Mem) -> Result<()> + Sync + 'a;
 
 /// Target size of one chunk of a pipelined 2D allreduce: small enough
 /// that the first reduce-scatter and the last allgather (the steps the

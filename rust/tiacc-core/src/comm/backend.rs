@@ -20,7 +20,7 @@
 use std::ops::Range;
 
 use super::dtype::{shard_range, DType};
-use super::shm::SharedBytes;
+use super::mapping::SharedBytes;
 use super::transport::OpTag;
 use crate::error::{Error, Result};
 
@@ -205,22 +205,16 @@ pub trait Backend {
     /// Top-K selection with error feedback on float32 `data`, see
     /// [`super::sparse`]: `residual += data`; the `k` entries of `residual`
     /// of largest magnitude (ties to the lower index) go to `out` as
-    /// [`super::sparse::TopKBlock`] says; what was sent is subtracted from
+    /// [`TopKBlock`] says; what was sent is subtracted from
     /// `residual`.
-    fn topk_pack(
-        &mut self,
-        data: Mem,
-        residual: Mem,
-        layout: super::sparse::TopKBlock,
-        out: Mem,
-    ) -> Result<()>;
+    fn topk_pack(&mut self, data: Mem, residual: Mem, layout: TopKBlock, out: Mem) -> Result<()>;
     /// `out = 0`, then the pairs of every block of `gathered` added into
     /// `out` (float32), block by block in rank order. `group` names the
     /// senders in errors.
     fn topk_sum(
         &mut self,
         gathered: Mem,
-        layout: super::sparse::TopKBlock,
+        layout: TopKBlock,
         out: Mem,
         group: GroupId,
         bucket: u64,
@@ -235,8 +229,7 @@ pub trait Backend {
     /// `dtype`): per chunk, a reduce-scatter inside the node, `inter` on
     /// this rank's shard, an allgather inside the node. Backends that do
     /// not pipeline call [`super::algo::two_d_in_order`].
-    fn two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &super::algo::InterStep)
-        -> Result<()>;
+    fn two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &InterStep) -> Result<()>;
     /// Scales float32 `buf` so that its L2 norm is at most `max_norm`: the
     /// sum of squares in float64, the norm rounded to float32, and when it
     /// is above `max_norm` (as float32) every element multiplied by
@@ -247,7 +240,7 @@ pub trait Backend {
     fn momentum_step(&mut self, velocity: Mem, data: Mem, momentum: f64) -> Result<()>;
     /// Zeroes the float32 entries of `buf` at the indices of `block`, one
     /// rank's block laid out as `layout` says (momentum factor masking).
-    fn topk_mask(&mut self, block: Mem, layout: super::sparse::TopKBlock, buf: Mem) -> Result<()>;
+    fn topk_mask(&mut self, block: Mem, layout: TopKBlock, buf: Mem) -> Result<()>;
     /// `(data, previous) = (data - (float32) momentum * previous, data)`,
     /// float32, the product and the difference rounded separately.
     fn momentum_correct(&mut self, data: Mem, previous: Mem, momentum: f64) -> Result<()>;
@@ -268,5 +261,56 @@ mod tests {
         let s = Shards::in_place(m, 4, 3, 2).unwrap();
         // 16 elements in shards of 6, 6, 4.
         assert_eq!(s.mine, Mem::new(1048, 16));
+    }
+}
+
+/// What the 2D allreduce does to each chunk's shard between the intra-node
+/// reduce-scatter and allgather (it may run on another thread).
+pub type InterStep<'a> = dyn Fn(&mut dyn Backend, Mem) -> Result<()> + Sync + 'a;
+
+/// One rank's block of (index, value) pairs in the allgathered buffer: `k`
+/// indices (u32), then `k` values (float32 or float16), little-endian,
+/// padded to a multiple of 8 bytes so that every block starts aligned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopKBlock {
+    /// Elements of the dense buffer.
+    pub n: usize,
+    /// Pairs per rank.
+    pub k: usize,
+    /// Values travel as float16.
+    pub fp16_values: bool,
+    /// Blocks in the gathered buffer (ranks of the group).
+    pub parts: usize,
+}
+
+impl TopKBlock {
+    /// The layout for `n` elements at `ratio` over `parts` ranks.
+    pub fn new(n: usize, ratio: f64, fp16_values: bool, parts: usize) -> Self {
+        let k = ((n as f64 * ratio).ceil() as usize).clamp(1, n.max(1));
+        TopKBlock {
+            n,
+            k,
+            fp16_values,
+            parts,
+        }
+    }
+
+    /// Bytes per value.
+    pub fn value_size(&self) -> usize {
+        if self.fp16_values {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// Offset of the values inside a block.
+    pub fn values_offset(&self) -> usize {
+        4 * self.k
+    }
+
+    /// Bytes of one block.
+    pub fn bytes(&self) -> usize {
+        (self.k * (4 + self.value_size())).next_multiple_of(8)
     }
 }

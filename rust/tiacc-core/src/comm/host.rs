@@ -10,12 +10,12 @@
 use std::collections::HashMap;
 use std::sync::mpsc;
 
-use super::algo::{two_d_in_order, InterStep, Layout};
-use super::backend::{Backend, GroupId, Mem, Shards};
+use super::algo::{two_d_in_order, Layout};
+use super::backend::{Backend, GroupId, InterStep, Mem, Shards, TopKBlock};
 use super::codec;
 use super::dtype::DType;
-use super::shm::SharedBytes;
-use super::sparse::{self, TopKBlock};
+use super::mapping::SharedBytes;
+use super::sparse;
 use super::transport::{Aborter, Deadline, OpTag, Transport};
 use super::turns::Turn;
 use crate::error::{Error, Result};

@@ -18,6 +18,7 @@ pub mod dtype;
 pub mod engine;
 pub mod failure;
 pub mod host;
+pub mod mapping;
 pub mod nccl;
 pub mod progress;
 pub mod shm;
@@ -32,7 +33,7 @@ pub use counters::{CounterRow, Counters, Path};
 pub use dtype::{DType, ReduceOp};
 pub use engine::{Collective, Completion, Engine, Job, RawBuf};
 pub use failure::{FailureBoard, Failures};
-pub use shm::SharedBytes;
+pub use mapping::SharedBytes;
 pub use transport::{Deadline, OpKind, OpTag, Transport};
 
 #[cfg(test)]

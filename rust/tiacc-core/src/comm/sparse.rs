@@ -30,7 +30,7 @@ use std::collections::HashMap;
 
 use half::f16;
 
-use super::backend::{Backend, GroupId, Mem, Shards};
+use super::backend::{Backend, GroupId, Mem, Shards, TopKBlock};
 use super::dtype::DType;
 use crate::config::CommConfig;
 use crate::error::{Error, Result};
@@ -146,53 +146,6 @@ pub struct SparseState {
     lens: HashMap<u64, usize>,
     /// Sparse allreduces of each bucket so far (the same on every rank).
     steps: HashMap<u64, u64>,
-}
-
-/// One rank's block of (index, value) pairs in the allgathered buffer: `k`
-/// indices (u32), then `k` values (float32 or float16), little-endian,
-/// padded to a multiple of 8 bytes so that every block starts aligned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TopKBlock {
-    /// Elements of the dense buffer.
-    pub n: usize,
-    /// Pairs per rank.
-    pub k: usize,
-    /// Values travel as float16.
-    pub fp16_values: bool,
-    /// Blocks in the gathered buffer (ranks of the group).
-    pub parts: usize,
-}
-
-impl TopKBlock {
-    /// The layout for `n` elements at `ratio` over `parts` ranks.
-    pub fn new(n: usize, ratio: f64, fp16_values: bool, parts: usize) -> Self {
-        let k = ((n as f64 * ratio).ceil() as usize).clamp(1, n.max(1));
-        TopKBlock {
-            n,
-            k,
-            fp16_values,
-            parts,
-        }
-    }
-
-    /// Bytes per value.
-    pub fn value_size(&self) -> usize {
-        if self.fp16_values {
-            2
-        } else {
-            4
-        }
-    }
-
-    /// Offset of the values inside a block.
-    pub fn values_offset(&self) -> usize {
-        4 * self.k
-    }
-
-    /// Bytes of one block.
-    pub fn bytes(&self) -> usize {
-        (self.k * (4 + self.value_size())).next_multiple_of(8)
-    }
 }
 
 /// The order of selection as an integer: `|v|` under [`f32::total_cmp`].

@@ -1160,7 +1160,8 @@ fn top_k_residuals_reset_when_a_bucket_changes_length() {
 
 #[test]
 fn top_k_momentum_correction_matches_a_local_reference_on_every_rank() {
-    use super::sparse::{DgcOptions, TopKBlock, TopKOptions};
+    use super::backend::TopKBlock;
+    use super::sparse::{DgcOptions, TopKOptions};
     let (p, n, steps) = (3, 200, 6);
     let data = move |rank: usize, step: usize| -> Vec<f32> {
         (0..n)

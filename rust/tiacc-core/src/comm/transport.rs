@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use super::dtype::{DType, ReduceOp};
-use super::shm::SharedBytes;
+use super::mapping::SharedBytes;
 use crate::error::{Error, Result};
 
 /// When a collective must have finished, and the timeout it came from (for
