@@ -453,23 +453,6 @@ fn with_out(
 #[pyclass(module = "tiacc_training._engine", frozen)]
 pub struct Sampler {
     inner: CoreSampler,
-    /// What it was built from, to be pickled with (DataLoader workers
-    /// started with spawn or forkserver receive the dataset pickled).
-    args: SamplerArgs,
-}
-
-/// `Sampler`'s constructor arguments.
-#[derive(Clone)]
-struct SamplerArgs {
-    kind: String,
-    output: Option<(u32, u32)>,
-    scale: Option<(f64, f64)>,
-    log_ratio: Option<(f64, f64)>,
-    ratio: Option<(f64, f64)>,
-    size: Option<Vec<u32>>,
-    max_size: Option<u32>,
-    center: Option<(u32, u32)>,
-    flip_p: Option<f64>,
 }
 
 impl Sampler {
@@ -565,39 +548,54 @@ impl Sampler {
                 )))
             }
         };
-        let args = SamplerArgs {
-            kind: kind.to_owned(),
-            output,
-            scale,
-            log_ratio,
-            ratio,
-            size,
-            max_size,
-            center,
-            flip_p,
-        };
         Ok(Sampler {
             inner: CoreSampler { placement, flip_p },
-            args,
         })
     }
 
-    /// The arguments that build it again: how it is pickled.
+    /// The arguments that build it again, read back from what it holds:
+    /// how it is pickled (DataLoader workers started with spawn or
+    /// forkserver receive the dataset pickled).
     fn __getnewargs_ex__<'py>(
         &self,
         py: Python<'py>,
     ) -> PyResult<(Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
-        let a = &self.args;
         let kwargs = PyDict::new(py);
-        kwargs.set_item("output", a.output)?;
-        kwargs.set_item("scale", a.scale)?;
-        kwargs.set_item("log_ratio", a.log_ratio)?;
-        kwargs.set_item("ratio", a.ratio)?;
-        kwargs.set_item("size", a.size.clone())?;
-        kwargs.set_item("max_size", a.max_size)?;
-        kwargs.set_item("center", a.center)?;
-        kwargs.set_item("flip_p", a.flip_p)?;
-        Ok((PyTuple::new(py, [a.kind.as_str()])?, kwargs))
+        let kind = match self.inner.placement {
+            Placement::ResizedCrop {
+                scale,
+                log_ratio,
+                ratio_range,
+                output,
+            } => {
+                kwargs.set_item("scale", scale)?;
+                kwargs.set_item("log_ratio", log_ratio)?;
+                kwargs.set_item("ratio", ratio_range)?;
+                kwargs.set_item("output", output)?;
+                "rrc"
+            }
+            Placement::Resize {
+                size,
+                max_size,
+                center,
+            } => {
+                let size = match size {
+                    ResizeTo::Exact(h, w) => Some(vec![h, w]),
+                    ResizeTo::Shorter(n) => Some(vec![n]),
+                    ResizeTo::Longer => None,
+                };
+                kwargs.set_item("size", size)?;
+                kwargs.set_item("max_size", max_size)?;
+                kwargs.set_item("center", center)?;
+                "resize"
+            }
+            Placement::Center { crop } => {
+                kwargs.set_item("center", crop)?;
+                "center"
+            }
+        };
+        kwargs.set_item("flip_p", self.inner.flip_p)?;
+        Ok((PyTuple::new(py, [kind])?, kwargs))
     }
 
     /// `(height, width)` of every output, or None when it varies.
