@@ -113,6 +113,10 @@ impl PyCommConfig {
         d.set_item("compression", c.compression.name())?;
         d.set_item("compression_inter_only", c.compression_inter_only)?;
         d.set_item("compression_scale", c.compression_scale)?;
+        d.set_item(
+            "reduce_scatter_compression",
+            c.reduce_scatter_compression.name(),
+        )?;
         d.set_item("nan_check", c.nan_check)?;
         d.set_item("shared_memory", c.shared_memory)?;
         d.set_item("collectives", c.collectives.name())?;

@@ -742,12 +742,6 @@ impl<'py> DeviceBackend<'_, 'py> {
         })
     }
 
-    fn copy(&mut self, src: Mem, dst: Mem) -> tiacc_core::Result<()> {
-        let (s, so, n) = self.arg(src)?;
-        let (d, dof, _) = self.arg(dst)?;
-        self.kernel("copy", (s, so, d, dof, n)).map(drop)
-    }
-
     /// `m` as a host slice (TCP collectives on CPU tensors).
     fn host(&self, m: Mem) -> tiacc_core::Result<&'static mut [u8]> {
         self.find(m)?;
@@ -1054,6 +1048,18 @@ impl Backend for DeviceBackend<'_, '_> {
 
     fn clear_residuals(&mut self) {
         self.residuals.clear();
+    }
+
+    fn copy(&mut self, src: Mem, dst: Mem) -> tiacc_core::Result<()> {
+        if src.bytes != dst.bytes {
+            return Err(Error::InvalidArgument(format!(
+                "device backend: a copy of {} bytes into {} bytes",
+                src.bytes, dst.bytes
+            )));
+        }
+        let (s, so, n) = self.arg(src)?;
+        let (d, dof, _) = self.arg(dst)?;
+        self.kernel("copy", (s, so, d, dof, n)).map(drop)
     }
 
     fn div(&mut self, buf: Mem, dtype: DType, divisor: f64) -> tiacc_core::Result<()> {

@@ -15,6 +15,7 @@ use super::codec::Compression;
 use super::counters::{wire_of, wire_since, Counters, Path};
 use super::dtype::{shard_range, DType};
 use super::mapping::SharedBytes;
+use super::sharded::ReduceScatterPlan;
 use super::sparse::{sparse_allreduce, DgcOptions, SparseState, TopKOptions};
 use super::transport::OpTag;
 use crate::config::{self, CommConfig};
@@ -28,6 +29,10 @@ pub struct AlgoSettings {
     pub compression: Compression,
     /// Wire type of the 2D inter-node step only (scope `inter` with 2D).
     pub inter_compression: Compression,
+    /// `compression` and `inter_compression` of torch.distributed's
+    /// reduce-scatters (opt-in, the same scope rules).
+    pub reduce_scatter_compression: Compression,
+    pub reduce_scatter_inter_compression: Compression,
     /// Multiplier applied before a half-precision cast, divided out after.
     pub scale: f64,
     /// Refuse to send a bucket holding NaN or infinity.
@@ -46,6 +51,8 @@ impl Default for AlgoSettings {
         AlgoSettings {
             compression: Compression::None,
             inter_compression: Compression::None,
+            reduce_scatter_compression: Compression::None,
+            reduce_scatter_inter_compression: Compression::None,
             scale: 1.0,
             nan_check: false,
             hierarchical_threshold: None,
@@ -68,17 +75,20 @@ impl AlgoSettings {
         local_size: Option<usize>,
         hierarchical: bool,
     ) -> Self {
-        let (compression, inter_compression) = match (config.compression_inter_only, hierarchical) {
-            (false, _) => (config.compression, Compression::None),
-            (true, true) => (Compression::None, config.compression),
-            (true, false) if config::spans_nodes(world, local_size) => {
-                (config.compression, Compression::None)
-            }
+        let scoped = |codec: Compression| match (config.compression_inter_only, hierarchical) {
+            (false, _) => (codec, Compression::None),
+            (true, true) => (Compression::None, codec),
+            (true, false) if config::spans_nodes(world, local_size) => (codec, Compression::None),
             (true, false) => (Compression::None, Compression::None),
         };
+        let (compression, inter_compression) = scoped(config.compression);
+        let (reduce_scatter_compression, reduce_scatter_inter_compression) =
+            scoped(config.reduce_scatter_compression);
         AlgoSettings {
             compression,
             inter_compression,
+            reduce_scatter_compression,
+            reduce_scatter_inter_compression,
             scale: config.compression_scale,
             nan_check: config.nan_check,
             hierarchical_threshold: hierarchical.then_some(config.hierarchical_threshold),
@@ -89,6 +99,21 @@ impl AlgoSettings {
                 warmup_steps: config.topk_warmup_steps,
                 clip_norm: config.topk_clip_norm,
             },
+        }
+    }
+}
+
+impl AlgoSettings {
+    /// How torch.distributed's reduce-scatters and all-gathers run: over
+    /// the 2D groups whenever the allreduce goes 2D (forced, or `auto`'s
+    /// choice; every size, since the bytes crossing nodes shrink for any),
+    /// compressed as [`AlgoSettings::from_config`] scoped it.
+    pub fn reduce_scatter_plan(&self) -> ReduceScatterPlan {
+        ReduceScatterPlan {
+            two_d: self.hierarchical_threshold.is_some(),
+            compression: self.reduce_scatter_compression,
+            inter_compression: self.reduce_scatter_inter_compression,
+            scale: self.scale,
         }
     }
 }

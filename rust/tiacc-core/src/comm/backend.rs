@@ -194,6 +194,8 @@ pub trait Backend {
     /// Drops every Top-K residual (and the other buffers kept with them).
     fn clear_residuals(&mut self);
 
+    /// `dst = src` (equal lengths, not overlapping).
+    fn copy(&mut self, src: Mem, dst: Mem) -> Result<()>;
     /// `buf[i] /= divisor`.
     fn div(&mut self, buf: Mem, dtype: DType, divisor: f64) -> Result<()>;
     /// `dst = (wire) (src * factor)`, rounding to nearest even.

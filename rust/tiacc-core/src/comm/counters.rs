@@ -31,18 +31,22 @@ pub enum Path {
     /// The 2D allreduce whose inter-node step is Top-K.
     TwoDTopK,
     /// torch.distributed's collectives run by the engine (the `tiacc`
-    /// backend), exact, on the world.
+    /// backend) on the world: exact, or a compressed reduce-scatter.
     Collective,
+    /// torch.distributed's reduce-scatters and all-gathers over the 2D
+    /// groups ([`super::sharded`]).
+    Collective2d,
 }
 
 impl Path {
     /// Every path, in the order of [`Path::index`].
-    pub const ALL: [Path; 5] = [
+    pub const ALL: [Path; 6] = [
         Path::Ring,
         Path::TopK,
         Path::TwoD,
         Path::TwoDTopK,
         Path::Collective,
+        Path::Collective2d,
     ];
 
     /// The name used in counters, logs and the summary line.
@@ -53,6 +57,7 @@ impl Path {
             Path::TwoD => "2d",
             Path::TwoDTopK => "2d+topk",
             Path::Collective => "collective",
+            Path::Collective2d => "collective-2d",
         }
     }
 
@@ -117,7 +122,7 @@ impl CounterRow {
 /// An engine's counters (see the module docs).
 #[derive(Debug, Default)]
 pub struct Counters {
-    cells: [[Cell; 3]; 5],
+    cells: [[Cell; 3]; 6],
 }
 
 impl Counters {

@@ -17,6 +17,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::algo::{AlgoSettings, Algorithm};
+use super::backend::Backend;
 use super::codec::Compression;
 use super::counters::{wire_of, wire_since, Counters, Path};
 use super::dtype::{DType, ReduceOp};
@@ -24,6 +25,7 @@ use super::failure::{FailureBoard, Failures};
 use super::host::{Groups, HostBackend};
 use super::mapping::SharedBytes;
 use super::progress::{self, Position, Progress, Recorder};
+use super::sharded::{self, ReduceScatterPlan};
 use super::transport::{Deadline, OpKind, OpTag, Transport};
 use super::turns::LinkTurns;
 use crate::error::{Error, Result};
@@ -370,6 +372,34 @@ impl Drop for Engine {
     }
 }
 
+/// How a reduce-scatter or all-gather runs when it leaves the world
+/// transport's exact ring (see [`super::sharded`]): over the 2D groups when
+/// the allreduce goes 2D, or compressed (a summing reduce-scatter of a
+/// float type, when asked). `None`: the world transport runs it, as it
+/// runs every other reduction and every other op.
+fn sharded_plan(
+    op: &Collective,
+    algorithm: &Algorithm,
+    hierarchical: bool,
+    dtype: DType,
+    size: usize,
+) -> Option<ReduceScatterPlan> {
+    let mut plan = algorithm.settings().reduce_scatter_plan();
+    plan.two_d &= hierarchical;
+    let compressed = size > 1 && plan.codec(dtype) != Compression::None;
+    match op {
+        Collective::ReduceScatter {
+            op: ReduceOp::Sum, ..
+        } if plan.two_d || compressed => Some(plan),
+        Collective::Allgather if plan.two_d => Some(ReduceScatterPlan {
+            compression: Compression::None,
+            inter_compression: Compression::None,
+            ..plan
+        }),
+        _ => None,
+    }
+}
+
 fn channel_loop(
     mut backend: HostBackend,
     mut algorithm: Algorithm,
@@ -397,6 +427,7 @@ fn channel_loop(
             bytes: buf.len() as u64,
         };
         let before = wire_of(&backend);
+        let sharded_plan = sharded_plan(&job.op, &algorithm, backend.hierarchical(), dtype, size);
         let result = if matches!(
             job.op,
             Collective::AllreduceOp { mean: true, .. }
@@ -414,6 +445,20 @@ fn channel_loop(
                 buf.len(),
                 dtype.name()
             )))
+        } else if let Some(plan) = sharded_plan {
+            // SAFETY: the job's buffer is the engine's alone until its
+            // completion runs (`RawBuf::new`'s contract), after `end` below.
+            let mem = unsafe { backend.begin(buf, deadline, turn.take()) };
+            let result = match job.op {
+                Collective::ReduceScatter { mean, .. } => {
+                    let divisor = if mean && size > 1 { size as f64 } else { 1.0 };
+                    sharded::reduce_scatter(&mut backend, &tag, mem, dtype, divisor, &plan)
+                        .map(drop)
+                }
+                _ => sharded::allgather_two_d(&mut backend, &tag, mem, dtype.size()),
+            };
+            backend.end();
+            result.map(|()| None)
         } else {
             match job.op {
                 Collective::Allreduce { average } => {
@@ -487,9 +532,12 @@ fn channel_loop(
             // The algorithm counts DDP's buckets; these are torch's collectives.
             let wire = wire_since(before, wire_of(&backend));
             let bytes = tag.bytes;
-            algorithm
-                .counters()
-                .record(Path::Collective, Compression::None, bytes, wire);
+            let (path, codec) = match sharded_plan {
+                Some(plan) if plan.two_d => (Path::Collective2d, plan.codec(dtype)),
+                Some(plan) => (Path::Collective, plan.codec(dtype)),
+                None => (Path::Collective, Compression::None),
+            };
+            algorithm.counters().record(path, codec, bytes, wire);
         }
         progress.complete();
         let result = result.map_err(|err| {

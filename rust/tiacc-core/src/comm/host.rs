@@ -524,6 +524,13 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         self.mem.residuals.clear();
     }
 
+    fn copy(&mut self, src: Mem, dst: Mem) -> Result<()> {
+        same_length(src, dst)?;
+        let (s, d) = self.mem.pair(src, dst)?;
+        d.copy_from_slice(s);
+        Ok(())
+    }
+
     fn div(&mut self, buf: Mem, dtype: DType, divisor: f64) -> Result<()> {
         dtype.div_assign(self.mem.slice(buf)?, divisor);
         Ok(())

@@ -21,6 +21,7 @@ pub mod host;
 pub mod mapping;
 pub mod nccl;
 pub mod progress;
+pub mod sharded;
 pub mod shm;
 pub mod sparse;
 pub mod tcp;

@@ -1860,3 +1860,5 @@ fn engine_counters_show_scope_inter_compressing_only_between_nodes() {
         assert_eq!(rows[0].wire, [0, 4000, 1000], "rank {rank}");
     }
 }
+
+mod sharded;

@@ -50,6 +50,10 @@ pub const COMPRESSION: &str = "TIACC_TRAINING_COMPRESSION";
 pub const PERSEUS_DTYPE: &str = "PERSEUS_ALLREDUCE_DTYPE";
 /// Which traffic is compressed: `all`, or `inter` (between nodes only).
 pub const COMPRESSION_SCOPE: &str = "TIACC_TRAINING_COMPRESSION_SCOPE";
+/// Opt-in compression of the reduce-scatters torch.distributed runs on the
+/// engine (FSDP's gradients): `none`, `fp16` or `bf16`, with the scope and
+/// scale of [`COMPRESSION`].
+pub const REDUCE_SCATTER_COMPRESSION: &str = "TIACC_TRAINING_REDUCE_SCATTER_COMPRESSION";
 /// Gradients are multiplied by this before the half-precision cast and
 /// divided by it after (after the division by the world size).
 pub const COMPRESSION_SCALE: &str = "TIACC_TRAINING_COMPRESSION_SCALE";
@@ -304,6 +308,7 @@ pub enum Setting {
     Collectives,
     Compression,
     CompressionScope,
+    ReduceScatterCompression,
     CompressionScale,
     NanCheck,
     Algorithm,
@@ -340,6 +345,7 @@ pub const VARIABLES: &[&str] = &[
     PERSEUS_DTYPE,
     COMPRESSION,
     COMPRESSION_SCOPE,
+    REDUCE_SCATTER_COMPRESSION,
     PERSEUS_SCALE,
     COMPRESSION_SCALE,
     PERSEUS_MODE,
@@ -406,6 +412,8 @@ pub struct CommConfig {
     pub compression: Compression,
     /// Compress only traffic between nodes.
     pub compression_inter_only: bool,
+    /// Wire type of torch.distributed's reduce-scatters (opt-in).
+    pub reduce_scatter_compression: Compression,
     /// Multiplier applied before the half-precision cast.
     pub compression_scale: f64,
     /// Refuse to send non-finite gradients.
@@ -469,6 +477,7 @@ impl Default for CommConfig {
             nccl_library: None,
             compression: Compression::None,
             compression_inter_only: false,
+            reduce_scatter_compression: Compression::None,
             compression_scale: 1.0,
             nan_check: false,
             shared_memory: true,
@@ -807,6 +816,10 @@ impl CommConfig {
                 self.compression = Compression::parse(label, value)?;
                 Setting::Compression
             }
+            REDUCE_SCATTER_COMPRESSION => {
+                self.reduce_scatter_compression = Compression::parse(label, value)?;
+                Setting::ReduceScatterCompression
+            }
             COMPRESSION_SCOPE => {
                 self.compression_inter_only = match value.trim().to_ascii_lowercase().as_str() {
                     "all" => false,
@@ -970,6 +983,10 @@ const SHARED: &[(Setting, &str)] = &[
     (Setting::Transport, TRANSPORT),
     (Setting::Compression, COMPRESSION),
     (Setting::CompressionScope, COMPRESSION_SCOPE),
+    (
+        Setting::ReduceScatterCompression,
+        REDUCE_SCATTER_COMPRESSION,
+    ),
     (Setting::CompressionScale, COMPRESSION_SCALE),
     (Setting::NanCheck, NAN_CHECK),
     (Setting::Algorithm, ALGORITHM),
@@ -1005,6 +1022,7 @@ impl CommConfig {
                 "all"
             }
             .to_string(),
+            Setting::ReduceScatterCompression => self.reduce_scatter_compression.name().to_string(),
             Setting::CompressionScale => self.compression_scale.to_string(),
             Setting::NanCheck => (self.nan_check as u8).to_string(),
             Setting::Algorithm => self.algorithm.name().to_string(),

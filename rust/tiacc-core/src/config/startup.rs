@@ -173,8 +173,17 @@ impl CommConfig {
             "off".to_string()
         };
         let nan = if self.nan_check { "on" } else { "off" };
+        let reduce_scatter = match (self.reduce_scatter_compression, self.compression_inter_only) {
+            (Compression::None, _) => String::new(),
+            (c, false) => format!(" reduce_scatter_compression={}", c.name()),
+            (c, true) => format!(
+                " reduce_scatter_compression={} between nodes only",
+                c.name()
+            ),
+        };
         format!(
-            "algorithm={algorithm} compression={compression}{scale} top-k={topk} nan_check={nan}"
+            "algorithm={algorithm} compression={compression}{scale} top-k={topk} \
+             nan_check={nan}{reduce_scatter}"
         )
     }
 
