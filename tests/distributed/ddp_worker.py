@@ -42,7 +42,7 @@ from torch import nn
 
 import tiacc_training.torch.distributed as tdist
 from tests._launch import exit_failed
-from tiacc_training.torch.distributed import _engines
+from tiacc_training.torch.distributed import _runtime
 
 # The optimiser's momentum (mode ``dgc`` tells the engine).
 MOMENTUM = 0.9
@@ -89,7 +89,7 @@ def knock_as_strangers(knocked: threading.Event) -> None:
 def hold_rendezvous_until(knocked: threading.Event) -> None:
     """Rank 0 joins the rings only after the knock: rank 1's listener is
     then certainly still open when the stranger arrives."""
-    original = _engines.connect_tcp
+    original = _runtime.connect_tcp
 
     class Held:
         """The engine, whose connect() waits for the knock."""
@@ -107,7 +107,7 @@ def hold_rendezvous_until(knocked: threading.Event) -> None:
     def delayed(engine: object, *args: object) -> None:
         original(Held(engine), *args)
 
-    _engines.connect_tcp = delayed
+    _runtime.connect_tcp = delayed
 
 
 class KillAfterSubmit:

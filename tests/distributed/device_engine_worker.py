@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from tests._launch import exit_failed
 from tiacc_training import _engine
-from tiacc_training.torch.distributed import _config, _engines, _launch, _rendezvous
+from tiacc_training.torch.distributed import _config, _launch, _rendezvous, _runtime
 from tiacc_training.torch.distributed._cuda import NcclChannels
 from tiacc_training.torch.distributed._kernels import TorchKernels
 from tiacc_training.torch.distributed._state import state
@@ -239,10 +239,10 @@ def main() -> int:
         state.launch = launch
         rank, world = dist.get_rank(), dist.get_world_size()
         store = _rendezvous.default_store()
-        host = _engines.world_engine(config)
+        host = _runtime.world_engine(config)
         if args.device == "cuda":
             gpu = torch.device("cuda", torch.cuda.current_device())
-            device = _engines._nccl_engine(config, gpu, rank, world)
+            device = _runtime._nccl_engine(config, gpu, rank, world)
             channels = NcclChannels(device, gpu)
         else:
             prefix = "tiacc_training/device-check"

@@ -28,13 +28,14 @@ A comm hook the user registers on a model (``register_comm_hook`` or a
 built-in hook) replaces the engine for that model.
 
 The package's modules, one job each: ``_config`` (the effective
-configuration and the start-up report), ``_group`` (the default group: the
-script's own ``init_process_group`` wrapped, or ours on first use),
+configuration and the start-up report), ``_runtime`` (the process's default
+group, the script's own ``init_process_group`` wrapped or ours on first
+use, and the engines built for it: the one place that builds either),
 ``_launch`` (launcher to process group arguments), ``_nccl`` (which NCCL,
 and whether CUDA buckets use it), ``_rendezvous`` (exchanges through the
-store), ``_engines`` (building the engines), ``_hook`` (the DDP patch and
-hook), ``_cuda`` (streams and futures of CUDA buckets), ``_kernels`` (torch
-operations for the device engine), ``_state`` (process-wide state).
+store), ``_hook`` (the DDP patch and hook), ``_cuda`` (streams and futures
+of CUDA buckets), ``_kernels`` (torch operations for the device engine),
+``_state`` (process-wide state).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import torch.distributed as dist
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
 
-from . import _backend, _config, _engines, _group, _launch
+from . import _backend, _config, _launch, _runtime
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
 from ._perf import PerfCheck
@@ -182,7 +183,7 @@ def init_tiacc_training(
         state.config = config
         state.backend_arg = backend
         if dist.is_initialized():
-            launch = state.launch if state.finished else _group.user_launch()
+            launch = state.launch if state.finished else _runtime.user_launch()
             _finish(launch, device_given=False, check_round=True)
         else:
             # The script (or Lightning, Accelerate, mp.spawn's children)
@@ -192,13 +193,13 @@ def init_tiacc_training(
             state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
             state.launch = launch
             state.create_on_use = not state.finished
-        _group.install(_group_created)
+        _runtime.install(_group_created)
         patch_ddp()
         state.initialized = True
 
 
 def _group_created(launch: dict[str, Any], device_given: bool) -> None:
-    """Finishes the set-up once the default group exists (``_group`` calls it)."""
+    """Finishes the set-up once the default group exists (``_runtime`` calls it)."""
     _finish(launch, device_given, check_round=True)
 
 
@@ -227,7 +228,7 @@ def _finish(launch: dict[str, Any], device_given: bool, check_round: bool) -> No
     if torch.cuda.is_available() and local_rank is not None and not device_given:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     state.finished = True
-    _group.give_warnings(rank)
+    _runtime.give_warnings(rank)
     if not state.logged and rank == 0:
         state.logged = True
         version = None
@@ -393,7 +394,7 @@ def _describe_collectives(served: int, forwarded: int) -> str:
 
 def shutdown() -> None:
     """Stops the engines' threads and communicators (also run at exit)."""
-    _engines.close_all()
+    _runtime.close_all()
 
 
 # "tiacc" is a torch.distributed backend from the moment the package loads,

@@ -25,8 +25,7 @@ from tiacc_training.errors import CommError
 
 from . import _state
 from ._cuda import unwrap
-from ._engines import cuda_path, world_engine
-from ._group import ensure_group
+from ._runtime import cuda_path, ensure_group, world_engine
 from ._state import logger, state
 
 _MIB = 1024 * 1024

@@ -40,7 +40,7 @@ class State:
     config_round: int = 0
     patched: bool = False
     logged: bool = False
-    # The default group (``_group``): torch.distributed's functions wrapped;
+    # The default group (``_runtime``): torch.distributed's functions wrapped;
     # whether the set-up finished for the current group; whether the group
     # is created from the launcher on first use (the script never called
     # init_process_group); the launch of a group being created that way;

@@ -173,7 +173,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         ConfigError: an engine setting is invalid or differs across ranks.
     """
     from tiacc_training.torch import distributed as tdist
-    from tiacc_training.torch.distributed._state import state
+    from tiacc_training.torch.distributed import _runtime
 
     from . import _process_sets
 
@@ -184,7 +184,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         tdist.init_tiacc_training()
         created = False
         if not dist.is_initialized():
-            _create_group(state)
+            _create_group()
             created = True
         world = dist.get_world_size()
         if comm is not None and not _is_whole_world(comm, world):
@@ -194,7 +194,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             )
         job.rank, job.size = dist.get_rank(), world
         job.created_group = created
-        _find_layout(state.launch or {})
+        _find_layout(_runtime.job_launch())
         job.initialized = True
         _process_sets.reset_global(list(range(world)))
     if process_sets is not None and process_sets != "dynamic":
@@ -207,26 +207,20 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _timeline.start_from_env()
 
 
-def _create_group(state: Any) -> None:
-    """The default group from the launcher, as ``tdist`` creates it on first use.
+def _create_group() -> None:
+    """The default group from the launcher, made where ``tdist`` makes it on first use.
 
     After a :func:`shutdown` the group rendezvouses on the store of the
     first group, which :func:`shutdown` kept (under a prefix of its own for
     each group): binding ``MASTER_PORT`` again could fail while the
     previous server socket lingers, and a nearby port could be taken.
     """
-    from tiacc_training.torch.distributed import _launch
+    from tiacc_training.torch.distributed import _runtime
 
-    launch = dict(state.launch or _launch.launch_env())
-    launch, arguments = _launch.group_arguments(None, state.config, launch)
+    store = None
     if job.store is not None:
-        del arguments["init_method"]
-        arguments["store"] = dist.PrefixStore(
-            f"tiacc_training/horovod/init.{job.groups_made}", job.store
-        )
-    state.create_on_use = False
-    state.pending_launch = launch
-    dist.init_process_group(**arguments)
+        store = dist.PrefixStore(f"tiacc_training/horovod/init.{job.groups_made}", job.store)
+    _runtime.create_group(store)
     if job.store is None:
         job.store = dist.distributed_c10d._get_default_store()
     job.groups_made += 1

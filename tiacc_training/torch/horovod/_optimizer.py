@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiacc_training.torch.distributed import _engines, _hook
+from tiacc_training.torch.distributed import _hook, _runtime
 from tiacc_training.torch.distributed._state import state as _dstate
 
 from . import Adasum, Average, Sum, _basics, _timeline, global_process_set
@@ -212,9 +212,9 @@ class _DistributedMixin:
             return None
         device = next(iter(devices))
         if device.type == "cpu":
-            return _engines.world_engine(config), None
+            return _runtime.world_engine(config), None
         if device.type == "cuda":
-            return None, _engines.cuda_path(config, device)
+            return None, _runtime.cuda_path(config, device)
         return None
 
     # -- after backward ------------------------------------------------------

@@ -1,0 +1,387 @@
+"""The process's runtime: torch's default process group and its engines.
+
+The one owner of what a training process sets up once: the default group
+(the script's own, or ours from the launcher) and the engines that carry
+its gradient buckets. ``_hook`` (DDP), ``_backend`` (the "tiacc" backend)
+and the Horovod package use what this module builds and build nothing
+themselves.
+
+The group. A native DDP script calls ``dist.init_process_group(...)`` itself,
+after the two lines at its top (and, under ``mp.spawn`` or Lightning, in
+processes that import the script again). So ``init_tiacc_training`` never
+creates the group ahead of the script: it wraps three torch.distributed
+functions and finishes its set-up when the group appears:
+
+* ``init_process_group``: the script's call runs with the script's own
+  arguments (rank, world size, init method, store, timeout, device), CPU
+  collectives served by the "tiacc" backend, then the set-up finishes.
+* ``destroy_process_group``: the engines of the group stop first; a later
+  ``init_process_group`` sets them up again (scripts that run trials).
+* ``distributed_c10d._get_default_group``: a script that never calls
+  ``init_process_group`` (written for ``init_tiacc_training`` alone) gets
+  the group from its launcher on first use (:func:`create_group`, which
+  ``hvd.init()`` calls too), as a DDP model or any collective needs it.
+  ``dist.is_initialized()`` stays ``False`` until then, which is what
+  Lightning and Accelerate check before their own init.
+
+The engines, built on first use. DDP construction is collective, so every
+rank reaches :func:`world_engine` and :func:`cuda_path` in the same order
+and their rendezvous pair up. An engine is kept while the configuration
+stays the same and rebuilt when it changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+import os
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from tiacc_training import _engine
+from tiacc_training.errors import ConfigError
+
+from . import _backend, _launch
+from ._cuda import HostStaging, NcclChannels
+from ._kernels import TorchKernels
+from ._nccl import check_gpu_placement, nccl_search_dirs
+from ._rendezvous import (
+    FailureBoard,
+    board_store,
+    connect_tcp,
+    default_store,
+    nccl_ids,
+    node_intra_size,
+)
+from ._state import logger, state
+
+# -- the default group ---------------------------------------------------------
+
+_original_init = distributed_c10d.init_process_group
+_original_destroy = distributed_c10d.destroy_process_group
+_original_default_group = distributed_c10d._get_default_group
+_init_signature = inspect.signature(_original_init)
+
+# Set up the group once it exists: ``finish(launch, device_id_given)``,
+# provided by the package's ``__init__`` (it owns the start-up sequence).
+_finish: Callable[[dict[str, Any], bool], None] | None = None
+
+
+def install(finish: Callable[[dict[str, Any], bool], None]) -> None:
+    """Wraps the three functions (once per process)."""
+    global _finish
+    _finish = finish
+    if state.group_patched:
+        return
+    for module in (dist, distributed_c10d):
+        module.init_process_group = _init_process_group  # type: ignore[assignment]
+        module.destroy_process_group = _destroy_process_group  # type: ignore[assignment]
+    distributed_c10d._get_default_group = _default_group  # type: ignore[assignment]
+    state.group_patched = True
+
+
+def ensure_group() -> None:
+    """Creates the group from the launcher when the script has not.
+
+    Only while the script has not called ``init_process_group`` or
+    ``destroy_process_group`` itself: after either, the group is the
+    script's business, as in stock PyTorch.
+    """
+    if distributed_c10d.is_initialized():
+        if not state.finished and state.config is not None and _finish is not None:
+            # Created through a reference to torch's own function taken
+            # before the wrap (``from torch.distributed import ...``).
+            _finish(user_launch(), False)
+        return
+    if state.create_on_use:
+        create_group()
+
+
+def create_group(store: Any = None) -> None:
+    """Creates the default group from the launcher: the one place that does.
+
+    ``init_process_group`` with the arguments ``_launch.group_arguments``
+    finds (``init_tiacc_training``'s ``backend``, the launcher's rank, size
+    and rendezvous), through the wrap, so the set-up finishes as for the
+    script's own call.
+
+    Args:
+        store: a store to rendezvous on instead of the launcher's address
+            (``hvd.init()`` after ``hvd.shutdown()`` reuses its first group's).
+
+    Raises:
+        ConfigError: the job spans nodes and ``MASTER_ADDR`` is not set.
+    """
+    state.create_on_use = False
+    launch, arguments = _launch.group_arguments(
+        state.backend_arg, state.config, state.launch or _launch.launch_env()
+    )
+    if store is not None:
+        del arguments["init_method"]
+        arguments["store"] = store
+    state.pending_launch = launch
+    _init_process_group(**arguments)
+
+
+def _default_group() -> Any:
+    if not distributed_c10d.is_initialized():
+        ensure_group()
+    return _original_default_group()
+
+
+@functools.wraps(_original_init)
+def _init_process_group(*args: Any, **kwargs: Any) -> None:
+    if state.config is None or _finish is None:  # init_tiacc_training has not run
+        _original_init(*args, **kwargs)
+        return
+    bound = _init_signature.bind(*args, **kwargs)
+    arguments = bound.arguments
+    state.create_on_use = False
+    launch = state.pending_launch
+    state.pending_launch = None
+    ours = launch is not None
+    if launch is None:  # the script's own call
+        launch = _script_launch(arguments)
+    requested = arguments.get("backend")
+    if not ours and state.backend_arg is not None and requested is not None:
+        if str(requested) != state.backend_arg:
+            _later_warn(
+                f"init_process_group(backend={str(requested)!r}) and "
+                f"init_tiacc_training(backend={state.backend_arg!r}) differ: the script's "
+                f"{str(requested)!r} is used"
+            )
+    arguments["backend"] = _backend.cpu_backend(
+        None if requested is None else str(requested), state.config
+    )
+    if not ours:
+        _adopt_timeout(arguments.get("timeout"))
+    _original_init(*bound.args, **bound.kwargs)
+    _finish(launch, arguments.get("device_id") is not None)
+
+
+@functools.wraps(_original_destroy)
+def _destroy_process_group(group: Any = None) -> None:
+    if group is None or group is distributed_c10d.GroupMember.WORLD:
+        close_all()
+        state.create_on_use = False
+        state.finished = False
+    _backend.stop(group)
+    _original_destroy(group)
+
+
+def job_launch() -> dict[str, Any]:
+    """How the job of the current group was launched (empty before the set-up)."""
+    return state.launch or {}
+
+
+def user_launch() -> dict[str, Any]:
+    """The launcher's view of a group the script created before our call."""
+    return _script_launch({})
+
+
+def _script_launch(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The launcher's view when the script calls ``init_process_group`` itself.
+
+    The launcher's local rank and size describe this process only when its
+    rank and world size are the ones the script chose; an explicit value
+    that disagrees with the launcher's is the script's choice, with one
+    warning naming both.
+    """
+    user = {"launcher": "user", "local_rank": None, "local_size": None}
+    try:
+        env = _engine.launch_env()
+    except ConfigError:  # a launcher variable that does not parse: the script's values rule
+        return user
+    if env is None:
+        return user
+    env = dict(env)
+    for name in ("rank", "world_size"):
+        mine = arguments.get(name, -1)
+        if mine is not None and int(mine) != -1 and int(mine) != env[name]:
+            _later_warn(
+                f"init_process_group({name}={mine}) and the {env['launcher']} launcher's "
+                f"{name} {env[name]} differ: the script's {name}={mine} is used, and the "
+                "launcher's local rank and size are ignored"
+            )
+            return user
+    return env
+
+
+def _adopt_timeout(timeout: Any) -> None:
+    """The engine takes the script's ``timeout=``.
+
+    The script's value is explicit in the code that runs, so it wins over
+    ``TIACC_TRAINING_TIMEOUT`` too, with one warning naming both where they
+    differ.
+    """
+    if not isinstance(timeout, datetime.timedelta):
+        return
+    seconds = timeout.total_seconds()
+    variable = os.environ.get("TIACC_TRAINING_TIMEOUT")
+    if variable is not None and abs(state.config.timeout - seconds) > 1e-6:
+        _later_warn(
+            f"init_process_group(timeout={seconds:g} s) and TIACC_TRAINING_TIMEOUT={variable} "
+            f"differ: the engine's collectives wait {seconds:g} s, the script's value"
+        )
+    state.config = state.config.with_overrides({"timeout": seconds})
+
+
+def _later_warn(message: str) -> None:
+    """Queues a warning for rank 0 to give once the group exists."""
+    if message not in state.conflicts:
+        state.conflicts.append(message)
+
+
+def give_warnings(rank: int) -> None:
+    """Rank 0 warns once per job about each conflict the script's call met."""
+    messages, state.conflicts = state.conflicts, []
+    if rank != 0:
+        return
+    for message in messages:
+        if message not in state.warned:
+            state.warned.add(message)
+            warnings.warn(f"tiacc_training: {message}", RuntimeWarning, stacklevel=2)
+
+
+# -- the engines ---------------------------------------------------------------
+
+
+def _next_prefix(kind: str) -> str:
+    state.generation += 1
+    return f"tiacc_training/{kind}{state.generation}"
+
+
+def world_engine(config: Any) -> Any:
+    """The CPU engine (TCP) of the default group, connected on first use."""
+    engine = state.engine
+    if engine is not None and engine.connected and engine.config.same_settings(config):
+        return engine
+    if engine is not None:
+        engine.shutdown()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = default_store()
+    prefix = _next_prefix("engine")
+    launch = job_launch()
+    engine = _engine.CommEngine(
+        config,
+        rank,
+        world,
+        advertised_host(config),
+        board=FailureBoard(*_board_args(store, prefix)),
+        local_size=launch.get("local_size"),
+        intra_size=node_intra_size(config, launch, store, prefix, rank, world),
+    )
+    connect_tcp(engine, store, prefix, rank, world, config.timeout)
+    if rank == 0:
+        carried = ", ".join(f"{group} over {how}" for group, how in engine.transports.items())
+        logger.info("  CPU buckets connected: %s", carried or "nothing to carry (a world of one)")
+        if engine.auto_choice is not None:
+            logger.info("%s", engine.auto_choice)
+    state.engine = engine
+    return engine
+
+
+def cuda_path(config: Any, device: torch.device) -> Any:
+    """What carries the CUDA buckets of models on ``device``.
+
+    NCCL channels of the device engine, or host staging over the CPU engine
+    (see ``_nccl`` for the choice; ranks that turn out to share a GPU NCCL
+    cannot share make ``auto`` fall back to staging here).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if state.cuda_transport == "nccl":
+        check_gpu_placement(config, device, rank, world)
+    existing = state.cuda
+    nccl = state.cuda_transport == "nccl"
+    if nccl:
+        reusable = isinstance(existing, NcclChannels) and existing.matches(config, device)
+    else:
+        engine = world_engine(config)
+        reusable = isinstance(existing, HostStaging) and existing.matches(engine, device)
+    if reusable:
+        return existing
+    if existing is not None:
+        existing.close()
+        state.cuda = None
+    if nccl:
+        state.cuda = NcclChannels(_nccl_engine(config, device, rank, world), device)
+    else:
+        state.cuda = HostStaging(engine, device)
+    return state.cuda
+
+
+def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> Any:
+    """A device engine over NCCL for ``device``.
+
+    The unique ids go through the store, then every communicator is joined
+    on ``device`` (whose context exists: DDP's parameters already live there).
+    Under ``TIACC_TRAINING_ALGORITHM=auto`` on whole nodes of several ranks
+    the 2D communicators are joined too, and the engine keeps whichever of
+    flat and 2D its start-up probe measured faster (rank 0 logs the line).
+    """
+    store = default_store()
+    prefix = _next_prefix("nccl")
+    launch = job_launch()
+    engine = _engine.DeviceEngine(
+        config,
+        rank,
+        world,
+        TorchKernels(device),
+        "nccl",
+        board=FailureBoard(*_board_args(store, prefix)),
+        local_size=launch.get("local_size"),
+        intra_size=node_intra_size(config, launch, store, prefix, rank, world),
+    )
+    dirs = nccl_search_dirs()
+
+    def new_id() -> bytes:
+        return _engine.nccl_unique_id(dirs, config.nccl_library)
+
+    ids = nccl_ids(engine, store, prefix, rank, config.timeout, new_id)
+    with torch.cuda.device(device):
+        engine.connect_nccl(*ids, search_dirs=dirs, library=config.nccl_library)
+    if rank == 0 and engine.auto_choice is not None:
+        logger.info("%s (CUDA buckets, over NCCL)", engine.auto_choice)
+    return engine
+
+
+def _board_args(store: Any, prefix: str) -> tuple[Any, str, Any]:
+    """A failure board's store client, key prefix and store address."""
+    client, address = board_store(store)
+    return client, prefix, address
+
+
+def advertised_host(config: Any, store: Any = None) -> str:
+    """The IP peers reach this rank on.
+
+    The configured one, else the local address that routes to the
+    rendezvous host (the launcher's, or that of ``store``: by default the
+    default group's).
+    """
+    if config.socket_addr:
+        return config.socket_addr
+    launch = job_launch()
+    host, port = launch.get("master_addr"), launch.get("master_port")
+    if host is None:
+        store = default_store() if store is None else store
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if host is None:
+        return "127.0.0.1"
+    return _engine.local_addr_towards(host, int(port or _launch.DEFAULT_MASTER_PORT))
+
+
+def close_all() -> None:
+    """Stops every engine (CUDA paths first: staging feeds the CPU engine)."""
+    cuda, state.cuda = state.cuda, None
+    if cuda is not None:
+        cuda.close()
+    engine, state.engine = state.engine, None
+    if engine is not None:
+        engine.shutdown()
