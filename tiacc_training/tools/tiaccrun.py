@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
+import ipaddress
 import os
 import re
 import shlex
@@ -40,6 +41,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Callable
+
+from tiacc_training import _engine
 
 PROG = "tiaccrun"
 DEFAULT_START_TIMEOUT = 30.0
@@ -241,13 +244,23 @@ def is_local(host: str, addresses: set[str]) -> bool:
 
 
 def route_address(host: str) -> str:
-    """This machine's address that routes to ``host`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
-        except OSError as e:
-            raise UsageError(f"host {host!r}: cannot resolve or route to it: {e}") from e
-        return s.getsockname()[0]
+    """This machine's address that routes to ``host`` (no packet is sent).
+
+    The engine's choice (``_engine.local_addr_towards``, the rule its ranks
+    advertise by), towards ``host``'s IPv4 address.
+
+    Raises:
+        UsageError: ``host`` does not resolve, or no route leads to it.
+    """
+    try:
+        target = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    except OSError as e:
+        raise UsageError(f"host {host!r}: cannot resolve or route to it: {e}") from e
+    address = _engine.local_addr_towards(target, 9)
+    # The engine answers loopback where no route leads to the host.
+    if ipaddress.ip_address(address).is_loopback and not ipaddress.ip_address(target).is_loopback:
+        raise UsageError(f"host {host!r}: cannot resolve or route to it: no route from this host")
+    return address
 
 
 def free_port() -> int:
