@@ -357,7 +357,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     import tiacc_training.torch.distributed as tdist
-    from tiacc_training.torch.distributed import _backend
+    from tiacc_training.torch.distributed import _backend, _collectives
 
     tdist.init_tiacc_training()
     # torch 2.0.0 takes one backend name for every device: "tiacc" there.
@@ -392,6 +392,10 @@ def main() -> None:
         "forwarded_why": sorted([*k, n] for k, n in served.forwarded.items()) if served else [],
         "transport": served.transport if served else None,
         "env": os.environ.get("TIACC_TRAINING_COLLECTIVES"),
+        "paths": {
+            f"{path}/{codec}": {"buckets": row["buckets"], "wire": row["wire"]}
+            for (path, codec), row in _collectives.counters_in_process().items()
+        },
     }
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()

@@ -82,6 +82,31 @@ def test_four_ranks_with_tiacc_asked_for_explicitly() -> None:
         assert result["served"]["allreduce"] >= 100, result
 
 
+def test_four_ranks_on_two_nodes_scatter_and_gather_over_the_2d_groups() -> None:
+    """Two nodes of two ranks (the launcher's local ranks), 2D forced.
+
+    Every check of the worker holds (its values make every order of
+    additions exact), and the reduce-scatters and all-gathers went over
+    the 2D groups: the inter-node group carried bytes, the world none.
+    """
+    results = results_of(
+        run_ranks(
+            4,
+            ["--init", "explicit"],
+            env={"TIACC_TRAINING_ALGORITHM": "2d"},
+            local_size=2,
+            worker=WORKER,
+            timeout=240.0,
+        )
+    )
+    for result in results:
+        two_d = result["paths"].get("collective-2d/none")
+        assert two_d and two_d["buckets"] >= 4, result["paths"]
+        assert two_d["wire"]["inter"] > 0 and two_d["wire"]["world"] == 0, result["paths"]
+        # Other ops, and the reductions other than a sum, stay on the ring.
+        assert result["paths"]["collective/none"]["wire"]["world"] > 0, result["paths"]
+
+
 def test_a_peer_that_exits_makes_the_next_collectives_raise() -> None:
     """The engine's error reaches every way of waiting on a collective.
 

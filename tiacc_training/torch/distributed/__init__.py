@@ -49,7 +49,7 @@ import torch.distributed as dist
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
 
-from . import _backend, _config, _launch, _runtime
+from . import _backend, _collectives, _config, _launch, _runtime
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
 from ._perf import PerfCheck
@@ -389,6 +389,9 @@ def _describe_collectives(served: int, forwarded: int) -> str:
     if forwarded:
         pairs = sorted(_backend.forwarded_in_process.items())
         text += f" ({'; '.join(f'{op}: {why} {n}' for (op, why), n in pairs)})"
+    counted = _describe_counters(_collectives.counters_in_process())
+    if counted:
+        text += f"; their engines counted: {counted}"
     return text
 
 

@@ -17,8 +17,11 @@ splits, and ``barrier``; every call returns work that waits on the engine
 engine's own (``_engine.collective_dtypes()``, ``_engine.collective_ops()``);
 anything else is forwarded to gloo, so every call that works on gloo works
 here, with gloo's results, and is counted with its reason
-(``forwarded_in_process``). Results are exact: no compression, Top-K or 2D
-algorithm applies to these collectives.
+(``forwarded_in_process``). Results are exact (no Top-K, and no compression
+unless ``TIACC_TRAINING_REDUCE_SCATTER_COMPRESSION`` asks for it on summing
+reduce-scatters). When the group's ranks form whole nodes and the 2D
+algorithm applies (forced, or ``auto``'s choice), reduce-scatters and
+all-gathers go over the 2D groups, which cross nodes once per block.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ forwarded_in_process: collections.Counter[tuple[str, str]] = collections.Counter
 _generations: collections.Counter[str] = collections.Counter()
 # The groups' collectives alive in this process, stopped at exit.
 _live: weakref.WeakSet[CpuCollectives] = weakref.WeakSet()
+# The counters of the groups' engines that stopped (see counters_in_process).
+_retired: dict[tuple[str, str], dict[str, Any]] = {}
 
 # Why a call goes to gloo (the reasons ``stats()`` counts).
 NOT_IN_ENGINE = "an op the engine does not run"
@@ -104,8 +109,8 @@ class CpuCollectives:
         form: str,
         synchronous: bool = False,
     ) -> None:
-        from ._engines import advertised_host
         from ._rendezvous import FailureBoard, board_store, connect_tcp
+        from ._runtime import advertised_host
         from ._state import state
 
         self.rank, self.size, self.form = rank, size, form
@@ -121,12 +126,15 @@ class CpuCollectives:
         _generations[group_name] += 1
         prefix = f"tiacc_training/backend/{group_name}/{_generations[group_name]}"
         client, address = board_store(store)
+        launch = state.launch or {}
         self._engine = _engine.CommEngine(
             config,
             rank,
             size,
             advertised_host(config, store),
             board=FailureBoard(client, prefix, address),
+            local_size=launch.get("local_size"),
+            intra_size=_nodes_of(config, launch, store, prefix, rank, size),
             channels=1,
         )
         connect_tcp(self._engine, store, "tiacc", rank, size, max(config.timeout, 60.0))
@@ -135,7 +143,12 @@ class CpuCollectives:
 
     def shutdown(self) -> None:
         """Stops the engine's channel and the gloo backend underneath."""
+        from ._state import add_counters
+
         self._engine.shutdown()
+        if self in _live:
+            _live.discard(self)
+            add_counters(_retired, self._engine.counters())
         try:
             self.gloo.shutdown()
         except Exception:  # an older gloo backend without shutdown
@@ -366,6 +379,47 @@ class CpuCollectives:
             return result
 
         return self._run("reduce_scatter", flat, [flat], reduce=op, then=copy_out)
+
+
+def counters_in_process() -> dict[tuple[str, str], dict[str, Any]]:
+    """What the engines of every group's CPU collectives counted so far.
+
+    Per ``(path, codec)``, as ``tdist.engine_counters()`` gives them: path
+    ``"collective"`` (the world ring; codec other than ``"none"`` for a
+    compressed reduce-scatter) or ``"collective-2d"`` (reduce-scatters and
+    all-gathers over the 2D groups), summed over live and stopped groups.
+    """
+    from ._state import add_counters
+
+    total: dict[tuple[str, str], dict[str, Any]] = {}
+    add_counters(total, _retired)
+    for collectives in list(_live):
+        add_counters(total, collectives._engine.counters())
+    return total
+
+
+def _nodes_of(
+    config: Any, launch: dict[str, Any], store: Any, prefix: str, rank: int, size: int
+) -> int | None:
+    """Ranks per node of a group whose ranks form whole nodes, else ``None``.
+
+    The 2D groups let reduce-scatters and all-gathers cross nodes once per
+    block (see ``docs/communication.md``). They are joined as for DDP's
+    buckets: forced, or under ``auto`` on whole nodes of several ranks. A
+    group whose members do not form whole nodes (a subgroup across hosts)
+    runs flat: every member reaches the same verdict from the same hosts.
+    """
+    from tiacc_training.errors import ConfigError
+
+    from ._rendezvous import node_intra_size
+    from ._state import logger
+
+    try:
+        return node_intra_size(config, launch, store, f"{prefix}/nodes", rank, size)
+    except ConfigError as err:
+        if rank == 0:
+            logger.info("  a group of %d ranks runs its collectives flat: %s", size, err)
+        return None
 
 
 def _plain(tensor: Any) -> bool:
