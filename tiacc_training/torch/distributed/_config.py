@@ -16,7 +16,12 @@ import torch
 
 from tiacc_training import _engine
 
-from ._state import logger
+from ._state import logger, state
+
+
+def current() -> Any:
+    """The configuration ``init_tiacc_training`` set (``None`` before it ran)."""
+    return state.config
 
 
 def effective_config(**arguments: Any) -> Any:

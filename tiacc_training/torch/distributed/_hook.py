@@ -321,6 +321,12 @@ def carry_bucket(
     return future.then(functools.partial(_bucket_result, buf.dtype))
 
 
+def count_step() -> None:
+    """Counts a backward pass whose buckets reached the engine (``stats()["steps"]``)."""
+    with _counters:
+        _state.state.steps += 1
+
+
 def _carried(path: str, nbytes: int) -> None:
     """Counts a bucket handed to an engine (``stats()``)."""
     _state.state.engine_buckets += 1

@@ -20,7 +20,12 @@ import torch
 from tiacc_training import _engine
 
 from ._rendezvous import default_store
-from ._state import logger
+from ._state import logger, state
+
+
+def active() -> PerfCheck | None:
+    """The slow-rank check of the current group (``None`` while it is off)."""
+    return state.perf
 
 
 class PerfCheck:

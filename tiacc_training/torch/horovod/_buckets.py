@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from tiacc_training.torch.distributed import _config
-from tiacc_training.torch.distributed._state import state as _dstate
 
 __all__ = ["Bucket", "Plan", "cut", "first_plan", "fusion_bytes", "named_parameters_of"]
 
@@ -44,7 +43,9 @@ class Plan:
 
 def fusion_bytes(params: list[torch.nn.Parameter]) -> int:
     """The engine's bucket size for these gradients (as DDP's buckets get)."""
-    config = _dstate.config if _dstate.config is not None else _config.effective_config()
+    config = _config.current()
+    if config is None:
+        config = _config.effective_config()
     gradient_bytes = sum(p.numel() * p.element_size() for p in params)
     return max(1, int(config.bucket_bytes(gradient_bytes)))
 

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiacc_training.torch.distributed import _hook, _runtime
-from tiacc_training.torch.distributed._state import state as _dstate
+from tiacc_training.torch.distributed import _config, _hook, _perf, _runtime
 
 from . import Adasum, Average, Sum, _basics, _timeline, global_process_set
 from ._broadcast_state import broadcast_optimizer_state, broadcast_parameters
@@ -168,7 +167,7 @@ class _DistributedMixin:
             torch.cat([c.reshape(-1) for c in compressed], out=flat)
             if self._hvd_op is Average and self._hvd_predivide != 1.0:
                 flat.mul_(1.0 / self._hvd_predivide)
-            perf = _dstate.perf
+            perf = _perf.active()
             if perf is not None and not self._hvd_dispatched:
                 engine, cuda = carrier
                 perf.before_step(engine if cuda is None else cuda.engine, flat.device)
@@ -203,7 +202,7 @@ class _DistributedMixin:
         """The engine path for these tensors: ``(cpu engine, cuda path)``, or None."""
         if self._hvd_engine_reason is not None:
             return None
-        config = _dstate.config
+        config = _config.current()
         if config is None or not config.enabled:
             return None
         dtypes = {c.dtype for c in compressed}
@@ -268,7 +267,7 @@ class _DistributedMixin:
         for p in self._hvd_densified:  # as Horovod: the optimizer gets a sparse gradient back
             p.grad = p.grad.to_sparse()  # type: ignore[union-attr]
         if carried:
-            _dstate.steps += 1
+            _hook.count_step()
         self._hvd_steps += 1
         self._hvd_reset()
         self._hvd_synchronized = True
