@@ -264,18 +264,10 @@ def world_engine(config: Any) -> Any:
     if engine is not None:
         engine.shutdown()
     rank, world = dist.get_rank(), dist.get_world_size()
-    store = default_store()
-    prefix = _next_prefix("engine")
-    launch = job_launch()
-    engine = _engine.CommEngine(
-        config,
-        rank,
-        world,
-        advertised_host(config),
-        board=FailureBoard(*_board_args(store, prefix)),
-        local_size=launch.get("local_size"),
-        intra_size=node_intra_size(config, launch, store, prefix, rank, world),
-    )
+    store, prefix = default_store(), _next_prefix("engine")
+    host = advertised_host(config)
+    shared = _engine_arguments(config, store, prefix, rank, world)
+    engine = _engine.CommEngine(config, rank, world, host, **shared)
     connect_tcp(engine, store, prefix, rank, world, config.timeout)
     if rank == 0:
         carried = ", ".join(f"{group} over {how}" for group, how in engine.transports.items())
@@ -324,19 +316,9 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
     the 2D communicators are joined too, and the engine keeps whichever of
     flat and 2D its start-up probe measured faster (rank 0 logs the line).
     """
-    store = default_store()
-    prefix = _next_prefix("nccl")
-    launch = job_launch()
-    engine = _engine.DeviceEngine(
-        config,
-        rank,
-        world,
-        TorchKernels(device),
-        "nccl",
-        board=FailureBoard(*_board_args(store, prefix)),
-        local_size=launch.get("local_size"),
-        intra_size=node_intra_size(config, launch, store, prefix, rank, world),
-    )
+    store, prefix = default_store(), _next_prefix("nccl")
+    shared = _engine_arguments(config, store, prefix, rank, world)
+    engine = _engine.DeviceEngine(config, rank, world, TorchKernels(device), "nccl", **shared)
     dirs = nccl_search_dirs()
 
     def new_id() -> bytes:
@@ -350,10 +332,22 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
     return engine
 
 
-def _board_args(store: Any, prefix: str) -> tuple[Any, str, Any]:
-    """A failure board's store client, key prefix and store address."""
+def _engine_arguments(
+    config: Any, store: Any, prefix: str, rank: int, world: int
+) -> dict[str, Any]:
+    """What every engine of the default group is built with, besides its own.
+
+    Its failure board (a store client under ``prefix``), the launcher's
+    local size and the ranks per node (a store exchange under ``prefix``,
+    so every rank calls this in the same order).
+    """
     client, address = board_store(store)
-    return client, prefix, address
+    launch = job_launch()
+    return {
+        "board": FailureBoard(client, prefix, address),
+        "local_size": launch.get("local_size"),
+        "intra_size": node_intra_size(config, launch, store, prefix, rank, world),
+    }
 
 
 def advertised_host(config: Any, store: Any = None) -> str:
