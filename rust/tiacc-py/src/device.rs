@@ -1,12 +1,13 @@
 //! `DeviceEngine`: buckets held in torch tensors (CUDA buckets), reduced by
-//! the same algorithms as CPU buckets ([`Algorithm`]) through a device
-//! backend.
+//! the same algorithms as CPU buckets ([`Algorithm`]) through the core's
+//! device backend ([`tiacc_core::comm::device`]).
 //!
 //! * Collectives: NCCL communicators per channel (world, and with 2D the
 //!   intra-node and inter-node groups), enqueued on the channel's CUDA
 //!   stream; or, for CPU tensors (the tests' way of running this exact code
 //!   without a GPU), the TCP rings.
-//! * Kernels: a Python object of torch operations (`tiacc_training.torch.
+//! * Kernels: [`TorchOps`], the core's [`Kernels`] as the methods of a
+//!   Python object of torch operations (`tiacc_training.torch.
 //!   distributed._kernels.TorchKernels`) that the shim runs inside
 //!   `torch.cuda.stream(channel stream)`, so they are ordered with the
 //!   collectives. Scratch tensors come from it too.
@@ -26,17 +27,18 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use tiacc_core::comm::auto::{self, Probing};
-use tiacc_core::comm::backend::TopKBlock;
-use tiacc_core::comm::backend::{Backend, GroupId, Mem, Shards};
-use tiacc_core::comm::dtype::shard_range;
+use tiacc_core::comm::auto;
+use tiacc_core::comm::backend::{Backend, Mem, TopKBlock};
+use tiacc_core::comm::device::{
+    Comms, DeviceBackend, KernelError, KernelResult, Kernels, NcclGroups, Slot, Span, PROBE_BUCKET,
+};
 use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::host::Groups;
 use tiacc_core::comm::nccl::{
-    DevicePtr, Group, NcclCommunicator, NcclUniqueId, Pending, ReduceOp, Tracker, Watchdog, Watched,
+    Group, NcclCommunicator, NcclUniqueId, Pending, Tracker, Watchdog, Watched,
 };
 use tiacc_core::comm::progress::{self, Position, Progress, Recorder};
-use tiacc_core::comm::transport::{Aborter, OpKind, OpTag, Transport};
+use tiacc_core::comm::transport::{Aborter, OpKind, OpTag};
 use tiacc_core::comm::{Algorithm, Counters, DType, Deadline, Failures};
 use tiacc_core::Error;
 
@@ -48,54 +50,11 @@ use crate::nccl::{load, unique_id_from};
 /// How often the watchdog checks a pending bucket.
 const WATCH_POLL: Duration = Duration::from_millis(5);
 
-/// The bucket number the `auto` probe's errors carry (no bucket of a model).
-const PROBE_BUCKET: u64 = u64::MAX;
-
-/// A torch tensor (flat uint8) and the memory it covers.
-struct Slot {
-    tensor: Py<PyAny>,
-    mem: Mem,
-}
-
-/// The NCCL communicators of one channel.
-struct NcclGroups {
-    world: Arc<NcclCommunicator>,
-    /// Intra-node and inter-node communicators, with the 2D allreduce.
-    two_d: Option<(Arc<NcclCommunicator>, Arc<NcclCommunicator>)>,
-}
-
-impl NcclGroups {
-    fn get(&self, group: GroupId) -> &Arc<NcclCommunicator> {
-        match (group, &self.two_d) {
-            (GroupId::Intra, Some((intra, _))) => intra,
-            (GroupId::Inter, Some((_, inter))) => inter,
-            _ => &self.world,
-        }
-    }
-
-    /// The world communicator, then the 2D ones when present.
-    fn all(&self) -> Vec<Arc<NcclCommunicator>> {
-        let mut out = vec![self.world.clone()];
-        if let Some((a, e)) = &self.two_d {
-            out.push(a.clone());
-            out.push(e.clone());
-        }
-        out
-    }
-}
-
-/// A channel's collectives.
-enum Comms {
-    Nccl(NcclGroups),
-    /// TCP rings over host memory (CPU tensors only).
-    Tcp(Groups),
-}
-
 /// One channel: its communicators, its algorithm state and its Top-K residuals.
 struct Channel {
     comms: Comms,
     algorithm: Algorithm,
-    residuals: HashMap<u64, Slot>,
+    residuals: HashMap<u64, Slot<Py<PyAny>>>,
     seq: u64,
     /// The bucket and step of the collective enqueued last (for `watch`).
     last: Option<Position>,
@@ -127,14 +86,6 @@ pub struct DeviceEngine {
     recorder: Option<Recorder>,
     /// What the channels carried ([`tiacc_core::comm::counters`]).
     counters: Arc<Counters>,
-}
-
-fn dptr(addr: usize) -> DevicePtr {
-    DevicePtr(addr as *mut std::ffi::c_void)
-}
-
-fn sptr(addr: usize) -> *mut std::ffi::c_void {
-    addr as *mut std::ffi::c_void
 }
 
 /// A flat uint8 tensor's memory, checked.
@@ -466,14 +417,16 @@ impl DeviceEngine {
             residuals,
             ..
         } = &mut *channel;
-        let kernels = self.kernels.bind(py);
-        let mut backend = DeviceBackend {
+        let ops = TorchOps {
             py,
-            kernels,
+            kernels: self.kernels.bind(py),
+        };
+        let mut backend = DeviceBackend {
+            kernels: &ops,
             comms,
             residuals,
             slots: vec![Slot {
-                tensor: buf.unbind(),
+                buffer: buf.unbind(),
                 mem,
             }],
             stream,
@@ -629,9 +582,9 @@ impl DeviceEngine {
             });
         }
         let mut residuals = HashMap::new();
+        let ops = TorchOps { py, kernels };
         let mut backend = DeviceBackend {
-            py,
-            kernels,
+            kernels: &ops,
             comms,
             residuals: &mut residuals,
             slots: Vec::new(),
@@ -673,468 +626,96 @@ fn lock<'a>(py: Python<'_>, m: &'a Mutex<Channel>) -> MutexGuard<'a, Channel> {
     }
 }
 
-/// [`Backend`] over torch tensors, for one allreduce.
-struct DeviceBackend<'a, 'py> {
+/// [`Kernels`] as torch operations: the methods of a
+/// `tiacc_training.torch.distributed._kernels.TorchKernels`, called with the
+/// interpreter held; collectives and waits run with it released.
+struct TorchOps<'a, 'py> {
     py: Python<'py>,
     kernels: &'a Bound<'py, PyAny>,
-    comms: &'a mut Comms,
-    residuals: &'a mut HashMap<u64, Slot>,
-    /// The bucket, then this operation's scratch tensors.
-    slots: Vec<Slot>,
-    stream: usize,
-    deadline: Deadline,
-    world_rank: usize,
-    bucket: u64,
 }
 
-impl<'py> DeviceBackend<'_, 'py> {
-    /// The tensor holding `m`, and `m`'s byte offset in it.
-    fn find(&self, m: Mem) -> tiacc_core::Result<(&Py<PyAny>, usize)> {
-        self.slots
-            .iter()
-            .chain(self.residuals.values())
-            .find(|s| s.mem.contains(m))
-            .map(|s| (&s.tensor, m.addr - s.mem.addr))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "device backend: {} bytes at {:#x} are not memory of the current operation",
-                    m.bytes, m.addr
-                ))
-            })
+/// `(tensor, byte offset, bytes)`: a span as the Python kernels take it.
+type Arg = (Py<PyAny>, usize, usize);
+
+impl<'py> TorchOps<'_, 'py> {
+    fn arg(&self, s: Span<'_, Py<PyAny>>) -> Arg {
+        (s.buffer.clone_ref(self.py), s.offset, s.bytes)
     }
 
-    /// `(tensor, byte offset, bytes)` of `m`, as the kernels take it.
-    fn arg(&self, m: Mem) -> tiacc_core::Result<(Py<PyAny>, usize, usize)> {
-        let (t, offset) = self.find(m)?;
-        Ok((t.clone_ref(self.py), offset, m.bytes))
-    }
-
-    /// Calls kernel `name`; its failure becomes this rank's error.
-    fn kernel<'k>(
-        &'k self,
+    fn call(
+        &self,
         name: &str,
         args: impl pyo3::call::PyCallArgs<'py>,
-    ) -> tiacc_core::Result<Bound<'py, PyAny>> {
-        self.kernels.call_method1(name, args).map_err(|e| {
-            let what = match self.bucket {
-                PROBE_BUCKET => "the auto probe".to_string(),
-                b => format!("bucket {b}"),
-            };
-            Error::Comm {
-                peer: Some(self.world_rank),
-                message: format!(
-                    "rank {}: {what}: the {name} kernel failed: {e}",
-                    self.world_rank
-                ),
-            }
-        })
-    }
-
-    fn new_slot(&mut self, bytes: usize) -> tiacc_core::Result<Slot> {
-        let tensor = self.kernel("empty", (bytes,))?;
-        let mem = tensor_mem(&tensor).map_err(|e| Error::Comm {
-            peer: Some(self.world_rank),
-            message: format!("the empty kernel returned an unusable tensor: {e}"),
-        })?;
-        Ok(Slot {
-            tensor: tensor.unbind(),
-            mem,
-        })
-    }
-
-    /// `m` as a host slice (TCP collectives on CPU tensors).
-    fn host(&self, m: Mem) -> tiacc_core::Result<&'static mut [u8]> {
-        self.find(m)?;
-        if m.bytes == 0 {
-            return Ok(&mut []);
-        }
-        // SAFETY: `m` lies inside a tensor this operation holds (checked
-        // above), whose memory is host memory: the engine only takes the TCP
-        // transport for CPU tensors (the shim's contract, as for the host
-        // engine). The slice is only used by the one collective it is made
-        // for, while the tensor is alive and nothing else touches it.
-        Ok(unsafe { std::slice::from_raw_parts_mut(m.addr as *mut u8, m.bytes) })
-    }
-
-    fn tcp(&mut self, group: GroupId) -> tiacc_core::Result<&mut dyn Transport> {
-        let Comms::Tcp(groups) = &mut *self.comms else {
-            return Err(Error::InvalidArgument(
-                "device backend: a TCP collective on an NCCL channel".into(),
-            ));
-        };
-        Ok(match (group, groups.hierarchy.as_mut()) {
-            (GroupId::Intra, Some(h)) => h.intra.as_mut(),
-            (GroupId::Inter, Some(h)) => h.inter.as_mut(),
-            _ => groups.world.as_mut(),
-        })
-    }
-
-    /// Reduce-scatter of equal chunks of `whole` (`chunk` elements each),
-    /// in place: this rank's chunk is reduced where it lies.
-    fn reduce_scatter_equal(
-        &mut self,
-        group: GroupId,
-        whole: Mem,
-        chunk: usize,
-        dtype: DType,
-    ) -> tiacc_core::Result<()> {
-        let (deadline, stream, rank) = (self.deadline, self.stream, self.rank(group));
-        let size = self.size(group);
-        // NCCL's in-place form: the receive buffer is this rank's chunk of
-        // the send buffer. Both transports get these same pointers.
-        let (send, recv) = (whole.addr, whole.addr + rank * chunk * dtype.size());
-        match &*self.comms {
-            Comms::Nccl(g) => {
-                let comm = g.get(group).clone();
-                self.py.detach(move || {
-                    // SAFETY: `whole` is device memory of a live tensor of
-                    // this operation holding `chunk * size` elements (the
-                    // caller padded it), `recv` is this rank's chunk inside
-                    // it, and the tensors stay alive for the stream (the
-                    // shim's record_stream).
-                    unsafe {
-                        comm.reduce_scatter(
-                            dptr(send),
-                            dptr(recv),
-                            chunk,
-                            dtype,
-                            ReduceOp::Sum,
-                            sptr(stream),
-                        )
-                    }
-                })
-            }
-            Comms::Tcp(_) => {
-                let span = in_place(send, recv, chunk * dtype.size(), size, rank, true)?;
-                let buf = self.host(span)?;
-                let py = self.py;
-                let t = self.tcp(group)?;
-                py.detach(move || t.reduce_scatter(buf, dtype, deadline))
-            }
-        }
-    }
-
-    /// Allgather of equal chunks of `whole` (`chunk` bytes each), in place.
-    fn allgather_equal(
-        &mut self,
-        group: GroupId,
-        whole: Mem,
-        chunk: usize,
-    ) -> tiacc_core::Result<()> {
-        let (deadline, stream, rank) = (self.deadline, self.stream, self.rank(group));
-        let size = self.size(group);
-        // NCCL's in-place form: the send buffer is this rank's chunk of the
-        // receive buffer. Both transports get these same pointers.
-        let (send, recv) = (whole.addr + rank * chunk, whole.addr);
-        match &*self.comms {
-            Comms::Nccl(g) => {
-                let comm = g.get(group).clone();
-                self.py.detach(move || {
-                    // SAFETY: as in `reduce_scatter_equal`: `whole` holds
-                    // `chunk * size` bytes and `send` is this rank's chunk
-                    // inside it.
-                    unsafe { comm.all_gather_bytes(dptr(send), dptr(recv), chunk, sptr(stream)) }
-                })
-            }
-            Comms::Tcp(_) => {
-                let span = in_place(send, recv, chunk, size, rank, false)?;
-                let buf = self.host(span)?;
-                let py = self.py;
-                let t = self.tcp(group)?;
-                py.detach(move || t.allgather(buf, 1, deadline))
-            }
-        }
+    ) -> KernelResult<Bound<'py, PyAny>> {
+        Ok(self.kernels.call_method1(name, args)?)
     }
 }
 
-/// The whole buffer of an in-place collective on equal chunks of
-/// `chunk_bytes`, checking NCCL's in-place rule: this rank's chunk of the
-/// whole buffer is the receive buffer (`scatter`) or the send buffer.
-fn in_place(
-    send: usize,
-    recv: usize,
-    chunk_bytes: usize,
-    size: usize,
-    rank: usize,
-    scatter: bool,
-) -> tiacc_core::Result<Mem> {
-    let (whole, mine) = if scatter { (send, recv) } else { (recv, send) };
-    if mine != whole + rank * chunk_bytes {
-        return Err(Error::InvalidArgument(format!(
-            "device backend: not an in-place collective: rank {rank}'s chunk at {mine:#x}, \
-             expected {:#x}",
-            whole + rank * chunk_bytes
-        )));
-    }
-    Ok(Mem::new(whole, chunk_bytes * size))
-}
+impl Kernels for TorchOps<'_, '_> {
+    type Buffer = Py<PyAny>;
 
-impl Backend for DeviceBackend<'_, '_> {
-    fn rank(&self, group: GroupId) -> usize {
-        match &*self.comms {
-            Comms::Nccl(g) => g.get(group).rank(),
-            Comms::Tcp(g) => match (group, &g.hierarchy) {
-                (GroupId::Intra, Some(h)) => h.intra.rank(),
-                (GroupId::Inter, Some(h)) => h.inter.rank(),
-                _ => g.world.rank(),
-            },
-        }
+    fn empty(&self, bytes: usize) -> KernelResult<(Py<PyAny>, Mem)> {
+        let tensor = self.call("empty", (bytes,))?;
+        let mem = tensor_mem(&tensor)
+            .map_err(|e| KernelError(format!("it returned an unusable tensor: {e}")))?;
+        Ok((tensor.unbind(), mem))
     }
 
-    fn size(&self, group: GroupId) -> usize {
-        match &*self.comms {
-            Comms::Nccl(g) => g.get(group).size(),
-            Comms::Tcp(g) => match (group, &g.hierarchy) {
-                (GroupId::Intra, Some(h)) => h.intra.size(),
-                (GroupId::Inter, Some(h)) => h.inter.size(),
-                _ => g.world.size(),
-            },
-        }
+    fn copy(&self, src: Span<'_, Py<PyAny>>, dst: Span<'_, Py<PyAny>>) -> KernelResult<()> {
+        let ((s, so, n), (d, dof, _)) = (self.arg(src), self.arg(dst));
+        self.call("copy", (s, so, d, dof, n)).map(drop)
     }
 
-    fn hierarchical(&self) -> bool {
-        match &*self.comms {
-            Comms::Nccl(g) => g.two_d.is_some(),
-            Comms::Tcp(g) => g.hierarchy.is_some(),
-        }
+    fn div(&self, buf: Span<'_, Py<PyAny>>, dtype: DType, divisor: f64) -> KernelResult<()> {
+        let (t, o, n) = self.arg(buf);
+        self.call("div", (t, o, n, dtype.name(), divisor)).map(drop)
     }
 
-    /// NCCL: the bytes handed to the group's communicator; TCP: what its
-    /// ring sent.
-    fn bytes_sent(&self, group: GroupId) -> u64 {
-        match &*self.comms {
-            Comms::Nccl(g) => match (group, &g.two_d) {
-                (GroupId::World, _) => g.world.bytes_given(),
-                (_, None) => 0,
-                (_, Some(_)) => g.get(group).bytes_given(),
-            },
-            Comms::Tcp(g) => match (group, &g.hierarchy) {
-                (GroupId::World, _) => g.world.bytes_sent(),
-                (GroupId::Intra, Some(h)) => h.intra.bytes_sent(),
-                (GroupId::Inter, Some(h)) => h.inter.bytes_sent(),
-                (_, None) => 0,
-            },
-        }
-    }
-
-    fn agree(&mut self, group: GroupId, tag: &OpTag) -> tiacc_core::Result<()> {
-        // NCCL cannot compare tags without waiting on the device; DDP gives
-        // every rank the same bucket layout.
-        if matches!(&*self.comms, Comms::Nccl(_)) {
-            return Ok(());
-        }
-        let (deadline, tag) = (self.deadline, *tag);
-        let py = self.py;
-        let t = self.tcp(group)?;
-        py.detach(move || t.agree(&tag, deadline))
-    }
-
-    fn allreduce(
-        &mut self,
-        group: GroupId,
-        tag: Option<&OpTag>,
-        buf: Mem,
-        dtype: DType,
-    ) -> tiacc_core::Result<()> {
-        let (deadline, stream, tag) = (self.deadline, self.stream, tag.copied());
-        match &*self.comms {
-            Comms::Nccl(g) => {
-                self.find(buf)?;
-                let comm = g.get(group).clone();
-                let (addr, count) = (buf.addr, buf.bytes / dtype.size());
-                self.py.detach(move || {
-                    // SAFETY: `buf` lies inside a live device tensor of this
-                    // operation (checked above) holding `count` elements,
-                    // on the channel stream's device; the tensor stays alive
-                    // for the stream (the shim's record_stream).
-                    unsafe {
-                        comm.all_reduce(
-                            dptr(addr),
-                            dptr(addr),
-                            count,
-                            dtype,
-                            ReduceOp::Sum,
-                            sptr(stream),
-                        )
-                    }
-                })
-            }
-            Comms::Tcp(_) => {
-                let s = self.host(buf)?;
-                let py = self.py;
-                let t = self.tcp(group)?;
-                py.detach(move || t.allreduce_divided(tag.as_ref(), s, dtype, 1.0, deadline))
-            }
-        }
-    }
-
-    fn reduce_scatter(
-        &mut self,
-        group: GroupId,
-        buf: Mem,
-        dtype: DType,
-    ) -> tiacc_core::Result<Shards> {
-        let (size, rank, e) = (self.size(group), self.rank(group), dtype.size());
-        let n = buf.bytes / e;
-        let chunk = n.div_ceil(size);
-        // Collectives on equal chunks: pad into scratch when `n` does not
-        // split evenly (the valid elements of every chunk are the same as
-        // `shard_range`'s).
-        let whole = if n % size == 0 {
-            buf
-        } else {
-            let padded = self.alloc(chunk * size * e)?;
-            self.copy(buf, padded.prefix(buf.bytes)?)?;
-            padded
-        };
-        self.reduce_scatter_equal(group, whole, chunk, dtype)?;
-        let valid = shard_range(n, size, rank).len();
-        let start = rank * chunk * e;
-        Ok(Shards {
-            whole,
-            mine: whole.slice(start..start + valid * e)?,
-        })
-    }
-
-    fn allgather(
-        &mut self,
-        group: GroupId,
-        shards: Shards,
-        dst: Mem,
-        _elem: usize,
-    ) -> tiacc_core::Result<()> {
-        let size = self.size(group);
-        if shards.whole.bytes % size != 0 || shards.whole.bytes < dst.bytes {
-            return Err(Error::InvalidArgument(format!(
-                "device backend: {} bytes of shards do not split into {size} equal chunks \
-                 covering {} bytes",
-                shards.whole.bytes, dst.bytes
-            )));
-        }
-        self.allgather_equal(group, shards.whole, shards.whole.bytes / size)?;
-        if shards.whole != dst {
-            self.copy(shards.whole.prefix(dst.bytes)?, dst)?;
-        }
-        Ok(())
-    }
-
-    /// Stream-ordered: the chunks run one after another on the channel's
-    /// stream (the algorithm hands over a single chunk, see `pipelines`).
-    fn two_d(
-        &mut self,
-        dtype: DType,
-        chunks: &[Mem],
-        inter: &tiacc_core::comm::backend::InterStep,
-    ) -> tiacc_core::Result<()> {
-        tiacc_core::comm::algo::two_d_in_order(self, dtype, chunks, inter)
-    }
-
-    fn alloc(&mut self, bytes: usize) -> tiacc_core::Result<Mem> {
-        let slot = self.new_slot(bytes)?;
-        let mem = slot.mem;
-        self.slots.push(slot);
-        Ok(mem)
-    }
-
-    fn residual(&mut self, key: u64, bytes: usize) -> tiacc_core::Result<Mem> {
-        if let Some(s) = self.residuals.get(&key).filter(|s| s.mem.bytes == bytes) {
-            return Ok(s.mem);
-        }
-        let slot = self.new_slot(bytes)?;
-        let mem = slot.mem;
-        self.residuals.insert(key, slot);
-        Ok(mem)
-    }
-
-    fn clear_residuals(&mut self) {
-        self.residuals.clear();
-    }
-
-    fn copy(&mut self, src: Mem, dst: Mem) -> tiacc_core::Result<()> {
-        if src.bytes != dst.bytes {
-            return Err(Error::InvalidArgument(format!(
-                "device backend: a copy of {} bytes into {} bytes",
-                src.bytes, dst.bytes
-            )));
-        }
-        let (s, so, n) = self.arg(src)?;
-        let (d, dof, _) = self.arg(dst)?;
-        self.kernel("copy", (s, so, d, dof, n)).map(drop)
-    }
-
-    fn div(&mut self, buf: Mem, dtype: DType, divisor: f64) -> tiacc_core::Result<()> {
-        let (t, o, n) = self.arg(buf)?;
-        self.kernel("div", (t, o, n, dtype.name(), divisor))
-            .map(drop)
-    }
-
-    fn encode(
-        &mut self,
-        src: Mem,
-        dtype: DType,
+    fn cast(
+        &self,
+        src: Span<'_, Py<PyAny>>,
+        from: DType,
         factor: f64,
-        dst: Mem,
-        wire: DType,
-    ) -> tiacc_core::Result<()> {
-        let (s, so, sn) = self.arg(src)?;
-        let (d, dof, dn) = self.arg(dst)?;
-        let args = (s, so, sn, dtype.name(), factor, d, dof, dn, wire.name());
-        self.kernel("cast", args).map(drop)
-    }
-
-    fn decode(
-        &mut self,
-        src: Mem,
-        wire: DType,
-        factor: f64,
-        dst: Mem,
-        dtype: DType,
-    ) -> tiacc_core::Result<()> {
-        let (s, so, sn) = self.arg(src)?;
-        let (d, dof, dn) = self.arg(dst)?;
-        let args = (s, so, sn, wire.name(), factor, d, dof, dn, dtype.name());
-        self.kernel("cast", args).map(drop)
+        dst: Span<'_, Py<PyAny>>,
+        to: DType,
+    ) -> KernelResult<()> {
+        let ((s, so, sn), (d, dof, dn)) = (self.arg(src), self.arg(dst));
+        let args = (s, so, sn, from.name(), factor, d, dof, dn, to.name());
+        self.call("cast", args).map(drop)
     }
 
     fn first_non_finite(
-        &mut self,
-        buf: Mem,
+        &self,
+        buf: Span<'_, Py<PyAny>>,
         dtype: DType,
-    ) -> tiacc_core::Result<Option<(usize, f64)>> {
-        let (t, o, n) = self.arg(buf)?;
-        let found = self.kernel("first_non_finite", (t, o, n, dtype.name()))?;
+    ) -> KernelResult<Option<(usize, f64)>> {
+        let (t, o, n) = self.arg(buf);
+        let found = self.call("first_non_finite", (t, o, n, dtype.name()))?;
         found
             .extract::<Option<(usize, f64)>>()
-            .map_err(|e| Error::Comm {
-                peer: Some(self.world_rank),
-                message: format!("the first_non_finite kernel returned an unexpected value: {e}"),
-            })
+            .map_err(|e| KernelError(format!("it returned an unexpected value: {e}")))
     }
 
     fn topk_pack(
-        &mut self,
-        data: Mem,
-        residual: Mem,
+        &self,
+        data: Span<'_, Py<PyAny>>,
+        residual: Span<'_, Py<PyAny>>,
+        out: Span<'_, Py<PyAny>>,
         layout: TopKBlock,
-        out: Mem,
-    ) -> tiacc_core::Result<()> {
-        let (d, dof, _) = self.arg(data)?;
-        let (r, ro, _) = self.arg(residual)?;
-        let (o, oo, _) = self.arg(out)?;
+    ) -> KernelResult<()> {
+        let ((d, dof, _), (r, ro, _), (o, oo, _)) =
+            (self.arg(data), self.arg(residual), self.arg(out));
         let args = (d, dof, r, ro, o, oo, layout.n, layout.k, layout.fp16_values);
-        self.kernel("topk_pack", args).map(drop)
+        self.call("topk_pack", args).map(drop)
     }
 
     fn topk_sum(
-        &mut self,
-        gathered: Mem,
+        &self,
+        gathered: Span<'_, Py<PyAny>>,
+        out: Span<'_, Py<PyAny>>,
         layout: TopKBlock,
-        out: Mem,
-        _group: GroupId,
-        _bucket: u64,
-    ) -> tiacc_core::Result<()> {
-        let (g, go, _) = self.arg(gathered)?;
-        let (o, oo, _) = self.arg(out)?;
+    ) -> KernelResult<()> {
+        let ((g, go, _), (o, oo, _)) = (self.arg(gathered), self.arg(out));
         let args = (
             g,
             go,
@@ -1146,94 +727,67 @@ impl Backend for DeviceBackend<'_, '_> {
             layout.k,
             layout.fp16_values,
         );
-        self.kernel("topk_sum", args).map(drop)
+        self.call("topk_sum", args).map(drop)
     }
 
-    fn clip_norm(&mut self, buf: Mem, max_norm: f64) -> tiacc_core::Result<()> {
-        let (t, o, n) = self.arg(buf)?;
-        self.kernel("clip_norm", (t, o, n / 4, max_norm)).map(drop)
+    fn clip_norm(&self, buf: Span<'_, Py<PyAny>>, max_norm: f64) -> KernelResult<()> {
+        let (t, o, n) = self.arg(buf);
+        self.call("clip_norm", (t, o, n / 4, max_norm)).map(drop)
     }
 
-    fn momentum_step(&mut self, velocity: Mem, data: Mem, momentum: f64) -> tiacc_core::Result<()> {
-        let (u, uo, n) = self.arg(velocity)?;
-        let (d, dof, dn) = self.arg(data)?;
-        same_length(n, dn)?;
-        self.kernel("momentum_step", (u, uo, d, dof, n / 4, momentum))
+    fn momentum_step(
+        &self,
+        velocity: Span<'_, Py<PyAny>>,
+        data: Span<'_, Py<PyAny>>,
+        momentum: f64,
+    ) -> KernelResult<()> {
+        let ((u, uo, n), (d, dof, _)) = (self.arg(velocity), self.arg(data));
+        self.call("momentum_step", (u, uo, d, dof, n / 4, momentum))
             .map(drop)
     }
 
-    fn topk_mask(&mut self, block: Mem, layout: TopKBlock, buf: Mem) -> tiacc_core::Result<()> {
-        let (k, ko, kn) = self.arg(block)?;
-        let (b, bo, bn) = self.arg(buf)?;
-        if kn < layout.values_offset() {
-            return Err(Error::InvalidArgument(
-                "device backend: a Top-K block shorter than its indices".into(),
-            ));
-        }
-        self.kernel("topk_mask", (k, ko, layout.k, b, bo, bn / 4))
+    fn topk_mask(
+        &self,
+        block: Span<'_, Py<PyAny>>,
+        layout: TopKBlock,
+        buf: Span<'_, Py<PyAny>>,
+    ) -> KernelResult<()> {
+        let ((b, bo, _), (t, to, n)) = (self.arg(block), self.arg(buf));
+        self.call("topk_mask", (b, bo, layout.k, t, to, n / 4))
             .map(drop)
     }
 
     fn momentum_correct(
-        &mut self,
-        data: Mem,
-        previous: Mem,
+        &self,
+        data: Span<'_, Py<PyAny>>,
+        previous: Span<'_, Py<PyAny>>,
         momentum: f64,
-    ) -> tiacc_core::Result<()> {
-        let (d, dof, n) = self.arg(data)?;
-        let (p, po, pn) = self.arg(previous)?;
-        same_length(n, pn)?;
-        self.kernel("momentum_correct", (d, dof, p, po, n / 4, momentum))
+    ) -> KernelResult<()> {
+        let ((d, dof, n), (p, po, _)) = (self.arg(data), self.arg(previous));
+        self.call("momentum_correct", (d, dof, p, po, n / 4, momentum))
             .map(drop)
     }
-}
 
-/// Errors unless two element-wise operands have the same length in bytes.
-fn same_length(a: usize, b: usize) -> tiacc_core::Result<()> {
-    if a == b {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "device backend: element-wise operands of {a} and {b} bytes"
-        )))
-    }
-}
-
-/// What the `auto` probe needs besides the collectives: the kernels move
-/// its timings in and out of device memory and wait for the device.
-impl Probing for DeviceBackend<'_, '_> {
-    fn write(&mut self, dst: Mem, src: &[u8]) -> tiacc_core::Result<()> {
-        if dst.bytes != src.len() {
-            return Err(Error::InvalidArgument(format!(
-                "device backend: {} bytes written to a span of {}",
-                src.len(),
-                dst.bytes
-            )));
-        }
-        let (t, o, _) = self.arg(dst)?;
-        let data = PyBytes::new(self.py, src);
-        self.kernel("load", (t, o, data)).map(drop)
+    fn load(&self, dst: Span<'_, Py<PyAny>>, data: &[u8]) -> KernelResult<()> {
+        let (t, o, _) = self.arg(dst);
+        let data = PyBytes::new(self.py, data);
+        self.call("load", (t, o, data)).map(drop)
     }
 
-    fn read(&mut self, src: Mem, dst: &mut [u8]) -> tiacc_core::Result<()> {
-        let (t, o, n) = self.arg(src)?;
-        let got = self.kernel("fetch", (t, o, n))?;
+    fn fetch(&self, src: Span<'_, Py<PyAny>>) -> KernelResult<Vec<u8>> {
+        let (t, o, n) = self.arg(src);
+        let got = self.call("fetch", (t, o, n))?;
         let bytes = got
             .cast::<PyBytes>()
-            .map_err(|e| Error::InvalidArgument(format!("the fetch kernel: {e}")))?
-            .as_bytes();
-        if bytes.len() != dst.len() {
-            return Err(Error::InvalidArgument(format!(
-                "device backend: the fetch kernel gave {} bytes, {} were asked for",
-                bytes.len(),
-                dst.len()
-            )));
-        }
-        dst.copy_from_slice(bytes);
-        Ok(())
+            .map_err(|e| KernelError(e.to_string()))?;
+        Ok(bytes.as_bytes().to_vec())
     }
 
-    fn finish(&mut self) -> tiacc_core::Result<()> {
-        self.kernel("synchronize", ()).map(drop)
+    fn synchronize(&self) -> KernelResult<()> {
+        self.call("synchronize", ()).map(drop)
+    }
+
+    fn unlocked<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        self.py.detach(work)
     }
 }

@@ -14,6 +14,7 @@ pub mod auto;
 pub mod backend;
 pub mod codec;
 pub mod counters;
+pub mod device;
 pub mod dtype;
 pub mod engine;
 pub mod failure;

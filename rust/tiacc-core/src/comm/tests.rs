@@ -1861,4 +1861,5 @@ fn engine_counters_show_scope_inter_compressing_only_between_nodes() {
     }
 }
 
+mod device;
 mod sharded;

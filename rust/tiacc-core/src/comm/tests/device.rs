@@ -1,0 +1,369 @@
+//! The device backend ([`crate::comm::device`]) without a framework: its
+//! kernels over host memory ([`HostKernels`]) and its collectives over the
+//! TCP rings, running the same algorithms as the host backend, on 2 nodes
+//! x 2 ranks. The results must be the host engine's, bit for bit.
+
+use std::collections::HashMap;
+
+use super::*;
+use crate::comm::algo::Algorithm;
+use crate::comm::backend::{Mem, TopKBlock};
+use crate::comm::codec::{self, Compression};
+use crate::comm::device::{Comms, DeviceBackend, KernelResult, Kernels, Slot, Span};
+use crate::comm::sharded::{self, ReduceScatterPlan};
+use crate::comm::sparse::{self, TopKOptions};
+
+/// A host allocation a [`HostKernels`] hands out, freed when dropped.
+struct HostBuffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl HostBuffer {
+    fn zeroed(len: usize) -> Self {
+        let boxed = vec![0u8; len].into_boxed_slice();
+        HostBuffer {
+            len: boxed.len(),
+            ptr: Box::into_raw(boxed).cast::<u8>(),
+        }
+    }
+
+    fn mem(&self) -> Mem {
+        Mem::new(self.ptr as usize, self.len)
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` and `len` came from `Box::into_raw` of a boxed
+        // slice of `len` bytes in `zeroed`, and are freed only here.
+        unsafe {
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.ptr, self.len,
+            )))
+        }
+    }
+}
+
+// SAFETY: a HostBuffer owns its allocation; the backend hands its bytes to
+// one kernel or collective at a time.
+unsafe impl Send for HostBuffer {}
+
+/// [`Kernels`] over host memory: the host backend's own kernels.
+struct HostKernels;
+
+/// `span`'s bytes.
+///
+/// # Safety
+/// No other slice of the same bytes may be live while this one is: the
+/// device backend passes each kernel disjoint spans of live buffers.
+#[allow(clippy::mut_from_ref)]
+unsafe fn bytes<'a>(span: Span<'a, HostBuffer>) -> &'a mut [u8] {
+    assert!(
+        span.offset + span.bytes <= span.buffer.len,
+        "a span past its buffer"
+    );
+    // SAFETY: inside the buffer (checked above), which outlives the span;
+    // exclusivity is the caller's contract.
+    unsafe { std::slice::from_raw_parts_mut(span.buffer.ptr.add(span.offset), span.bytes) }
+}
+
+impl Kernels for HostKernels {
+    type Buffer = HostBuffer;
+
+    fn empty(&self, n: usize) -> KernelResult<(HostBuffer, Mem)> {
+        let buffer = HostBuffer::zeroed(n);
+        let mem = buffer.mem();
+        Ok((buffer, mem))
+    }
+
+    fn copy(&self, src: Span<'_, HostBuffer>, dst: Span<'_, HostBuffer>) -> KernelResult<()> {
+        // SAFETY: the backend's spans of one kernel do not overlap.
+        unsafe { bytes(dst).copy_from_slice(bytes(src)) };
+        Ok(())
+    }
+
+    fn div(&self, buf: Span<'_, HostBuffer>, dtype: DType, divisor: f64) -> KernelResult<()> {
+        // SAFETY: one span.
+        dtype.div_assign(unsafe { bytes(buf) }, divisor);
+        Ok(())
+    }
+
+    fn cast(
+        &self,
+        src: Span<'_, HostBuffer>,
+        from: DType,
+        factor: f64,
+        dst: Span<'_, HostBuffer>,
+        to: DType,
+    ) -> KernelResult<()> {
+        // SAFETY: the backend's spans of one kernel do not overlap.
+        let (s, d) = unsafe { (bytes(src), bytes(dst)) };
+        if to.size() < from.size() {
+            codec::encode(s, from, factor, d, to);
+        } else {
+            codec::decode(s, from, factor, d, to);
+        }
+        Ok(())
+    }
+
+    fn first_non_finite(
+        &self,
+        buf: Span<'_, HostBuffer>,
+        dtype: DType,
+    ) -> KernelResult<Option<(usize, f64)>> {
+        // SAFETY: one span.
+        Ok(codec::first_non_finite(unsafe { bytes(buf) }, dtype))
+    }
+
+    fn topk_pack(
+        &self,
+        data: Span<'_, HostBuffer>,
+        residual: Span<'_, HostBuffer>,
+        out: Span<'_, HostBuffer>,
+        layout: TopKBlock,
+    ) -> KernelResult<()> {
+        // SAFETY: the backend's spans of one kernel do not overlap.
+        unsafe { sparse::pack(bytes(data), bytes(residual), layout, bytes(out)) };
+        Ok(())
+    }
+
+    fn topk_sum(
+        &self,
+        gathered: Span<'_, HostBuffer>,
+        out: Span<'_, HostBuffer>,
+        layout: TopKBlock,
+    ) -> KernelResult<()> {
+        // SAFETY: the backend's spans of one kernel do not overlap.
+        let (g, o) = unsafe { (bytes(gathered), bytes(out)) };
+        Ok(sparse::sum(g, layout, o, |r| (r, format!("rank {r}")))?)
+    }
+
+    fn clip_norm(&self, buf: Span<'_, HostBuffer>, max_norm: f64) -> KernelResult<()> {
+        // SAFETY: one span.
+        sparse::clip_norm(unsafe { bytes(buf) }, max_norm);
+        Ok(())
+    }
+
+    fn momentum_step(
+        &self,
+        velocity: Span<'_, HostBuffer>,
+        data: Span<'_, HostBuffer>,
+        momentum: f64,
+    ) -> KernelResult<()> {
+        // SAFETY: the backend's spans of one kernel do not overlap.
+        unsafe { sparse::momentum_step(bytes(velocity), bytes(data), momentum) };
+        Ok(())
+    }
+
+    fn topk_mask(
+        &self,
+        block: Span<'_, HostBuffer>,
+        layout: TopKBlock,
+        buf: Span<'_, HostBuffer>,
+    ) -> KernelResult<()> {
+        // SAFETY: the backend's spans of one kernel do not overlap.
+        unsafe { sparse::mask_sent(bytes(block), layout, bytes(buf)) };
+        Ok(())
+    }
+
+    fn momentum_correct(
+        &self,
+        data: Span<'_, HostBuffer>,
+        previous: Span<'_, HostBuffer>,
+        momentum: f64,
+    ) -> KernelResult<()> {
+        // SAFETY: the backend's spans of one kernel do not overlap.
+        unsafe { sparse::momentum_correct(bytes(data), bytes(previous), momentum) };
+        Ok(())
+    }
+
+    fn load(&self, dst: Span<'_, HostBuffer>, data: &[u8]) -> KernelResult<()> {
+        // SAFETY: one span.
+        unsafe { bytes(dst).copy_from_slice(data) };
+        Ok(())
+    }
+
+    fn fetch(&self, src: Span<'_, HostBuffer>) -> KernelResult<Vec<u8>> {
+        // SAFETY: one span.
+        Ok(unsafe { bytes(src) }.to_vec())
+    }
+
+    fn synchronize(&self) -> KernelResult<()> {
+        Ok(())
+    }
+
+    fn unlocked<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        work()
+    }
+}
+
+/// Runs `f` on every rank of 2 nodes x 2 ranks with a device backend over
+/// `input(rank)` (float32): every rank's buffer afterwards.
+fn on_device_grid(
+    input: impl Fn(usize) -> Vec<f64> + Send + Sync + Clone + 'static,
+    f: impl Fn(&mut DeviceBackend<'_, HostKernels>, Mem) -> crate::error::Result<()>
+        + Send
+        + Sync
+        + Clone
+        + 'static,
+) -> Vec<Vec<f64>> {
+    let handles: Vec<_> = two_by_two_groups()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, groups)| {
+            let (input, f) = (input.clone(), f.clone());
+            std::thread::spawn(move || {
+                let bytes = encode(DType::F32, &input(rank));
+                let (buffer, mem) = HostKernels.empty(bytes.len()).unwrap();
+                HostKernels
+                    .load(
+                        Span {
+                            buffer: &buffer,
+                            offset: 0,
+                            bytes: bytes.len(),
+                        },
+                        &bytes,
+                    )
+                    .unwrap();
+                let mut comms = Comms::Tcp(groups);
+                let mut residuals = HashMap::new();
+                let mut backend = DeviceBackend {
+                    kernels: &HostKernels,
+                    comms: &mut comms,
+                    residuals: &mut residuals,
+                    slots: vec![Slot { buffer, mem }],
+                    stream: 0,
+                    deadline: deadline(),
+                    world_rank: rank,
+                    bucket: 0,
+                };
+                f(&mut backend, mem).unwrap();
+                let span = Span {
+                    buffer: &backend.slots[0].buffer,
+                    offset: 0,
+                    bytes: mem.bytes,
+                };
+                decode(DType::F32, &HostKernels.fetch(span).unwrap())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn tag(bytes: usize) -> OpTag {
+    OpTag {
+        op: 0,
+        kind: OpKind::Allreduce,
+        seq: 1,
+        bucket: 0,
+        dtype: DType::F32.code(),
+        bytes: bytes as u64,
+    }
+}
+
+/// What the host engine gives for the same allreduce (its own backend).
+fn host_allreduce(settings: AlgoSettings, len: usize) -> Vec<Vec<f64>> {
+    let per_rank = two_by_two_groups()
+        .into_iter()
+        .map(|groups| vec![(groups, settings)])
+        .collect();
+    on_engines(per_rank, move |rank, engine| {
+        let values: Vec<f64> = (0..len).map(|i| two_d_value(rank, i)).collect();
+        allreduce_f32(engine, &values, true, 0)
+    })
+}
+
+#[test]
+fn the_device_backend_reduces_as_the_host_engine_does() {
+    // 1001 elements: shards that do not split evenly (the device backend
+    // pads them), and buckets small enough for one 2D chunk.
+    let len = 1001;
+    let settings = [
+        AlgoSettings::default(),
+        AlgoSettings {
+            hierarchical_threshold: Some(u64::MAX),
+            ..Default::default()
+        },
+        AlgoSettings {
+            hierarchical_threshold: Some(u64::MAX),
+            inter_compression: Compression::Fp16,
+            ..Default::default()
+        },
+        AlgoSettings {
+            compression: Compression::Bf16,
+            ..Default::default()
+        },
+        AlgoSettings {
+            topk: Some(TopKOptions {
+                ratio: 0.1,
+                threshold: 0,
+                fp16_values: false,
+            }),
+            ..Default::default()
+        },
+        AlgoSettings {
+            hierarchical_threshold: Some(u64::MAX),
+            topk: Some(TopKOptions {
+                ratio: 0.1,
+                threshold: 0,
+                fp16_values: true,
+            }),
+            ..Default::default()
+        },
+    ];
+    for settings in settings {
+        let want = host_allreduce(settings, len);
+        let got = on_device_grid(
+            move |rank| (0..len).map(|i| two_d_value(rank, i)).collect(),
+            move |b, mem| {
+                let mut algorithm = Algorithm::new(settings);
+                algorithm.allreduce(b, &tag(mem.bytes), mem, DType::F32, true)
+            },
+        );
+        assert_eq!(got, want, "{settings:?}");
+    }
+}
+
+#[test]
+fn the_device_backend_runs_the_sharded_collectives_over_the_2d_groups() {
+    const BLOCK: usize = 333;
+    let plan = ReduceScatterPlan {
+        two_d: true,
+        compression: Compression::None,
+        inter_compression: Compression::None,
+        scale: 1.0,
+    };
+    let scattered = on_device_grid(
+        |rank| (0..4 * BLOCK).map(|i| two_d_value(rank, i)).collect(),
+        move |b, mem| {
+            sharded::reduce_scatter(b, &tag(mem.bytes), mem, DType::F32, 4.0, &plan).map(drop)
+        },
+    );
+    for (rank, got) in scattered.iter().enumerate() {
+        let mine = rank * BLOCK..(rank + 1) * BLOCK;
+        for (g, &v) in got.iter().enumerate().filter(|(g, _)| mine.contains(g)) {
+            let mean = (0..4).map(|r| two_d_value(r, g)).sum::<f64>() / 4.0;
+            assert_eq!(v, mean, "rank {rank} element {g}");
+        }
+    }
+    let gathered = on_device_grid(
+        |rank| {
+            (0..4 * BLOCK)
+                .map(|i| {
+                    if i / BLOCK == rank {
+                        two_d_value(rank, i)
+                    } else {
+                        0.0
+                    }
+                })
+                .collect()
+        },
+        |b, mem| sharded::allgather_two_d(b, &tag(mem.bytes), mem, 4),
+    );
+    for (rank, got) in gathered.iter().enumerate() {
+        for (g, &v) in got.iter().enumerate() {
+            assert_eq!(v, two_d_value(g / BLOCK, g), "rank {rank} element {g}");
+        }
+    }
+}
