@@ -12,7 +12,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build wheel demo demo-run gpu-kit gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv test-torch-smoke bench bench-ddp bench-nccl bench-topk bench-collectives bench-horovod lint docs-check fmt fuzz fuzz-merge clean
+.PHONY: help setup build wheel demo demo-run gpu-kit gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv test-torch-smoke bench bench-ddp bench-nccl bench-topk bench-collectives bench-horovod bench-fsdp lint docs-check fmt fuzz fuzz-merge clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -149,6 +149,9 @@ bench-collectives: setup ## all_reduce 4 KB..256 MB through the tiacc backend vs
 
 bench-horovod: setup ## Horovod-style ResNet-50 images/s: hvd.DistributedOptimizer vs native DDP vs tiacc DDP, 2 and 4 ranks, slow link (root)
 	$(PY) benches/bench_horovod.py
+
+bench-fsdp: setup ## FSDP2 training step: tiacc (flat, 2D, 2D + bf16 reduce-scatter) vs gloo, 2x2 slow link and 4 ranks on one host (root)
+	$(PY) benches/bench_fsdp.py
 
 bench-topk: setup ## Top-K with momentum SGD: held-out loss of native, Top-K, Top-K + momentum correction (4 CPU ranks)
 	$(PY) benches/bench_topk_convergence.py

@@ -1,0 +1,272 @@
+"""FSDP2 (``fully_shard``) training step on the CPU: the engine against gloo.
+
+A model of ``--layers`` square ``Linear`` layers (default 8 of 1792: 25.7 M
+parameters, 103 MB of float32), each layer and then the whole model
+sharded with ``fully_shard``, SGD, random inputs. Every step FSDP2
+all-gathers every layer's parameters twice (forward, and again in the
+backward pass after resharding) and reduce-scatters every gradient with
+the average: three times the model's bytes in sharded collectives, issued
+by torch itself on the default group's CPU backend. The rows, each the
+same script and seed:
+
+- ``native``: stock torch, ``init_process_group("gloo")``;
+- ``tiacc``: the same script with the two lines, the engine's defaults
+  (``TIACC_TRAINING_ALGORITHM=auto`` picks flat or 2D at start-up);
+- ``tiacc flat`` / ``tiacc 2d``: the algorithm forced;
+- ``tiacc 2d + bf16``: 2D with
+  ``TIACC_TRAINING_REDUCE_SCATTER_COMPRESSION=bf16`` and
+  ``TIACC_TRAINING_COMPRESSION_SCOPE=inter`` (only the reduce-scatter's
+  inter-node step in bfloat16).
+
+Layouts (``--layouts``): ``link2x2`` (the emulated two-node cluster of
+``tools/netns_cluster.py``: 2 nodes x 2 ranks, a veth link shaped to
+``--rate-mbit`` each way) and ``loopback4`` (4 ranks on one node, native
+and the defaults only). Rows of a layout alternate within each round (the
+first row turns each round); a row's figure is the median of every timed
+step, pooled over the rounds. Every row prints its losses; the exact rows'
+largest relative difference from native's is reported. Needs root
+(network namespaces and tc).
+
+    python benches/bench_fsdp.py [--rounds 2] [--layouts link2x2,loopback4]
+
+Writes benches/results/bench_fsdp.json (with the machine, its load average
+before and after, and the commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _machine import REPO, machine_info  # noqa: E402
+
+RESULTS = REPO / "benches" / "results" / "bench_fsdp.json"
+# Row name: (uses the two lines, settings).
+ROWS: dict[str, tuple[bool, dict[str, str]]] = {
+    "native": (False, {}),
+    "tiacc": (True, {}),
+    "tiacc flat": (True, {"TIACC_TRAINING_ALGORITHM": "flat"}),
+    "tiacc 2d": (True, {"TIACC_TRAINING_ALGORITHM": "2d"}),
+    "tiacc 2d + bf16": (
+        True,
+        {
+            "TIACC_TRAINING_ALGORITHM": "2d",
+            "TIACC_TRAINING_REDUCE_SCATTER_COMPRESSION": "bf16",
+            "TIACC_TRAINING_COMPRESSION_SCOPE": "inter",
+        },
+    ),
+}
+LAYOUTS = {
+    # name: (nodes, ranks per node, rows)
+    "link2x2": (2, 2, list(ROWS)),
+    "loopback4": (1, 4, ["native", "tiacc"]),
+}
+EXACT_ROWS = ("tiacc", "tiacc flat", "tiacc 2d")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: FSDP2 training steps; rank 0 prints its ``RESULT`` JSON."""
+    if args.two_lines:
+        import tiacc_training.torch.distributed as tdist
+
+        tdist.init_tiacc_training()
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            dist.barrier()
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(args.batch, args.width, generator=g)
+        start = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    dist.barrier()
+    result = {"step_s": times[args.warmup :], "losses": losses, "param_bytes": params}
+    if args.two_lines:
+        from tiacc_training.torch.distributed import _backend, _collectives
+
+        result["served"] = dict(_backend.served_in_process)
+        result["forwarded"] = sum(_backend.forwarded_in_process.values())
+        result["paths"] = {
+            f"{path}/{codec}": {"calls": row["buckets"], "wire_bytes": row["wire"]}
+            for (path, codec), row in _collectives.counters_in_process().items()
+        }
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def run_row(nodes: list, layout: str, row: str, args: argparse.Namespace) -> dict:
+    """One job of one row; rank 0's result."""
+    from _cluster_jobs import AUTO_PREFIXES, run_job
+
+    n_nodes, per_node, _ = LAYOUTS[layout]
+    two_lines, env = ROWS[row]
+    worker_args = ["--worker", "--layers", str(args.layers), "--width", str(args.width)]
+    worker_args += ["--batch", str(args.batch), "--steps", str(args.steps)]
+    worker_args += ["--warmup", str(args.warmup)] + (["--two-lines"] if two_lines else [])
+    started = time.monotonic()
+    result = run_job(
+        nodes[:n_nodes],
+        Path(__file__).resolve(),
+        worker_args,
+        env,
+        ranks_per_node=per_node,
+        timeout=1800,
+        stderr_prefixes=AUTO_PREFIXES,
+    )
+    result["job_s"] = round(time.monotonic() - started, 1)
+    median = statistics.median(result["step_s"])
+    print(f"  {layout}: {row}: {median * 1000:.0f} ms/step", flush=True)
+    return result
+
+
+def summarize(layout: str, parts: dict[str, list[dict]]) -> dict:
+    """One layout's rows: pooled steps, median, ratios, loss agreement."""
+    n_nodes, per_node, _ = LAYOUTS[layout]
+    native_losses = parts["native"][0]["losses"]
+    rows = {}
+    for row, results in parts.items():
+        steps = [t for r in results for t in r["step_s"]]
+        losses = results[0]["losses"]
+        rows[row] = {
+            "row": row,
+            "settings": ROWS[row][1],
+            "median_step_ms": round(statistics.median(steps) * 1000, 1),
+            "round_medians_ms": [round(statistics.median(r["step_s"]) * 1000, 1) for r in results],
+            "steps_pooled": len(steps),
+            "losses": losses,
+            "largest_relative_loss_difference_from_native": max(
+                abs(a - b) / abs(b) for a, b in zip(losses, native_losses)
+            ),
+            "link_sent_bytes_per_job": round(
+                statistics.fmean(r["link_sent_bytes"] for r in results)
+            ),
+            "link_dropped_packets": sum(r["link_dropped_packets"] for r in results),
+            "served": results[-1].get("served"),
+            "forwarded": results[-1].get("forwarded"),
+            "engine_paths": results[-1].get("paths"),
+            "auto_lines": results[-1].get("rank0_stderr_lines"),
+        }
+    native = rows["native"]["median_step_ms"]
+    return {
+        "nodes": n_nodes,
+        "ranks_per_node": per_node,
+        "param_bytes": parts["native"][0]["param_bytes"],
+        "rows": list(rows.values()),
+        "speedup_over_native": {
+            row: round(native / r["median_step_ms"], 3)
+            for row, r in rows.items()
+            if row != "native"
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--two-lines", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layouts", default="link2x2,loopback4")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1792)
+    parser.add_argument("--batch", type=int, default=8, help="samples per rank per step")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per job")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--rate-mbit", type=float, default=200.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown or not layouts:
+        parser.error(f"--layouts: unknown {unknown}; expected some of {', '.join(LAYOUTS)}")
+    if os.geteuid() != 0:
+        sys.exit("bench_fsdp.py needs root (network namespaces and tc)")
+    from netns_cluster import cluster
+
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    started = time.monotonic()
+    parts = {x: {row: [] for row in LAYOUTS[x][2]} for x in layouts}
+    with cluster(args.rate_mbit) as nodes:
+        for round_ in range(args.rounds):
+            print(f"round {round_ + 1} of {args.rounds}", flush=True)
+            for layout in layouts:
+                rows = LAYOUTS[layout][2]
+                shift = round_ % len(rows)
+                for row in rows[shift:] + rows[:shift]:
+                    parts[layout][row].append(run_row(nodes, layout, row, args))
+    results = {x: summarize(x, parts[x]) for x in layouts}
+    for layout, res in results.items():
+        print(f"\n{layout} ({res['nodes']} node(s) x {res['ranks_per_node']} ranks)")
+        for row in res["rows"]:
+            ratio = res["speedup_over_native"].get(row["row"])
+            print(
+                f"  {row['row']:<18} {row['median_step_ms']:>9.1f} ms"
+                + (f"  {ratio:.2f}x native" if ratio else "")
+                + f"  losses within {row['largest_relative_loss_difference_from_native']:.1e}"
+            )
+    machine = machine_info(["torch", "tiacc-training"])
+    machine["load_average_before_1_5_15"] = load_before
+    out = {
+        "benchmark": "bench_fsdp",
+        "setup": {
+            "model": f"{args.layers} x (Linear({args.width}, {args.width}) + Tanh), "
+            "each Linear and the whole model fully_shard-ed (FSDP2), SGD lr 0.01",
+            "batch_per_rank": args.batch,
+            "threads_per_rank": 1,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "rate_mbit_each_way": args.rate_mbit,
+            "exact_rows": EXACT_ROWS,
+            "figure": "median step over every timed step of the rounds",
+            "wall_s": round(time.monotonic() - started, 1),
+        },
+        "layouts": results,
+        "machine": machine,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
