@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from _launch import base_env, describe, free_port, json_lines, results_of, run_ranks, tiacc_class
 
+from tiacc_training.errors import ConfigError
+
 WORKER = Path(__file__).resolve().parent / "horovod_ops_worker.py"
 TORCHRUN_VARIABLES = (
     "RANK",
@@ -199,8 +201,8 @@ def test_launcher_variables_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOROVOD_RANK", "4")
     monkeypatch.setenv("HOROVOD_SIZE", "4")
-    with pytest.raises(ValueError, match="HOROVOD_RANK=4 is not below HOROVOD_SIZE=4"):
+    with pytest.raises(ConfigError, match="HOROVOD_RANK.*a rank below the world size 4"):
         _basics.export_launcher_env()
     monkeypatch.delenv("HOROVOD_SIZE")
-    with pytest.raises(ValueError, match="HOROVOD_SIZE is not"):
+    with pytest.raises(ConfigError, match="HOROVOD_SIZE.*since HOROVOD_RANK=4 is set"):
         _basics.export_launcher_env()

@@ -28,7 +28,8 @@ use tiacc_core::config::{self, AlgorithmChoice};
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
 
-/// How this process was launched (torchrun, mpirun, SLURM) as a dict, or
+/// How this process was launched (`tiacc_core::config::launch_env`: torchrun,
+/// mpirun, SLURM, horovodrun, MPICH, PMIx) as a dict, or
 /// `None` when no launcher set it up. Raises `ConfigError` on bad values.
 #[pyfunction]
 pub fn launch_env(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {

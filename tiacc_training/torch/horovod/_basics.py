@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tiacc_training import _engine
+
 __all__ = [
     "ccl_built",
     "cross_rank",
@@ -96,61 +98,41 @@ def _env_int(name: str) -> int | None:
     return number
 
 
-# Launchers the engine does not read, in the order we look for them: the
-# variables of rank, size, local rank and local size (None: unknown).
-_OTHER_LAUNCHERS: tuple[tuple[str, str, str, str | None, str | None], ...] = (
-    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
-    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("pmix", "PMIX_RANK", "PMI_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
-)
+# Launchers whose variables are also written as torchrun's (see
+# export_launcher_env); the engine recognises every launcher itself.
+_EXPORTED = ("horovodrun", "mpich", "pmix")
 
 
 def export_launcher_env() -> str | None:
-    """Writes torchrun's variables for launchers the engine does not read.
+    """Writes torchrun's variables for horovodrun, MPICH and PMIx jobs.
 
-    The engine recognises torchrun (``RANK``, ``WORLD_SIZE``, ...), Open
-    MPI (``OMPI_COMM_WORLD_*``) and SLURM. A horovodrun-style environment
-    (``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``,
-    ``HOROVOD_LOCAL_SIZE``), MPICH's Hydra (``PMI_RANK``, ``PMI_SIZE``,
-    ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``) and a PMIx launcher
-    (``PMIX_RANK`` with ``PMI_SIZE``) are turned into ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` here, where the
-    process has none of those already; ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` and
-    ``_PORT`` become ``MASTER_ADDR`` and ``MASTER_PORT`` when those are unset.
+    The engine recognises every launcher (``_engine.launch_env()``: torchrun,
+    Open MPI, SLURM, horovodrun, MPICH's Hydra, PMIx; the one place that
+    knows their variables). For horovodrun, Hydra and PMIx, this writes
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (when
+    known) and horovodrun's rendezvous as ``MASTER_ADDR`` and
+    ``MASTER_PORT`` (when unset), so the group forms as under torchrun.
 
     Returns:
         The launcher whose variables were exported, or ``None``.
 
     Raises:
-        ValueError: a variable does not hold a rank below the size.
+        ConfigError: a launcher variable is not a rank below the size, or a
+            rank is set without its size (naming both).
     """
-    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
+    launch = _engine.launch_env()
+    if launch is None or launch["launcher"] not in _EXPORTED:
         return None
-    if os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("SLURM_PROCID"):
-        return None
-    for launcher, rank_var, size_var, local_rank_var, local_size_var in _OTHER_LAUNCHERS:
-        rank_value, size_value = _env_int(rank_var), _env_int(size_var)
-        if rank_value is None:
-            continue
-        if size_value is None:
-            raise ValueError(f"{rank_var} is set but {size_var} is not: the world size is unknown")
-        if rank_value >= size_value:
-            raise ValueError(f"{rank_var}={rank_value} is not below {size_var}={size_value}")
-        local_rank_value = _env_int(local_rank_var) if local_rank_var else None
-        local_size_value = _env_int(local_size_var) if local_size_var else None
-        os.environ["RANK"] = str(rank_value)
-        os.environ["WORLD_SIZE"] = str(size_value)
-        os.environ.setdefault("LOCAL_RANK", str(local_rank_value or 0))
-        if local_size_value is not None:
-            os.environ.setdefault("LOCAL_WORLD_SIZE", str(local_size_value))
-        addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-        port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-        if addr and not os.environ.get("MASTER_ADDR"):
-            os.environ["MASTER_ADDR"] = addr
-        if port and not os.environ.get("MASTER_PORT"):
-            os.environ["MASTER_PORT"] = port
-        return launcher
-    return None
+    os.environ["RANK"] = str(launch["rank"])
+    os.environ["WORLD_SIZE"] = str(launch["world_size"])
+    os.environ.setdefault("LOCAL_RANK", str(launch["local_rank"]))
+    if launch["local_size"] is not None:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(launch["local_size"]))
+    if launch["master_addr"]:
+        os.environ.setdefault("MASTER_ADDR", launch["master_addr"])
+    if launch["master_port"]:
+        os.environ.setdefault("MASTER_PORT", str(launch["master_port"]))
+    return launch["launcher"]
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
