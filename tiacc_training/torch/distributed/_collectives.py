@@ -109,9 +109,8 @@ class CpuCollectives:
         form: str,
         synchronous: bool = False,
     ) -> None:
-        from ._rendezvous import FailureBoard, board_store, connect_tcp
-        from ._runtime import advertised_host
-        from ._state import state
+        from ._config import current
+        from ._runtime import group_engine
 
         self.rank, self.size, self.form = rank, size, form
         self.synchronous = synchronous
@@ -122,22 +121,10 @@ class CpuCollectives:
         self._op_names = _op_names()
         self.timeout = timeout
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        config = state.config if state.config is not None else _engine.CommConfig.from_env()
+        config = current() or _engine.CommConfig.from_env()
         _generations[group_name] += 1
         prefix = f"tiacc_training/backend/{group_name}/{_generations[group_name]}"
-        client, address = board_store(store)
-        launch = state.launch or {}
-        self._engine = _engine.CommEngine(
-            config,
-            rank,
-            size,
-            advertised_host(config, store),
-            board=FailureBoard(client, prefix, address),
-            local_size=launch.get("local_size"),
-            intra_size=_nodes_of(config, launch, store, prefix, rank, size),
-            channels=1,
-        )
-        connect_tcp(self._engine, store, "tiacc", rank, size, max(config.timeout, 60.0))
+        self._engine = group_engine(config, store, prefix, rank, size)
         self.transport = self._engine.transports.get("world", "")
         _live.add(self)
 
@@ -396,30 +383,6 @@ def counters_in_process() -> dict[tuple[str, str], dict[str, Any]]:
     for collectives in list(_live):
         add_counters(total, collectives._engine.counters())
     return total
-
-
-def _nodes_of(
-    config: Any, launch: dict[str, Any], store: Any, prefix: str, rank: int, size: int
-) -> int | None:
-    """Ranks per node of a group whose ranks form whole nodes, else ``None``.
-
-    The 2D groups let reduce-scatters and all-gathers cross nodes once per
-    block (see ``docs/communication.md``). They are joined as for DDP's
-    buckets: forced, or under ``auto`` on whole nodes of several ranks. A
-    group whose members do not form whole nodes (a subgroup across hosts)
-    runs flat: every member reaches the same verdict from the same hosts.
-    """
-    from tiacc_training.errors import ConfigError
-
-    from ._rendezvous import node_intra_size
-    from ._state import logger
-
-    try:
-        return node_intra_size(config, launch, store, f"{prefix}/nodes", rank, size)
-    except ConfigError as err:
-        if rank == 0:
-            logger.info("  a group of %d ranks runs its collectives flat: %s", size, err)
-        return None
 
 
 def _plain(tensor: Any) -> bool:

@@ -332,21 +332,54 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
     return engine
 
 
+def group_engine(config: Any, store: Any, prefix: str, rank: int, size: int) -> Any:
+    """The engine of one group on the "tiacc" backend, connected over its store.
+
+    One channel, so collectives run in the order they are issued (as gloo
+    runs them); the 2D groups when the group's ranks form whole nodes and
+    the configuration goes 2D (its reduce-scatters and all-gathers then
+    cross nodes once per block), flat otherwise.
+
+    Args:
+        config: the engine configuration.
+        store: the store torch handed the backend (the group's own).
+        prefix: the key prefix of this engine's board and exchanges.
+        rank: this rank in the group.
+        size: the group's size.
+    """
+    host = advertised_host(config, store)
+    shared = _engine_arguments(config, store, prefix, rank, size, group=True)
+    engine = _engine.CommEngine(config, rank, size, host, channels=1, **shared)
+    connect_tcp(engine, store, "tiacc", rank, size, max(config.timeout, 60.0))
+    return engine
+
+
 def _engine_arguments(
-    config: Any, store: Any, prefix: str, rank: int, world: int
+    config: Any, store: Any, prefix: str, rank: int, world: int, group: bool = False
 ) -> dict[str, Any]:
-    """What every engine of the default group is built with, besides its own.
+    """What every engine is built with, besides its own.
 
     Its failure board (a store client under ``prefix``), the launcher's
     local size and the ranks per node (a store exchange under ``prefix``,
-    so every rank calls this in the same order).
+    so every rank calls this in the same order). A backend's ``group``
+    whose ranks do not form whole nodes (a subgroup across hosts) runs
+    flat, where the default group's engines raise: every member reaches
+    the same verdict from the same hosts, and rank 0 says why.
     """
     client, address = board_store(store)
     launch = job_launch()
+    try:
+        intra_size = node_intra_size(config, launch, store, prefix, rank, world)
+    except ConfigError as err:
+        if not group:
+            raise
+        if rank == 0:
+            logger.info("  a group of %d ranks runs its collectives flat: %s", world, err)
+        intra_size = None
     return {
         "board": FailureBoard(client, prefix, address),
         "local_size": launch.get("local_size"),
-        "intra_size": node_intra_size(config, launch, store, prefix, rank, world),
+        "intra_size": intra_size,
     }
 
 
