@@ -1,64 +1,29 @@
 //! `DeviceEngine`: buckets held in torch tensors (CUDA buckets), reduced by
-//! the same algorithms as CPU buckets ([`Algorithm`]) through the core's
-//! device backend ([`tiacc_core::comm::device`]).
-//!
-//! * Collectives: NCCL communicators per channel (world, and with 2D the
-//!   intra-node and inter-node groups), enqueued on the channel's CUDA
-//!   stream; or, for CPU tensors (the tests' way of running this exact code
-//!   without a GPU), the TCP rings.
-//! * Kernels: [`TorchOps`], the core's [`Kernels`] as the methods of a
-//!   Python object of torch operations (`tiacc_training.torch.
-//!   distributed._kernels.TorchKernels`) that the shim runs inside
-//!   `torch.cuda.stream(channel stream)`, so they are ordered with the
-//!   collectives. Scratch tensors come from it too.
-//!
-//! The hook's thread runs the algorithm: every call only enqueues work
-//! (NCCL), nothing waits on the device except the NaN check's one flag.
-//! The NCCL watchdog ([`Watchdog`]) bounds the wait of each bucket; any
-//! failure goes through the engine's [`Failures`] (published, recorded,
-//! every communicator aborted) and is raised at the next call.
-
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
-use std::time::Duration;
+//! the same algorithms as CPU buckets through the core's device engine
+//! ([`tiacc_core::comm::device`]: its channels, NCCL communicators or TCP
+//! rings, watchdog, `auto` probe and failure rule). This module converts:
+//! Python's arguments in, the core's errors out, and [`TorchOps`], the
+//! core's [`Kernels`] as the methods of a Python object of torch
+//! operations (`tiacc_training.torch.distributed._kernels.TorchKernels`)
+//! that the shim runs inside `torch.cuda.stream(channel stream)`, so they
+//! are ordered with the collectives. Scratch tensors come from it too.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use tiacc_core::comm::auto;
-use tiacc_core::comm::backend::{Backend, Mem, TopKBlock};
+use tiacc_core::comm::backend::{Mem, TopKBlock};
 use tiacc_core::comm::device::{
-    Comms, DeviceBackend, KernelError, KernelResult, Kernels, NcclGroups, Slot, Span, PROBE_BUCKET,
+    Comms, DeviceChannels, KernelError, KernelResult, Kernels, NcclIds, Slot, Span,
 };
-use tiacc_core::comm::engine::channel_of;
-use tiacc_core::comm::host::Groups;
-use tiacc_core::comm::nccl::{
-    Group, NcclCommunicator, NcclUniqueId, Pending, Tracker, Watchdog, Watched,
-};
-use tiacc_core::comm::progress::{self, Position, Progress, Recorder};
-use tiacc_core::comm::transport::{Aborter, OpKind, OpTag};
-use tiacc_core::comm::{Algorithm, Counters, DType, Deadline, Failures};
+use tiacc_core::comm::nccl::NcclUniqueId;
+use tiacc_core::comm::DType;
 use tiacc_core::Error;
 
 use crate::comm::{counters_dict, engine_getters, EngineInfo, PyBoard, TcpSetup};
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
 use crate::nccl::{load, unique_id_from};
-
-/// How often the watchdog checks a pending bucket.
-const WATCH_POLL: Duration = Duration::from_millis(5);
-
-/// One channel: its communicators, its algorithm state and its Top-K residuals.
-struct Channel {
-    comms: Comms,
-    algorithm: Algorithm,
-    residuals: HashMap<u64, Slot<Py<PyAny>>>,
-    seq: u64,
-    /// The bucket and step of the collective enqueued last (for `watch`).
-    last: Option<Position>,
-}
 
 /// Which collectives a [`DeviceEngine`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,25 +32,15 @@ enum Collectives {
     Tcp,
 }
 
-/// The device engine of one process (see the module docs).
+/// The device engine of one process (see the module docs): the core's
+/// [`DeviceChannels`] over torch tensors, and the torch kernels.
 #[pyclass(module = "tiacc_training._engine")]
 pub struct DeviceEngine {
     info: EngineInfo,
     kernels: Py<PyAny>,
     transport: Collectives,
     tcp: Option<TcpSetup>,
-    failures: Arc<Failures>,
-    channels: Vec<Mutex<Channel>>,
-    /// Each channel's NCCL communicators, for the watchdog.
-    watched: Vec<Vec<Arc<NcclCommunicator>>>,
-    watchdog: Option<Watchdog>,
-    closed: bool,
-    /// Where this rank is in the job ([`progress`]).
-    progress: Arc<Progress>,
-    /// Writes `progress` to the board (when there is one).
-    recorder: Option<Recorder>,
-    /// What the channels carried ([`tiacc_core::comm::counters`]).
-    counters: Arc<Counters>,
+    core: DeviceChannels<Py<PyAny>>,
 }
 
 /// A flat uint8 tensor's memory, checked.
@@ -163,26 +118,13 @@ impl DeviceEngine {
                 )))
             }
         };
-        let board = PyBoard::wrap(board);
-        let progress = Arc::new(Progress::new());
-        let recorder = board
-            .clone()
-            .map(|b| Recorder::start(progress.clone(), b, rank))
-            .transpose()
-            .py()?;
+        let core = DeviceChannels::new(rank, size, info.timeout, PyBoard::wrap(board)).py()?;
         Ok(DeviceEngine {
             info,
             kernels,
             transport,
             tcp,
-            failures: Arc::new(Failures::new(board)),
-            channels: Vec::new(),
-            watched: Vec::new(),
-            watchdog: None,
-            closed: false,
-            progress,
-            recorder,
-            counters: Arc::new(Counters::new()),
+            core,
         })
     }
 
@@ -198,7 +140,7 @@ impl DeviceEngine {
     /// Whether a `connect_*` call has completed and `shutdown` has not run.
     #[getter]
     fn connected(&self) -> bool {
-        !self.channels.is_empty() && !self.closed
+        self.core.connected()
     }
 
     /// Joins the NCCL communicators: per channel, the world one from
@@ -216,7 +158,7 @@ impl DeviceEngine {
         search_dirs: Vec<String>,
         library: Option<String>,
     ) -> PyResult<()> {
-        if self.transport != Collectives::Nccl || !self.channels.is_empty() {
+        if self.transport != Collectives::Nccl || self.core.opened() {
             return Err(PyValueError::new_err(
                 "connect_nccl() needs an unconnected engine with transport 'nccl'",
             ));
@@ -231,8 +173,7 @@ impl DeviceEngine {
             }
             list.iter().map(|b| unique_id_from(b)).collect()
         };
-        let world_ids = ids(&world_ids, "world")?;
-        let two_d_ids = match (self.info.layout, intra_ids, inter_ids) {
+        let two_d = match (self.info.layout, intra_ids, inter_ids) {
             (None, _, _) => None,
             (Some(layout), Some(a), Some(e)) => {
                 Some((layout, ids(&a, "intra")?, ids(&e, "inter")?))
@@ -243,93 +184,17 @@ impl DeviceEngine {
                 ))
             }
         };
-        let (rank, size) = (self.info.rank, self.info.size);
-        // Each communicator's initialisation is bounded by the timeout.
-        let timeout = self.info.timeout;
+        let ids = NcclIds {
+            world: ids(&world_ids, "world")?,
+            two_d,
+        };
+        let core = &self.core;
         let groups = py
-            .detach(move || -> tiacc_core::Result<Vec<NcclGroups>> {
-                let lib = load(search_dirs, library)?;
-                let mut out = Vec::with_capacity(world_ids.len());
-                for (c, id) in world_ids.iter().enumerate() {
-                    let world = NcclCommunicator::init_bounded(
-                        lib.clone(),
-                        id,
-                        rank,
-                        size,
-                        Group::World,
-                        Deadline::after(timeout),
-                    )?;
-                    let two_d = match &two_d_ids {
-                        None => None,
-                        Some((l, a, e)) => {
-                            let intra = NcclCommunicator::init_bounded(
-                                lib.clone(),
-                                &a[c],
-                                l.local_rank(),
-                                l.intra_size,
-                                Group::Intra,
-                                Deadline::after(timeout),
-                            )?;
-                            let inter = NcclCommunicator::init_bounded(
-                                lib.clone(),
-                                &e[c],
-                                l.node(),
-                                l.nodes(),
-                                Group::Inter,
-                                Deadline::after(timeout),
-                            )?;
-                            Some((Arc::new(intra), Arc::new(inter)))
-                        }
-                    };
-                    out.push(NcclGroups {
-                        world: Arc::new(world),
-                        two_d,
-                    });
-                }
-                Ok(out)
-            })
+            .detach(|| load(search_dirs, library).and_then(|lib| core.join_nccl(lib, &ids)))
             .py()?;
-        self.watched = groups.iter().map(NcclGroups::all).collect();
-        let aborters = self.watched.iter().flatten().map(|comm| {
-            let comm = comm.clone();
-            Box::new(move || comm.abort("aborted after a failure on this engine")) as Aborter
-        });
-        self.failures.add_aborters(aborters);
-        let tracker = Tracker {
-            progress: self.progress.clone(),
-            rank: self.info.rank,
-            size: self.info.size,
-        };
-        self.watchdog =
-            Some(Watchdog::start_tracking(self.failures.clone(), WATCH_POLL, Some(tracker)).py()?);
-        let mut comms: Vec<Comms> = groups.into_iter().map(Comms::Nccl).collect();
-        let chosen = match comms.first_mut() {
-            Some(first) => self.choose_algorithm(py, first)?,
-            None => None,
-        };
-        if chosen == Some(false) {
-            // Flat it is: the 2D communicators would only hold GPU memory.
-            let unused: Vec<_> = comms
-                .iter_mut()
-                .filter_map(|c| match c {
-                    Comms::Nccl(g) => g.two_d.take(),
-                    Comms::Tcp(_) => None,
-                })
-                .collect();
-            py.detach(move || {
-                for comm in unused.into_iter().flat_map(|(a, e)| [a, e]) {
-                    // Nothing is queued on them (the probe waited for its
-                    // work); a failing destroy leaves them closed anyway.
-                    let _ = comm.destroy();
-                }
-            });
-            // Each channel's watched list is `NcclGroups::all`: world first.
-            for watched in &mut self.watched {
-                watched.truncate(1);
-            }
-        }
-        self.channels = comms.into_iter().map(|c| self.channel(c)).collect();
-        Ok(())
+        self.core.watch_nccl(&groups).py()?;
+        let comms = groups.into_iter().map(Comms::Nccl).collect();
+        self.open(py, comms)
     }
 
     /// Forms the TCP rings (transport `tcp`): every rank's `addresses`, the
@@ -343,7 +208,7 @@ impl DeviceEngine {
         intra_addresses: Option<Vec<String>>,
         inter_addresses: Option<Vec<String>>,
     ) -> PyResult<()> {
-        let Some(tcp) = self.tcp.as_mut().filter(|_| self.channels.is_empty()) else {
+        let Some(tcp) = self.tcp.as_mut().filter(|_| !self.core.opened()) else {
             return Err(PyValueError::new_err(
                 "connect() needs an unconnected engine with transport 'tcp'",
             ));
@@ -358,19 +223,14 @@ impl DeviceEngine {
             self.info.config.get().inner.shared_memory,
             self.info.timeout,
         )?;
-        self.failures
-            .add_aborters(groups.iter().flat_map(Groups::aborters));
-        let mut comms: Vec<Comms> = groups.into_iter().map(Comms::Tcp).collect();
-        if let Some(first) = comms.first_mut() {
-            self.choose_algorithm(py, first)?;
-        }
-        self.channels = comms.into_iter().map(|c| self.channel(c)).collect();
-        Ok(())
+        self.core.watch_tcp(&groups);
+        let comms = groups.into_iter().map(Comms::Tcp).collect();
+        self.open(py, comms)
     }
 
     /// The channel (and so the CUDA stream) bucket `bucket` runs on.
     fn channel_of(&self, bucket: u64) -> usize {
-        channel_of(bucket, self.info.num_channels)
+        tiacc_core::comm::engine::channel_of(bucket, self.info.num_channels)
     }
 
     /// Runs the allreduce of a bucket: `buf` is its bytes (a flat uint8
@@ -388,109 +248,36 @@ impl DeviceEngine {
         average: bool,
         stream: usize,
     ) -> PyResult<()> {
-        self.check()?;
         let dtype = DType::parse(dtype).py()?;
         let mem = tensor_mem(&buf)?;
-        if mem.bytes % dtype.size() != 0 {
-            return Err(PyValueError::new_err(format!(
-                "bucket {bucket}: {} bytes is not a whole number of {} elements",
-                mem.bytes,
-                dtype.name()
-            )));
-        }
-        let channel_index = self.channel_of(bucket);
-        let mut channel = lock(py, &self.channels[channel_index]);
-        channel.seq += 1;
-        let at = self.progress.submit(bucket);
-        channel.last = Some(at);
-        let tag = OpTag {
-            op: 0,
-            kind: OpKind::Allreduce,
-            seq: channel.seq,
-            bucket,
-            dtype: dtype.code(),
-            bytes: mem.bytes as u64,
-        };
-        let Channel {
-            comms,
-            algorithm,
-            residuals,
-            ..
-        } = &mut *channel;
         let ops = TorchOps {
             py,
             kernels: self.kernels.bind(py),
         };
-        let mut backend = DeviceBackend {
-            kernels: &ops,
-            comms,
-            residuals,
-            slots: vec![Slot {
-                buffer: buf.unbind(),
-                mem,
-            }],
-            stream,
-            deadline: Deadline::after(self.info.timeout),
-            world_rank: self.info.rank,
-            bucket,
+        let slot = Slot {
+            buffer: buf.unbind(),
+            mem,
         };
-        let result = algorithm.allreduce(&mut backend, &tag, mem, dtype, average);
-        drop(backend);
-        // TCP collectives are done here; NCCL ones when the watchdog sees
-        // them finish (unless enqueueing failed).
-        let tcp = matches!(comms, Comms::Tcp(_));
-        if tcp || result.is_err() {
-            self.progress.complete();
-        }
-        match result {
-            Ok(()) => Ok(()),
-            Err(err) => {
-                let err = match self.failures.board() {
-                    Some(board) if tcp && self.failures.first().is_none() => {
-                        let (rank, size) = (self.info.rank, self.info.size);
-                        py.detach(|| {
-                            progress::attribute_timeout(err, at, &self.progress, board, rank, size)
-                        })
-                    }
-                    _ => err,
-                };
-                let err = self.failures.fail(err);
-                if let Comms::Tcp(groups) = comms {
-                    groups.abort();
-                }
-                Err(to_pyerr(err))
-            }
-        }
+        self.core
+            .allreduce(&ops, slot, dtype, bucket, average, stream)
+            .map_err(to_pyerr)
     }
 
     /// Hands the watchdog the completion test of the work just enqueued on
     /// `channel` (a CUDA event's `query`); it bounds the wait by the
     /// timeout. Nothing to do on TCP, whose calls return when done.
     fn watch(&self, py: Python<'_>, channel: usize, is_done: Py<PyAny>) -> PyResult<()> {
-        let (Some(dog), Some(comms)) = (&self.watchdog, self.watched.get(channel)) else {
-            return Ok(());
+        let ops = TorchOps {
+            py,
+            kernels: self.kernels.bind(py),
         };
-        let comms = comms
-            .iter()
-            .map(|c| c.clone() as Arc<dyn Watched + Send + Sync>)
-            .collect();
-        let at = self
-            .channels
-            .get(channel)
-            .and_then(|c| lock(py, c).last.take());
-        dog.submit(Pending {
-            at,
-            comms,
-            is_done: Box::new(move || {
-                Python::attach(|py| is_done.call0(py)?.extract::<bool>(py)).map_err(|e| {
-                    Error::Comm {
-                        peer: None,
-                        message: format!("the completion test of a bucket failed: {e}"),
-                    }
-                })
-            }),
-            deadline: Deadline::after(self.info.timeout),
+        let is_done = Box::new(move || {
+            Python::attach(|py| is_done.call0(py)?.extract::<bool>(py)).map_err(|e| Error::Comm {
+                peer: None,
+                message: format!("the completion test of a bucket failed: {e}"),
+            })
         });
+        self.core.watch(&ops, channel, is_done);
         Ok(())
     }
 
@@ -498,53 +285,34 @@ impl DeviceEngine {
     /// as `CommEngine.counters()`; NCCL's wire bytes are the buffers handed
     /// to its calls).
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        counters_dict(py, Some(&self.counters))
+        counters_dict(py, Some(self.core.counters()))
     }
 
     /// `(steps, compute seconds, communication seconds)` since the last call
     /// (see `tiacc_core::comm::progress`); call it just before a step's
     /// first bucket.
     fn step_times(&self) -> (u64, f64, f64) {
-        let t = self.progress.take_times();
+        let t = self.core.progress().take_times();
         (t.steps, t.compute, t.comm)
     }
 
     /// Raises the engine's failure (a timeout, an NCCL error, a failure on
     /// another rank), if there was one, or a `CommError` once shut down.
     fn check(&self) -> PyResult<()> {
-        if let Some(err) = self.failures.first() {
-            return Err(to_pyerr(err));
-        }
-        if self.closed || self.channels.is_empty() {
-            return Err(to_pyerr(Error::Comm {
-                peer: None,
-                message: format!(
-                    "rank {}: the device engine is not connected or was shut down",
-                    self.info.rank
-                ),
-            }));
-        }
-        Ok(())
+        self.core.check().map_err(to_pyerr)
     }
 
     /// Stops the watchdog and aborts the communicators (never waits on
     /// peers). Safe to call twice.
     fn shutdown(&mut self, py: Python<'_>) {
-        self.closed = true;
-        let watchdog = self.watchdog.take();
-        let recorder = self.recorder.take();
-        let comms: Vec<_> = self.watched.iter().flatten().cloned().collect();
-        py.detach(move || {
-            drop(recorder);
-            drop(watchdog);
-            for comm in comms {
-                comm.abort("the tiacc engine was shut down");
-            }
-        });
+        let ops = TorchOps {
+            py,
+            kernels: self.kernels.bind(py),
+        };
+        self.core.shutdown(&ops);
         if let Some(tcp) = self.tcp.as_mut() {
             tcp.close();
         }
-        self.channels.clear();
     }
 }
 
@@ -555,74 +323,29 @@ impl DeviceEngine {
         self.tcp.as_ref()
     }
 
-    /// Under `TIACC_TRAINING_ALGORITHM=auto` with the 2D groups connected:
-    /// times flat against 2D on the first channel's groups
-    /// ([`auto::probe`], through the backend buckets use), keeps the faster
-    /// in the settings the channels are built with, and says why in
-    /// `auto_choice`. Returns whether 2D was chosen, `None` when nothing was
-    /// measured.
-    fn choose_algorithm(&mut self, py: Python<'_>, comms: &mut Comms) -> PyResult<Option<bool>> {
-        let Some(bytes) = self.info.auto_probe_bytes() else {
-            return Ok(None);
+    /// Opens the channels over `comms`. Under `TIACC_TRAINING_ALGORITHM=auto`
+    /// with the 2D groups connected, first times flat against 2D on the
+    /// first channel's groups, keeps the faster in the settings the
+    /// channels are built with and says why in `auto_choice`; when flat
+    /// wins, the 2D communicators are closed.
+    fn open(&mut self, py: Python<'_>, mut comms: Vec<Comms>) -> PyResult<()> {
+        let ops = TorchOps {
+            py,
+            kernels: self.kernels.bind(py),
         };
-        let kernels = self.kernels.bind(py);
-        let stream: usize = kernels.call_method0("current_stream")?.extract()?;
-        let deadline = Deadline::after(self.info.timeout);
-        // NCCL's steps are only enqueued: the watchdog bounds the probe as
-        // it bounds a bucket (a peer that never arrives), aborting every
-        // communicator at the deadline so that the wait below ends.
-        let done = Arc::new(AtomicBool::new(false));
-        if let (Some(dog), Comms::Nccl(g)) = (&self.watchdog, &*comms) {
-            let flag = done.clone();
-            dog.submit(Pending {
-                at: None,
-                comms: vec![g.world.clone() as Arc<dyn Watched + Send + Sync>],
-                is_done: Box::new(move || Ok(flag.load(Ordering::SeqCst))),
-                deadline,
-            });
+        if let (Some(bytes), Some(first)) = (self.info.auto_probe_bytes(), comms.first_mut()) {
+            let stream: usize = ops.kernels.call_method0("current_stream")?.extract()?;
+            let probe = self
+                .core
+                .probe(&ops, first, bytes, stream)
+                .map_err(to_pyerr)?;
+            // The device engine's channels do not take turns on the link.
+            if !self.info.adopt(&probe, false) {
+                self.core.drop_two_d(&ops, &mut comms);
+            }
         }
-        let mut residuals = HashMap::new();
-        let ops = TorchOps { py, kernels };
-        let mut backend = DeviceBackend {
-            kernels: &ops,
-            comms,
-            residuals: &mut residuals,
-            slots: Vec::new(),
-            stream,
-            deadline,
-            world_rank: self.info.rank,
-            bucket: PROBE_BUCKET,
-        };
-        let result = backend
-            .alloc(bytes)
-            .and_then(|buf| auto::probe(&mut backend, buf));
-        drop(backend);
-        done.store(true, Ordering::SeqCst);
-        let probe = result.map_err(|e| to_pyerr(self.failures.fail(e)))?;
-        // The device engine's channels do not take turns on the link.
-        Ok(Some(self.info.adopt(&probe, false)))
-    }
-
-    fn channel(&self, comms: Comms) -> Mutex<Channel> {
-        Mutex::new(Channel {
-            comms,
-            algorithm: Algorithm::with_counters(self.info.settings, Arc::clone(&self.counters)),
-            residuals: HashMap::new(),
-            seq: 0,
-            last: None,
-        })
-    }
-}
-
-/// Locks a channel without holding the GIL while waiting (its holder may
-/// need the GIL to finish).
-fn lock<'a>(py: Python<'_>, m: &'a Mutex<Channel>) -> MutexGuard<'a, Channel> {
-    loop {
-        match m.try_lock() {
-            Ok(guard) => return guard,
-            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
-            Err(TryLockError::WouldBlock) => py.detach(std::thread::yield_now),
-        }
+        self.core.open(comms, self.info.settings);
+        Ok(())
     }
 }
 

@@ -48,6 +48,13 @@ impl Drop for HostBuffer {
 // SAFETY: a HostBuffer owns its allocation; the backend hands its bytes to
 // one kernel or collective at a time.
 unsafe impl Send for HostBuffer {}
+// SAFETY: as for Send: shared handles only read the pointer; the bytes are
+// written by one kernel or collective at a time.
+unsafe impl Sync for HostBuffer {}
+
+/// What [`HostKernels`] hands out: a shared handle, so a test can keep one
+/// to read a bucket the engine took.
+type Shared = std::sync::Arc<HostBuffer>;
 
 /// [`Kernels`] over host memory: the host backend's own kernels.
 struct HostKernels;
@@ -58,7 +65,7 @@ struct HostKernels;
 /// No other slice of the same bytes may be live while this one is: the
 /// device backend passes each kernel disjoint spans of live buffers.
 #[allow(clippy::mut_from_ref)]
-unsafe fn bytes<'a>(span: Span<'a, HostBuffer>) -> &'a mut [u8] {
+unsafe fn bytes<'a>(span: Span<'a, Shared>) -> &'a mut [u8] {
     assert!(
         span.offset + span.bytes <= span.buffer.len,
         "a span past its buffer"
@@ -69,21 +76,21 @@ unsafe fn bytes<'a>(span: Span<'a, HostBuffer>) -> &'a mut [u8] {
 }
 
 impl Kernels for HostKernels {
-    type Buffer = HostBuffer;
+    type Buffer = Shared;
 
-    fn empty(&self, n: usize) -> KernelResult<(HostBuffer, Mem)> {
+    fn empty(&self, n: usize) -> KernelResult<(Shared, Mem)> {
         let buffer = HostBuffer::zeroed(n);
         let mem = buffer.mem();
-        Ok((buffer, mem))
+        Ok((Shared::new(buffer), mem))
     }
 
-    fn copy(&self, src: Span<'_, HostBuffer>, dst: Span<'_, HostBuffer>) -> KernelResult<()> {
+    fn copy(&self, src: Span<'_, Shared>, dst: Span<'_, Shared>) -> KernelResult<()> {
         // SAFETY: the backend's spans of one kernel do not overlap.
         unsafe { bytes(dst).copy_from_slice(bytes(src)) };
         Ok(())
     }
 
-    fn div(&self, buf: Span<'_, HostBuffer>, dtype: DType, divisor: f64) -> KernelResult<()> {
+    fn div(&self, buf: Span<'_, Shared>, dtype: DType, divisor: f64) -> KernelResult<()> {
         // SAFETY: one span.
         dtype.div_assign(unsafe { bytes(buf) }, divisor);
         Ok(())
@@ -91,10 +98,10 @@ impl Kernels for HostKernels {
 
     fn cast(
         &self,
-        src: Span<'_, HostBuffer>,
+        src: Span<'_, Shared>,
         from: DType,
         factor: f64,
-        dst: Span<'_, HostBuffer>,
+        dst: Span<'_, Shared>,
         to: DType,
     ) -> KernelResult<()> {
         // SAFETY: the backend's spans of one kernel do not overlap.
@@ -109,7 +116,7 @@ impl Kernels for HostKernels {
 
     fn first_non_finite(
         &self,
-        buf: Span<'_, HostBuffer>,
+        buf: Span<'_, Shared>,
         dtype: DType,
     ) -> KernelResult<Option<(usize, f64)>> {
         // SAFETY: one span.
@@ -118,9 +125,9 @@ impl Kernels for HostKernels {
 
     fn topk_pack(
         &self,
-        data: Span<'_, HostBuffer>,
-        residual: Span<'_, HostBuffer>,
-        out: Span<'_, HostBuffer>,
+        data: Span<'_, Shared>,
+        residual: Span<'_, Shared>,
+        out: Span<'_, Shared>,
         layout: TopKBlock,
     ) -> KernelResult<()> {
         // SAFETY: the backend's spans of one kernel do not overlap.
@@ -130,8 +137,8 @@ impl Kernels for HostKernels {
 
     fn topk_sum(
         &self,
-        gathered: Span<'_, HostBuffer>,
-        out: Span<'_, HostBuffer>,
+        gathered: Span<'_, Shared>,
+        out: Span<'_, Shared>,
         layout: TopKBlock,
     ) -> KernelResult<()> {
         // SAFETY: the backend's spans of one kernel do not overlap.
@@ -139,7 +146,7 @@ impl Kernels for HostKernels {
         Ok(sparse::sum(g, layout, o, |r| (r, format!("rank {r}")))?)
     }
 
-    fn clip_norm(&self, buf: Span<'_, HostBuffer>, max_norm: f64) -> KernelResult<()> {
+    fn clip_norm(&self, buf: Span<'_, Shared>, max_norm: f64) -> KernelResult<()> {
         // SAFETY: one span.
         sparse::clip_norm(unsafe { bytes(buf) }, max_norm);
         Ok(())
@@ -147,8 +154,8 @@ impl Kernels for HostKernels {
 
     fn momentum_step(
         &self,
-        velocity: Span<'_, HostBuffer>,
-        data: Span<'_, HostBuffer>,
+        velocity: Span<'_, Shared>,
+        data: Span<'_, Shared>,
         momentum: f64,
     ) -> KernelResult<()> {
         // SAFETY: the backend's spans of one kernel do not overlap.
@@ -158,9 +165,9 @@ impl Kernels for HostKernels {
 
     fn topk_mask(
         &self,
-        block: Span<'_, HostBuffer>,
+        block: Span<'_, Shared>,
         layout: TopKBlock,
-        buf: Span<'_, HostBuffer>,
+        buf: Span<'_, Shared>,
     ) -> KernelResult<()> {
         // SAFETY: the backend's spans of one kernel do not overlap.
         unsafe { sparse::mask_sent(bytes(block), layout, bytes(buf)) };
@@ -169,8 +176,8 @@ impl Kernels for HostKernels {
 
     fn momentum_correct(
         &self,
-        data: Span<'_, HostBuffer>,
-        previous: Span<'_, HostBuffer>,
+        data: Span<'_, Shared>,
+        previous: Span<'_, Shared>,
         momentum: f64,
     ) -> KernelResult<()> {
         // SAFETY: the backend's spans of one kernel do not overlap.
@@ -178,13 +185,13 @@ impl Kernels for HostKernels {
         Ok(())
     }
 
-    fn load(&self, dst: Span<'_, HostBuffer>, data: &[u8]) -> KernelResult<()> {
+    fn load(&self, dst: Span<'_, Shared>, data: &[u8]) -> KernelResult<()> {
         // SAFETY: one span.
         unsafe { bytes(dst).copy_from_slice(data) };
         Ok(())
     }
 
-    fn fetch(&self, src: Span<'_, HostBuffer>) -> KernelResult<Vec<u8>> {
+    fn fetch(&self, src: Span<'_, Shared>) -> KernelResult<Vec<u8>> {
         // SAFETY: one span.
         Ok(unsafe { bytes(src) }.to_vec())
     }
@@ -364,6 +371,71 @@ fn the_device_backend_runs_the_sharded_collectives_over_the_2d_groups() {
     for (rank, got) in gathered.iter().enumerate() {
         for (g, &v) in got.iter().enumerate() {
             assert_eq!(v, two_d_value(g / BLOCK, g), "rank {rank} element {g}");
+        }
+    }
+}
+
+#[test]
+fn device_channels_probe_open_and_reduce_buckets_without_a_framework() {
+    use crate::comm::device::DeviceChannels;
+    let len = 4096;
+    let handles: Vec<_> = two_by_two_groups()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, groups)| {
+            std::thread::spawn(move || {
+                let mut engine =
+                    DeviceChannels::<Shared>::new(rank, 4, Duration::from_secs(20), None).unwrap();
+                engine.watch_tcp(std::slice::from_ref(&groups));
+                let mut comms = vec![Comms::Tcp(groups)];
+                // The auto probe through the device backend: every rank
+                // measures the same numbers (they are exchanged).
+                let probe = engine.probe(&HostKernels, &mut comms[0], 1 << 16, 0);
+                let two_d = probe.unwrap().decide(1, false).two_d;
+                let settings = AlgoSettings {
+                    hierarchical_threshold: two_d.then_some(u64::MAX),
+                    ..Default::default()
+                };
+                engine.open(comms, settings);
+                assert!(engine.connected());
+                let mut results = Vec::new();
+                for bucket in 0..2u64 {
+                    let values: Vec<f64> = (0..len)
+                        .map(|i| two_d_value(rank, i + bucket as usize))
+                        .collect();
+                    let bytes = encode(DType::F32, &values);
+                    let (buffer, mem) = HostKernels.empty(bytes.len()).unwrap();
+                    let span = Span {
+                        buffer: &buffer,
+                        offset: 0,
+                        bytes: mem.bytes,
+                    };
+                    HostKernels.load(span, &bytes).unwrap();
+                    let slot = Slot {
+                        buffer: buffer.clone(),
+                        mem,
+                    };
+                    engine
+                        .allreduce(&HostKernels, slot, DType::F32, bucket, false, 0)
+                        .unwrap_or_else(|e| panic!("rank {rank} bucket {bucket}: {e}"));
+                    let got = decode(DType::F32, &HostKernels.fetch(span).unwrap());
+                    results.push(got);
+                }
+                engine.shutdown(&HostKernels);
+                assert!(!engine.connected());
+                (two_d, results)
+            })
+        })
+        .collect();
+    let outcomes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    // Every rank chose the same algorithm and holds the exact sums.
+    assert!(outcomes.iter().all(|o| o.0 == outcomes[0].0));
+    for (rank, (_, buckets)) in outcomes.iter().enumerate() {
+        for (bucket, got) in buckets.iter().enumerate() {
+            for (i, &v) in got.iter().enumerate() {
+                let sum: f64 = (0..4).map(|r| two_d_value(r, i + bucket)).sum();
+                assert_eq!(v, sum, "rank {rank} bucket {bucket} element {i}");
+            }
         }
     }
 }

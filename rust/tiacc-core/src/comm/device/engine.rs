@@ -1,0 +1,423 @@
+//! The device engine's channels, apart from any framework: each channel's
+//! communicators (NCCL, or TCP for host buffers), algorithm and Top-K
+//! state; the failure rule, the NCCL watchdog, the job's progress and the
+//! counters; joining the NCCL communicators and the `auto` probe.
+//!
+//! The framework's side (the Python bindings) hands in the buffers and its
+//! [`Kernels`]; every call here only enqueues work on NCCL (nothing waits on
+//! the device except the NaN check's one flag), and TCP calls return when
+//! done. The watchdog bounds each bucket's wait; any failure goes through
+//! [`Failures`] (published, recorded, every communicator aborted) and is
+//! returned by the next call.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::Duration;
+
+use super::backend::{Comms, DeviceBackend, NcclGroups, Slot, PROBE_BUCKET};
+use super::kernels::Kernels;
+use crate::comm::algo::{AlgoSettings, Algorithm, Layout};
+use crate::comm::auto::{self, Probe};
+use crate::comm::backend::Backend;
+use crate::comm::counters::Counters;
+use crate::comm::dtype::DType;
+use crate::comm::engine::channel_of;
+use crate::comm::failure::{FailureBoard, Failures};
+use crate::comm::host::Groups;
+use crate::comm::nccl::{
+    Group, NcclCommunicator, NcclLibrary, NcclUniqueId, Pending, Tracker, Watchdog, Watched,
+};
+use crate::comm::progress::{self, Position, Progress, Recorder};
+use crate::comm::transport::{Aborter, Deadline, OpKind, OpTag};
+use crate::error::{Error, Result};
+
+/// How often the watchdog checks a pending bucket.
+pub const WATCH_POLL: Duration = Duration::from_millis(5);
+
+/// One channel: its communicators, its algorithm state and its Top-K
+/// residuals (buffers of type `B`).
+struct Channel<B> {
+    comms: Comms,
+    algorithm: Algorithm,
+    residuals: HashMap<u64, Slot<B>>,
+    seq: u64,
+    /// The bucket and step of the collective enqueued last (for `watch`).
+    last: Option<Position>,
+}
+
+/// The NCCL unique ids of every communicator a rank joins, per channel:
+/// the world's, and with the 2D groups this rank's place and the
+/// intra-node and inter-node ones.
+pub struct NcclIds {
+    pub world: Vec<NcclUniqueId>,
+    pub two_d: Option<(Layout, Vec<NcclUniqueId>, Vec<NcclUniqueId>)>,
+}
+
+/// A device engine's channels and their shared state (see the module docs).
+pub struct DeviceChannels<B> {
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    failures: Arc<Failures>,
+    channels: Vec<Mutex<Channel<B>>>,
+    /// Each channel's NCCL communicators, for the watchdog.
+    watched: Vec<Vec<Arc<NcclCommunicator>>>,
+    watchdog: Option<Watchdog>,
+    closed: bool,
+    /// Where this rank is in the job ([`progress`]).
+    progress: Arc<Progress>,
+    /// Writes `progress` to the board (when there is one).
+    recorder: Option<Recorder>,
+    /// What the channels carried ([`crate::comm::counters`]).
+    counters: Arc<Counters>,
+}
+
+/// Locks a channel, waiting with the framework's lock released (the
+/// holder may need it to finish).
+fn lock<'a, B, K: Kernels>(kernels: &K, m: &'a Mutex<Channel<B>>) -> MutexGuard<'a, Channel<B>> {
+    loop {
+        match m.try_lock() {
+            Ok(guard) => return guard,
+            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+            Err(TryLockError::WouldBlock) => kernels.unlocked(std::thread::yield_now),
+        }
+    }
+}
+
+impl<B> DeviceChannels<B> {
+    /// An engine of `size` ranks, this one `rank`, with no channel yet;
+    /// `board` is the job's failure board (progress is recorded there).
+    pub fn new(
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+        board: Option<Arc<dyn FailureBoard>>,
+    ) -> Result<Self> {
+        let progress = Arc::new(Progress::new());
+        let recorder = board
+            .clone()
+            .map(|b| Recorder::start(progress.clone(), b, rank))
+            .transpose()?;
+        Ok(DeviceChannels {
+            rank,
+            size,
+            timeout,
+            failures: Arc::new(Failures::new(board)),
+            channels: Vec::new(),
+            watched: Vec::new(),
+            watchdog: None,
+            closed: false,
+            progress,
+            recorder,
+            counters: Arc::new(Counters::new()),
+        })
+    }
+
+    /// Whether channels are open and [`DeviceChannels::shutdown`] has not run.
+    pub fn connected(&self) -> bool {
+        !self.channels.is_empty() && !self.closed
+    }
+
+    /// Whether channels were opened (even if shut down since).
+    pub fn opened(&self) -> bool {
+        !self.channels.is_empty()
+    }
+
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.counters
+    }
+
+    pub fn progress(&self) -> &Arc<Progress> {
+        &self.progress
+    }
+
+    /// The channel bucket `bucket` runs on.
+    pub fn channel_of(&self, bucket: u64) -> usize {
+        channel_of(bucket, self.channels.len().max(1))
+    }
+
+    /// Joins every NCCL communicator of `ids` from `lib` on the calling
+    /// thread's CUDA device, each bounded by the timeout; blocks until
+    /// every member joined.
+    pub fn join_nccl(&self, lib: Arc<NcclLibrary>, ids: &NcclIds) -> Result<Vec<NcclGroups>> {
+        let (rank, size, timeout) = (self.rank, self.size, self.timeout);
+        let join = |id: &NcclUniqueId, rank: usize, size: usize, group: Group| {
+            NcclCommunicator::init_bounded(
+                lib.clone(),
+                id,
+                rank,
+                size,
+                group,
+                Deadline::after(timeout),
+            )
+            .map(Arc::new)
+        };
+        let mut out = Vec::with_capacity(ids.world.len());
+        for (c, id) in ids.world.iter().enumerate() {
+            let world = join(id, rank, size, Group::World)?;
+            let two_d = match &ids.two_d {
+                None => None,
+                Some((l, a, e)) => Some((
+                    join(&a[c], l.local_rank(), l.intra_size, Group::Intra)?,
+                    join(&e[c], l.node(), l.nodes(), Group::Inter)?,
+                )),
+            };
+            out.push(NcclGroups { world, two_d });
+        }
+        Ok(out)
+    }
+
+    /// Watches NCCL channels: their communicators are aborted on a failure
+    /// and polled by the watchdog, which bounds every pending bucket.
+    pub fn watch_nccl(&mut self, groups: &[NcclGroups]) -> Result<()> {
+        self.watched = groups.iter().map(NcclGroups::all).collect();
+        let aborters = self.watched.iter().flatten().map(|comm| {
+            let comm = comm.clone();
+            Box::new(move || comm.abort("aborted after a failure on this engine")) as Aborter
+        });
+        self.failures.add_aborters(aborters);
+        let tracker = Tracker {
+            progress: self.progress.clone(),
+            rank: self.rank,
+            size: self.size,
+        };
+        self.watchdog = Some(Watchdog::start_tracking(
+            self.failures.clone(),
+            WATCH_POLL,
+            Some(tracker),
+        )?);
+        Ok(())
+    }
+
+    /// TCP channels' groups break on a failure.
+    pub fn watch_tcp(&self, groups: &[Groups]) {
+        self.failures
+            .add_aborters(groups.iter().flat_map(Groups::aborters));
+    }
+
+    /// Times flat against 2D (`TIACC_TRAINING_ALGORITHM=auto`) on `comms`,
+    /// through the backend buckets use, in a scratch buffer of `bytes` on
+    /// `stream`. NCCL's steps are only enqueued: the watchdog bounds the
+    /// probe as it bounds a bucket, aborting every communicator at the
+    /// deadline so that the wait ends.
+    pub fn probe<K: Kernels<Buffer = B>>(
+        &self,
+        kernels: &K,
+        comms: &mut Comms,
+        bytes: usize,
+        stream: usize,
+    ) -> Result<Probe> {
+        let deadline = Deadline::after(self.timeout);
+        let done = Arc::new(AtomicBool::new(false));
+        if let (Some(dog), Comms::Nccl(g)) = (&self.watchdog, &*comms) {
+            let flag = done.clone();
+            dog.submit(Pending {
+                at: None,
+                comms: vec![g.world.clone() as Arc<dyn Watched + Send + Sync>],
+                is_done: Box::new(move || Ok(flag.load(Ordering::SeqCst))),
+                deadline,
+            });
+        }
+        let mut residuals = HashMap::new();
+        let mut backend = DeviceBackend {
+            kernels,
+            comms,
+            residuals: &mut residuals,
+            slots: Vec::new(),
+            stream,
+            deadline,
+            world_rank: self.rank,
+            bucket: PROBE_BUCKET,
+        };
+        let result = backend
+            .alloc(bytes)
+            .and_then(|buf| auto::probe(&mut backend, buf));
+        drop(backend);
+        done.store(true, Ordering::SeqCst);
+        result.map_err(|e| self.failures.fail(e))
+    }
+
+    /// Flat was chosen: closes the 2D communicators of `comms` (they would
+    /// only hold device memory) and stops watching them.
+    pub fn drop_two_d<K: Kernels>(&mut self, kernels: &K, comms: &mut [Comms]) {
+        let unused: Vec<_> = comms
+            .iter_mut()
+            .filter_map(|c| match c {
+                Comms::Nccl(g) => g.two_d.take(),
+                Comms::Tcp(_) => None,
+            })
+            .collect();
+        kernels.unlocked(move || {
+            for comm in unused.into_iter().flat_map(|(a, e)| [a, e]) {
+                // Nothing is queued on them (the probe waited for its
+                // work); a failing destroy leaves them closed anyway.
+                let _ = comm.destroy();
+            }
+        });
+        // Each channel's watched list is `NcclGroups::all`: world first.
+        for watched in &mut self.watched {
+            watched.truncate(1);
+        }
+    }
+
+    /// Opens one channel per element of `comms`, each running `settings`.
+    pub fn open(&mut self, comms: Vec<Comms>, settings: AlgoSettings) {
+        self.channels = comms
+            .into_iter()
+            .map(|comms| {
+                Mutex::new(Channel {
+                    comms,
+                    algorithm: Algorithm::with_counters(settings, Arc::clone(&self.counters)),
+                    residuals: HashMap::new(),
+                    seq: 0,
+                    last: None,
+                })
+            })
+            .collect();
+    }
+
+    /// Runs the allreduce of a bucket held in `buf` (elements of `dtype`):
+    /// with NCCL every step is enqueued on `stream` and this returns at
+    /// once; with TCP it returns when done. Returns the engine's failure,
+    /// if any.
+    pub fn allreduce<K: Kernels<Buffer = B>>(
+        &self,
+        kernels: &K,
+        buf: Slot<B>,
+        dtype: DType,
+        bucket: u64,
+        average: bool,
+        stream: usize,
+    ) -> Result<()> {
+        self.check()?;
+        let mem = buf.mem;
+        if mem.bytes % dtype.size() != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "bucket {bucket}: {} bytes is not a whole number of {} elements",
+                mem.bytes,
+                dtype.name()
+            )));
+        }
+        let mut channel = lock(kernels, &self.channels[self.channel_of(bucket)]);
+        channel.seq += 1;
+        let at = self.progress.submit(bucket);
+        channel.last = Some(at);
+        let tag = OpTag {
+            op: 0,
+            kind: OpKind::Allreduce,
+            seq: channel.seq,
+            bucket,
+            dtype: dtype.code(),
+            bytes: mem.bytes as u64,
+        };
+        let Channel {
+            comms,
+            algorithm,
+            residuals,
+            ..
+        } = &mut *channel;
+        let mut backend = DeviceBackend {
+            kernels,
+            comms,
+            residuals,
+            slots: vec![buf],
+            stream,
+            deadline: Deadline::after(self.timeout),
+            world_rank: self.rank,
+            bucket,
+        };
+        let result = algorithm.allreduce(&mut backend, &tag, mem, dtype, average);
+        drop(backend);
+        // TCP collectives are done here; NCCL ones when the watchdog sees
+        // them finish (unless enqueueing failed).
+        let tcp = matches!(comms, Comms::Tcp(_));
+        if tcp || result.is_err() {
+            self.progress.complete();
+        }
+        result.map_err(|err| {
+            let err = match self.failures.board() {
+                Some(board) if tcp && self.failures.first().is_none() => {
+                    let (rank, size, progress) = (self.rank, self.size, &self.progress);
+                    kernels.unlocked(|| {
+                        progress::attribute_timeout(err, at, progress, board, rank, size)
+                    })
+                }
+                _ => err,
+            };
+            let err = self.failures.fail(err);
+            if let Comms::Tcp(groups) = comms {
+                groups.abort();
+            }
+            err
+        })
+    }
+
+    /// Hands the watchdog the completion test of the work just enqueued on
+    /// `channel` (a CUDA event's query); it bounds the wait by the timeout.
+    /// Nothing to do on TCP, whose calls return when done.
+    pub fn watch<K: Kernels>(
+        &self,
+        kernels: &K,
+        channel: usize,
+        is_done: Box<dyn FnMut() -> Result<bool> + Send>,
+    ) {
+        let (Some(dog), Some(comms)) = (&self.watchdog, self.watched.get(channel)) else {
+            return;
+        };
+        let comms = comms
+            .iter()
+            .map(|c| c.clone() as Arc<dyn Watched + Send + Sync>)
+            .collect();
+        let at = self
+            .channels
+            .get(channel)
+            .and_then(|c| lock(kernels, c).last.take());
+        dog.submit(Pending {
+            at,
+            comms,
+            is_done,
+            deadline: Deadline::after(self.timeout),
+        });
+    }
+
+    /// The engine's failure (a timeout, an NCCL error, a failure on another
+    /// rank), if there was one, or an error once shut down.
+    pub fn check(&self) -> Result<()> {
+        if let Some(err) = self.failures.first() {
+            return Err(err);
+        }
+        if self.closed || self.channels.is_empty() {
+            return Err(Error::Comm {
+                peer: None,
+                message: format!(
+                    "rank {}: the device engine is not connected or was shut down",
+                    self.rank
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Records `err` as the engine's failure (see [`Failures::fail`]).
+    pub fn fail(&self, err: Error) -> Error {
+        self.failures.fail(err)
+    }
+
+    /// Stops the watchdog and aborts the communicators (never waits on
+    /// peers). Safe to call twice.
+    pub fn shutdown<K: Kernels>(&mut self, kernels: &K) {
+        self.closed = true;
+        let watchdog = self.watchdog.take();
+        let recorder = self.recorder.take();
+        let comms: Vec<_> = self.watched.iter().flatten().cloned().collect();
+        kernels.unlocked(move || {
+            drop(recorder);
+            drop(watchdog);
+            for comm in comms {
+                comm.abort("the tiacc engine was shut down");
+            }
+        });
+        self.channels.clear();
+    }
+}
