@@ -19,8 +19,9 @@ use super::backend::{Comms, DeviceBackend, NcclGroups, Slot, PROBE_BUCKET};
 use super::kernels::Kernels;
 use crate::comm::algo::{AlgoSettings, Algorithm, Layout};
 use crate::comm::auto::{self, Probe};
-use crate::comm::backend::Backend;
-use crate::comm::counters::Counters;
+use crate::comm::backend::{Backend, GroupId, Shards};
+use crate::comm::codec::Compression;
+use crate::comm::counters::{wire_of, wire_since, Counters, Path};
 use crate::comm::dtype::DType;
 use crate::comm::engine::channel_of;
 use crate::comm::failure::{FailureBoard, Failures};
@@ -29,8 +30,21 @@ use crate::comm::nccl::{
     Group, NcclCommunicator, NcclLibrary, NcclUniqueId, Pending, Tracker, Watchdog, Watched,
 };
 use crate::comm::progress::{self, Position, Progress, Recorder};
+use crate::comm::sharded;
 use crate::comm::transport::{Aborter, Deadline, OpKind, OpTag};
 use crate::error::{Error, Result};
+
+/// torch.distributed's collectives the device engine runs
+/// ([`DeviceChannels::collective`]); the rest stay with NCCL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceCollective {
+    /// A sum over every rank, divided by the world size with `mean`.
+    Allreduce { mean: bool },
+    /// This rank's block of the sum, divided with `mean`.
+    ReduceScatter { mean: bool },
+    /// Every rank's block to every rank.
+    Allgather,
+}
 
 /// How often the watchdog checks a pending bucket.
 pub const WATCH_POLL: Duration = Duration::from_millis(5);
@@ -290,6 +304,118 @@ impl<B> DeviceChannels<B> {
         average: bool,
         stream: usize,
     ) -> Result<()> {
+        let mem = buf.mem;
+        self.run(
+            kernels,
+            buf,
+            dtype,
+            bucket,
+            stream,
+            OpKind::Allreduce,
+            |b, algorithm, tag| algorithm.allreduce(b, tag, mem, dtype, average),
+        )
+    }
+
+    /// Runs one of torch.distributed's collectives on `buf` (one equal
+    /// block per rank for the sharded ones), exact unless the
+    /// configuration compresses reduce-scatters, as the CPU engine runs
+    /// them ([`crate::comm::sharded`]: over the 2D groups when the
+    /// channel's algorithm goes 2D), enqueued on `stream` like a bucket.
+    pub fn collective<K: Kernels<Buffer = B>>(
+        &self,
+        kernels: &K,
+        op: DeviceCollective,
+        buf: Slot<B>,
+        dtype: DType,
+        bucket: u64,
+        stream: usize,
+    ) -> Result<()> {
+        let mean = matches!(
+            op,
+            DeviceCollective::Allreduce { mean: true }
+                | DeviceCollective::ReduceScatter { mean: true }
+        );
+        // The kernels divide floating-point elements only (NCCL itself
+        // averages integers: the caller leaves those to it).
+        if mean && !dtype.is_float() {
+            return Err(Error::InvalidArgument(format!(
+                "the device engine averages floating-point elements only, not {}",
+                dtype.name()
+            )));
+        }
+        let mem = buf.mem;
+        let kind = match op {
+            DeviceCollective::Allreduce { .. } => OpKind::Allreduce,
+            DeviceCollective::ReduceScatter { .. } => OpKind::ReduceScatter,
+            DeviceCollective::Allgather => OpKind::Allgather,
+        };
+        let size = self.size;
+        self.run(
+            kernels,
+            buf,
+            dtype,
+            bucket,
+            stream,
+            kind,
+            |b, algorithm, tag| {
+                let divisor = |mean: bool| if mean && size > 1 { size as f64 } else { 1.0 };
+                let mut plan = algorithm.settings().reduce_scatter_plan();
+                plan.two_d &= b.hierarchical();
+                let before = wire_of(b);
+                let (path, codec) = match op {
+                    DeviceCollective::Allreduce { mean } => {
+                        b.agree(GroupId::World, tag)?;
+                        b.allreduce(GroupId::World, Some(tag), mem, dtype)?;
+                        if divisor(mean) != 1.0 {
+                            b.div(mem, dtype, divisor(mean))?;
+                        }
+                        (Path::Collective, Compression::None)
+                    }
+                    DeviceCollective::ReduceScatter { mean } => {
+                        sharded::reduce_scatter(b, tag, mem, dtype, divisor(mean), &plan)?;
+                        let path = if plan.two_d {
+                            Path::Collective2d
+                        } else {
+                            Path::Collective
+                        };
+                        (path, plan.codec(dtype))
+                    }
+                    DeviceCollective::Allgather if plan.two_d => {
+                        sharded::allgather_two_d(b, tag, mem, dtype.size())?;
+                        (Path::Collective2d, Compression::None)
+                    }
+                    DeviceCollective::Allgather => {
+                        b.agree(GroupId::World, tag)?;
+                        let (rank, size) = (b.rank(GroupId::World), b.size(GroupId::World));
+                        let shards = Shards::in_place(mem, dtype.size(), size, rank)?;
+                        b.allgather(GroupId::World, shards, mem, dtype.size())?;
+                        (Path::Collective, Compression::None)
+                    }
+                };
+                let wire = wire_since(before, wire_of(b));
+                algorithm
+                    .counters()
+                    .record(path, codec, mem.bytes as u64, wire);
+                Ok(())
+            },
+        )
+    }
+
+    /// Runs `body` on the channel of `bucket` with a device backend over
+    /// `buf`: the channel's sequence number and the job's progress, then
+    /// the failure rule on an error (hang attribution on TCP, every
+    /// communicator aborted, the failure kept for the next call).
+    #[allow(clippy::too_many_arguments)]
+    fn run<K: Kernels<Buffer = B>>(
+        &self,
+        kernels: &K,
+        buf: Slot<B>,
+        dtype: DType,
+        bucket: u64,
+        stream: usize,
+        kind: OpKind,
+        body: impl FnOnce(&mut DeviceBackend<'_, K>, &mut Algorithm, &OpTag) -> Result<()>,
+    ) -> Result<()> {
         self.check()?;
         let mem = buf.mem;
         if mem.bytes % dtype.size() != 0 {
@@ -305,7 +431,7 @@ impl<B> DeviceChannels<B> {
         channel.last = Some(at);
         let tag = OpTag {
             op: 0,
-            kind: OpKind::Allreduce,
+            kind,
             seq: channel.seq,
             bucket,
             dtype: dtype.code(),
@@ -327,7 +453,7 @@ impl<B> DeviceChannels<B> {
             world_rank: self.rank,
             bucket,
         };
-        let result = algorithm.allreduce(&mut backend, &tag, mem, dtype, average);
+        let result = body(&mut backend, algorithm, &tag);
         drop(backend);
         // TCP collectives are done here; NCCL ones when the watchdog sees
         // them finish (unless enqueueing failed).

@@ -439,3 +439,108 @@ fn device_channels_probe_open_and_reduce_buckets_without_a_framework() {
         }
     }
 }
+
+#[test]
+fn device_channels_run_torch_s_collectives_over_the_2d_groups() {
+    use crate::comm::counters::Path;
+    use crate::comm::device::{DeviceChannels, DeviceCollective};
+    const BLOCK: usize = 257;
+    let handles: Vec<_> = two_by_two_groups()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, groups)| {
+            std::thread::spawn(move || {
+                let mut engine =
+                    DeviceChannels::<Shared>::new(rank, 4, Duration::from_secs(20), None).unwrap();
+                engine.watch_tcp(std::slice::from_ref(&groups));
+                let settings = AlgoSettings {
+                    hierarchical_threshold: Some(u64::MAX),
+                    ..Default::default()
+                };
+                engine.open(vec![Comms::Tcp(groups)], settings);
+                let run = |op: DeviceCollective, values: Vec<f64>, bucket: u64| {
+                    let bytes = encode(DType::F32, &values);
+                    let (buffer, mem) = HostKernels.empty(bytes.len()).unwrap();
+                    let span = Span {
+                        buffer: &buffer,
+                        offset: 0,
+                        bytes: mem.bytes,
+                    };
+                    HostKernels.load(span, &bytes).unwrap();
+                    let slot = Slot {
+                        buffer: buffer.clone(),
+                        mem,
+                    };
+                    engine
+                        .collective(&HostKernels, op, slot, DType::F32, bucket, 0)
+                        .unwrap_or_else(|e| panic!("rank {rank} {op:?}: {e}"));
+                    decode(DType::F32, &HostKernels.fetch(span).unwrap())
+                };
+                let input: Vec<f64> = (0..4 * BLOCK).map(|i| two_d_value(rank, i)).collect();
+                let scattered = run(
+                    DeviceCollective::ReduceScatter { mean: true },
+                    input.clone(),
+                    0,
+                );
+                let own: Vec<f64> = (0..4 * BLOCK)
+                    .map(|i| {
+                        if i / BLOCK == rank {
+                            two_d_value(rank, i)
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let gathered = run(DeviceCollective::Allgather, own, 1);
+                let summed = run(DeviceCollective::Allreduce { mean: false }, input, 2);
+                let ints = engine.collective(
+                    &HostKernels,
+                    DeviceCollective::Allreduce { mean: true },
+                    Slot {
+                        buffer: HostKernels.empty(8).unwrap().0,
+                        mem: Mem::new(0, 0),
+                    },
+                    DType::I32,
+                    3,
+                    0,
+                );
+                let paths: Vec<Path> = engine
+                    .counters()
+                    .snapshot()
+                    .iter()
+                    .map(|r| r.path)
+                    .collect();
+                engine.shutdown(&HostKernels);
+                (scattered, gathered, summed, ints.is_err(), paths)
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let (scattered, gathered, summed, int_mean_refused, paths) = h.join().unwrap();
+        for i in 0..4 * BLOCK {
+            let sum: f64 = (0..4).map(|r| two_d_value(r, i)).sum();
+            if i / BLOCK == rank {
+                assert_eq!(
+                    scattered[i],
+                    sum / 4.0,
+                    "rank {rank} reduce-scatter element {i}"
+                );
+            }
+            assert_eq!(
+                gathered[i],
+                two_d_value(i / BLOCK, i),
+                "rank {rank} all-gather {i}"
+            );
+            assert_eq!(summed[i], sum, "rank {rank} all-reduce element {i}");
+        }
+        assert!(
+            int_mean_refused,
+            "rank {rank}: an integer mean was not refused"
+        );
+        assert_eq!(
+            paths,
+            vec![Path::Collective, Path::Collective2d],
+            "rank {rank}"
+        );
+    }
+}
