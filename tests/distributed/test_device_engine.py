@@ -94,6 +94,8 @@ def test_the_device_engine_equals_the_host_engine_bit_for_bit(
     # and codecs; the probe's, under the one its settings call for.
     assert all("COUNTED 21" in r.stdout for r in ranks), describe(ranks)
     assert all("COUNTED probe" in r.stdout for r in ranks), describe(ranks)
+    # torch.distributed's collectives on device buffers, exact.
+    assert all("COLLECTIVES 15" in r.stdout for r in ranks), describe(ranks)
     # The probe against the worker's own reference: bit for bit where the
     # algorithm's roundings are order-free (compression, Top-K), else the
     # float64 average.

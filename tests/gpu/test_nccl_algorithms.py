@@ -170,6 +170,9 @@ def test_the_cuda_path_matches_the_host_engine(
         args.append("--exact")
     ranks = _ranks(world, DEVICE_WORKER, args, env)
     assert all(r.returncode == 0 and "EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+    # torch.distributed's collectives on CUDA buffers through the device
+    # engine (NCCL, 2D where it goes 2D): integer-valued, so exact.
+    assert all("COLLECTIVES 15" in r.stdout for r in ranks), describe(ranks)
     if algorithm == "auto":
         # 2 x 2 ranks: NCCL's flat and 2D timed on the GPU, one choice on
         # every rank; one node of two: nothing to measure.

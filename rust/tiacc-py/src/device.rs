@@ -14,7 +14,8 @@ use pyo3::types::{PyBytes, PyDict};
 
 use tiacc_core::comm::backend::{Mem, TopKBlock};
 use tiacc_core::comm::device::{
-    Comms, DeviceChannels, KernelError, KernelResult, Kernels, NcclIds, Slot, Span,
+    Comms, DeviceChannels, DeviceCollective, KernelError, KernelResult, Kernels, NcclIds, Slot,
+    Span,
 };
 use tiacc_core::comm::nccl::NcclUniqueId;
 use tiacc_core::comm::DType;
@@ -260,6 +261,67 @@ impl DeviceEngine {
         };
         self.core
             .allreduce(&ops, slot, dtype, bucket, average, stream)
+            .map_err(to_pyerr)
+    }
+
+    /// Runs one of torch.distributed's collectives on `buf`, a flat uint8
+    /// view of a tensor of `dtype` (one equal block per rank for
+    /// `"reduce_scatter"`, which leaves this rank's block reduced and the
+    /// rest scratch, and `"allgather"`; `"allreduce"` reduces the whole):
+    /// exact, over the 2D groups where the algorithm goes 2D, the
+    /// reduce-scatter compressed where the configuration asks. `reduce` is
+    /// `"sum"` or `"avg"` (floating-point types). Enqueued on `stream` like
+    /// a bucket (NCCL), or done when it returns (TCP).
+    #[pyo3(signature = (collective, buf, dtype, bucket, reduce="sum", stream=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn collective(
+        &self,
+        py: Python<'_>,
+        collective: &str,
+        buf: Bound<'_, PyAny>,
+        dtype: &str,
+        bucket: u64,
+        reduce: &str,
+        stream: usize,
+    ) -> PyResult<()> {
+        let dtype = DType::parse(dtype).py()?;
+        let mean = match reduce.trim().to_ascii_lowercase().as_str() {
+            "sum" => false,
+            "avg" | "mean" | "average" => true,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "the device engine reduces with sum or avg, not {other:?}"
+                )))
+            }
+        };
+        let op = match collective {
+            "allreduce" => DeviceCollective::Allreduce { mean },
+            "reduce_scatter" => DeviceCollective::ReduceScatter { mean },
+            "allgather" => DeviceCollective::Allgather,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown collective {other:?}: expected allreduce, reduce_scatter or allgather"
+                )))
+            }
+        };
+        let mem = tensor_mem(&buf)?;
+        let size = self.info.size;
+        if op != (DeviceCollective::Allreduce { mean }) && (mem.bytes / dtype.size()) % size != 0 {
+            return Err(PyValueError::new_err(format!(
+                "{collective}: {} elements do not split into {size} equal blocks",
+                mem.bytes / dtype.size()
+            )));
+        }
+        let ops = TorchOps {
+            py,
+            kernels: self.kernels.bind(py),
+        };
+        let slot = Slot {
+            buffer: buf.unbind(),
+            mem,
+        };
+        self.core
+            .collective(&ops, op, slot, dtype, bucket, stream)
             .map_err(to_pyerr)
     }
 
