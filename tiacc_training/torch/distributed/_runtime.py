@@ -53,6 +53,7 @@ from ._nccl import check_gpu_placement, nccl_search_dirs
 from ._rendezvous import (
     FailureBoard,
     board_store,
+    check_same_config,
     connect_tcp,
     default_store,
     nccl_ids,
@@ -347,6 +348,11 @@ def group_engine(config: Any, store: Any, prefix: str, rank: int, size: int) -> 
         rank: this rank in the group.
         size: the group's size.
     """
+    # The group's ranks must agree on the settings before they choose their
+    # groups from them: a rank alone asking for 2D would wait for peers
+    # that never join. Checked here, in the group's construction, so a
+    # mismatch is the same ConfigError on every rank, not a timeout.
+    check_same_config(config, store, f"{prefix}/config", rank, size)
     host = advertised_host(config, store)
     shared = _engine_arguments(config, store, prefix, rank, size, group=True)
     engine = _engine.CommEngine(config, rank, size, host, channels=1, **shared)
