@@ -89,6 +89,11 @@ def test_four_ranks_on_two_nodes_scatter_and_gather_over_the_2d_groups() -> None
     additions exact), and the reduce-scatters and all-gathers went over
     the 2D groups: the inter-node group carried bytes, the world none.
     """
+    if FORCED_FORM == "process-group":
+        pytest.skip(
+            "the ProcessGroup form keeps its group engines flat (a 2 x 2 job with 2D "
+            "groups hung there in a gloo all-gather torch routes past Python)"
+        )
     results = results_of(
         run_ranks(
             4,

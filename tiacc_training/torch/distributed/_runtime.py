@@ -333,7 +333,9 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
     return engine
 
 
-def group_engine(config: Any, store: Any, prefix: str, rank: int, size: int) -> Any:
+def group_engine(
+    config: Any, store: Any, prefix: str, rank: int, size: int, two_d: bool = True
+) -> Any:
     """The engine of one group on the "tiacc" backend, connected over its store.
 
     One channel, so collectives run in the order they are issued (as gloo
@@ -347,6 +349,7 @@ def group_engine(config: Any, store: Any, prefix: str, rank: int, size: int) -> 
         prefix: the key prefix of this engine's board and exchanges.
         rank: this rank in the group.
         size: the group's size.
+        two_d: whether the group may join the 2D groups (``False``: flat).
     """
     # The group's ranks must agree on the settings before they choose their
     # groups from them: a rank alone asking for 2D would wait for peers
@@ -355,6 +358,8 @@ def group_engine(config: Any, store: Any, prefix: str, rank: int, size: int) -> 
     check_same_config(config, store, f"{prefix}/config", rank, size)
     host = advertised_host(config, store)
     shared = _engine_arguments(config, store, prefix, rank, size, group=True)
+    if not two_d:
+        shared["intra_size"] = None
     engine = _engine.CommEngine(config, rank, size, host, channels=1, **shared)
     connect_tcp(engine, store, "tiacc", rank, size, max(config.timeout, 60.0))
     return engine
