@@ -53,9 +53,9 @@ from ._nccl import check_gpu_placement, nccl_search_dirs
 from ._rendezvous import (
     FailureBoard,
     board_store,
-    check_same_config,
     connect_tcp,
     default_store,
+    exchange,
     nccl_ids,
     node_intra_size,
 )
@@ -351,22 +351,29 @@ def group_engine(
         size: the group's size.
         two_d: whether the group may join the 2D groups (``False``: flat).
     """
-    # The group's ranks must agree on the settings before they choose their
-    # groups from them: a rank alone asking for 2D would wait for peers
-    # that never join. Checked here, in the group's construction, so a
-    # mismatch is the same ConfigError on every rank, not a timeout.
-    check_same_config(config, store, f"{prefix}/config", rank, size)
+    # The 2D groups only when every rank of the group asks for them: a rank
+    # alone asking would wait for peers that never join. Settings that
+    # differ are init_tiacc_training's ConfigError, after the group exists.
+    launch = job_launch()
+    mine = "1" if two_d and config.two_d_groups(size, launch.get("local_size")) else "0"
+    wanted = exchange(store, f"{prefix}/two-d", rank, size, mine, config.timeout)
     host = advertised_host(config, store)
-    shared = _engine_arguments(config, store, prefix, rank, size, group=True)
-    if not two_d:
-        shared["intra_size"] = None
+    shared = _engine_arguments(
+        config, store, prefix, rank, size, group=True, two_d=all(w == "1" for w in wanted)
+    )
     engine = _engine.CommEngine(config, rank, size, host, channels=1, **shared)
     connect_tcp(engine, store, "tiacc", rank, size, max(config.timeout, 60.0))
     return engine
 
 
 def _engine_arguments(
-    config: Any, store: Any, prefix: str, rank: int, world: int, group: bool = False
+    config: Any,
+    store: Any,
+    prefix: str,
+    rank: int,
+    world: int,
+    group: bool = False,
+    two_d: bool = True,
 ) -> dict[str, Any]:
     """What every engine is built with, besides its own.
 
@@ -380,7 +387,7 @@ def _engine_arguments(
     client, address = board_store(store)
     launch = job_launch()
     try:
-        intra_size = node_intra_size(config, launch, store, prefix, rank, world)
+        intra_size = node_intra_size(config, launch, store, prefix, rank, world) if two_d else None
     except ConfigError as err:
         if not group:
             raise
