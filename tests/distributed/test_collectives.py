@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import FORCED_FORM, describe, results_of, run_ranks, tiacc_class
+from _launch import describe, results_of, run_ranks, tiacc_class
 
 from tiacc_training.torch.distributed import _backend
 
@@ -89,11 +89,6 @@ def test_four_ranks_on_two_nodes_scatter_and_gather_over_the_2d_groups() -> None
     additions exact), and the reduce-scatters and all-gathers went over
     the 2D groups: the inter-node group carried bytes, the world none.
     """
-    if FORCED_FORM == "process-group":
-        pytest.skip(
-            "the ProcessGroup form keeps its group engines flat (a 2 x 2 job with 2D "
-            "groups hung there in a gloo all-gather torch routes past Python)"
-        )
     results = results_of(
         run_ranks(
             4,
@@ -125,13 +120,6 @@ def test_a_peer_that_exits_makes_the_next_collectives_raise() -> None:
     lines = [
         line for line in ranks[0].stdout.splitlines() if line.startswith(("RAISED", "RETURNED"))
     ]
-    if FORCED_FORM == "process-group":
-        # The older form on a torch that takes the newer: that torch sends
-        # some calls (all_gather_into_tensor) straight to the gloo
-        # registered under the group, which raises its own error. Every
-        # way still raises.
-        assert [line.split()[0] for line in lines] == ["RAISED"] * 4, describe(ranks)
-        return
     assert lines == [
         "RAISED async wait CommError",
         "RAISED future value CommError",

@@ -506,9 +506,14 @@ _SERVED_BACKEND = {
     "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
     "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
 }
-# Names the engine serves, as the ProcessGroup class spells them.
+# Names the engine serves, as the ProcessGroup class spells them: the older
+# names, and the newer ones a newer torch's ProcessGroup looks up first.
+# Every name must reach Python: torch's trampoline calls the C++ default of a
+# name the subclass lacks while holding the GIL, and gloo's worker thread,
+# freeing an earlier work's tensors, waits for that GIL while holding the
+# lock the call needs (a 2 x 2 job hung so in all_gather_into_tensor).
 _SERVED_GROUP = {
-    **_SERVED,
+    **_SERVED_BACKEND,
     "_allgather_base": "allgather_into_tensor",
     "_reduce_scatter_base": "reduce_scatter_tensor",
     "alltoall_base": "all_to_all_single",
@@ -528,6 +533,7 @@ _GLOO = {
     "recv_anysource": ("recv", "recv_anysource"),
 }
 _GLOO_BACKEND = {**_GLOO, "allreduce_sparse": ("allreduce", "allreduce")}
+_GLOO_GROUP = {**_GLOO, "recvAnysource": ("recv", "recv_anysource")}
 
 
 # The options each collective takes, for torch's own Python calls that leave
@@ -731,7 +737,7 @@ class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-ty
 
 for _name, _ours in _SERVED_GROUP.items():
     setattr(TiaccProcessGroup, _name, _by_device(_name, _served(_name, _ours)))
-for _name, (_op, _gloo) in _GLOO.items():
+for _name, (_op, _gloo) in _GLOO_GROUP.items():
     setattr(TiaccProcessGroup, _name, _by_device(_name, _forwarded(_name, _op, _gloo)))
 
 

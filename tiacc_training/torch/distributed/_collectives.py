@@ -124,10 +124,7 @@ class CpuCollectives:
         config = current() or _engine.CommConfig.from_env()
         _generations[group_name] += 1
         prefix = f"tiacc_training/backend/{group_name}/{_generations[group_name]}"
-        # The older ProcessGroup form runs flat: with the 2D groups it hung
-        # in a gloo all-gather torch routes past Python (4 ranks as 2 x 2,
-        # default timeout); the c10d Backend form runs them.
-        self._engine = group_engine(config, store, prefix, rank, size, two_d=form == "backend")
+        self._engine = group_engine(config, store, prefix, rank, size)
         self.transport = self._engine.transports.get("world", "")
         _live.add(self)
 

@@ -333,9 +333,7 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
     return engine
 
 
-def group_engine(
-    config: Any, store: Any, prefix: str, rank: int, size: int, two_d: bool = True
-) -> Any:
+def group_engine(config: Any, store: Any, prefix: str, rank: int, size: int) -> Any:
     """The engine of one group on the "tiacc" backend, connected over its store.
 
     One channel, so collectives run in the order they are issued (as gloo
@@ -349,13 +347,12 @@ def group_engine(
         prefix: the key prefix of this engine's board and exchanges.
         rank: this rank in the group.
         size: the group's size.
-        two_d: whether the group may join the 2D groups (``False``: flat).
     """
     # The 2D groups only when every rank of the group asks for them: a rank
     # alone asking would wait for peers that never join. Settings that
     # differ are init_tiacc_training's ConfigError, after the group exists.
     launch = job_launch()
-    mine = "1" if two_d and config.two_d_groups(size, launch.get("local_size")) else "0"
+    mine = "1" if config.two_d_groups(size, launch.get("local_size")) else "0"
     wanted = exchange(store, f"{prefix}/two-d", rank, size, mine, config.timeout)
     host = advertised_host(config, store)
     shared = _engine_arguments(
