@@ -166,3 +166,23 @@ def test_explicit_nccl_with_ranks_sharing_a_gpu_names_them(tmp_path: Path) -> No
         assert "2 ranks on this node share 1 GPU(s)" in text or (
             "needs one GPU per rank" in text and "ranks 0, 1 share" in text
         ), text[-3000:]
+
+
+@pytest.mark.parametrize("horovod", [False, True], ids=["torch", "horovod"])
+def test_cuda_collectives_through_the_tiacc_backend(horovod: bool) -> None:
+    """``init_process_group("cpu:tiacc,cuda:tiacc")``: the CUDA collectives
+    torch and Horovod call run on the device engine over NCCL, exact, with
+    the ops it does not run forwarded to NCCL underneath (the same checks
+    as ``tests/distributed/test_device_collectives.py`` runs on CPU)."""
+    worker = Path(__file__).resolve().parent.parent / "distributed" / "device_collectives_worker.py"
+    args = ["--device", "cuda"] + (["--horovod"] if horovod else [])
+    ranks = run_ranks(2, args, env={**CUDA_ENV, **_two_nccl_ranks()}, timeout=300.0, worker=worker)
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    from _launch import json_lines
+
+    for rank in ranks:
+        result = json_lines(rank.stdout)[-1]
+        assert result["checked"] == 25 + (3 if horovod else 0), result
+        assert result["transport"] == "nccl", result
+        assert result["served"]["reduce_scatter"] >= 10, result
+        assert result["paths"]["collective/none"]["buckets"] >= 22, result

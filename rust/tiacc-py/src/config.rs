@@ -120,6 +120,7 @@ impl PyCommConfig {
         d.set_item("nan_check", c.nan_check)?;
         d.set_item("shared_memory", c.shared_memory)?;
         d.set_item("collectives", c.collectives.name())?;
+        d.set_item("cuda_collectives", c.cuda_collectives.name())?;
         d.set_item("algorithm", c.algorithm.name())?;
         d.set_item("intra_size", c.intra_size)?;
         d.set_item("hierarchical_threshold", c.hierarchical_threshold)?;
@@ -173,6 +174,13 @@ impl PyCommConfig {
     #[getter]
     fn collectives(&self) -> &'static str {
         self.inner.collectives.name()
+    }
+
+    /// What serves torch.distributed's CUDA collectives: `"nccl"` or `"tiacc"`
+    /// (`TIACC_TRAINING_CUDA_COLLECTIVES`).
+    #[getter]
+    fn cuda_collectives(&self) -> &'static str {
+        self.inner.cuda_collectives.name()
     }
 
     /// Steps between two slow-rank checks (0: off).

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
 
-from . import _backend, _collectives, _config, _launch, _runtime
+from . import _backend, _collectives, _config, _device_collectives, _launch, _runtime
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
 from ._perf import PerfCheck
@@ -243,6 +243,9 @@ def _finish(launch: dict[str, Any], device_given: bool, check_round: bool) -> No
             version,
         )
         logger.info("  %s", _backend.describe_cpu_collectives(config))
+        cuda = _backend.describe_cuda_collectives()
+        if cuda:
+            logger.info("  %s", cuda)
 
 
 def cuda_transport() -> str:
@@ -284,8 +287,11 @@ def stats() -> dict[str, Any]:
         or raised under ``TIACC_TRAINING_STRICT=1``), ``collectives``
         (the script's CPU collectives the "tiacc" backend served, per op),
         ``forwarded`` (those it handed to gloo, per op and reason:
-        ``{"gather": {"an op the engine does not run": 2}}``), and
-        ``engine``: the engines' own counters (:func:`engine_counters`).
+        ``{"gather": {"an op the engine does not run": 2}}``),
+        ``cuda_collectives`` and ``cuda_forwarded`` (the same for CUDA
+        tensors under ``TIACC_TRAINING_CUDA_COLLECTIVES=tiacc``: served by
+        the device engine, or handed to NCCL), and ``engine``: the engines'
+        own counters (:func:`engine_counters`).
     """
     return {
         "steps": state.steps,
@@ -294,15 +300,17 @@ def stats() -> dict[str, Any]:
         "accumulated": state.accumulated,
         "native": dict(state.native),
         "collectives": dict(_backend.served_in_process),
-        "forwarded": _forwarded(),
+        "forwarded": _forwarded(_backend.forwarded_in_process),
+        "cuda_collectives": dict(_device_collectives.served_in_process),
+        "cuda_forwarded": _forwarded(_device_collectives.forwarded_in_process),
         "engine": engine_counters(),
     }
 
 
-def _forwarded() -> dict[str, dict[str, int]]:
-    """The CPU collectives forwarded to gloo, per op and reason."""
+def _forwarded(counts: Any) -> dict[str, dict[str, int]]:
+    """Collectives forwarded underneath (``counts``), per op and reason."""
     table: dict[str, dict[str, int]] = {}
-    for (op, why), n in sorted(_backend.forwarded_in_process.items()):
+    for (op, why), n in sorted(counts.items()):
         table.setdefault(op, {})[why] = n
     return table
 
@@ -356,7 +364,10 @@ def _summary() -> None:
     """Rank 0's last line: what went through the engine, and what did not."""
     served = sum(_backend.served_in_process.values())
     forwarded = sum(_backend.forwarded_in_process.values())
-    if not state.logged or not (state.steps or state.native or served or forwarded):
+    cuda = sum(_device_collectives.served_in_process.values()) + sum(
+        _device_collectives.forwarded_in_process.values()
+    )
+    if not state.logged or not (state.steps or state.native or served or forwarded or cuda):
         return
     carried = ", ".join(
         f"{n} {path} bucket(s) ({state.carried_bytes[path] / 2**20:.1f} MiB)"
@@ -373,6 +384,8 @@ def _summary() -> None:
         f"; the engine counted: {counted}" if counted else "",
         _describe_collectives(served, forwarded),
     )
+    if cuda:
+        logger.info("  %s", _describe_cuda_collectives())
 
 
 def _describe_collectives(served: int, forwarded: int) -> str:
@@ -390,6 +403,23 @@ def _describe_collectives(served: int, forwarded: int) -> str:
         pairs = sorted(_backend.forwarded_in_process.items())
         text += f" ({'; '.join(f'{op}: {why} {n}' for (op, why), n in pairs)})"
     counted = _describe_counters(_collectives.counters_in_process())
+    if counted:
+        text += f"; their engines counted: {counted}"
+    return text
+
+
+def _describe_cuda_collectives() -> str:
+    """The CUDA collectives "tiacc" served, as the summary's second line says them."""
+    served = _device_collectives.served_in_process
+    forwarded = _device_collectives.forwarded_in_process
+    text = f"CUDA collectives: {sum(served.values())} served by the device engine"
+    if served:
+        text += f" ({', '.join(f'{op} {n}' for op, n in sorted(served.items()))})"
+    text += f", {sum(forwarded.values())} forwarded to NCCL"
+    if forwarded:
+        pairs = sorted(forwarded.items())
+        text += f" ({'; '.join(f'{op}: {why} {n}' for (op, why), n in pairs)})"
+    counted = _describe_counters(_collectives.counters_in_process("cuda"))
     if counted:
         text += f"; their engines counted: {counted}"
     return text

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from tiacc_training import _engine
 
 from . import _collectives
-from ._collectives import NOT_IN_ENGINE, CpuCollectives
+from ._collectives import NOT_IN_ENGINE, CpuCollectives, GroupCollectives
+from ._device_collectives import DeviceCollectives
 
 # The backend's name, as ``init_process_group`` takes it.
 NAME = "tiacc"
@@ -190,7 +191,7 @@ def _register() -> tuple[bool, str | None]:
     if NAME.upper() in plugins:
         return True, None
     try:
-        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     except TypeError:  # a torch whose register_backend takes no devices
         try:
             dist.Backend.register_backend(NAME, _create, extended_api=True)
@@ -270,8 +271,36 @@ def cpu_backend(requested: str | None, config: Any) -> str | None:
         For example ``"cpu:tiacc,cuda:nccl"`` for ``None`` on a CUDA
         machine, ``"cpu:tiacc"`` for ``"gloo"`` without CUDA, ``"nccl"`` for
         ``"nccl"``; on a torch that takes one backend name only (2.0.0),
-        ``"tiacc"`` for the first two (see :func:`_spelled`).
+        ``"tiacc"`` for the first two (see :func:`_spelled`). Under
+        ``TIACC_TRAINING_CUDA_COLLECTIVES=tiacc`` NCCL's place goes to
+        "tiacc" (``"cpu:tiacc,cuda:tiacc"``, ``"cuda:tiacc"``).
     """
+    chosen = _cpu_backend(requested, config)
+    if chosen is None or not _serves_cuda(config):
+        return chosen
+    if ":" not in chosen:
+        return _spelled({"cuda": NAME}) if chosen.strip().lower() == "nccl" else chosen
+    devices = _device_map(chosen, chosen)
+    if devices.get("cuda", "").lower() != "nccl":
+        return chosen
+    devices["cuda"] = NAME
+    return _spelled(devices)
+
+
+def _serves_cuda(config: Any) -> bool:
+    """Whether NCCL's CUDA collectives go to "tiacc" (opted in, and it can)."""
+    if config is None:
+        config = _engine.CommConfig.from_env()
+    return (
+        config.cuda_collectives == NAME
+        and torch.cuda.is_available()
+        and takes_device_strings()
+        and register()
+    )
+
+
+def _cpu_backend(requested: str | None, config: Any) -> str | None:
+    """:func:`cpu_backend` before the CUDA choice."""
     if requested is not None and not isinstance(requested, str):
         requested = str(requested)  # a ``dist.Backend`` value
     use = serves(config)
@@ -419,6 +448,21 @@ def describe_cpu_collectives(config: Any = None, group: Any = None) -> str:
     return f"CPU collectives: {name} ({why})"
 
 
+def describe_cuda_collectives(group: Any = None) -> str | None:
+    """One start-up line when "tiacc" serves the default group's CUDA collectives, else ``None``.
+
+    For example ``"CUDA collectives: tiacc (the device engine over NCCL,
+    built on the first; other ops forwarded to NCCL)"``.
+    """
+    collectives = cuda_collectives_of(group)
+    if collectives is None:
+        return None
+    return (
+        f"CUDA collectives: {NAME} (the device engine over NCCL, built on the group's "
+        "first CUDA collective; other ops forwarded to NCCL)"
+    )
+
+
 def _has_cpu(group: Any) -> bool:
     group = group or dist.distributed_c10d._get_default_group()
     return torch.device("cpu") in getattr(group, "_device_types", [torch.device("cpu")])
@@ -434,9 +478,34 @@ def stop(group: Any = None) -> None:
     if group is None or group is dist.GroupMember.WORLD:
         _collectives.stop_all()
         return
-    collectives = cpu_backend_of(group)
-    if collectives is not None:
-        collectives.shutdown()
+    backend = _tiacc_of(group)
+    if backend is not None:
+        backend.shutdown()
+
+
+def _tiacc_of(group: Any) -> Any:
+    """The "tiacc" backend object of ``group`` (either form), or ``None``."""
+    if isinstance(group, TiaccProcessGroup):
+        return group
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+        except Exception:  # no backend for that device in this group
+            continue
+        if isinstance(backend, TiaccBackend):
+            return backend
+    return None
+
+
+def cuda_collectives_of(group: Any = None) -> Any:
+    """The "tiacc" collectives serving ``group``'s CUDA tensors (default group), or ``None``."""
+    if not dist.is_initialized():
+        return None
+    if group is None or group is dist.GroupMember.WORLD:
+        group = dist.distributed_c10d._get_default_group()
+    backend = _tiacc_of(group)
+    found = None if backend is None else backend._devices.get("cuda")
+    return found if isinstance(found, GroupCollectives) else None
 
 
 def _create(options: Any, backend_options: Any = None) -> Any:
@@ -453,39 +522,48 @@ def _create(options: Any, backend_options: Any = None) -> Any:
         options.timeout,
         str(getattr(options, "group_id", "") or "group"),
     )
+    device, devices = _creating()
     if form == BACKEND:
-        return TiaccBackend(*args)
+        # torch builds one backend for every device when they all ask for
+        # "tiacc", else one per device.
+        served = devices if len(set(devices.values())) == 1 else {device: NAME}
+        return TiaccBackend(*args, devices=list(served) or ["cpu"])
     if form == PROCESS_GROUP:
-        return TiaccProcessGroup(*args, devices=_other_devices())
+        return TiaccProcessGroup(*args, devices=_other_devices(devices))
     raise RuntimeError(f"the {NAME} backend cannot be constructed: {_reason}")
 
 
-def _other_devices() -> dict[str, str]:
-    """The backends the group being created asked for on devices other than the CPU.
+def _creating() -> tuple[str, dict[str, str]]:
+    """The device torch is building a backend for, and the group's device map.
 
-    torch builds a group's backends device by device and, once one of
-    them is a ``ProcessGroup``, uses it as the whole group: the
-    ``ProcessGroup`` form must serve the other devices itself. Their
-    backends are in the device map of torch's group builder, the caller
-    of the factory; without one (a torch that builds groups otherwise),
-    the group serves the CPU only.
+    Both are in the locals of torch's group builder, the caller of the
+    factory; without one (a torch that builds groups otherwise), the CPU
+    alone.
     """
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != "_new_process_group_helper":
         frame = frame.f_back
-    if frame is not None:
-        config = frame.f_locals.get("backend_config")
-        devices = getattr(config, "get_device_backend_map", None)
-        if callable(devices):
-            found = {str(d): str(b) for d, b in devices().items() if str(d) != "cpu"}
-            # One name for every device ("tiacc" on a torch that takes one
-            # name only): the backends the script's call asked for there.
-            return {
-                d: _single_name_devices.get(d, "") if b.lower() == NAME else b
-                for d, b in found.items()
-                if b.lower() != NAME or _single_name_devices.get(d)
-            }
-    return {}
+    if frame is None:
+        return "cpu", {"cpu": NAME}
+    config = frame.f_locals.get("backend_config")
+    devices = getattr(config, "get_device_backend_map", None)
+    found = {str(d): str(b).lower() for d, b in devices().items()} if callable(devices) else {}
+    return str(frame.f_locals.get("device", "cpu")), found or {"cpu": NAME}
+
+
+def _other_devices(devices: dict[str, str]) -> dict[str, str]:
+    """The backends the group being created asked for on devices other than the CPU.
+
+    torch builds a group's backends device by device and, once one of
+    them is a ``ProcessGroup``, uses it as the whole group: the
+    ``ProcessGroup`` form must serve the other devices itself. One name
+    for every device ("tiacc" on a torch that takes one name only) means
+    the backends the script's call asked for there.
+    """
+    found = {d: b for d, b in devices.items() if d != "cpu"}
+    if _single_name_devices and set(found.values()) <= {NAME}:
+        return {d: _single_name_devices[d] for d in found if _single_name_devices.get(d)}
+    return found
 
 
 # -- the two forms ----------------------------------------------------------
@@ -560,7 +638,7 @@ def _served(name: str, ours: str) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if len(args) == wanted - 1 and "opts" not in kwargs and options is not None:
             args = (*args, options())
-        return getattr(self.collectives, ours)(*args, **kwargs)
+        return getattr(self.collectives_for(args), ours)(*args, **kwargs)
 
     method.__name__ = name
     method.__doc__ = f"torch's ``{name}``: the engine's ``{ours}``, or gloo's."
@@ -569,21 +647,24 @@ def _served(name: str, ours: str) -> Callable[..., Any]:
 
 def _forwarded(name: str, op: str, gloo_method: str) -> Callable[..., Any]:
     def method(self: Any, *args: Any) -> Any:
-        collectives = self.collectives
-        return collectives.forward(op, NOT_IN_ENGINE, getattr(collectives.gloo, gloo_method), *args)
+        collectives = self.collectives_for(args)
+        underneath = getattr(collectives.fallback, gloo_method)
+        return collectives.forward(op, NOT_IN_ENGINE, underneath, *args)
 
     method.__name__ = name
-    method.__doc__ = f"torch's ``{name}``: forwarded to gloo (counted)."
+    method.__doc__ = f"torch's ``{name}``: forwarded to gloo, or NCCL (counted)."
     return method
 
 
 def _by_device(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` for CPU tensors; the device's own backend for the others."""
+    """``method`` for the tensors "tiacc" serves; the device's own backend for the others."""
 
     def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
         device = _device_of(args)
         if device is not None and device != "cpu":
-            return getattr(self.device_backend(device), name)(*args, **kwargs)
+            backend = self.device_backend(device)
+            if not isinstance(backend, GroupCollectives):
+                return getattr(backend, name)(*args, **kwargs)
         return method(self, *args, **kwargs)
 
     dispatch.__name__ = name
@@ -604,9 +685,61 @@ def _device_of(args: Any) -> str | None:
 
 
 class _Form:
-    """What both forms answer torch the same way (a mixin before torch's class)."""
+    """What both forms answer torch the same way (a mixin before torch's class).
 
-    collectives: CpuCollectives
+    ``collectives`` serves the CPU tensors (``None`` in a backend torch
+    built for the CUDA tensors alone); ``_devices`` what serves each other
+    device's: the device engine's collectives where the group asked for
+    "tiacc" there, else the backend it asked for.
+    """
+
+    collectives: CpuCollectives | None
+    _devices: dict[str, Any]
+
+    def device_backend(self, device: str) -> Any:
+        """What serves ``device``'s tensors.
+
+        Raises:
+            RuntimeError: the group was not created with a backend for ``device``.
+        """
+        backend = self._devices.get(device)
+        if backend is None:
+            serves = (["CPU"] if self.collectives is not None else []) + list(self._devices)
+            raise RuntimeError(
+                f"this {NAME} group serves {' and '.join(serves)} tensors, not {device} "
+                f"tensors: ask for one in init_process_group's backend (e.g. "
+                f"'cpu:{NAME},{device}:nccl')"
+            )
+        return backend
+
+    def collectives_for(self, args: Any) -> GroupCollectives:
+        """The collectives serving a call's tensors (the CPU's when it has none)."""
+        device = _device_of(args)
+        if device is None or device == "cpu":
+            if self.collectives is None:
+                raise RuntimeError(
+                    f"this {NAME} group serves {' and '.join(self._devices)} tensors, not "
+                    "CPU tensors: ask for one in init_process_group's backend "
+                    f"(e.g. 'cpu:{NAME},cuda:{NAME}')"
+                )
+            return self.collectives
+        return self.device_backend(device)
+
+    def _device_collectives(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        group_name: str,
+        device: str,
+    ) -> DeviceCollectives:
+        if device != "cuda":
+            raise ValueError(f"the {NAME} backend serves CPU and CUDA tensors, not {device}")
+        fallback = _nccl(store, rank, size, timeout, group_name)
+        return DeviceCollectives(
+            dist.PrefixStore("device/", store), rank, size, timeout, group_name, fallback
+        )
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """The name torch reports."""
@@ -618,11 +751,13 @@ class _Form:
 
     def barrier(self, opts: Any = None) -> Any:
         """``barrier``: returns once every rank has entered it."""
+        if self.collectives is None:
+            return next(iter(self._devices.values())).barrier(opts)
         return self.collectives.barrier(opts)
 
 
 class TiaccBackend(_Form, _C10dBackend):  # type: ignore[misc,valid-type]
-    """The "backend" form: a c10d ``Backend`` for one group's CPU tensors.
+    """The "backend" form: a c10d ``Backend`` for one group's CPU and/or CUDA tensors.
 
     Args:
         store: the group's store (a ``PrefixStore`` torch made for it).
@@ -630,20 +765,42 @@ class TiaccBackend(_Form, _C10dBackend):  # type: ignore[misc,valid-type]
         size: the group's number of ranks.
         timeout: the group's timeout.
         group_name: the group's name (keeps the rendezvous of groups apart).
+        devices: the device types torch registers it for (``["cpu"]``,
+            ``["cpu", "cuda"]``, ``["cuda"]``).
 
     Attributes:
-        collectives: the group's CPU collectives (counts, gloo, transport).
+        collectives: the group's CPU collectives (counts, gloo, transport),
+            or ``None`` without the CPU.
     """
 
     def __init__(
-        self, store: Any, rank: int, size: int, timeout: datetime.timedelta, group_name: str
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        group_name: str,
+        devices: list[str] | None = None,
     ) -> None:
         super().__init__(rank, size)
-        self.collectives = CpuCollectives(store, rank, size, timeout, group_name, BACKEND)
+        devices = devices or ["cpu"]
+        self.collectives = None
+        if "cpu" in devices:
+            self.collectives = CpuCollectives(store, rank, size, timeout, group_name, BACKEND)
+        # torch maps a bare "tiacc" to every device it was registered
+        # for; without CUDA there are no CUDA tensors to serve.
+        self._devices = {
+            device: self._device_collectives(store, rank, size, timeout, group_name, device)
+            for device in devices
+            if device != "cpu" and (device != "cuda" or torch.cuda.is_available())
+        }
 
     def shutdown(self) -> None:
-        """Stops the engine's channel (torch calls it on ``destroy_process_group``)."""
-        self.collectives.shutdown()
+        """Stops the engines (torch calls it on ``destroy_process_group``)."""
+        if self.collectives is not None:
+            self.collectives.shutdown()
+        for collectives in self._devices.values():
+            collectives.shutdown()
 
 
 for _name, _ours in _SERVED_BACKEND.items():
@@ -702,6 +859,15 @@ class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-ty
                 made, kind = self.collectives.gloo, types.GLOO
             elif name == "nccl":
                 made, kind = _nccl(store, rank, size, timeout, group_name), types.NCCL
+            elif name == NAME and device == "cuda" and not torch.cuda.is_available():
+                continue
+            elif name == NAME:
+                made = self._device_collectives(store, rank, size, timeout, group_name, device)
+                self._devices[device] = made
+                # torch's C++ calls (none for CUDA tensors of a Python
+                # ProcessGroup: it asks Python) may use NCCL underneath.
+                self._register_backend(torch.device(device), types.NCCL, made.fallback)
+                continue
             else:
                 raise ValueError(
                     f"the {NAME} backend (as a ProcessGroup, {_torch()}) serves {device} "
@@ -710,26 +876,13 @@ class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-ty
             self._devices[device] = made
             self._register_backend(torch.device(device), kind, made)
 
-    def device_backend(self, device: str) -> Any:
-        """The backend serving ``device``'s tensors.
-
-        Raises:
-            RuntimeError: the group was not created with a backend for ``device``.
-        """
-        backend = self._devices.get(device)
-        if backend is None:
-            raise RuntimeError(
-                f"this {NAME} group serves CPU tensors"
-                + (f" and {', '.join(self._devices)} tensors" if self._devices else "")
-                + f", not {device} tensors: ask for one in init_process_group's backend "
-                f"(e.g. 'cpu:gloo,{device}:nccl')"
-            )
-        return backend
-
     def shutdown(self) -> None:
         """Stops the engine's channel and the backends underneath."""
         self.collectives.shutdown()
         for backend in self._devices.values():
+            if isinstance(backend, GroupCollectives):
+                backend.shutdown()
+                continue
             stop = getattr(backend, "shutdown", None) or getattr(backend, "_shutdown", None)
             if stop is not None and backend is not self.collectives.gloo:
                 stop()

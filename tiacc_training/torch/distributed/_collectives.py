@@ -52,10 +52,13 @@ forwarded_in_process: collections.Counter[tuple[str, str]] = collections.Counter
 # Engines made per group name in this process: successive groups of one
 # name (a script that creates the default group again) rendezvous apart.
 _generations: collections.Counter[str] = collections.Counter()
-# The groups' collectives alive in this process, stopped at exit.
-_live: weakref.WeakSet[CpuCollectives] = weakref.WeakSet()
-# The counters of the groups' engines that stopped (see counters_in_process).
-_retired: dict[tuple[str, str], dict[str, Any]] = {}
+# The groups' collectives alive in this process (every device type), stopped at exit.
+_live: weakref.WeakSet[GroupCollectives] = weakref.WeakSet()
+# The counters of the groups' engines that stopped, per device type (see
+# counters_in_process).
+_retired: collections.defaultdict[str, dict[tuple[str, str], dict[str, Any]]] = (
+    collections.defaultdict(dict)
+)
 
 # Why a call goes to gloo (the reasons ``stats()`` counts).
 NOT_IN_ENGINE = "an op the engine does not run"
@@ -76,7 +79,266 @@ def _op_names() -> dict[Any, str]:
     }
 
 
-class CpuCollectives:
+class GroupCollectives:
+    """One group's collectives on one device type: the engine, or the backend underneath.
+
+    The choice of what the engine runs, the checks of every call and the
+    counts live here once; :class:`CpuCollectives` (the CPU engine, gloo
+    underneath) and ``_device_collectives.DeviceCollectives`` (the device
+    engine, NCCL underneath) say how a collective runs (``_run``).
+
+    Attributes:
+        rank: this process's rank in the group.
+        size: the group's number of ranks.
+        device_type: the tensors served (``"cpu"``, ``"cuda"``).
+        served: collectives the engine ran, by op (``"allreduce"``, ...).
+        forwarded: collectives forwarded underneath, by ``(op, reason)``.
+        fallback: the backend underneath.
+        timeout: the group's timeout.
+    """
+
+    device_type = "cpu"
+    # The process's counts of this device type (see served_in_process).
+    served_total = served_in_process
+    forwarded_total = forwarded_in_process
+    rank: int
+    size: int
+    fallback: Any
+    timeout: datetime.timedelta
+    synchronous = False
+
+    def _init_counts(self, ops: frozenset[str], dtypes: frozenset[str]) -> None:
+        self.served: collections.Counter[str] = collections.Counter()
+        self.forwarded: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._dtypes = dtypes
+        self._ops = ops
+        self._op_names = _op_names()
+
+    # -- collectives the engine runs ---------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """``all_reduce``: the engine's reduction, or gloo's."""
+        op = self._op_name(opts.reduceOp)
+        tensor = self._single(tensors)
+        why = self._why_not(tensor, op)
+        if why is not None:
+            return self.forward("allreduce", why, self.fallback.allreduce, tensors, opts)
+        return self._run("allreduce", tensor, tensors, reduce=op)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """``broadcast`` from ``opts.rootRank``, as bytes."""
+        tensor = self._single(tensors)
+        if tensor is None or opts.rootTensor != 0:
+            return self.forward("broadcast", LAYOUT, self.fallback.broadcast, tensors, opts)
+        return self._run("broadcast", tensor, tensors, as_bytes=True, root=opts.rootRank)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """``all_gather`` into a list of tensors (equal pieces, any dtype)."""
+        tensor = self._single(inputs)
+        if tensor is None:
+            return self.forward("allgather", LAYOUT, self.fallback.allgather, outputs, inputs, opts)
+        equal = (
+            len(outputs) == 1
+            and len(outputs[0]) == self.size
+            and all(
+                self._plain(o) and o.shape == tensor.shape and o.dtype == tensor.dtype
+                for o in outputs[0]
+            )
+        )
+        if not equal:
+            return self.forward("allgather", SHAPES, self.fallback.allgather, outputs, inputs, opts)
+        flat = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        flat.view(self.size, -1)[self.rank].copy_(tensor.reshape(-1))
+        pieces = outputs[0]
+
+        def scatter_back(future: torch.futures.Future) -> list[list[torch.Tensor]]:
+            future.value()  # raises the engine's error, if any
+            for piece, part in zip(pieces, flat.view(self.size, -1)):
+                piece.copy_(part.view(piece.shape))
+            return outputs
+
+        return self._run("allgather", flat, [flat], as_bytes=True, then=scatter_back)
+
+    def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
+        """``all_gather_into_tensor``: equal pieces into one tensor."""
+        if not (self._plain(output) and self._plain(input)):
+            return self.forward(
+                "allgather", LAYOUT, self.fallback._allgather_base, output, input, opts
+            )
+        if output.dtype != input.dtype or output.numel() != self.size * input.numel():
+            return self.forward(
+                "allgather", SHAPES, self.fallback._allgather_base, output, input, opts
+            )
+        output.view(-1).view(self.size, -1)[self.rank].copy_(input.view(-1))
+        return self._run("allgather", output, [output], as_bytes=True)
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> Any:
+        """``reduce_scatter`` of a list of equal tensors."""
+        op = self._op_name(opts.reduceOp)
+        out = self._single(outputs)
+        why = self._why_not(out, op)
+        if why is None and not (
+            len(inputs) == 1
+            and len(inputs[0]) == self.size
+            and all(
+                self._plain(t) and t.shape == out.shape and t.dtype == out.dtype for t in inputs[0]
+            )
+        ):
+            why = SHAPES
+        if why is not None:
+            return self.forward(
+                "reduce_scatter", why, self.fallback.reduce_scatter, outputs, inputs, opts
+            )
+        flat = torch.cat([t.reshape(-1) for t in inputs[0]])
+        return self._reduce_scatter_into(out, flat, outputs, op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
+        """``reduce_scatter_tensor``: this rank's block of the reduced tensor."""
+        op = self._op_name(opts.reduceOp)
+        why = self._why_not(output if self._plain(output) and self._plain(input) else None, op)
+        if why is None and (
+            output.dtype != input.dtype or input.numel() != self.size * output.numel()
+        ):
+            why = SHAPES
+        if why is not None:
+            return self.forward(
+                "reduce_scatter", why, self.fallback._reduce_scatter_base, output, input, opts
+            )
+        # The engine uses the rest of the buffer as scratch: reduce a copy.
+        return self._reduce_scatter_into(output, input.reshape(-1).clone(), [output], op)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: Any,
+    ) -> Any:
+        """``all_to_all_single`` without split sizes (given ones go to gloo).
+
+        Every rank must take the same way. Without split sizes the blocks
+        are equal on every rank of a valid call; with them, a rank sees only
+        its own row and column of the job's split matrix, so it cannot know
+        whether the others' are even: such calls always go to gloo.
+        """
+        args = (output, input, output_splits, input_splits, opts)
+        if output_splits or input_splits:
+            return self.forward("alltoall", SPLITS, self.fallback.alltoall_base, *args)
+        if not (self._plain(output) and self._plain(input)):
+            return self.forward("alltoall", LAYOUT, self.fallback.alltoall_base, *args)
+        rows = input.shape[0] if input.dim() else 0
+        if output.dtype != input.dtype or output.numel() != input.numel() or rows % self.size != 0:
+            return self.forward("alltoall", SHAPES, self.fallback.alltoall_base, *args)
+        output.view(-1).copy_(input.view(-1))
+        return self._run("alltoall", output, [output], as_bytes=True)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """Each pair through :meth:`allgather_into_tensor`, in order."""
+        return _last([self.allgather_into_tensor(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """Each pair through :meth:`reduce_scatter_tensor`, in order."""
+        return _last([self.reduce_scatter_tensor(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    # -- everything else: gloo ------------------------------------------------
+
+    def forward(self, name: str, why: str, method: Callable[..., Any], *args: Any) -> Any:
+        """Runs a call on the backend underneath, counted as ``(name, why)``."""
+        self.forwarded[name, why] += 1
+        self.forwarded_total[name, why] += 1
+        return method(*args)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _op_name(self, op: Any) -> str | None:
+        return self._op_names.get(getattr(op, "op", op))
+
+    def _dtype(self, tensor: torch.Tensor) -> str | None:
+        name = str(tensor.dtype).removeprefix("torch.")
+        return name if name in self._dtypes else None
+
+    def _why_not(self, tensor: torch.Tensor | None, op: str | None) -> str | None:
+        """Why the engine cannot reduce ``tensor`` with ``op`` (``None``: it can)."""
+        if tensor is None:
+            return LAYOUT
+        if op not in self._ops:
+            return "a reduction the engine does not run"
+        if self._dtype(tensor) is None:
+            return f"{str(tensor.dtype).removeprefix('torch.')} elements"
+        if op == "avg" and tensor.dtype == torch.bool:
+            return "the average of bool elements"
+        return None
+
+    def _single(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """The one plain tensor of a call, or ``None`` (the backend underneath takes the rest)."""
+        if len(tensors) != 1 or not self._plain(tensors[0]):
+            return None
+        return tensors[0]
+
+    def _count_served(self, name: str) -> None:
+        self.served[name] += 1
+        self.served_total[name] += 1
+
+    def _run(
+        self,
+        name: str,
+        buffer: torch.Tensor,
+        result: Any,
+        *,
+        reduce: str = "sum",
+        as_bytes: bool = False,
+        root: int = 0,
+        then: Any = None,
+    ) -> Any:
+        """Runs ``name`` on the engine over ``buffer``; returns its work.
+
+        ``result`` (which holds ``buffer``) is the work's value, after
+        ``then`` (a future callback) when given.
+        """
+        raise NotImplementedError
+
+    def counters(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """What this group's engine counted (nothing before it exists)."""
+        engine = getattr(self, "_engine", None)
+        return engine.counters() if engine is not None else {}
+
+    def shutdown(self) -> None:
+        """Stops the engine and the backend underneath."""
+        raise NotImplementedError
+
+    def _plain(self, tensor: Any) -> bool:
+        """A dense, contiguous, real tensor of this device type (what the engine takes)."""
+        return _plain(tensor) and tensor.device.type == self.device_type
+
+    def _work(self, engine_future: torch.futures.Future, future: torch.futures.Future) -> Any:
+        """The work torch gets: :class:`EngineWork`, or (synchronous) a finished one."""
+        if self.synchronous:
+            return _finished(engine_future, future)
+        return EngineWork(engine_future, future)
+
+    def _reduce_scatter_into(
+        self, out: torch.Tensor, flat: torch.Tensor, result: Any, op: str
+    ) -> Any:
+        block = flat.view(self.size, -1)[self.rank]
+
+        def copy_out(future: torch.futures.Future) -> Any:
+            future.value()
+            out.copy_(block.view(out.shape))
+            return result
+
+        return self._run("reduce_scatter", flat, [flat], reduce=op, then=copy_out)
+
+
+class CpuCollectives(GroupCollectives):
     """The CPU collectives of one group.
 
     Args:
@@ -114,50 +376,18 @@ class CpuCollectives:
 
         self.rank, self.size, self.form = rank, size, form
         self.synchronous = synchronous
-        self.served: collections.Counter[str] = collections.Counter()
-        self.forwarded: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._dtypes = frozenset(_engine.collective_dtypes())
-        self._ops = frozenset(_engine.collective_ops())
-        self._op_names = _op_names()
+        self._init_counts(
+            frozenset(_engine.collective_ops()), frozenset(_engine.collective_dtypes())
+        )
         self.timeout = timeout
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self.fallback = self.gloo
         config = current() or _engine.CommConfig.from_env()
         _generations[group_name] += 1
         prefix = f"tiacc_training/backend/{group_name}/{_generations[group_name]}"
         self._engine = group_engine(config, store, prefix, rank, size)
         self.transport = self._engine.transports.get("world", "")
         _live.add(self)
-
-    def shutdown(self) -> None:
-        """Stops the engine's channel and the gloo backend underneath."""
-        from ._state import add_counters
-
-        self._engine.shutdown()
-        if self in _live:
-            _live.discard(self)
-            add_counters(_retired, self._engine.counters())
-        try:
-            self.gloo.shutdown()
-        except Exception:  # an older gloo backend without shutdown
-            pass
-
-    # -- collectives the engine runs ---------------------------------------
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        """``all_reduce``: the engine's reduction, or gloo's."""
-        op = self._op_name(opts.reduceOp)
-        tensor = self._single(tensors)
-        why = self._why_not(tensor, op)
-        if why is not None:
-            return self.forward("allreduce", why, self.gloo.allreduce, tensors, opts)
-        return self._run("allreduce", tensor, tensors, reduce=op)
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        """``broadcast`` from ``opts.rootRank``, as bytes."""
-        tensor = self._single(tensors)
-        if tensor is None or opts.rootTensor != 0:
-            return self.forward("broadcast", LAYOUT, self.gloo.broadcast, tensors, opts)
-        return self._run("broadcast", tensor, tensors, as_bytes=True, root=opts.rootRank)
 
     def barrier(self, opts: Any = None) -> Any:
         """``barrier``: returns once every rank has entered it."""
@@ -166,156 +396,18 @@ class CpuCollectives:
         self._engine.collective_async("barrier", [], 0, 0, "uint8", future)
         return self._work(future, future.then(_value))
 
-    def allgather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
-        """``all_gather`` into a list of tensors (equal pieces, any dtype)."""
-        tensor = self._single(inputs)
-        if tensor is None:
-            return self.forward("allgather", LAYOUT, self.gloo.allgather, outputs, inputs, opts)
-        equal = (
-            len(outputs) == 1
-            and len(outputs[0]) == self.size
-            and all(
-                _plain(o) and o.shape == tensor.shape and o.dtype == tensor.dtype
-                for o in outputs[0]
-            )
-        )
-        if not equal:
-            return self.forward("allgather", SHAPES, self.gloo.allgather, outputs, inputs, opts)
-        flat = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype)
-        flat.view(self.size, -1)[self.rank].copy_(tensor.reshape(-1))
-        pieces = outputs[0]
+    def shutdown(self) -> None:
+        """Stops the engine's channel and the gloo backend underneath."""
+        from ._state import add_counters
 
-        def scatter_back(future: torch.futures.Future) -> list[list[torch.Tensor]]:
-            future.value()  # raises the engine's error, if any
-            for piece, part in zip(pieces, flat.view(self.size, -1)):
-                piece.copy_(part.view(piece.shape))
-            return outputs
-
-        return self._run("allgather", flat, [flat], as_bytes=True, then=scatter_back)
-
-    def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
-        """``all_gather_into_tensor``: equal pieces into one tensor."""
-        if not (_plain(output) and _plain(input)):
-            return self.forward("allgather", LAYOUT, self.gloo._allgather_base, output, input, opts)
-        if output.dtype != input.dtype or output.numel() != self.size * input.numel():
-            return self.forward("allgather", SHAPES, self.gloo._allgather_base, output, input, opts)
-        output.view(-1).view(self.size, -1)[self.rank].copy_(input.view(-1))
-        return self._run("allgather", output, [output], as_bytes=True)
-
-    def reduce_scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
-    ) -> Any:
-        """``reduce_scatter`` of a list of equal tensors."""
-        op = self._op_name(opts.reduceOp)
-        out = self._single(outputs)
-        why = self._why_not(out, op)
-        if why is None and not (
-            len(inputs) == 1
-            and len(inputs[0]) == self.size
-            and all(_plain(t) and t.shape == out.shape and t.dtype == out.dtype for t in inputs[0])
-        ):
-            why = SHAPES
-        if why is not None:
-            return self.forward(
-                "reduce_scatter", why, self.gloo.reduce_scatter, outputs, inputs, opts
-            )
-        flat = torch.cat([t.reshape(-1) for t in inputs[0]])
-        return self._reduce_scatter_into(out, flat, outputs, op)
-
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
-        """``reduce_scatter_tensor``: this rank's block of the reduced tensor."""
-        op = self._op_name(opts.reduceOp)
-        why = self._why_not(output if _plain(output) and _plain(input) else None, op)
-        if why is None and (
-            output.dtype != input.dtype or input.numel() != self.size * output.numel()
-        ):
-            why = SHAPES
-        if why is not None:
-            return self.forward(
-                "reduce_scatter", why, self.gloo._reduce_scatter_base, output, input, opts
-            )
-        # The engine uses the rest of the buffer as scratch: reduce a copy.
-        return self._reduce_scatter_into(output, input.reshape(-1).clone(), [output], op)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002
-        output_splits: list[int],
-        input_splits: list[int],
-        opts: Any,
-    ) -> Any:
-        """``all_to_all_single`` without split sizes (given ones go to gloo).
-
-        Every rank must take the same way. Without split sizes the blocks
-        are equal on every rank of a valid call; with them, a rank sees only
-        its own row and column of the job's split matrix, so it cannot know
-        whether the others' are even: such calls always go to gloo.
-        """
-        args = (output, input, output_splits, input_splits, opts)
-        if output_splits or input_splits:
-            return self.forward("alltoall", SPLITS, self.gloo.alltoall_base, *args)
-        if not (_plain(output) and _plain(input)):
-            return self.forward("alltoall", LAYOUT, self.gloo.alltoall_base, *args)
-        rows = input.shape[0] if input.dim() else 0
-        if output.dtype != input.dtype or output.numel() != input.numel() or rows % self.size != 0:
-            return self.forward("alltoall", SHAPES, self.gloo.alltoall_base, *args)
-        output.view(-1).copy_(input.view(-1))
-        return self._run("alltoall", output, [output], as_bytes=True)
-
-    def allgather_into_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
-        """Each pair through :meth:`allgather_into_tensor`, in order."""
-        return _last([self.allgather_into_tensor(o, i, opts) for o, i in zip(outputs, inputs)])
-
-    def reduce_scatter_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
-        """Each pair through :meth:`reduce_scatter_tensor`, in order."""
-        return _last([self.reduce_scatter_tensor(o, i, opts) for o, i in zip(outputs, inputs)])
-
-    # -- everything else: gloo ------------------------------------------------
-
-    def forward(self, name: str, why: str, method: Callable[..., Any], *args: Any) -> Any:
-        """Runs a call on gloo, counted as ``(name, why)``."""
-        self.forwarded[name, why] += 1
-        forwarded_in_process[name, why] += 1
-        return method(*args)
-
-    # -- helpers --------------------------------------------------------------
-
-    def _op_name(self, op: Any) -> str | None:
-        return self._op_names.get(getattr(op, "op", op))
-
-    def _dtype(self, tensor: torch.Tensor) -> str | None:
-        name = str(tensor.dtype).removeprefix("torch.")
-        return name if name in self._dtypes else None
-
-    def _why_not(self, tensor: torch.Tensor | None, op: str | None) -> str | None:
-        """Why the engine cannot reduce ``tensor`` with ``op`` (``None``: it can)."""
-        if tensor is None:
-            return LAYOUT
-        if op not in self._ops:
-            return "a reduction the engine does not run"
-        if self._dtype(tensor) is None:
-            return f"{str(tensor.dtype).removeprefix('torch.')} elements"
-        if op == "avg" and tensor.dtype == torch.bool:
-            return "the average of bool elements"
-        return None
-
-    @staticmethod
-    def _single(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        """The one plain CPU tensor of a call, or ``None`` (gloo takes the rest)."""
-        if len(tensors) != 1 or not _plain(tensors[0]):
-            return None
-        return tensors[0]
-
-    def _count_served(self, name: str) -> None:
-        self.served[name] += 1
-        served_in_process[name] += 1
+        self._engine.shutdown()
+        if self in _live:
+            _live.discard(self)
+            add_counters(_retired[self.device_type], self._engine.counters())
+        try:
+            self.gloo.shutdown()
+        except Exception:  # an older gloo backend without shutdown
+            pass
 
     def _run(
         self,
@@ -349,27 +441,9 @@ class CpuCollectives:
         )
         return self._work(future, future.then(then or _value))
 
-    def _work(self, engine_future: torch.futures.Future, future: torch.futures.Future) -> Any:
-        """The work torch gets: :class:`EngineWork`, or (synchronous) a finished one."""
-        if self.synchronous:
-            return _finished(engine_future, future)
-        return EngineWork(engine_future, future)
 
-    def _reduce_scatter_into(
-        self, out: torch.Tensor, flat: torch.Tensor, result: Any, op: str
-    ) -> Any:
-        block = flat.view(self.size, -1)[self.rank]
-
-        def copy_out(future: torch.futures.Future) -> Any:
-            future.value()
-            out.copy_(block.view(out.shape))
-            return result
-
-        return self._run("reduce_scatter", flat, [flat], reduce=op, then=copy_out)
-
-
-def counters_in_process() -> dict[tuple[str, str], dict[str, Any]]:
-    """What the engines of every group's CPU collectives counted so far.
+def counters_in_process(device_type: str = "cpu") -> dict[tuple[str, str], dict[str, Any]]:
+    """What the engines of every group's collectives on ``device_type`` counted so far.
 
     Per ``(path, codec)``, as ``tdist.engine_counters()`` gives them: path
     ``"collective"`` (the world ring; codec other than ``"none"`` for a
@@ -379,17 +453,17 @@ def counters_in_process() -> dict[tuple[str, str], dict[str, Any]]:
     from ._state import add_counters
 
     total: dict[tuple[str, str], dict[str, Any]] = {}
-    add_counters(total, _retired)
+    add_counters(total, _retired[device_type])
     for collectives in list(_live):
-        add_counters(total, collectives._engine.counters())
+        if collectives.device_type == device_type:
+            add_counters(total, collectives.counters())
     return total
 
 
 def _plain(tensor: Any) -> bool:
-    """A dense, contiguous CPU tensor (what the engine takes as memory)."""
+    """A dense, contiguous, real tensor (what an engine takes as memory)."""
     return (
         isinstance(tensor, torch.Tensor)
-        and tensor.device.type == "cpu"
         and tensor.layout == torch.strided
         and tensor.is_contiguous()
         and not tensor.is_complex()

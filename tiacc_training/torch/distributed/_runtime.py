@@ -308,17 +308,37 @@ def cuda_path(config: Any, device: torch.device) -> Any:
     return state.cuda
 
 
-def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> Any:
+def _nccl_engine(
+    config: Any,
+    device: torch.device,
+    rank: int,
+    world: int,
+    store: Any = None,
+    prefix: str | None = None,
+    shared: dict[str, Any] | None = None,
+) -> Any:
     """A device engine over NCCL for ``device``.
 
-    The unique ids go through the store, then every communicator is joined
-    on ``device`` (whose context exists: DDP's parameters already live there).
-    Under ``TIACC_TRAINING_ALGORITHM=auto`` on whole nodes of several ranks
-    the 2D communicators are joined too, and the engine keeps whichever of
+    The unique ids go through the store (by default the default group's),
+    then every communicator is joined on ``device``. Under
+    ``TIACC_TRAINING_ALGORITHM=auto`` on whole nodes of several ranks the
+    2D communicators are joined too, and the engine keeps whichever of
     flat and 2D its start-up probe measured faster (rank 0 logs the line).
+
+    Args:
+        config: the engine configuration.
+        device: the CUDA device its communicators live on.
+        rank: this rank in the group.
+        world: the group's size.
+        store: where its rendezvous goes (default: the default group's
+            store, under a new prefix).
+        prefix: the key prefix of that rendezvous.
+        shared: what :func:`_engine_arguments` gave for that rendezvous.
     """
-    store, prefix = default_store(), _next_prefix("nccl")
-    shared = _engine_arguments(config, store, prefix, rank, world)
+    if store is None or prefix is None:
+        store, prefix = default_store(), _next_prefix("nccl")
+    if shared is None:
+        shared = _engine_arguments(config, store, prefix, rank, world)
     engine = _engine.DeviceEngine(config, rank, world, TorchKernels(device), "nccl", **shared)
     dirs = nccl_search_dirs()
 
@@ -333,13 +353,15 @@ def _nccl_engine(config: Any, device: torch.device, rank: int, world: int) -> An
     return engine
 
 
-def group_engine(config: Any, store: Any, prefix: str, rank: int, size: int) -> Any:
+def group_engine(
+    config: Any, store: Any, prefix: str, rank: int, size: int, device: Any = None
+) -> Any:
     """The engine of one group on the "tiacc" backend, connected over its store.
 
-    One channel, so collectives run in the order they are issued (as gloo
-    runs them); the 2D groups when the group's ranks form whole nodes and
-    the configuration goes 2D (its reduce-scatters and all-gathers then
-    cross nodes once per block), flat otherwise.
+    One channel for CPU tensors, so collectives run in the order they are
+    issued (as gloo runs them); the 2D groups when the group's ranks form
+    whole nodes and the configuration goes 2D (its reduce-scatters and
+    all-gathers then cross nodes once per block), flat otherwise.
 
     Args:
         config: the engine configuration.
@@ -347,6 +369,9 @@ def group_engine(config: Any, store: Any, prefix: str, rank: int, size: int) -> 
         prefix: the key prefix of this engine's board and exchanges.
         rank: this rank in the group.
         size: the group's size.
+        device: ``None``: the CPU engine (shared memory or TCP). A device:
+            the device engine on it, over NCCL for a CUDA device, over TCP
+            for the CPU (how the tests run the CUDA side's code).
     """
     # The 2D groups only when every rank of the group asks for them: a rank
     # alone asking would wait for peers that never join. Settings that
@@ -354,11 +379,17 @@ def group_engine(config: Any, store: Any, prefix: str, rank: int, size: int) -> 
     launch = job_launch()
     mine = "1" if config.two_d_groups(size, launch.get("local_size")) else "0"
     wanted = exchange(store, f"{prefix}/two-d", rank, size, mine, config.timeout)
-    host = advertised_host(config, store)
     shared = _engine_arguments(
         config, store, prefix, rank, size, group=True, two_d=all(w == "1" for w in wanted)
     )
-    engine = _engine.CommEngine(config, rank, size, host, channels=1, **shared)
+    if device is not None and torch.device(device).type == "cuda":
+        return _nccl_engine(config, torch.device(device), rank, size, store, prefix, shared)
+    host = advertised_host(config, store)
+    if device is None:
+        engine = _engine.CommEngine(config, rank, size, host, channels=1, **shared)
+    else:
+        kernels = TorchKernels(torch.device(device))
+        engine = _engine.DeviceEngine(config, rank, size, kernels, "tcp", host=host, **shared)
     connect_tcp(engine, store, "tiacc", rank, size, max(config.timeout, 60.0))
     return engine
 

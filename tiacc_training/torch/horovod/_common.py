@@ -192,6 +192,9 @@ def native_average(tensor: torch.Tensor, group: Any) -> bool:
     if tensor.dtype == torch.bool:
         return False
     if tensor.is_cuda:
+        if _backend.cuda_collectives_of(group_of(group)) is not None:
+            # The device engine averages floating-point tensors.
+            return tensor.is_floating_point()
         try:
             backend = group_of(group)._get_backend(tensor.device)
         except Exception:
@@ -208,7 +211,8 @@ def small_device(process_set: ProcessSet, like: torch.Tensor | None = None) -> t
         backend = str(dist.get_backend(process_set.group))
     except Exception:
         return torch.device("cpu")
-    if backend.strip().lower() != "nccl":  # any group with a CPU backend
+    text = backend.strip().lower()
+    if text != "nccl" and (":" not in text or "cpu:" in text):  # a group with a CPU backend
         return torch.device("cpu")
     if like is not None and like.is_cuda:
         return like.device

@@ -43,6 +43,11 @@ pub const SHM: &str = "TIACC_TRAINING_SHM";
 /// backend in the form every torch 2.x takes, even where the newer one
 /// works) or `gloo`.
 pub const COLLECTIVES: &str = "TIACC_TRAINING_COLLECTIVES";
+/// What serves torch.distributed's CUDA collectives of groups that asked
+/// for NCCL (or for torch's default): `nccl` (default, as asked) or `tiacc`
+/// (the "tiacc" backend's device engine over NCCL, ops it does not run
+/// forwarded to NCCL).
+pub const CUDA_COLLECTIVES: &str = "TIACC_TRAINING_CUDA_COLLECTIVES";
 
 /// Gradient compression on the wire: `none`, `fp16` or `bf16`.
 pub const COMPRESSION: &str = "TIACC_TRAINING_COMPRESSION";
@@ -218,6 +223,35 @@ impl CollectivesChoice {
     }
 }
 
+/// What serves torch.distributed's CUDA collectives ([`CUDA_COLLECTIVES`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaCollectivesChoice {
+    /// torch's NCCL backend, as the script asked.
+    #[default]
+    Nccl,
+    /// The "tiacc" backend's CUDA side: the device engine's channels.
+    Tiacc,
+}
+
+impl CudaCollectivesChoice {
+    /// Parses `nccl` or `tiacc` (any case); errors name `variable`.
+    pub fn parse(variable: &str, value: &str) -> Result<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "nccl" => Ok(CudaCollectivesChoice::Nccl),
+            "tiacc" => Ok(CudaCollectivesChoice::Tiacc),
+            _ => Err(bad(variable, value, "nccl or tiacc")),
+        }
+    }
+
+    /// Lower-case name, as parsed.
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaCollectivesChoice::Nccl => "nccl",
+            CudaCollectivesChoice::Tiacc => "tiacc",
+        }
+    }
+}
+
 /// Which transport carries gradients ([`TRANSPORT`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TransportChoice {
@@ -306,6 +340,7 @@ pub enum Setting {
     NcclLibrary,
     SharedMemory,
     Collectives,
+    CudaCollectives,
     Compression,
     CompressionScope,
     ReduceScatterCompression,
@@ -342,6 +377,7 @@ pub const VARIABLES: &[&str] = &[
     NCCL_LIBRARY,
     SHM,
     COLLECTIVES,
+    CUDA_COLLECTIVES,
     PERSEUS_DTYPE,
     COMPRESSION,
     COMPRESSION_SCOPE,
@@ -422,6 +458,8 @@ pub struct CommConfig {
     pub shared_memory: bool,
     /// What serves torch.distributed's CPU collectives.
     pub collectives: CollectivesChoice,
+    /// What serves torch.distributed's CUDA collectives.
+    pub cuda_collectives: CudaCollectivesChoice,
     /// Flat, 2D, or measured at start-up.
     pub algorithm: AlgorithmChoice,
     /// Ranks per node for the 2D allreduce, when set.
@@ -482,6 +520,7 @@ impl Default for CommConfig {
             nan_check: false,
             shared_memory: true,
             collectives: CollectivesChoice::Tiacc,
+            cuda_collectives: CudaCollectivesChoice::Nccl,
             algorithm: AlgorithmChoice::Auto,
             intra_size: None,
             hierarchical_threshold: DEFAULT_HIERARCHICAL_THRESHOLD,
@@ -930,6 +969,10 @@ impl CommConfig {
             COLLECTIVES => {
                 self.collectives = CollectivesChoice::parse(label, value)?;
                 Setting::Collectives
+            }
+            CUDA_COLLECTIVES => {
+                self.cuda_collectives = CudaCollectivesChoice::parse(label, value)?;
+                Setting::CudaCollectives
             }
             v if PERSEUS_NAN_CHECK.contains(&v) => {
                 self.nan_check = parse_bool(label, value)?;
@@ -1584,6 +1627,29 @@ mod tests {
         );
         let err = choice(&[(COLLECTIVES, "mpi")]).unwrap_err().to_string();
         assert!(err.contains(COLLECTIVES) && err.contains("mpi"), "{err}");
+    }
+
+    #[test]
+    fn cuda_collectives_default_to_nccl_and_name_the_variable_on_bad_values() {
+        let choice = |pairs: &[(&str, &str)]| {
+            CommConfig::from_lookup(env(pairs)).map(|c| c.cuda_collectives)
+        };
+        assert_eq!(choice(&[]).unwrap(), CudaCollectivesChoice::Nccl);
+        assert_eq!(
+            choice(&[(CUDA_COLLECTIVES, " Tiacc ")]).unwrap(),
+            CudaCollectivesChoice::Tiacc
+        );
+        assert_eq!(
+            choice(&[(CUDA_COLLECTIVES, "nccl")]).unwrap(),
+            CudaCollectivesChoice::Nccl
+        );
+        let err = choice(&[(CUDA_COLLECTIVES, "gloo")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(CUDA_COLLECTIVES) && err.contains("gloo"),
+            "{err}"
+        );
     }
 
     #[test]
