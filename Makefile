@@ -81,16 +81,18 @@ demo-run: ## the demo's two scripts with $(PY), no setup (PY=python3 on a machin
 
 # The GPU check (tools/gpu_check.py) runs on a GPU machine without network
 # access: make wheel and make gpu-kit here, bring the checkout with dist/ and
-# .gpu-kit/ there, then make gpu-check (its own Python, OUT=, STAGE=, NCCL_LIBRARY=).
+# .gpu-kit/ there, then make gpu-check (its own Python, OUT=, STAGE=, BUDGET=,
+# NCCL_LIBRARY=). STAGE=plan (default) fits a short window; STAGE=all is the long check.
 GPU_PY ?= python3
 OUT ?= gpu-check-out
-STAGE ?= all
+STAGE ?= plan
+BUDGET ?= 420
 gpu-kit: wheel ## the wheel plus the small wheels a GPU machine may lack (.gpu-kit/wheels)
 	@mkdir -p .gpu-kit/wheels
 	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu-kit/wheels pytest-timeout pyroute2
 
-gpu-check: ## on a GPU machine: install the wheel, tests, demo, NCCL + input benchmarks, summary.md in OUT
-	$(GPU_PY) tools/gpu_check.py --python $(GPU_PY) --out $(OUT) --stage $(STAGE) \
+gpu-check: ## on a GPU machine: install the wheel, GPU tests, NCCL + input benchmarks, summary.md in OUT
+	$(GPU_PY) tools/gpu_check.py --python $(GPU_PY) --out $(OUT) --stage $(STAGE) --budget $(BUDGET) \
 	  $(if $(NCCL_LIBRARY),--nccl-library $(NCCL_LIBRARY))
 
 test: setup test-rust test-python ## run every test (cargo test + pytest)

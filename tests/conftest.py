@@ -29,6 +29,57 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# TIACC_TEST_OUTCOMES=<file>: each test's outcome is appended there as one
+# JSON line the moment it is known, so a run that is cut off (a GPU node's
+# short window) still says which tests passed and how the others failed.
+# Under pytest-xdist the controller writes, as the workers report.
+_outcomes_file = os.environ.get("TIACC_TEST_OUTCOMES")
+_xdist_worker = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _xdist_worker
+    _xdist_worker = hasattr(config, "workerinput")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not _outcomes_file or _xdist_worker:
+        return
+    # One line per test: its call, or the setup/teardown that did not pass.
+    if report.when != "call" and report.outcome == "passed":
+        return
+    if report.when == "teardown" and report.outcome == "skipped":
+        return
+    outcome = report.outcome if report.when == "call" or report.skipped else "error"
+    line = {
+        "test": report.nodeid,
+        "outcome": outcome,
+        "when": report.when,
+        "seconds": round(report.duration, 2),
+        "first_line": _first_line(report),
+    }
+    import json
+
+    with open(_outcomes_file, "a") as f:  # one write per line: appends do not interleave
+        f.write(json.dumps(line) + "\n")
+
+
+def _first_line(report: pytest.TestReport) -> str:
+    """The skip reason, or the failure's error line (``E ...``), else ``""``."""
+    longrepr = report.longrepr
+    if longrepr is None or report.passed:
+        return ""
+    if isinstance(longrepr, tuple):  # a skip: (file, line, reason)
+        return str(longrepr[-1]).removeprefix("Skipped: ")[:300]
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None and getattr(crash, "message", ""):
+        return crash.message.strip().splitlines()[0][:300]
+    for text in str(longrepr).splitlines():
+        if text.startswith("E "):
+            return text[1:].strip()[:300]
+    return str(longrepr).strip().splitlines()[-1][:300] if str(longrepr).strip() else ""
+
+
 def write_image(path: Path, width: int, height: int, seed: int, fmt: str = "JPEG") -> None:
     """Writes a small noisy RGB image."""
     rng = np.random.default_rng(seed)

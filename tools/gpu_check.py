@@ -3,22 +3,32 @@
 ``make gpu-check`` runs this script with the machine's own Python (which
 has torch, CUDA, pytest and pytest-xdist). It installs the abi3 wheel built
 beforehand (``make wheel``) with ``--no-index``, plus the small wheels of
-``make gpu-kit`` the machine lacks, then runs stages, each alone or all in
-turn:
+``make gpu-kit`` the machine lacks, then runs stages. The default plan fits
+a short window on a GPU node (``--budget``, 420 s of stages):
 
-- ``tests``: the whole test suite with CUDA present, in parallel
-  (pytest-xdist), with a JUnit XML;
-- ``demo``: the end-to-end demo (``make demo-run``);
-- ``nccl``: ``benches/bench_nccl.py`` (world-of-one overhead, the GPU
-  codecs, the emulated 2 x 2 cluster);
-- ``input``: ``benches/bench_input.py`` training ResNet-50 fed by CPU and
-  by GPU decode.
+- ``gpu-tests``: the tests marked ``gpu`` (every test that needs CUDA
+  and NCCL), in parallel, with a JUnit XML; at most 180 s;
+- ``one``: ``benches/bench_nccl.py --parts one`` with few steps (the
+  world-of-one overhead against native DDP); at most 75 s;
+- ``cluster``: the emulated 2 x 2 cluster's rows that carry goals (native
+  ring, the bf16 hook, auto, flat, 2D, 2D + fp16, Top-K) with few steps;
+  at most 150 s;
+- ``input``: a short ``benches/bench_input.py --train`` (ResNet-50 fed by
+  CPU and by GPU decode, and GPU decode alone); at most 75 s.
+
+Before each stage the plan checks the budget left: a stage that would
+start with less than it needs is dropped, and ``stages.json`` and the
+summary say so with the seconds left. ``--stage all`` runs the long check
+instead (``tests``: the whole suite; ``demo``; ``nccl``: every part of
+``bench_nccl.py``; ``input``), and any stage also runs alone.
 
 Every log, the JUnit XML and the benchmark JSON go to one folder
 (``--out``), with ``summary.md``: pass/fail counts, the skips with their
 reasons, each goal against its measured value, and the GPU, driver, CUDA
-and NCCL versions. The summary is rewritten after every stage from what the
-folder holds, so stages run one by one add up to the same page.
+and NCCL versions. The test stages also append each test's outcome and
+first error line to ``outcomes-<stage>.jsonl`` as the test ends, and the
+summary is rewritten every few seconds while a stage runs and after it,
+so a run that is cut off still leaves which tests ran and how they ended.
 
 ``--nccl-library`` names an NCCL >= 2.30 to load (several ranks on one
 GPU need it); without one, what the shipped NCCL cannot run skips with its
@@ -40,10 +50,31 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("tests", "demo", "nccl", "input")
+STAGES = ("gpu-tests", "one", "cluster", "input", "tests", "demo", "nccl")
+# The default: one short window on a GPU node.
+PLAN = ("gpu-tests", "one", "cluster", "input")
+# The long check (``--stage all``).
+LONG = ("tests", "demo", "nccl", "input")
+# Per stage: its limit and the least time worth starting it with (seconds).
+LIMITS = {
+    "gpu-tests": (180.0, 60.0),
+    "one": (75.0, 40.0),
+    "cluster": (150.0, 90.0),
+    "input": (75.0, 45.0),
+    "tests": (600.0, 120.0),
+    "demo": (300.0, 60.0),
+    "nccl": (600.0, 120.0),
+}
+# The JUnit XML of each test stage.
+JUNIT = {"gpu-tests": "junit-gpu.xml", "tests": "junit.xml"}
+# The cluster rows that carry goals (labels holding one of these; the
+# native rows always run).
+GOAL_ROWS = "bf16_compress_hook,tiacc auto,tiacc flat,tiacc 2D,tiacc Top-K"
+# How often the summary is rewritten while a stage runs (seconds).
+TICK = 10.0
 # Small pure-Python wheels a GPU machine may lack (make gpu-kit fetches them):
 # pytest-timeout honours the suite's per-test limit, pyroute2 builds the
 # emulated cluster where iproute2 is missing.
@@ -72,21 +103,62 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         install(args, out)
         record_versions(args.python, env, out)
-    failed = []
-    for stage in stages:
-        argv_list = stage_commands(stage, args.python, out, args.workers)
-        if args.dry_run:
-            for command in argv_list:
-                print(f"{stage}: {shlex.join(command)}")
-            continue
-        if not run_stage(stage, argv_list, env, out, args.stage_timeout):
-            failed.append(stage)
-        (out / "summary.md").write_text(render_summary(out))
-    if not args.dry_run:
-        print(f"summary: {out / 'summary.md'}")
+    if args.dry_run:
+        for stage in stages:
+            limit = args.stage_timeout or LIMITS[stage][0]
+            for command in stage_commands(stage, args.python, out, args.workers):
+                print(f"{stage} (at most {limit:.0f} s): {shlex.join(command)}")
+        return 0
+    failed = run_plan(
+        stages,
+        {stage: stage_commands(stage, args.python, out, args.workers) for stage in stages},
+        env,
+        out,
+        args.budget,
+        args.stage_timeout,
+    )
+    print(f"summary: {out / 'summary.md'}")
     if failed:
         print(f"failed stages: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def run_plan(
+    stages: list[str],
+    commands: dict[str, list[list[str]]],
+    env: dict[str, str],
+    out: Path,
+    budget: float,
+    stage_timeout: float | None = None,
+    limits: dict[str, tuple[float, float]] = LIMITS,
+) -> list[str]:
+    """Runs ``stages`` in order within ``budget`` seconds; returns the failed ones.
+
+    A stage gets at most its limit and what is left of the budget; one
+    that would start with less than it needs (``limits``: limit, least)
+    is dropped, recorded with the seconds left. The summary is rewritten
+    after every stage (and while it runs).
+    """
+    failed = []
+    start = time.monotonic()
+    for stage in stages:
+        limit, least = limits[stage]
+        if stage_timeout is not None:
+            limit = least = stage_timeout
+        left = budget - (time.monotonic() - start)
+        if left < least:
+            why = (
+                f"dropped: {max(left, 0):.0f} s of the {budget:.0f} s budget left, "
+                f"needs {least:.0f} s"
+            )
+            record_stage(out, stage, why, 0.0)
+            print(f"{stage}: {why}")
+        elif not run_stage(
+            stage, commands[stage], stage_env(stage, env, out), out, min(limit, left), _summarize
+        ):
+            failed.append(stage)
+        _summarize(out)
+    return failed
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,9 +166,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--stage",
-        default="all",
+        default="plan",
         type=_stages,
-        help=f"'all' or a comma-separated list of {', '.join(STAGES)}",
+        help=f"'plan' ({', '.join(PLAN)}), 'all' ({', '.join(LONG)}) "
+        f"or a comma-separated list of {', '.join(STAGES)}",
     )
     p.add_argument("--out", type=Path, default=Path("gpu-check-out"))
     p.add_argument("--python", default=sys.executable, help="the Python to install into and run")
@@ -104,19 +177,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kit", type=Path, default=REPO / ".gpu-kit", help="make gpu-kit's folder")
     p.add_argument("--nccl-library", default=os.environ.get("NCCL_LIBRARY") or None)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="pytest-xdist workers")
-    p.add_argument("--stage-timeout", type=float, default=600.0, help="seconds per stage")
+    p.add_argument(
+        "--stage-timeout", type=float, default=None, help="seconds per stage (default: its own)"
+    )
+    p.add_argument("--budget", type=float, default=420.0, help="seconds for all the stages")
     p.add_argument("--dry-run", action="store_true", help="print the stages' commands only")
     return p.parse_args(argv)
 
 
 def _stages(text: str) -> list[str]:
-    if text.strip() in ("", "all"):
-        return list(STAGES)
+    if text.strip() in ("", "plan"):
+        return list(PLAN)
+    if text.strip() == "all":
+        return list(LONG)
     chosen = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in STAGES]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown stage {', '.join(unknown)}: choose from all, {', '.join(STAGES)}"
+            f"unknown stage {', '.join(unknown)}: choose from plan, all, {', '.join(STAGES)}"
         )
     return chosen
 
@@ -136,12 +214,34 @@ def stage_environment(nccl_library: str | None, base: dict[str, str]) -> dict[st
     return env
 
 
+def stage_env(stage: str, env: dict[str, str], out: Path) -> dict[str, str]:
+    """A stage's environment: a test stage's per-test outcomes file added."""
+    if stage not in JUNIT:
+        return env
+    return {**env, "TIACC_TEST_OUTCOMES": str(out / f"outcomes-{stage}.jsonl")}
+
+
 def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[list[str]]:
     """The commands of one stage, run from the repository root."""
     if stage == "tests":
         return [
             [python, "-m", "pytest", "tests", "-n", str(workers), "-ra",
-             f"--junitxml={out / 'junit.xml'}"],
+             f"--junitxml={out / JUNIT['tests']}"],
+        ]  # fmt: skip
+    if stage == "gpu-tests":
+        return [
+            [python, "-m", "pytest", "tests", "-m", "gpu", "-n", str(min(workers, 8)), "-ra",
+             f"--junitxml={out / JUNIT['gpu-tests']}"],
+        ]  # fmt: skip
+    if stage == "one":
+        return [
+            [python, "benches/bench_nccl.py", "--parts", "one", "--steps", "10", "--warmup", "3",
+             "--out", str(out / "bench_nccl_one.json")],
+        ]  # fmt: skip
+    if stage == "cluster":
+        return [
+            [python, "benches/bench_nccl.py", "--parts", "cluster", "--cluster-steps", "4",
+             "--cluster-warmup", "2", "--only", GOAL_ROWS, "--out", str(out / "bench_nccl.json")],
         ]  # fmt: skip
     if stage == "demo":
         return [["make", "demo-run", f"PY={python}", f"DEMO_DIR={out / 'demo-data'}"]]
@@ -150,7 +250,7 @@ def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[lis
     if stage == "input":
         return [
             [python, "benches/bench_input.py", "--train", "--skip-loaders",
-             "--train-workers", str(CPU_DECODE_WORKERS),
+             "--train-workers", str(CPU_DECODE_WORKERS), "--train-steps", "20", "--images", "800",
              "--workdir", str(out / "bench-input-data"), "--out", str(out / "bench_input.json")],
         ]  # fmt: skip
     raise ValueError(f"unknown stage {stage!r}")
@@ -230,33 +330,68 @@ def record_versions(python: str, env: dict[str, str], out: Path) -> None:
 
 
 def run_stage(
-    stage: str, commands: list[list[str]], env: dict[str, str], out: Path, timeout: float
+    stage: str,
+    commands: list[list[str]],
+    env: dict[str, str],
+    out: Path,
+    timeout: float,
+    tick: Callable[[Path], None] | None = None,
 ) -> bool:
-    """Runs one stage's commands into ``<stage>.log``; records it in ``stages.json``."""
+    """Runs one stage's commands into ``<stage>.log``; records it in ``stages.json``.
+
+    ``tick(out)`` runs every ``TICK`` seconds meanwhile (the summary), and
+    the stage is recorded as running first, so a run cut off mid-stage
+    still shows it.
+    """
     start = time.monotonic()
     status = "passed"
+    record_stage(out, stage, "running (cut off here if nothing follows)", 0.0)
     with (out / f"{stage}.log").open("w") as log:
         for command in commands:
             log.write(f"$ {shlex.join(command)}\n")
             log.flush()
-            left = timeout - (time.monotonic() - start)
-            try:
-                code = subprocess.run(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=left
-                ).returncode
-            except subprocess.TimeoutExpired:
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO
+            )
+            code = _wait(proc, start + timeout, out, tick)
+            if code is None:
                 status = f"timed out after {timeout:.0f} s"
                 break
             if code != 0:
                 status = f"failed (exit code {code})"
                 break
-    record = {"status": status, "seconds": round(time.monotonic() - start, 1)}
+    seconds = round(time.monotonic() - start, 1)
+    record_stage(out, stage, status, seconds)
+    print(f"{stage}: {status} in {seconds} s (log: {out / f'{stage}.log'})")
+    return status == "passed"
+
+
+def _wait(
+    proc: subprocess.Popen, deadline: float, out: Path, tick: Callable[[Path], None] | None
+) -> int | None:
+    """``proc``'s exit code, or ``None`` after killing it at ``deadline``."""
+    while True:
+        try:
+            return proc.wait(timeout=max(0.0, min(TICK, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                proc.kill()
+                proc.wait()
+                return None
+            if tick is not None:
+                tick(out)
+
+
+def record_stage(out: Path, stage: str, status: str, seconds: float) -> None:
+    """Writes one stage's result into ``stages.json``."""
     stages_file = out / "stages.json"
     stages = json.loads(stages_file.read_text()) if stages_file.exists() else {}
-    stages[stage] = record
+    stages[stage] = {"status": status, "seconds": seconds}
     stages_file.write_text(json.dumps(stages, indent=2) + "\n")
-    print(f"{stage}: {status} in {record['seconds']} s (log: {out / f'{stage}.log'})")
-    return status == "passed"
+
+
+def _summarize(out: Path) -> None:
+    (out / "summary.md").write_text(render_summary(out))
 
 
 # -- the summary: a pure function of the output folder ---------------------
@@ -266,7 +401,8 @@ def render_summary(out: Path) -> str:
     """``summary.md`` from what ``out`` holds (stages, versions, JUnit, JSON)."""
     stages = _load(out / "stages.json") or {}
     versions = _load(out / "versions.json") or {}
-    tests = junit_counts(out / "junit.xml")
+    counted = {stage: test_counts(out, stage) for stage in JUNIT}
+    tests = counted["tests"] or counted["gpu-tests"]
     lines = ["# GPU check", ""]
     gpu = versions.get("gpu")
     lines += [
@@ -283,27 +419,69 @@ def render_summary(out: Path) -> str:
     ]
     for stage in STAGES:
         record = stages.get(stage)
-        if record is None:
-            lines.append(f"| {stage} | not run | - |")
-        else:
+        if record is not None:
             lines.append(f"| {stage} | {record['status']} | {record['seconds']} |")
+        elif stage in PLAN:
+            lines.append(f"| {stage} | not run | - |")
     lines += ["", "## Tests", ""]
-    if tests is None:
-        lines.append("No JUnit XML (the tests stage did not run).")
-    else:
-        lines.append(
-            f"{tests['tests']} tests: {tests['passed']} passed, {tests['failed']} failed, "
-            f"{tests['errors']} errors, {tests['skipped']} skipped."
+    if not any(counted.values()):
+        lines.append("No JUnit XML and no per-test outcomes (no test stage ran).")
+    for stage, found in counted.items():
+        if found is None:
+            continue
+        source = (
+            "JUnit XML"
+            if found["complete"]
+            else "per-test outcomes; the stage did not finish, so tests may be missing"
         )
+        lines += [
+            f"`{stage}` ({source}): {found['tests']} tests: {found['passed']} passed, "
+            f"{found['failed']} failed, {found['errors']} errors, {found['skipped']} skipped."
+        ]
         for title, key in (("Failed", "failures"), ("Skipped", "skips")):
-            if tests[key]:
+            if found[key]:
                 lines += ["", f"{title}:", ""]
-                lines += [f"- `{name}`: {reason}" for name, reason in tests[key]]
+                lines += [f"- `{name}`: {reason}" for name, reason in found[key]]
+        lines.append("")
     lines += ["", "## Goals", "", "| goal | target | measured | met |", "| --- | --- | --- | --- |"]
     for goal in evaluate_goals(out, tests):
         met = "not measured" if goal.met is None else ("yes" if goal.met else "**no**")
         lines.append(f"| {goal.name} | {goal.target} | {goal.measured} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def test_counts(out: Path, stage: str) -> dict[str, Any] | None:
+    """A test stage's counts: its JUnit XML, else its per-test outcomes (cut off)."""
+    junit = junit_counts(out / JUNIT[stage])
+    if junit is not None:
+        return {**junit, "complete": True}
+    outcomes = outcome_counts(out / f"outcomes-{stage}.jsonl")
+    return None if outcomes is None else {**outcomes, "complete": False}
+
+
+def outcome_counts(path: Path) -> dict[str, Any] | None:
+    """Counts and the failed/skipped tests of an outcomes file (``TIACC_TEST_OUTCOMES``)."""
+    if not path.exists():
+        return None
+    counts: dict[str, Any] = {"tests": 0, "failed": 0, "errors": 0, "skipped": 0}
+    counts["failures"], counts["skips"] = [], []
+    for text in path.read_text().splitlines():
+        try:
+            line = json.loads(text)
+        except ValueError:  # the last line of a run killed mid-write
+            continue
+        counts["tests"] += 1
+        outcome = line.get("outcome")
+        key, listed = {
+            "failed": ("failed", "failures"),
+            "error": ("errors", "failures"),
+            "skipped": ("skipped", "skips"),
+        }.get(outcome, (None, None))
+        if key is not None:
+            counts[key] += 1
+            counts[listed].append((line.get("test", "?"), line.get("first_line") or "(no reason)"))
+    counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
+    return counts
 
 
 def junit_counts(path: Path) -> dict[str, Any] | None:
@@ -335,6 +513,9 @@ def evaluate_goals(out: Path, tests: dict[str, Any] | None) -> list[Goal]:
     """Each goal of the GPU check against the folder's measurements."""
     goals = []
     nccl = _load(out / "bench_nccl.json") or {}
+    one = _load(out / "bench_nccl_one.json") or {}
+    if one.get("ddp"):  # the plan's world-of-one stage writes its own file
+        nccl = {**nccl, "ddp": one["ddp"]}
     cluster = nccl.get("cluster") or {}
     rows = {row["pipeline"]: row for row in cluster.get("rows", [])}
     why = cluster.get("skipped") or ("bench_nccl.json has no cluster rows" if not rows else None)

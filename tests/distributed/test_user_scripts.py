@@ -229,9 +229,13 @@ def _compare(tmp_path: Path, name: str, command, processes: int, env=None) -> tu
         "none",
         pytest.param(
             "cpu:gloo,cuda:nccl",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="NCCL for CUDA tensors needs a CUDA device"
-            ),
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(),
+                    reason="NCCL for CUDA tensors needs a CUDA device",
+                ),
+            ],
         ),
     ],
 )

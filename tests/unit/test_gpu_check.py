@@ -117,7 +117,7 @@ def test_summary_reports_counts_skips_goals_and_versions(tmp_path: Path) -> None
     assert "NVIDIA H100 80GB HBM3" in summary
     assert "torch's 2.28.9; the engine's 2.30.3" in summary
     assert "| tests | failed (exit code 1) | 312.5 |" in summary
-    assert "| demo | not run | - |" in summary
+    assert "| gpu-tests | not run | - |" in summary and "| demo |" not in summary
 
     measured = gpu_check.evaluate_goals(out, gpu_check.junit_counts(junit))
     goals = {(g.name, g.target): g for g in measured}
@@ -156,8 +156,22 @@ def test_missing_measurements_say_why(tmp_path: Path) -> None:
 
 
 def test_stage_selection_and_commands(tmp_path: Path) -> None:
-    assert gpu_check.parse_args([]).stage == list(gpu_check.STAGES)
+    assert gpu_check.parse_args([]).stage == ["gpu-tests", "one", "cluster", "input"]
+    assert gpu_check.parse_args(["--stage", "all"]).stage == ["tests", "demo", "nccl", "input"]
     assert gpu_check.parse_args(["--stage", "nccl,tests"]).stage == ["nccl", "tests"]
+    # The plan fits its window: the limits of its stages add up to the budget's
+    # order, each stage's least start time below its limit.
+    plan = gpu_check.PLAN
+    assert sum(gpu_check.LIMITS[s][0] for s in plan) <= gpu_check.parse_args([]).budget + 60
+    assert all(least < limit for limit, least in gpu_check.LIMITS.values())
+    gpu = gpu_check.stage_commands("gpu-tests", "py", tmp_path, 16)[0]
+    assert gpu[:6] == ["py", "-m", "pytest", "tests", "-m", "gpu"] and "8" in gpu
+    cluster = gpu_check.stage_commands("cluster", "py", tmp_path, 16)[0]
+    assert "--only" in cluster and str(tmp_path / "bench_nccl.json") in cluster
+    assert gpu_check.stage_env("gpu-tests", {}, tmp_path) == {
+        "TIACC_TEST_OUTCOMES": str(tmp_path / "outcomes-gpu-tests.jsonl")
+    }
+    assert gpu_check.stage_env("one", {"A": "1"}, tmp_path) == {"A": "1"}
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--stage", "bench"])
     tests = gpu_check.stage_commands("tests", "py", tmp_path, 16)
@@ -198,3 +212,68 @@ def test_a_stage_records_its_failure_and_the_summary_follows(tmp_path: Path) -> 
     summary = gpu_check.render_summary(tmp_path)
     assert "| nccl | failed (exit code 3) |" in summary
     assert "| input | timed out after 0 s |" in summary
+
+
+def test_a_cut_off_test_stage_still_reports_each_finished_test(tmp_path: Path) -> None:
+    """pytest writes each outcome as the test ends (TIACC_TEST_OUTCOMES, the
+    suite's conftest); a stage killed mid-run leaves no JUnit XML, and the
+    summary, rewritten while the stage runs, counts what finished from it."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (suite / "test_slow.py").write_text(
+        "import time, pytest\n"
+        "def test_ok():\n    assert True\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='needs two GPUs')\n"
+        "def test_two_gpus():\n    pass\n"
+        "def test_hangs():\n    time.sleep(600)\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    env = gpu_check.stage_env("gpu-tests", {**__import__("os").environ}, out)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite),
+               f"--junitxml={out / 'junit-gpu.xml'}"]  # fmt: skip
+    ticks: list[str] = []
+
+    def tick(folder: Path) -> None:
+        gpu_check._summarize(folder)
+        ticks.append((folder / "summary.md").read_text())
+
+    gpu_check.TICK = 1.0
+    try:
+        ok = gpu_check.run_stage("gpu-tests", [command], env, out, 20.0, tick=tick)
+    finally:
+        gpu_check.TICK = 10.0
+    assert ok is False and not (out / "junit-gpu.xml").exists()
+    assert ticks and "running (cut off here if nothing follows)" in ticks[0]
+    summary = gpu_check.render_summary(out)
+    assert "| gpu-tests | timed out after 20 s |" in summary
+    assert "the stage did not finish" in summary
+    assert "3 tests: 1 passed, 1 failed, 0 errors, 1 skipped." in summary
+    assert "test_bad" in summary and "one is not two" in summary
+    assert "needs two GPUs" in summary
+
+
+def test_the_plan_drops_what_its_budget_cannot_fit(tmp_path: Path) -> None:
+    """A stage that would start with less than it needs is not started;
+    stages.json and the summary say what was dropped and why, and the
+    stages after it that still fit run."""
+    sleep = [[sys.executable, "-c", "import time; time.sleep(2)"]]
+    failed = gpu_check.run_plan(
+        ["one", "cluster", "input"],
+        {"one": sleep, "cluster": sleep, "input": [[sys.executable, "-c", "pass"]]},
+        {},
+        tmp_path,
+        budget=5.0,
+        limits={"one": (10.0, 1.0), "cluster": (10.0, 4.0), "input": (10.0, 0.1)},
+    )
+    assert failed == []
+    stages = json.loads((tmp_path / "stages.json").read_text())
+    assert stages["one"]["status"] == "passed"
+    dropped = stages["cluster"]["status"]
+    assert dropped.startswith("dropped: ") and dropped.endswith(
+        " s of the 5 s budget left, needs 4 s"
+    )
+    assert stages["input"]["status"] == "passed"
+    assert f"| cluster | {dropped} | 0.0 |" in (tmp_path / "summary.md").read_text()

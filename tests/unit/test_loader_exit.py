@@ -75,9 +75,12 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     + [
         pytest.param(
             k,
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason=f"{k} needs a CUDA device"
-            ),
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(), reason=f"{k} needs a CUDA device"
+                ),
+            ],
         )
         for k in GPU_KINDS
     ],
