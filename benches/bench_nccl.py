@@ -4,8 +4,9 @@ Part ``one``: ResNet-50 (torchvision, random weights) on synthetic 224x224
 ImageNet-shaped batches, DDP with a world of one: native DDP (NCCL) against
 the tiacc hook over the NCCL transport with 1 and 4 channels. Reports the
 median step time and the tiacc overhead relative to native. With one rank
-the allreduce itself is a copy, so this measures what the hook adds
-(stream hand-offs, the CUDA-aware future, the watchdog), not bandwidth.
+native's allreduce is a copy and the hook hands each bucket back as it is
+(its own average), so this measures what the hook still adds per bucket
+(its checks and counts), not bandwidth.
 
 Part ``codecs``: the casts and selections the CUDA path runs on the
 channel stream, on 25M float32 elements: the fp16 cast (bytes read +

@@ -91,8 +91,8 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact:
 
 @pytest.mark.parametrize("channels", [1, 4])
 def test_world_of_one_over_nccl_equals_native_ddp(tmp_path: Path, channels: int) -> None:
-    """One rank by design: the NCCL path's set-up and stream handling with
-    no peer (a sum over one rank leaves every bucket as it was)."""
+    """One rank by design: the NCCL path's set-up with no peer, and the
+    hook's buckets handed back as they are (the average over one rank)."""
     common = ["--out", str(tmp_path), "--steps", "50", "--backend", "nccl"]
     _launch(1, [*common, "--mode", "native"])
     tiacc_args = [*common, "--mode", "tiacc", "--transport", "nccl", "--channels", str(channels)]

@@ -281,7 +281,9 @@ def stats() -> dict[str, Any]:
     Returns:
         ``steps`` (backward passes whose buckets reached the engine's hook),
         ``buckets`` and ``bytes`` handed to an engine per path (``"cpu"``,
-        ``"cuda nccl"``, ``"cuda host staging"``), ``accumulated`` (buckets
+        ``"cuda nccl"``, ``"cuda host staging"``; ``"world of one"`` for the
+        buckets of a one-rank world, handed back as they are: their own
+        average), ``accumulated`` (buckets
         kept local by gradient accumulation), ``native`` (buckets or models
         left to torch's own allreduce, per reason: each also warned once,
         or raised under ``TIACC_TRAINING_STRICT=1``), ``collectives``

@@ -58,6 +58,11 @@ class HookState:
         config = _state.state.config
         self.accumulate_n_steps: int = 1 if config is None else config.accumulate_n_steps
         self.passes = 0
+        # A world of one rank: the average over the world is the bucket
+        # itself, so the hook hands it back without an engine call (unless
+        # the NaN check asks to look at it first).
+        carrier = engine if cuda is None else cuda.engine
+        self.alone = process_group.size() == 1 and not getattr(carrier, "nan_check", False)
         # The never-ran check (``_watch_for_a_hook_that_never_runs``): calls
         # of the hook; ``calls`` when the last forward prepared DDP's reducer
         # for a synced backward (None: no such forward since the last
@@ -254,6 +259,9 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
             "a gradient bucket that is not contiguous goes through torch's allreduce",
             "report it with the model: DDP's buckets are contiguous",
         )
+    if state.alone:
+        _carried("world of one", buf.numel() * buf.element_size())
+        return _accumulated_locally(buf)
     perf = _state.state.perf
     if perf is not None and bucket.index() == 0:
         engine = state.engine if state.cuda is None else state.cuda.engine
