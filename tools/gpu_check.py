@@ -73,6 +73,15 @@ JUNIT = {"gpu-tests": "junit-gpu.xml", "tests": "junit.xml"}
 # The cluster rows that carry goals (labels holding one of these; the
 # native rows always run).
 GOAL_ROWS = "bf16_compress_hook,tiacc auto,tiacc flat,tiacc 2D,tiacc Top-K"
+# The GPU tests run first (TIACC_TEST_FIRST, the suite's conftest).
+GPU_FIRST = ",".join(
+    (
+        "tests/gpu/test_nccl_transport.py",
+        "tests/gpu/test_data_gpu.py",
+        "tests/gpu/test_nccl_init_bound.py",
+        "tests/gpu/test_nccl_algorithms.py::test_a_nan",
+    )
+)
 # How often the summary is rewritten while a stage runs (seconds).
 TICK = 10.0
 # Small pure-Python wheels a GPU machine may lack (make gpu-kit fetches them):
@@ -215,10 +224,18 @@ def stage_environment(nccl_library: str | None, base: dict[str, str]) -> dict[st
 
 
 def stage_env(stage: str, env: dict[str, str], out: Path) -> dict[str, str]:
-    """A stage's environment: a test stage's per-test outcomes file added."""
+    """A stage's environment: a test stage's per-test outcomes file added.
+
+    The GPU tests start with the few that check whole features (the CUDA
+    collectives, the transports, GPU decode, the init bound), then the
+    algorithm matrices, so a stage cut short has run those first.
+    """
     if stage not in JUNIT:
         return env
-    return {**env, "TIACC_TEST_OUTCOMES": str(out / f"outcomes-{stage}.jsonl")}
+    extra = {"TIACC_TEST_OUTCOMES": str(out / f"outcomes-{stage}.jsonl")}
+    if stage == "gpu-tests":
+        extra["TIACC_TEST_FIRST"] = GPU_FIRST
+    return {**env, **extra}
 
 
 def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[list[str]]:

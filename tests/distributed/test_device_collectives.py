@@ -10,6 +10,7 @@ engine calls as on a GPU, without the CUDA streams. The run through
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_cuda_collectives_go_to_tiacc_only_when_asked(monkeypatch: pytest.Monkey
     if not _backend.register() or not _backend.takes_device_strings():
         pytest.skip(f"this torch cannot take the tiacc backend per device: {_backend._reason}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name in [k for k in __import__("os").environ if k.startswith("TIACC_TRAINING_")]:
+    for name in [k for k in os.environ if k.startswith("TIACC_TRAINING_")]:
         monkeypatch.delenv(name)
     default = _engine.CommConfig.from_env()
     assert default.cuda_collectives == "nccl"

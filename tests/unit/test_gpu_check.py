@@ -9,6 +9,7 @@ write, with values on both sides of each goal.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,8 +169,8 @@ def test_stage_selection_and_commands(tmp_path: Path) -> None:
     assert gpu[:6] == ["py", "-m", "pytest", "tests", "-m", "gpu"] and "8" in gpu
     cluster = gpu_check.stage_commands("cluster", "py", tmp_path, 16)[0]
     assert "--only" in cluster and str(tmp_path / "bench_nccl.json") in cluster
-    assert gpu_check.stage_env("gpu-tests", {}, tmp_path) == {
-        "TIACC_TEST_OUTCOMES": str(tmp_path / "outcomes-gpu-tests.jsonl")
+    assert gpu_check.stage_env("tests", {}, tmp_path) == {
+        "TIACC_TEST_OUTCOMES": str(tmp_path / "outcomes-tests.jsonl")
     }
     assert gpu_check.stage_env("one", {"A": "1"}, tmp_path) == {"A": "1"}
     with pytest.raises(SystemExit):
@@ -231,7 +232,7 @@ def test_a_cut_off_test_stage_still_reports_each_finished_test(tmp_path: Path) -
     )
     out = tmp_path / "out"
     out.mkdir()
-    env = gpu_check.stage_env("gpu-tests", {**__import__("os").environ}, out)
+    env = gpu_check.stage_env("gpu-tests", {**os.environ}, out)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite),
                f"--junitxml={out / 'junit-gpu.xml'}"]  # fmt: skip
     ticks: list[str] = []
@@ -277,3 +278,32 @@ def test_the_plan_drops_what_its_budget_cannot_fit(tmp_path: Path) -> None:
     )
     assert stages["input"]["status"] == "passed"
     assert f"| cluster | {dropped} | 0.0 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_gpu_stage_runs_its_telling_tests_first(tmp_path: Path) -> None:
+    """TIACC_TEST_FIRST (set by the gpu-tests stage) puts the tests whose
+    ids start with its prefixes first, in its order, the rest after."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    for name in ("test_a.py", "test_b.py", "test_c.py"):
+        (suite / name).write_text("def test_one():\n    pass\n\ndef test_two():\n    pass\n")
+    env = {**os.environ, "TIACC_TEST_FIRST": "test_c.py,test_b.py::test_two"}
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "."],
+        capture_output=True,
+        text=True,
+        cwd=suite,
+        env=env,
+        timeout=120,
+    ).stdout.splitlines()
+    ids = [line for line in listed if "::" in line]
+    assert ids == [
+        "test_c.py::test_one",
+        "test_c.py::test_two",
+        "test_b.py::test_two",
+        "test_a.py::test_one",
+        "test_a.py::test_two",
+        "test_b.py::test_one",
+    ], listed
+    assert "TIACC_TEST_FIRST" in gpu_check.stage_env("gpu-tests", {}, tmp_path)
