@@ -247,8 +247,8 @@ def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[lis
         ]  # fmt: skip
     if stage == "gpu-tests":
         return [
-            [python, "-m", "pytest", "tests", "-m", "gpu", "-n", str(min(workers, 8)), "-ra",
-             f"--junitxml={out / JUNIT['gpu-tests']}"],
+            [python, "-m", "pytest", "tests", "-m", "gpu", "-n", str(min(workers, 8)),
+             "--dist", "loadgroup", "-ra", f"--junitxml={out / JUNIT['gpu-tests']}"],
         ]  # fmt: skip
     if stage == "one":
         return [

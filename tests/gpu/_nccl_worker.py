@@ -8,11 +8,23 @@ parameters per rank. Reads each step's loss on the host, as a training loop
 that logs does, so a failure on another rank surfaces at the next step.
 Prints ``DONE <mode> <transport used>`` at the end; ``--nan-rank`` puts a
 NaN into that rank's input at ``--nan-step``.
+
+``--cases FILE`` runs many cases in these same processes, one after the
+other (a JSON list of ``{"id", "env", "channels"}``): each case's settings
+replace the previous case's variables, ``init_tiacc_training`` runs again
+(which rebuilds the engines for the new settings), and the case's
+parameters go to ``<out>/<id>/``, with ``CASE <id> LOSS ...`` and
+``CASE <id> DONE <transport>`` lines; the first case that fails prints
+``CASE <id> FAILED ...`` and ends the run. Starting the ranks, CUDA and the
+default group once for a whole matrix is what makes the GPU suite short.
+``--device cpu`` (with ``--backend gloo --transport tcp``) runs the same
+loop on the CPU, where the tests check it without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -34,6 +46,88 @@ def build_model(width: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, float, float]:
+    """One run: init, DDP training, the parameters saved under ``out``.
+
+    Returns the transport used and the mean loss of the first and last steps.
+    """
+    tdist.init_tiacc_training(
+        backend=args.backend,
+        enable=args.mode == "tiacc",
+        num_streams=channels,
+        transport=args.transport,
+        timeout=120,
+    )
+    rank = dist.get_rank()
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    model = build_model(args.width).to(device)
+    ddp = nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
+    if args.mode == "tiacc":
+        assert getattr(ddp, "_tiacc_hook_state", None) is not None, "hook not attached"
+        if device.type == "cuda":
+            expected = args.expect_transport or args.transport
+            assert tdist.cuda_transport() == expected, tdist.cuda_transport()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
+    losses: list[float] = []
+    for step in range(args.steps):
+        x = torch.randn(64, 32, generator=gen)
+        y = (x @ teacher).argmax(dim=1)
+        if rank == args.nan_rank and step == args.nan_step:
+            x[0, 0] = float("nan")
+        loss = nn.functional.cross_entropy(ddp(x.to(device)), y.to(device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    assert all(torch.isfinite(v).all() for v in state.values()), "non-finite parameters"
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out / f"{args.mode}_rank{rank}.pt")
+    if args.mode != "tiacc":
+        transport = args.backend
+    else:
+        transport = tdist.cuda_transport() if device.type == "cuda" else "tcp"
+    # Mean losses of the first and the last five steps (one batch is noisy).
+    n = min(5, len(losses))
+    dist.barrier()
+    del ddp, opt
+    return transport, sum(losses[:n]) / n, sum(losses[-n:]) / n
+
+
+def run_cases(args: argparse.Namespace) -> int:
+    """Every case of ``--cases`` in turn (see the module docstring)."""
+    cases = json.loads(Path(args.cases).read_text())
+    previous: dict[str, str] = {}
+    for case in cases:
+        for name in previous:
+            os.environ.pop(name, None)
+        os.environ.update(case["env"])
+        previous = case["env"]
+        try:
+            transport, first, last = train(args, args.out / case["id"], case["channels"])
+        except Exception as exc:
+            line = (str(exc).strip().splitlines() or [""])[0]
+            print(f"CASE {case['id']} FAILED {type(exc).__name__}: {line}", flush=True)
+            raise
+        print(f"CASE {case['id']} LOSS first {first:.6f} last {last:.6f}", flush=True)
+        print(f"CASE {case['id']} DONE {args.mode} {transport}", flush=True)
+    tdist.shutdown()
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -48,56 +142,19 @@ def main() -> int:
     parser.add_argument("--bucket-cap-mb", type=float, default=0.1)
     parser.add_argument("--nan-rank", type=int, default=-1)
     parser.add_argument("--nan-step", type=int, default=3)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--cases", help="a JSON file of cases to run one after the other")
     args = parser.parse_args()
     try:
         # Bitwise comparisons need deterministic kernels and no TF32.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.use_deterministic_algorithms(True)
-        tdist.init_tiacc_training(
-            backend=args.backend,
-            enable=args.mode == "tiacc",
-            num_streams=args.channels,
-            transport=args.transport,
-            timeout=120,
-        )
-        rank = dist.get_rank()
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        model = build_model(args.width).to(device)
-        ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index], bucket_cap_mb=args.bucket_cap_mb
-        )
-        if args.mode == "tiacc":
-            assert getattr(ddp, "_tiacc_hook_state", None) is not None, "hook not attached"
-            expected = args.expect_transport or args.transport
-            assert tdist.cuda_transport() == expected, tdist.cuda_transport()
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-        gen = torch.Generator().manual_seed(100 + rank)
-        teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
-        losses: list[float] = []
-        for step in range(args.steps):
-            x = torch.randn(64, 32, generator=gen)
-            y = (x @ teacher).argmax(dim=1)
-            if rank == args.nan_rank and step == args.nan_step:
-                x[0, 0] = float("nan")
-            loss = nn.functional.cross_entropy(ddp(x.to(device)), y.to(device))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        torch.cuda.synchronize(device)
-        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        assert all(torch.isfinite(v).all() for v in state.values()), "non-finite parameters"
-        args.out.mkdir(parents=True, exist_ok=True)
-        torch.save(state, args.out / f"{args.mode}_rank{rank}.pt")
-        transport = tdist.cuda_transport() if args.mode == "tiacc" else args.backend
-        # Mean losses of the first and the last five steps (one batch is noisy).
-        n = min(5, len(losses))
-        first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
+        if args.cases:
+            return run_cases(args)
+        transport, first, last = train(args, args.out, args.channels)
         print(f"LOSS first {first:.6f} last {last:.6f}", flush=True)
         print(f"DONE {args.mode} {transport}", flush=True)
-        dist.barrier()
         tdist.shutdown()
         dist.destroy_process_group()
         return 0

@@ -7,7 +7,11 @@ older NCCL the tests skip and say so. Point ``TIACC_TRAINING_NCCL_LIBRARY``
 
 * DDP training, every algorithm x {1, 4} channels x {2, 4} ranks: ranks end
   bitwise in sync; the flat allreduce equals native NCCL DDP bit for bit;
-  2D, fp16 and bf16 stay within tolerance of it; Top-K learns.
+  2D, fp16 and bf16 stay within tolerance of it; Top-K learns. The 18
+  cases of a world size run in one launch of its ranks (``--cases``), so
+  the ranks, CUDA and the default group start once per world size; each
+  case is still its own test. Under pytest-xdist, ``--dist loadgroup``
+  keeps a matrix on one worker (``make gpu-check`` passes it).
 * The CUDA path against the host engine on the same buckets: Top-K's
   results are bitwise equal to the CPU reference, the dense algorithms
   equal within rounding (NCCL sums in its own order).
@@ -17,6 +21,7 @@ older NCCL the tests skip and say so. Point ``TIACC_TRAINING_NCCL_LIBRARY``
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -122,18 +127,41 @@ def native(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict[str, s
     return get
 
 
+@pytest.fixture(scope="module")
+def ddp_matrix(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict[str, str]):
+    """Every (algorithm, channels) case of one world size, trained in one launch."""
+    cache: dict[int, tuple[Path, list]] = {}
+
+    def get(world: int) -> tuple[Path, list]:
+        if world not in cache:
+            out = tmp_path_factory.mktemp(f"matrix{world}")
+            cases = [
+                {"id": f"{name}-{channels}", "env": ALGORITHMS[name], "channels": channels}
+                for name in sorted(ALGORITHMS)
+                for channels in (1, 4)
+            ]
+            (out / "cases.json").write_text(json.dumps(cases))
+            args = ["--out", str(out), "--mode", "tiacc", "--transport", "nccl", "--steps", "30"]
+            args += ["--cases", str(out / "cases.json")]
+            cache[world] = (out, _ranks(world, DDP_WORKER, args, shared_gpu_env, timeout=540))
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.xdist_group("ddp-matrix")
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("channels", [1, 4])
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_ddp_over_nccl_on_one_gpu(
-    tmp_path: Path, shared_gpu_env, native, algorithm: str, channels: int, world: int
+    ddp_matrix, native, algorithm: str, channels: int, world: int
 ) -> None:
-    env = {**shared_gpu_env, **ALGORITHMS[algorithm]}
-    args = ["--out", str(tmp_path), "--mode", "tiacc", "--transport", "nccl", "--steps", "30"]
-    args += ["--channels", str(channels)]
-    ranks = _ranks(world, DDP_WORKER, args, env)
-    assert all(r.returncode == 0 and "DONE tiacc nccl" in r.stdout for r in ranks), describe(ranks)
-    ours = [_params(tmp_path, "tiacc", r) for r in range(world)]
+    out, ranks = ddp_matrix(world)
+    case = f"{algorithm}-{channels}"
+    done = f"CASE {case} DONE tiacc nccl"
+    failed = [line for r in ranks for line in r.stdout.splitlines() if " FAILED " in line]
+    assert all(done in r.stdout for r in ranks), (failed, describe(ranks))
+    ours = [_params(out / case, "tiacc", r) for r in range(world)]
     for r in range(1, world):
         for key, value in ours[0].items():
             assert torch.equal(value, ours[r][key]), f"rank {r} differs from rank 0 in {key}"
@@ -146,8 +174,9 @@ def test_ddp_over_nccl_on_one_gpu(
             torch.testing.assert_close(ours[0][key], value, rtol=2e-2, atol=2e-3, msg=key)
     else:
         # Top-K sends 5% of the gradient per step: it learns, more slowly.
-        line = next(x for x in ranks[0].stdout.splitlines() if x.startswith("LOSS "))
-        first, last = float(line.split()[2]), float(line.split()[4])
+        prefix = f"CASE {case} LOSS "
+        line = next(x for x in ranks[0].stdout.splitlines() if x.startswith(prefix))
+        first, last = float(line.split()[4]), float(line.split()[6])
         assert last < first, line
 
 
