@@ -17,12 +17,21 @@ the environment (``LIGHT_*``, ``TIACC_TRAINING_*``).
 
 Prints ``EQUAL <buckets>`` and saves rank-local results for the
 cross-rank check; ``--nan-rank`` puts a NaN into one bucket of that rank.
+
+``--cases FILE`` runs many configurations in these same processes, one
+after the other (a JSON list of ``{"id", "env", "exact"}``): each case's
+variables replace the previous case's, both engines are built anew for it,
+its results go to ``<out>/<id>/`` and every line it prints starts with
+``CASE <id> ``. The ranks and the default group start once for a whole
+matrix; the first case that fails ends the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +44,15 @@ from tiacc_training.torch.distributed import _config, _launch, _rendezvous, _run
 from tiacc_training.torch.distributed._cuda import NcclChannels
 from tiacc_training.torch.distributed._kernels import TorchKernels
 from tiacc_training.torch.distributed._state import state
+
+# What every line printed starts with: ``CASE <id> `` while a case of
+# ``--cases`` runs.
+_prefix = ""
+
+
+def say(text: str) -> None:
+    print(_prefix + text, flush=True)
+
 
 # (length, dtype) of the buckets: lengths that do not split evenly over 2 or
 # 4 ranks, one that is smaller than the group, and one that Top-K's default
@@ -167,7 +185,7 @@ def check_probe(device: object, rank: int, world: int, settings: dict, medium: s
             )
     else:
         torch.testing.assert_close(ours.double(), want, rtol=1e-6, atol=1e-8)
-    print(f"PROBE {'exact' if exact else 'close'}", flush=True)
+    say(f"PROBE {'exact' if exact else 'close'}")
 
 
 def check_probe_counted(
@@ -205,7 +223,7 @@ def check_probe_counted(
             - before.get((path, codec), {"wire": {"world": 0}})["wire"]["world"]
         )
         assert sent == want, (sent, want)
-    print("COUNTED probe", flush=True)
+    say("COUNTED probe")
 
 
 def check_device_collectives(engine: object, rank: int, world: int, on: torch.device) -> int:
@@ -269,130 +287,159 @@ def check_counters_agree(host: object, device: object) -> None:
         }
 
     assert buckets(host) == buckets(device), (buckets(host), buckets(device))
-    print(f"COUNTED {sum(n for n, _ in buckets(device).values())}", flush=True)
+    say(f"COUNTED {sum(n for n, _ in buckets(device).values())}")
 
 
 def main() -> int:
+    global _prefix
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--nan-rank", type=int, default=-1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--exact", action="store_true", help="bitwise equal on CUDA too")
+    parser.add_argument("--cases", type=Path, help="a JSON file of cases to run one after another")
     args = parser.parse_args()
     try:
         config = _config.effective_config()
         launch, arguments = _launch.group_arguments("gloo", config, _launch.launch_env())
         dist.init_process_group(**arguments)
         state.launch = launch
-        rank, world = dist.get_rank(), dist.get_world_size()
-        store = _rendezvous.default_store()
-        host = _runtime.world_engine(config)
-        if args.device == "cuda":
-            gpu = torch.device("cuda", torch.cuda.current_device())
-            device = _runtime._nccl_engine(config, gpu, rank, world)
-            channels = NcclChannels(device, gpu)
+        if args.cases is None:
+            check_case(args, config, launch, args.out, args.exact, "")
         else:
-            prefix = "tiacc_training/device-check"
-            device = _engine.DeviceEngine(
-                config,
-                rank,
-                world,
-                TorchKernels(torch.device("cpu")),
-                "tcp",
-                board=_rendezvous.FailureBoard(store, prefix),
-                local_size=launch["local_size"],
-                intra_size=_rendezvous.node_intra_size(config, launch, store, prefix, rank, world),
-                host="127.0.0.1",
-            )
-            _rendezvous.connect_tcp(device, store, prefix, rank, world, config.timeout)
-        print(f"ENGINE_2D={device.two_d_members}", flush=True)
-        # Under auto each engine measured on its own and may have chosen
-        # differently: then their sums are in another order.
-        same = host.two_d == device.two_d
-        print(f"TWO_D host={host.two_d} device={device.two_d}", flush=True)
-        print(f"AUTO_CHOICE={device.auto_choice}", flush=True)
-        settings = config.to_dict()
-        # NCCL's dense sums of two (flat over 2 ranks, or 2D over 2 x 2)
-        # are a + b, the host engine's order too.
-        pairwise = world == 2 or (device.two_d and world == 4)
-        results = {}
-        checked = 0
-        for step in range(args.steps):
-            for index, (n, dtype) in enumerate(BUCKETS):
-                data = bucket_data(rank, step, index, n, dtype)
-                if rank == args.nan_rank and step == 1 and index == 2:
-                    data[1] = float("nan")
+            previous: dict[str, str] = {}
+            for case in json.loads(args.cases.read_text()):
+                for name in previous:
+                    os.environ.pop(name, None)
+                os.environ.update(case["env"])
+                previous = case["env"]
+                _prefix = f"CASE {case['id']} "
                 try:
-                    if args.device == "cuda":
-                        ours = data.to(gpu)
-                        channels.allreduce(ours, index).wait()
-                        torch.cuda.synchronize(gpu)
-                        device.check()
-                        ours = ours.cpu()
-                    else:
-                        ours = data.clone()
-                        device.allreduce(ours.view(torch.uint8), str(dtype), index, True, 0)
-                except Exception:
-                    finite = all(bool(torch.isfinite(v).all()) for v in results.values())
-                    print(f"RECEIVED_ONLY_FINITE={finite}", flush=True)
+                    config = _config.effective_config()
+                    check_case(
+                        args, config, launch, args.out / case["id"], case["exact"], case["id"]
+                    )
+                except Exception as exc:
+                    line = (str(exc).strip().splitlines() or [""])[0]
+                    say(f"FAILED {type(exc).__name__}: {line}")
                     raise
-                reference = data.clone()
-                host.allreduce(
-                    reference.data_ptr(),
-                    reference.numel() * reference.element_size(),
-                    str(dtype),
-                    index,
-                    True,
-                )
-                # A bucket Top-K sparsifies is summed rank by rank on every
-                # rank, bitwise the host engine's sums.
-                exact = (args.device == "cpu" and same) or (
-                    args.exact
-                    and (pairwise or config.topk_applies(str(dtype), n * data.element_size()))
-                )
-                if exact and not torch.equal(ours.view(torch.uint8), reference.view(torch.uint8)):
-                    diff = (ours.double() - reference.double()).abs().max().item()
-                    raise AssertionError(
-                        f"step {step} bucket {index} ({n} x {dtype}): the device engine "
-                        f"differs from the host engine by up to {diff}"
-                    )
-                if not exact:
-                    # Sums in another order differ by the rounding of the
-                    # partial sums: up to ~12 sigma with 4 ranks, rounded
-                    # twice, where sigma is the bucket's scale (index + 1);
-                    # 16 eps leaves some slack over the 12 eps that makes.
-                    tolerance = 1e-2
-                    for half in (dtype, WIRES.get(settings["compression"])):
-                        if half in (torch.float16, torch.bfloat16):
-                            tolerance = max(tolerance, 16 * torch.finfo(half).eps)
-                    torch.testing.assert_close(
-                        ours.double(),
-                        reference.double(),
-                        rtol=tolerance,
-                        atol=tolerance * (index + 1),
-                    )
-                results[f"{step}/{index}"] = ours
-                checked += 1
-        print(f"EQUAL {checked}", flush=True)
-        if same:
-            check_counters_agree(host, device)
-        on = gpu if args.device == "cuda" else torch.device("cpu")
-        print(f"COLLECTIVES {check_device_collectives(device, rank, world, on)}", flush=True)
-        if args.device == "cpu":
-            # The device engine's TCP groups move to shared memory exactly
-            # where the host engine's do (the same set-up, on one host).
-            check_probe(device, rank, world, settings, host.transports["world"])
-        args.out.mkdir(parents=True, exist_ok=True)
-        torch.save(results, args.out / f"device_rank{rank}.pt")
-        device.shutdown()
-        host.shutdown()
+                say("DONE")
+            _prefix = ""
         dist.barrier()
         dist.destroy_process_group()
         return 0
     except Exception as exc:  # the tests read the WORKER_ERROR line
         exit_failed(exc, linger=3)
         return 3
+
+
+def check_case(
+    args: argparse.Namespace, config: object, launch: dict, out: Path, exact_arg: bool, tag: str
+) -> None:
+    """One configuration: both engines built for it, every bucket compared."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = _rendezvous.default_store()
+    host = _runtime.world_engine(config)
+    if args.device == "cuda":
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        device = _runtime._nccl_engine(config, gpu, rank, world)
+        channels = NcclChannels(device, gpu)
+    else:
+        prefix = f"tiacc_training/device-check/{tag}"
+        device = _engine.DeviceEngine(
+            config,
+            rank,
+            world,
+            TorchKernels(torch.device("cpu")),
+            "tcp",
+            board=_rendezvous.FailureBoard(store, prefix),
+            local_size=launch["local_size"],
+            intra_size=_rendezvous.node_intra_size(config, launch, store, prefix, rank, world),
+            host="127.0.0.1",
+        )
+        _rendezvous.connect_tcp(device, store, prefix, rank, world, config.timeout)
+    say(f"ENGINE_2D={device.two_d_members}")
+    # Under auto each engine measured on its own and may have chosen
+    # differently: then their sums are in another order.
+    same = host.two_d == device.two_d
+    say(f"TWO_D host={host.two_d} device={device.two_d}")
+    say(f"AUTO_CHOICE={device.auto_choice}")
+    settings = config.to_dict()
+    # NCCL's dense sums of two (flat over 2 ranks, or 2D over 2 x 2)
+    # are a + b, the host engine's order too.
+    pairwise = world == 2 or (device.two_d and world == 4)
+    results = {}
+    checked = 0
+    for step in range(args.steps):
+        for index, (n, dtype) in enumerate(BUCKETS):
+            data = bucket_data(rank, step, index, n, dtype)
+            if rank == args.nan_rank and step == 1 and index == 2:
+                data[1] = float("nan")
+            try:
+                if args.device == "cuda":
+                    ours = data.to(gpu)
+                    channels.allreduce(ours, index).wait()
+                    torch.cuda.synchronize(gpu)
+                    device.check()
+                    ours = ours.cpu()
+                else:
+                    ours = data.clone()
+                    device.allreduce(ours.view(torch.uint8), str(dtype), index, True, 0)
+            except Exception:
+                finite = all(bool(torch.isfinite(v).all()) for v in results.values())
+                say(f"RECEIVED_ONLY_FINITE={finite}")
+                raise
+            reference = data.clone()
+            host.allreduce(
+                reference.data_ptr(),
+                reference.numel() * reference.element_size(),
+                str(dtype),
+                index,
+                True,
+            )
+            # A bucket Top-K sparsifies is summed rank by rank on every
+            # rank, bitwise the host engine's sums.
+            exact = (args.device == "cpu" and same) or (
+                exact_arg and (pairwise or config.topk_applies(str(dtype), n * data.element_size()))
+            )
+            if exact and not torch.equal(ours.view(torch.uint8), reference.view(torch.uint8)):
+                diff = (ours.double() - reference.double()).abs().max().item()
+                raise AssertionError(
+                    f"step {step} bucket {index} ({n} x {dtype}): the device engine "
+                    f"differs from the host engine by up to {diff}"
+                )
+            if not exact:
+                # Sums in another order differ by the rounding of the
+                # partial sums: up to ~12 sigma with 4 ranks, rounded
+                # twice, where sigma is the bucket's scale (index + 1);
+                # 16 eps leaves some slack over the 12 eps that makes.
+                tolerance = 1e-2
+                for half in (dtype, WIRES.get(settings["compression"])):
+                    if half in (torch.float16, torch.bfloat16):
+                        tolerance = max(tolerance, 16 * torch.finfo(half).eps)
+                torch.testing.assert_close(
+                    ours.double(),
+                    reference.double(),
+                    rtol=tolerance,
+                    atol=tolerance * (index + 1),
+                )
+            results[f"{step}/{index}"] = ours
+            checked += 1
+    say(f"EQUAL {checked}")
+    if same:
+        check_counters_agree(host, device)
+    on = gpu if args.device == "cuda" else torch.device("cpu")
+    say(f"COLLECTIVES {check_device_collectives(device, rank, world, on)}")
+    if args.device == "cpu":
+        # The device engine's TCP groups move to shared memory exactly
+        # where the host engine's do (the same set-up, on one host).
+        check_probe(device, rank, world, settings, host.transports["world"])
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(results, out / f"device_rank{rank}.pt")
+    device.shutdown()
+    host.shutdown()
+    state.engine = None  # the next case builds its own
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ roundings (``probe_reference``). Only the NCCL calls themselves are left to
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,32 +81,66 @@ def _run(tmp_path: Path, world: int, env: dict[str, str], extra: list[str] | Non
     )
 
 
+def case_lines(stdout: str, case: str) -> list[str]:
+    """The lines a ``--cases`` run printed for ``case``, without their prefix."""
+    prefix = f"CASE {case} "
+    return [x.removeprefix(prefix) for x in stdout.splitlines() if x.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    """Every (algorithm, channels) case on 4 ranks, in one launch of the ranks."""
+    out = tmp_path_factory.mktemp("matrix")
+    cases = [
+        {
+            "id": f"{name}-{channels}",
+            "env": {**ALGORITHMS[name], "TIACC_TRAINING_NUM_NCCL_STREAMS": str(channels)},
+            "exact": False,
+        }
+        for name in sorted(ALGORITHMS)
+        for channels in (1, 3)
+    ]
+    (out / "cases.json").write_text(json.dumps(cases))
+    ranks = run_ranks(
+        4,
+        ["--out", str(out), "--cases", str(out / "cases.json")],
+        env={"TIACC_TRAINING_TIMEOUT": "60"},
+        local_size=2,
+        worker=WORKER,
+        timeout=540,
+    )
+    return out, ranks
+
+
 @pytest.mark.parametrize("channels", [1, 3])
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_the_device_engine_equals_the_host_engine_bit_for_bit(
-    tmp_path: Path, algorithm: str, channels: int
+    matrix: tuple[Path, list], algorithm: str, channels: int
 ) -> None:
+    """Each case runs in the matrix's one launch of 4 ranks (``--cases``):
+    the engines are built anew for it, after the cases before it."""
     world = 4
-    env = {**ALGORITHMS[algorithm], "TIACC_TRAINING_NUM_NCCL_STREAMS": str(channels)}
-    ranks = _run(tmp_path, world, env)
-    assert all(r.returncode == 0 for r in ranks), describe(ranks)
-    assert all("EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+    out, ranks = matrix
+    case = f"{algorithm}-{channels}"
+    lines = [case_lines(r.stdout, case) for r in ranks]
+    assert all("DONE" in mine for mine in lines), describe(ranks)
+    assert all("EQUAL 21" in mine for mine in lines), describe(ranks)
     # Both engines' own counters hold the 21 buckets under the same paths
     # and codecs; the probe's, under the one its settings call for.
-    assert all("COUNTED 21" in r.stdout for r in ranks), describe(ranks)
-    assert all("COUNTED probe" in r.stdout for r in ranks), describe(ranks)
+    assert all("COUNTED 21" in mine for mine in lines), describe(ranks)
+    assert all("COUNTED probe" in mine for mine in lines), describe(ranks)
     # torch.distributed's collectives on device buffers, exact.
-    assert all("COLLECTIVES 15" in r.stdout for r in ranks), describe(ranks)
+    assert all("COLLECTIVES 15" in mine for mine in lines), describe(ranks)
     # The probe against the worker's own reference: bit for bit where the
     # algorithm's roundings are order-free (compression, Top-K), else the
     # float64 average.
     how = "close" if algorithm in ("flat", "2d") else "exact"
-    assert all(f"PROBE {how}" in r.stdout for r in ranks), describe(ranks)
+    assert all(f"PROBE {how}" in mine for mine in lines), describe(ranks)
     if "2d" in algorithm:
-        assert "ENGINE_2D=([0, 1], [0, 2])" in ranks[0].stdout, describe(ranks)
-    first = torch.load(tmp_path / "device_rank0.pt")
+        assert "ENGINE_2D=([0, 1], [0, 2])" in lines[0], describe(ranks)
+    first = torch.load(out / case / "device_rank0.pt")
     for rank in range(1, world):
-        other = torch.load(tmp_path / f"device_rank{rank}.pt")
+        other = torch.load(out / case / f"device_rank{rank}.pt")
         for key, value in first.items():
             assert torch.equal(value.view(torch.uint8), other[key].view(torch.uint8)), key
 

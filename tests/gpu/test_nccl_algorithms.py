@@ -14,7 +14,8 @@ older NCCL the tests skip and say so. Point ``TIACC_TRAINING_NCCL_LIBRARY``
   keeps a matrix on one worker (``make gpu-check`` passes it).
 * The CUDA path against the host engine on the same buckets: Top-K's
   results are bitwise equal to the CPU reference, the dense algorithms
-  equal within rounding (NCCL sums in its own order).
+  equal within rounding (NCCL sums in its own order). These cases, too,
+  run in one launch per world size.
 * The NaN check: the rank holding the NaN raises naming the bucket, its
   peers raise naming it too, and nobody hangs.
 """
@@ -180,34 +181,57 @@ def test_ddp_over_nccl_on_one_gpu(
         assert last < first, line
 
 
+@pytest.fixture(scope="module")
+def engine_matrix(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict[str, str]):
+    """Every (algorithm, channels) case of the engines' check for one world
+    size, in one launch of its ranks (``device_engine_worker.py --cases``)."""
+    cache: dict[int, list] = {}
+
+    def get(world: int) -> list:
+        if world not in cache:
+            out = tmp_path_factory.mktemp(f"engines{world}")
+            # Top-K adds the gathered pairs rank by rank on every rank, as
+            # the CPU reference does; its dense step inside a node of two
+            # adds a + b. So its results are bitwise equal. Dense sums of
+            # two ranks are too.
+            cases = [
+                {
+                    "id": f"{name}-{channels}",
+                    "env": {**ALGORITHMS[name], "TIACC_TRAINING_NUM_NCCL_STREAMS": str(channels)},
+                    "exact": name.startswith("topk") or world == 2,
+                }
+                for name in sorted(ALGORITHMS)
+                for channels in (1, 4)
+            ]
+            (out / "cases.json").write_text(json.dumps(cases))
+            args = ["--out", str(out), "--device", "cuda", "--cases", str(out / "cases.json")]
+            cache[world] = _ranks(world, DEVICE_WORKER, args, shared_gpu_env, timeout=540)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.xdist_group("engine-matrix")
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("channels", [1, 4])
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_the_cuda_path_matches_the_host_engine(
-    tmp_path: Path, shared_gpu_env, algorithm: str, channels: int, world: int
+    engine_matrix, algorithm: str, channels: int, world: int
 ) -> None:
-    env = {
-        **shared_gpu_env,
-        **ALGORITHMS[algorithm],
-        "TIACC_TRAINING_NUM_NCCL_STREAMS": str(channels),
-    }
-    args = ["--out", str(tmp_path), "--device", "cuda"]
-    # Top-K adds the gathered pairs rank by rank on every rank, as the CPU
-    # reference does; its dense step inside a node of two adds a + b. So its
-    # results are bitwise equal. Dense sums of two ranks are too.
-    if algorithm.startswith("topk") or world == 2:
-        args.append("--exact")
-    ranks = _ranks(world, DEVICE_WORKER, args, env)
-    assert all(r.returncode == 0 and "EQUAL 21" in r.stdout for r in ranks), describe(ranks)
+    ranks = engine_matrix(world)
+    prefix = f"CASE {algorithm}-{channels} "
+    lines = [
+        [x.removeprefix(prefix) for x in r.stdout.splitlines() if x.startswith(prefix)]
+        for r in ranks
+    ]
+    assert all("DONE" in mine and "EQUAL 21" in mine for mine in lines), describe(ranks)
     # torch.distributed's collectives on CUDA buffers through the device
     # engine (NCCL, 2D where it goes 2D): integer-valued, so exact.
-    assert all("COLLECTIVES 15" in r.stdout for r in ranks), describe(ranks)
+    assert all("COLLECTIVES 15" in mine for mine in lines), describe(ranks)
     if algorithm == "auto":
         # 2 x 2 ranks: NCCL's flat and 2D timed on the GPU, one choice on
         # every rank; one node of two: nothing to measure.
-        choices = {
-            next(x for x in r.stdout.splitlines() if x.startswith("AUTO_CHOICE=")) for r in ranks
-        }
+        choices = {next(x for x in mine if x.startswith("AUTO_CHOICE=")) for mine in lines}
         assert len(choices) == 1, choices
         want = "AUTO_CHOICE=auto: chose " if world == 4 else "AUTO_CHOICE=None"
         assert choices.pop().startswith(want), describe(ranks)
