@@ -389,17 +389,8 @@ def _join(devices: dict[str, str]) -> str:
 
 def cpu_backend_of(group: Any = None) -> CpuCollectives | None:
     """The "tiacc" collectives serving ``group``'s CPU tensors (default group), or ``None``."""
-    if not dist.is_initialized():
-        return None
-    if group is None or group is dist.GroupMember.WORLD:
-        group = dist.distributed_c10d._get_default_group()
-    if isinstance(group, TiaccProcessGroup):
-        return group.collectives
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except Exception:  # no CPU backend in this group
-        return None
-    return backend.collectives if isinstance(backend, TiaccBackend) else None
+    backend = _tiacc_of(group)
+    return None if backend is None else backend.collectives
 
 
 def form_of(group: Any = None) -> str | None:
@@ -484,7 +475,11 @@ def stop(group: Any = None) -> None:
 
 
 def _tiacc_of(group: Any) -> Any:
-    """The "tiacc" backend object of ``group`` (either form), or ``None``."""
+    """The "tiacc" backend object of ``group`` (default group; either form), or ``None``."""
+    if not dist.is_initialized():
+        return None
+    if group is None or group is dist.GroupMember.WORLD:
+        group = dist.distributed_c10d._get_default_group()
     if isinstance(group, TiaccProcessGroup):
         return group
     for device in ("cpu", "cuda"):
@@ -499,10 +494,6 @@ def _tiacc_of(group: Any) -> Any:
 
 def cuda_collectives_of(group: Any = None) -> Any:
     """The "tiacc" collectives serving ``group``'s CUDA tensors (default group), or ``None``."""
-    if not dist.is_initialized():
-        return None
-    if group is None or group is dist.GroupMember.WORLD:
-        group = dist.distributed_c10d._get_default_group()
     backend = _tiacc_of(group)
     found = None if backend is None else backend._devices.get("cuda")
     return found if isinstance(found, GroupCollectives) else None
