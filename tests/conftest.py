@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         "when": report.when,
         "seconds": round(report.duration, 2),
         "first_line": _first_line(report),
+        "error_lines": _error_lines(report),
     }
     import json
 
@@ -89,6 +91,37 @@ def _first_line(report: pytest.TestReport) -> str:
         if text.startswith("E "):
             return text[1:].strip()[:300]
     return str(longrepr).strip().splitlines()[-1][:300] if str(longrepr).strip() else ""
+
+
+# The lines of a failure's text that name what went wrong: a rank's
+# WORKER_ERROR, a case's FAILED line, an exception, CUDA's out of memory.
+# A subprocess failure's first line is often only "rank 0 rc=3"; these are
+# the ones that say why.
+_ERROR_LINE = re.compile(
+    r"WORKER_ERROR|FAILED|[A-Za-z]+(Error|Exception)\b|out of memory|panicked|timed out|Timeout"
+)
+
+
+def _error_lines(report: pytest.TestReport, keep: int = 4) -> list[str]:
+    """Up to ``keep`` distinct error lines of a failure's text, the last ones.
+
+    pytest marks the lines of the failure itself with ``E``; the test's
+    source around it is not searched.
+    """
+    if report.passed or report.skipped:
+        return []
+    lines = report.longreprtext.splitlines()
+    marked = [text[1:] for text in lines if text.startswith("E ")]
+    found: list[str] = []
+    for text in marked or lines:
+        text = text.strip()
+        if not _ERROR_LINE.search(text) or text.startswith(("File ", "raise ", "Traceback")):
+            continue
+        text = text[:300]
+        if text in found:
+            found.remove(text)
+        found.append(text)
+    return found[-keep:]
 
 
 def write_image(path: Path, width: int, height: int, seed: int, fmt: str = "JPEG") -> None:

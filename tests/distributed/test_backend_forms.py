@@ -147,8 +147,11 @@ for cls in (_backend.TiaccBackend, _backend.TiaccProcessGroup):
     cls.__init__ = spy
 tdist.init_tiacc_training()
 init({asked!r})
-print("RESULT " + json.dumps({{"made": made, "backend": str(dist.get_backend())}}))
+cuda = torch.cuda.is_available()
+print("RESULT " + json.dumps({{"made": made, "backend": str(dist.get_backend()), "cuda": cuda}}))
 """,
         {"TIACC_TRAINING_COLLECTIVES": "gloo"},
     )
-    assert result == {"made": [], "backend": "gloo"}, result
+    # With no backend asked, torch pairs gloo with NCCL where CUDA is there.
+    expected = "cpu:gloo,cuda:nccl" if asked is None and result["cuda"] else "gloo"
+    assert result == {"made": [], "backend": expected, "cuda": result["cuda"]}, result
