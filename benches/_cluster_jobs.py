@@ -24,6 +24,43 @@ from netns_cluster import Node, link_stats
 AUTO_PREFIXES = ("tiacc-training: auto", "tiacc_training: auto")
 
 
+def cuda_unavailable() -> str | None:
+    """Why a job with four ranks on GPU 0 cannot run here, or None."""
+    import torch
+
+    import tiacc_training.torch.distributed as tdist
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    try:
+        version = tdist.nccl_version()
+    except Exception as e:
+        return f"needs NCCL >= 2.30 for four ranks on one GPU; none loads: {e}"
+    if version < (2, 30, 0):
+        return (
+            f"needs NCCL >= 2.30 for four ranks on one GPU (found {'.'.join(map(str, version))});"
+            " preload one: LD_PRELOAD and TIACC_TRAINING_NCCL_LIBRARY"
+        )
+    return None
+
+
+def cuda_env() -> dict[str, str]:
+    """The variables of every rank of a job whose ranks all share GPU 0.
+
+    NCCL >= 2.30 lets several ranks share a GPU under
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1``; the NCCL this process was pointed
+    at (``TIACC_TRAINING_NCCL_LIBRARY``, which :func:`run_job` does not
+    pass on by itself) is the ranks' too; ``NCCL_MAX_CTAS`` (default 8)
+    keeps four ranks' kernels from crowding each other out.
+    """
+    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    library = os.environ.get("TIACC_TRAINING_NCCL_LIBRARY")
+    if library:
+        env["TIACC_TRAINING_NCCL_LIBRARY"] = library
+    env["NCCL_MAX_CTAS"] = os.environ.get("NCCL_MAX_CTAS", "8")
+    return env
+
+
 def run_job(
     nodes: Sequence[Node],
     worker: Path,

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``) training step on the CPU: the engine against gloo.
+"""FSDP2 (``fully_shard``) training step: the engine against gloo, or NCCL on a GPU.
 
 A model of ``--layers`` square ``Linear`` layers (default 8 of 1792: 25.7 M
 parameters, 103 MB of float32), each layer and then the whole model
@@ -6,12 +6,15 @@ sharded with ``fully_shard``, SGD, random inputs. Every step FSDP2
 all-gathers every layer's parameters twice (forward, and again in the
 backward pass after resharding) and reduce-scatters every gradient with
 the average: three times the model's bytes in sharded collectives, issued
-by torch itself on the default group's CPU backend. The rows, each the
-same script and seed:
+by torch itself on the default group's backend. The rows, each the same
+script and seed:
 
-- ``native``: stock torch, ``init_process_group("gloo")``;
+- ``native``: stock torch, ``init_process_group("gloo")`` (``"nccl"`` with
+  ``--device cuda``);
 - ``tiacc``: the same script with the two lines, the engine's defaults
-  (``TIACC_TRAINING_ALGORITHM=auto`` picks flat or 2D at start-up);
+  (``TIACC_TRAINING_ALGORITHM=auto`` picks flat or 2D at start-up); with
+  ``--device cuda`` also ``TIACC_TRAINING_CUDA_COLLECTIVES=tiacc``, so
+  the script's ``"nccl"`` group runs its CUDA collectives on the engine;
 - ``tiacc flat`` / ``tiacc 2d``: the algorithm forced;
 - ``tiacc 2d + bf16``: 2D with
   ``TIACC_TRAINING_REDUCE_SCATTER_COMPRESSION=bf16`` and
@@ -27,10 +30,17 @@ step, pooled over the rounds. Every row prints its losses; the exact rows'
 largest relative difference from native's is reported. Needs root
 (network namespaces and tc).
 
-    python benches/bench_fsdp.py [--rounds 2] [--layouts link2x2,loopback4]
+``--device cuda`` puts every rank on GPU 0 (NCCL >= 2.30 with
+``NCCL_MULTI_RANK_GPU_ENABLE=1``, as ``bench_nccl.py``'s cluster part;
+the default link is then 1000 Mbit/s). NCCL's sums over four ranks are
+in another order than the engine's 2D sums, so there the losses agree
+within rounding rather than bit for bit.
 
-Writes benches/results/bench_fsdp.json (with the machine, its load average
-before and after, and the commit).
+    python benches/bench_fsdp.py [--rounds 2] [--layouts link2x2,loopback4] [--device cuda]
+
+Writes benches/results/bench_fsdp.json (``bench_fsdp_cuda.json`` with
+``--device cuda``), with the machine, its load average before and after,
+and the commit.
 """
 
 from __future__ import annotations
@@ -48,7 +58,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _machine import REPO, machine_info  # noqa: E402
 
-RESULTS = REPO / "benches" / "results" / "bench_fsdp.json"
+RESULTS = {
+    "cpu": REPO / "benches" / "results" / "bench_fsdp.json",
+    "cuda": REPO / "benches" / "results" / "bench_fsdp_cuda.json",
+}
+# The link's default rate per device (Mbit/s each way).
+RATES = {"cpu": 200.0, "cuda": 1000.0}
 # Row name: (uses the two lines, settings).
 ROWS: dict[str, tuple[bool, dict[str, str]]] = {
     "native": (False, {}),
@@ -86,31 +101,44 @@ def worker(args: argparse.Namespace) -> None:
     except ImportError:
         from torch.distributed._composable.fsdp import fully_shard
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    # The mesh says where the shards live (fully_shard's default follows
+    # whichever accelerator the machine has).
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     torch.manual_seed(0)
     layers = []
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers).to(device)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     times, losses = [], []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             dist.barrier()
         g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(args.batch, args.width, generator=g)
+        x = torch.randn(args.batch, args.width, generator=g).to(device)
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         loss = model(x).pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -118,13 +146,15 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
     result = {"step_s": times[args.warmup :], "losses": losses, "param_bytes": params}
     if args.two_lines:
-        from tiacc_training.torch.distributed import _backend, _collectives
+        from tiacc_training.torch.distributed import _collectives
 
-        result["served"] = dict(_backend.served_in_process)
-        result["forwarded"] = sum(_backend.forwarded_in_process.values())
+        stats = tdist.stats()
+        prefix = "cuda_" if cuda else ""
+        result["served"] = stats[f"{prefix}collectives"]
+        result["forwarded"] = sum(sum(why.values()) for why in stats[f"{prefix}forwarded"].values())
         result["paths"] = {
             f"{path}/{codec}": {"calls": row["buckets"], "wire_bytes": row["wire"]}
-            for (path, codec), row in _collectives.counters_in_process().items()
+            for (path, codec), row in _collectives.counters_in_process(device.type).items()
         }
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -133,11 +163,16 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_row(nodes: list, layout: str, row: str, args: argparse.Namespace) -> dict:
     """One job of one row; rank 0's result."""
-    from _cluster_jobs import AUTO_PREFIXES, run_job
+    from _cluster_jobs import AUTO_PREFIXES, cuda_env, run_job
 
     n_nodes, per_node, _ = LAYOUTS[layout]
     two_lines, env = ROWS[row]
-    worker_args = ["--worker", "--layers", str(args.layers), "--width", str(args.width)]
+    if args.device == "cuda":
+        # The script's "nccl" group: its CUDA collectives on the engine.
+        opt_in = {"TIACC_TRAINING_CUDA_COLLECTIVES": "tiacc"} if two_lines else {}
+        env = {**cuda_env(), **opt_in, **env}
+    worker_args = ["--worker", "--device", args.device]
+    worker_args += ["--layers", str(args.layers), "--width", str(args.width)]
     worker_args += ["--batch", str(args.batch), "--steps", str(args.steps)]
     worker_args += ["--warmup", str(args.warmup)] + (["--two-lines"] if two_lines else [])
     started = time.monotonic()
@@ -197,39 +232,71 @@ def summarize(layout: str, parts: dict[str, list[dict]]) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: ``layouts`` and ``wanted`` (the rows) as lists."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--two-lines", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layouts", default="link2x2,loopback4")
+    parser.add_argument(
+        "--rows", default="", help="comma-separated rows to run (native always runs); default all"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1792)
     parser.add_argument("--batch", type=int, default=8, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per job")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--rate-mbit", type=float, default=200.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--device", choices=list(RESULTS), default="cpu", help="cuda: every rank on GPU 0, NCCL"
+    )
+    parser.add_argument(
+        "--rate-mbit",
+        type=float,
+        help=f"default: {RATES['cpu']:g} on cpu, {RATES['cuda']:g} on cuda",
+    )
+    parser.add_argument("--out", type=Path, help="default: benches/results/bench_fsdp[_cuda].json")
+    args = parser.parse_args(argv)
+    args.rate_mbit = args.rate_mbit or RATES[args.device]
+    args.out = args.out or RESULTS[args.device]
+    args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    unknown = [x for x in args.layouts if x not in LAYOUTS]
+    if unknown or not args.layouts:
+        parser.error(f"--layouts: unknown {unknown}; expected some of {', '.join(LAYOUTS)}")
+    args.wanted = [x.strip() for x in args.rows.split(",") if x.strip()]
+    unknown = [x for x in args.wanted if x not in ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown {unknown}; expected some of {', '.join(ROWS)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker:
         worker(args)
         return
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    unknown = [x for x in layouts if x not in LAYOUTS]
-    if unknown or not layouts:
-        parser.error(f"--layouts: unknown {unknown}; expected some of {', '.join(LAYOUTS)}")
+    layouts, wanted = args.layouts, args.wanted
     if os.geteuid() != 0:
         sys.exit("bench_fsdp.py needs root (network namespaces and tc)")
+    if args.device == "cuda":
+        from _cluster_jobs import cuda_unavailable
+
+        why = cuda_unavailable()
+        if why:
+            sys.exit(f"bench_fsdp.py --device cuda {why}")
     from netns_cluster import cluster
 
     load_before = [round(x, 2) for x in os.getloadavg()]
     started = time.monotonic()
-    parts = {x: {row: [] for row in LAYOUTS[x][2]} for x in layouts}
+    parts = {
+        x: {row: [] for row in LAYOUTS[x][2] if row == "native" or not wanted or row in wanted}
+        for x in layouts
+    }
     with cluster(args.rate_mbit) as nodes:
         for round_ in range(args.rounds):
             print(f"round {round_ + 1} of {args.rounds}", flush=True)
             for layout in layouts:
-                rows = LAYOUTS[layout][2]
+                rows = list(parts[layout])
                 shift = round_ % len(rows)
                 for row in rows[shift:] + rows[:shift]:
                     parts[layout][row].append(run_row(nodes, layout, row, args))
@@ -250,6 +317,7 @@ def main() -> None:
         "setup": {
             "model": f"{args.layers} x (Linear({args.width}, {args.width}) + Tanh), "
             "each Linear and the whole model fully_shard-ed (FSDP2), SGD lr 0.01",
+            "device": "every rank on GPU 0, NCCL" if args.device == "cuda" else "cpu, gloo",
             "batch_per_rank": args.batch,
             "threads_per_rank": 1,
             "steps": args.steps,

@@ -42,7 +42,10 @@ against the same model on synthetic data already on the GPU: stock
 (float32 pinned; ``device="cuda"``, uint8 shipped and normalised on the GPU;
 ``decode_device="cuda"``, GPU decode with at most 4 threads); on a GPU also
 the GPU-decode loader alone (``decode_device_alone``: batches reach the GPU,
-nothing trains).
+nothing trains). Each loader draws one shuffled pass of all the batches a
+run takes, repeating images where the dataset has fewer (``--images`` may
+be below 2000 with ``--skip-loaders``), so none restarts an epoch while
+timed.
 ``--train-device cpu --train-model resnet18`` runs it on the CPU to check
 the harness.
 
@@ -62,6 +65,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,7 +74,7 @@ import plot_input
 import torch
 import torchvision.transforms as T
 from PIL import Image
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 from torchvision.datasets import ImageFolder
 
 from tiacc_training.tools.general_image_list import list_images
@@ -81,6 +85,8 @@ from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
 REPO = Path(__file__).resolve().parent.parent
 BATCH = 64
 WORKERS = 2
+# Batches each training-part run takes before it starts timing.
+WARMUP_STEPS = 5
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
@@ -219,6 +225,21 @@ def engine_bound(index: Path) -> dict[str, float]:
     return {"per_core": per_core, "cores": cores, "bound": per_core * cores}
 
 
+def cycle(loader: Iterable[Any]) -> Iterator[Any]:
+    """``loader``'s batches without end: a pass ends, the next begins.
+
+    Raises:
+        ValueError: A pass yielded no batch (fewer images than one batch).
+    """
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the loader yields no batch: fewer images than one batch?")
+
+
 def train_rate(
     make_loader: Callable[[], Any], device: torch.device, model_name: str, steps: int, batch: int
 ) -> float:
@@ -231,28 +252,21 @@ def train_rate(
     model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    loader = make_loader() if make_loader is not None else None
-    batches = iter(loader) if loader is not None else None
+    batches = cycle(make_loader()) if make_loader is not None else None
     synthetic = (
         torch.randn(batch, 3, 224, 224, device=device),
         torch.randint(0, 10, (batch,), device=device),
     )
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        nonlocal batches
         if batches is None:
             return synthetic
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            x, y = next(batches)
+        x, y = next(batches)
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
-    warmup, seen = 5, 0
-    start = 0.0
-    for step in range(warmup + steps):
-        if step == warmup:
+    seen, start = 0, 0.0
+    for step in range(WARMUP_STEPS + steps):
+        if step == WARMUP_STEPS:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
@@ -263,7 +277,7 @@ def train_rate(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if step >= warmup:
+        if step >= WARMUP_STEPS:
             seen += x.shape[0]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -272,17 +286,13 @@ def train_rate(
 
 def loader_rate(loader: Any, device: torch.device, steps: int) -> float:
     """Images/s of ``loader`` alone: its batches reach ``device``, nothing trains."""
-    batches = iter(loader)
-    for _ in range(3):  # warm-up: workers started, decoder ready
+    batches = cycle(loader)
+    for _ in range(WARMUP_STEPS):  # workers started, decoder ready
         next(batches)
     torch.cuda.synchronize(device)
     seen, start = 0, time.perf_counter()
     for _ in range(steps):
-        try:
-            x, _labels = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            x, _labels = next(batches)
+        x, _labels = next(batches)
         seen += x.shape[0]
     torch.cuda.synchronize(device)
     return seen / (time.perf_counter() - start)
@@ -293,24 +303,31 @@ def train_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str
     device = torch.device(args.train_device)
     workers = args.train_workers or max(1, (os.cpu_count() or 2) - 1)
     batch = args.train_batch
-    common = {"batch_size": batch, "shuffle": True, "drop_last": True}
     pin = device.type == "cuda"
 
     def packed() -> IndexTFRDataset:
         return IndexTFRDataset(str(index.parent), str(index), transform())
 
+    def loader(cls: Any, dataset: Any, **kwargs: Any) -> Any:
+        # One shuffled pass of every batch the run draws (images repeat
+        # where the dataset is smaller): no loader restarts its workers'
+        # pipeline mid-measurement at an epoch's end.
+        draws = (WARMUP_STEPS + args.train_steps) * batch
+        sampler = RandomSampler(dataset, num_samples=draws)
+        return cls(dataset, batch_size=batch, sampler=sampler, drop_last=True, **kwargs)
+
     feeds: dict[str, Any] = {
         "synthetic": None,
-        "stock_imagefolder": lambda: DataLoader(
-            ImageFolder(str(img_dir), transform()), num_workers=workers, pin_memory=pin,
-            persistent_workers=True, **common),
-        "fused_torch_loader": lambda: DataLoader(
-            packed(), num_workers=workers, pin_memory=pin, persistent_workers=True, **common),
-        "dropin": lambda: DropInLoader(packed(), num_workers=workers, pin_memory=pin, **common),
-        "dropin_device": lambda: DropInLoader(packed(), num_workers=workers, device=device,
-                                              **common),
-        "dropin_decode_device": lambda: DropInLoader(
-            packed(), num_workers=min(4, workers), decode_device=device, **common),
+        "stock_imagefolder": lambda: loader(
+            DataLoader, ImageFolder(str(img_dir), transform()), num_workers=workers,
+            pin_memory=pin, persistent_workers=True),
+        "fused_torch_loader": lambda: loader(
+            DataLoader, packed(), num_workers=workers, pin_memory=pin, persistent_workers=True),
+        "dropin": lambda: loader(DropInLoader, packed(), num_workers=workers, pin_memory=pin),
+        "dropin_device": lambda: loader(DropInLoader, packed(), num_workers=workers,
+                                        device=device),
+        "dropin_decode_device": lambda: loader(
+            DropInLoader, packed(), num_workers=min(4, workers), decode_device=device),
     }  # fmt: skip
     rows = {}
     for name, make in feeds.items():
@@ -468,8 +485,8 @@ def scaling_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[s
     }
 
 
-def main() -> int:
-    """Runs the benchmark; returns the exit status."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (argparse exits with status 2 on an error)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", type=int, default=2000)
     p.add_argument("--workdir", default="data/bench_input")
@@ -493,11 +510,19 @@ def main() -> int:
         default=True,
         help="the worker sweep and the GIL time per image",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.train is None:
         args.train = torch.cuda.is_available()
-    if args.images < 2000:
-        p.error("--images must be >= 2000")
+    if not args.skip_loaders and args.images < 2000:
+        p.error("--images must be >= 2000 for the loaders (or give --skip-loaders)")
+    if args.train and args.images < args.train_batch:
+        p.error("--images must be >= --train-batch (the training part's batches are whole)")
+    return args
+
+
+def main() -> int:
+    """Runs the benchmark; returns the exit status."""
+    args = parse_args()
     img_dir, index = prepare(Path(args.workdir), args.images)
     result: dict[str, Any] = {
         "benchmark": "bench_input",

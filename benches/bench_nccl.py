@@ -44,10 +44,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _cluster_jobs import AUTO_PREFIXES, run_job  # noqa: E402
+from _cluster_jobs import AUTO_PREFIXES, cuda_env, cuda_unavailable, run_job  # noqa: E402
 from _machine import REPO, machine_info  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
+PARTS = ("one", "codecs", "cluster")
 
 
 def _step_times(ddp: Any, opt: Any, batch: int, steps: int, warmup: int) -> list[float]:
@@ -202,24 +203,7 @@ def cluster_unavailable(device: str) -> str | None:
     """Why the cluster part cannot run here, or None."""
     if os.geteuid() != 0:
         return "needs root (network namespaces and tc)"
-    if device == "cpu":
-        return None
-    import torch
-
-    import tiacc_training.torch.distributed as tdist
-
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    try:
-        version = tdist.nccl_version()
-    except Exception as e:
-        return f"needs NCCL >= 2.30 for four ranks on one GPU; none loads: {e}"
-    if version < (2, 30, 0):
-        return (
-            f"needs NCCL >= 2.30 for four ranks on one GPU (found {'.'.join(map(str, version))});"
-            " preload one: LD_PRELOAD and TIACC_TRAINING_NCCL_LIBRARY"
-        )
-    return None
+    return None if device == "cpu" else cuda_unavailable()
 
 
 def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:
@@ -227,11 +211,7 @@ def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:
     from netns_cluster import cluster
 
     cuda = args.cluster_device == "cuda"
-    common = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "CUDA_VISIBLE_DEVICES": "0"}
-    library = os.environ.get("TIACC_TRAINING_NCCL_LIBRARY")
-    if library:
-        common["TIACC_TRAINING_NCCL_LIBRARY"] = library
-    common.setdefault("NCCL_MAX_CTAS", os.environ.get("NCCL_MAX_CTAS", "8"))
+    common = cuda_env()
     worker_args = ["--device", args.cluster_device, "--layers", str(args.layers)]
     worker_args += ["--width", str(args.width), "--batch", "16"]
     worker_args += ["--steps", str(args.cluster_steps), "--warmup", str(args.cluster_warmup)]
@@ -304,7 +284,8 @@ def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (argparse exits with status 2 on an error)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="one,codecs,cluster", help="which parts to run")
     parser.add_argument("--steps", type=int, default=30)
@@ -320,7 +301,17 @@ def main() -> None:
     parser.add_argument("--cluster-device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--only", default="", help="cluster rows whose label holds one of these")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    unknown = {p.strip() for p in args.parts.split(",") if p.strip()} - set(PARTS)
+    if unknown:
+        parser.error(
+            f"unknown --parts {', '.join(sorted(unknown))}: choose from {', '.join(PARTS)}"
+        )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     parts = {p.strip() for p in args.parts.split(",")}
 
     import torch

@@ -19,16 +19,27 @@ a short window on a GPU node (``--budget``, 420 s of stages):
 Before each stage the plan checks the budget left: a stage that would
 start with less than it needs is dropped, and ``stages.json`` and the
 summary say so with the seconds left. ``--stage all`` runs the long check
-instead (``tests``: the whole suite; ``demo``; ``nccl``: every part of
-``bench_nccl.py``; ``input``), and any stage also runs alone.
+instead (``tests``: the whole suite, the tests not marked ``gpu`` on every
+core, then the GPU tests as ``gpu-tests`` runs them, even when the first
+part failed; ``demo``; ``nccl``: every part of ``bench_nccl.py``;
+``input``), and any stage also runs alone.
 
-Every log, the JUnit XML and the benchmark JSON go to one folder
-(``--out``), with ``summary.md``: pass/fail counts, the skips with their
-reasons, each goal against its measured value, and the GPU, driver, CUDA
-and NCCL versions. The test stages also append each test's outcome and
-first error line to ``outcomes-<stage>.jsonl`` as the test ends, and the
-summary is rewritten every few seconds while a stage runs and after it,
-so a run that is cut off still leaves which tests ran and how they ended.
+Each stage command runs in a session of its own; when it ends, or its
+stage's time is up, every process it left running (its descendants and
+its session's members: pytest-xdist workers, ranks, torchrun agents) gets
+SIGTERM, then SIGKILL, and the stage's log says how many there were, so
+the next stage starts on an idle machine.
+
+Every log, the JUnit XMLs and the benchmark JSON go to one folder
+(``--out``), with ``summary.md``: each stage's result, seconds, peak GPU
+memory and the GPU processes already running at its start (``nvidia-smi``,
+sampled every few seconds; ``-`` without it), pass/fail counts, the skips
+with their reasons, each goal against its measured value, and the GPU,
+driver, CUDA and NCCL versions. The test stages also append each test's
+outcome and first error line to ``outcomes-<stage>.jsonl`` as the test
+ends, and the summary is rewritten every few seconds while a stage runs and
+after it, so a run that is cut off still leaves which tests ran and how
+they ended.
 
 ``--nccl-library`` names an NCCL >= 2.30 to load (several ranks on one
 GPU need it); without one, what the shipped NCCL cannot run skips with its
@@ -52,27 +63,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from _process_tree import POLL, exited, stage_processes, stop_processes
+
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("gpu-tests", "one", "cluster", "input", "tests", "demo", "nccl")
+STAGES = ("gpu-tests", "one", "cluster", "input", "fsdp", "tests", "demo", "nccl")
 # The default: one short window on a GPU node.
-PLAN = ("gpu-tests", "one", "cluster", "input")
+PLAN = ("gpu-tests", "one", "cluster", "input", "fsdp")
 # The long check (``--stage all``).
-LONG = ("tests", "demo", "nccl", "input")
+LONG = ("tests", "demo", "nccl", "input", "fsdp")
 # Per stage: its limit and the least time worth starting it with (seconds).
 LIMITS = {
     "gpu-tests": (180.0, 60.0),
     "one": (75.0, 40.0),
     "cluster": (150.0, 90.0),
     "input": (75.0, 45.0),
+    "fsdp": (180.0, 100.0),
     "tests": (600.0, 120.0),
     "demo": (300.0, 60.0),
     "nccl": (600.0, 120.0),
 }
-# The JUnit XML of each test stage.
-JUNIT = {"gpu-tests": "junit-gpu.xml", "tests": "junit.xml"}
+# The JUnit XMLs of each test stage: the whole suite runs the tests not
+# marked ``gpu`` first, then the GPU tests as ``gpu-tests`` runs them.
+JUNIT = {"gpu-tests": ("junit-gpu.xml",), "tests": ("junit.xml", "junit-tests-gpu.xml")}
+# Stages whose commands do not depend on each other: one that fails does not
+# stop the next (a timeout still ends the stage).
+INDEPENDENT = {"tests"}
 # The cluster rows that carry goals (labels holding one of these; the
 # native rows always run).
 GOAL_ROWS = "bf16_compress_hook,tiacc auto,tiacc flat,tiacc 2D,tiacc Top-K"
+# The FSDP2 rows that carry goals (native always runs).
+FSDP_ROWS = "tiacc 2d,tiacc 2d + bf16"
 # The GPU tests run first (TIACC_TEST_FIRST, the suite's conftest).
 GPU_FIRST = ",".join(
     (
@@ -82,8 +102,10 @@ GPU_FIRST = ",".join(
         "tests/gpu/test_nccl_algorithms.py::test_a_nan",
     )
 )
-# How often the summary is rewritten while a stage runs (seconds).
+# How often the summary is rewritten and the GPU sampled while a stage runs (seconds).
 TICK = 10.0
+# Seconds the processes of a stage being stopped get between SIGTERM and SIGKILL.
+GRACE = 5.0
 # Small pure-Python wheels a GPU machine may lack (make gpu-kit fetches them):
 # pytest-timeout honours the suite's per-test limit, pyroute2 builds the
 # emulated cluster where iproute2 is missing.
@@ -226,30 +248,28 @@ def stage_environment(nccl_library: str | None, base: dict[str, str]) -> dict[st
 def stage_env(stage: str, env: dict[str, str], out: Path) -> dict[str, str]:
     """A stage's environment: a test stage's per-test outcomes file added.
 
-    The GPU tests start with the few that check whole features (the CUDA
+    Every command of a test stage appends to the same outcomes file. The
+    GPU tests start with the few that check whole features (the CUDA
     collectives, the transports, GPU decode, the init bound), then the
     algorithm matrices, so a stage cut short has run those first.
     """
     if stage not in JUNIT:
         return env
     extra = {"TIACC_TEST_OUTCOMES": str(out / f"outcomes-{stage}.jsonl")}
-    if stage == "gpu-tests":
-        extra["TIACC_TEST_FIRST"] = GPU_FIRST
+    extra["TIACC_TEST_FIRST"] = GPU_FIRST
     return {**env, **extra}
 
 
 def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[list[str]]:
     """The commands of one stage, run from the repository root."""
-    if stage == "tests":
+    if stage == "tests":  # the GPU tests apart: all cores at once run out of GPU memory
         return [
-            [python, "-m", "pytest", "tests", "-n", str(workers), "-ra",
-             f"--junitxml={out / JUNIT['tests']}"],
+            [python, "-m", "pytest", "tests", "-m", "not gpu", "-n", str(workers), "-ra",
+             f"--junitxml={out / JUNIT['tests'][0]}"],
+            gpu_tests_command(python, out / JUNIT["tests"][1], workers),
         ]  # fmt: skip
     if stage == "gpu-tests":
-        return [
-            [python, "-m", "pytest", "tests", "-m", "gpu", "-n", str(min(workers, 8)),
-             "--dist", "loadgroup", "-ra", f"--junitxml={out / JUNIT['gpu-tests']}"],
-        ]  # fmt: skip
+        return [gpu_tests_command(python, out / JUNIT["gpu-tests"][0], workers)]
     if stage == "one":
         return [
             [python, "benches/bench_nccl.py", "--parts", "one", "--steps", "10", "--warmup", "3",
@@ -270,7 +290,19 @@ def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[lis
              "--train-workers", str(CPU_DECODE_WORKERS), "--train-steps", "20", "--images", "800",
              "--workdir", str(out / "bench-input-data"), "--out", str(out / "bench_input.json")],
         ]  # fmt: skip
+    if stage == "fsdp":
+        return [
+            [python, "benches/bench_fsdp.py", "--device", "cuda", "--layouts", "link2x2",
+             "--rows", FSDP_ROWS, "--rounds", "1", "--steps", "3", "--warmup", "1",
+             "--out", str(out / "bench_fsdp_cuda.json")],
+        ]  # fmt: skip
     raise ValueError(f"unknown stage {stage!r}")
+
+
+def gpu_tests_command(python: str, junit: Path, workers: int) -> list[str]:
+    """The tests marked ``gpu``: at most 8 workers, a matrix's cases on one worker."""
+    return [python, "-m", "pytest", "tests", "-m", "gpu", "-n", str(min(workers, 8)),
+            "--dist", "loadgroup", "-ra", f"--junitxml={junit}"]  # fmt: skip
 
 
 def install(args: argparse.Namespace, out: Path) -> None:
@@ -356,54 +388,161 @@ def run_stage(
 ) -> bool:
     """Runs one stage's commands into ``<stage>.log``; records it in ``stages.json``.
 
-    ``tick(out)`` runs every ``TICK`` seconds meanwhile (the summary), and
-    the stage is recorded as running first, so a run cut off mid-stage
-    still shows it.
+    ``tick(out)`` runs every ``TICK`` seconds meanwhile (the summary), after
+    the GPU is sampled, and the stage is recorded as running first, so a
+    run cut off mid-stage still shows it. A command that fails ends the
+    stage, unless the stage's commands are ``INDEPENDENT``; the timeout
+    ends it always. Each command runs in a session of its own, and when it
+    ends (exit or timeout) whatever it left running is stopped (see
+    ``stop_processes``), so the next command starts on an idle machine.
     """
     start = time.monotonic()
-    status = "passed"
-    record_stage(out, stage, "running (cut off here if nothing follows)", 0.0)
+    for name in (*JUNIT.get(stage, ()), f"outcomes-{stage}.jsonl"):  # no earlier run's results
+        (out / name).unlink(missing_ok=True)
+    gpu = GpuUse.at_start()
+    record_stage(out, stage, "running (cut off here if nothing follows)", 0.0, gpu)
+    failures: list[str] = []
+    timed_out = False
+
+    def every_tick() -> None:
+        gpu.sample()
+        seconds = round(time.monotonic() - start, 1)
+        record_stage(out, stage, "running (cut off here if nothing follows)", seconds, gpu)
+        if tick is not None:
+            tick(out)
+
     with (out / f"{stage}.log").open("w") as log:
-        for command in commands:
+        for number, command in enumerate(commands, 1):
             log.write(f"$ {shlex.join(command)}\n")
             log.flush()
             proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
             )
-            code = _wait(proc, start + timeout, out, tick)
-            if code is None:
-                status = f"timed out after {timeout:.0f} s"
+            exited, seen = _wait(proc, start + timeout, every_tick)
+            stopped = stop_processes(proc, seen, GRACE)
+            code = proc.wait()
+            if not exited:
+                log.write(f"timed out after {timeout:.0f} s: the command was stopped\n")
+            if stopped:
+                log.write(f"stopped {stopped} process(es) the stage left running\n")
+            log.flush()
+            if not exited:
+                timed_out = True
                 break
             if code != 0:
-                status = f"failed (exit code {code})"
-                break
+                failures.append(
+                    f"exit code {code}"
+                    if len(commands) == 1
+                    else f"command {number}: exit code {code}"
+                )
+                if stage not in INDEPENDENT:
+                    break
+    gpu.sample()
+    status = "passed" if not failures else "failed"
+    if timed_out:
+        status = f"timed out after {timeout:.0f} s"
+    if failures:
+        status += f" ({'; '.join(failures)})"
     seconds = round(time.monotonic() - start, 1)
-    record_stage(out, stage, status, seconds)
+    record_stage(out, stage, status, seconds, gpu)
     print(f"{stage}: {status} in {seconds} s (log: {out / f'{stage}.log'})")
     return status == "passed"
 
 
 def _wait(
-    proc: subprocess.Popen, deadline: float, out: Path, tick: Callable[[Path], None] | None
-) -> int | None:
-    """``proc``'s exit code, or ``None`` after killing it at ``deadline``."""
-    while True:
-        try:
-            return proc.wait(timeout=max(0.0, min(TICK, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            if time.monotonic() >= deadline:
-                proc.kill()
-                proc.wait()
-                return None
-            if tick is not None:
-                tick(out)
+    proc: subprocess.Popen, deadline: float, every_tick: Callable[[], None]
+) -> tuple[bool, dict[int, int]]:
+    """Waits for ``proc`` to exit, leaving it unreaped (its pid stays its own).
+
+    Returns whether it exited before ``deadline``, and the processes it
+    started that were seen meanwhile (pid: start time), looked for every
+    ``TICK`` seconds, when ``every_tick()`` runs too.
+    """
+    seen: dict[int, int] = {}
+    next_tick = time.monotonic() + TICK
+    while not exited(proc):
+        now = time.monotonic()
+        if now >= deadline:
+            return False, seen
+        if now >= next_tick:
+            seen.update(stage_processes(proc.pid))
+            every_tick()
+            next_tick = time.monotonic() + TICK
+        time.sleep(max(0.0, min(POLL, deadline - now, next_tick - now)))
+    return True, seen
 
 
-def record_stage(out: Path, stage: str, status: str, seconds: float) -> None:
+# -- the GPU's memory and processes, sampled while a stage runs -------------
+
+
+@dataclass
+class GpuUse:
+    """A stage's GPU memory and processes, from ``nvidia-smi`` (None: not sampled)."""
+
+    processes_at_start: int | None = None
+    peak_mib: int | None = None
+    total_mib: int | None = None
+
+    @classmethod
+    def at_start(cls) -> GpuUse:
+        """A first sample, before the stage's commands run."""
+        found = gpu_sample()
+        if found is None:
+            return cls()
+        used, total, processes = found
+        return cls(processes, used, total)
+
+    def sample(self) -> None:
+        """Takes the peak of the memory used so far and now."""
+        found = gpu_sample()
+        if found is not None:
+            self.peak_mib = max(found[0], self.peak_mib or 0)
+            self.total_mib = found[1]
+
+    def record(self) -> dict[str, int | None]:
+        """The fields of the stage's record in ``stages.json``."""
+        return {
+            "gpu_memory_peak_mib": self.peak_mib,
+            "gpu_memory_total_mib": self.total_mib,
+            "gpu_processes_at_start": self.processes_at_start,
+        }
+
+
+def gpu_sample() -> tuple[int, int, int] | None:
+    """The GPUs' memory used and total (MiB, summed) and their compute processes.
+
+    ``None`` where ``nvidia-smi`` is missing, fails or says something else.
+    """
+    try:
+        memory = _nvidia_smi(
+            "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"
+        )
+        apps = _nvidia_smi("--query-compute-apps=pid", "--format=csv,noheader")
+        rows = [[int(x) for x in line.split(",")] for line in memory.splitlines() if line.strip()]
+        used, total = (sum(column) for column in zip(*rows))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return used, total, sum(line.strip().isdigit() for line in apps.splitlines())
+
+
+def _nvidia_smi(*args: str) -> str:
+    return subprocess.run(
+        ["nvidia-smi", *args], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
+
+
+def record_stage(
+    out: Path, stage: str, status: str, seconds: float, gpu: GpuUse | None = None
+) -> None:
     """Writes one stage's result into ``stages.json``."""
     stages_file = out / "stages.json"
     stages = json.loads(stages_file.read_text()) if stages_file.exists() else {}
-    stages[stage] = {"status": status, "seconds": seconds}
+    stages[stage] = {"status": status, "seconds": seconds, **(gpu or GpuUse()).record()}
     stages_file.write_text(json.dumps(stages, indent=2) + "\n")
 
 
@@ -431,15 +570,21 @@ def render_summary(out: Path) -> str:
         "",
         "## Stages",
         "",
-        "| stage | result | seconds |",
-        "| --- | --- | --- |",
+        "| stage | result | seconds | GPU memory peak | GPU processes at start |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for stage in STAGES:
         record = stages.get(stage)
         if record is not None:
-            lines.append(f"| {stage} | {record['status']} | {record['seconds']} |")
+            peak, total = record.get("gpu_memory_peak_mib"), record.get("gpu_memory_total_mib")
+            memory = "-" if peak is None else f"{peak} of {total} MiB"
+            processes = record.get("gpu_processes_at_start")
+            lines.append(
+                f"| {stage} | {record['status']} | {record['seconds']} | {memory} | "
+                f"{'-' if processes is None else processes} |"
+            )
         elif stage in PLAN:
-            lines.append(f"| {stage} | not run | - |")
+            lines.append(f"| {stage} | not run | - | - | - |")
     lines += ["", "## Tests", ""]
     if not any(counted.values()):
         lines.append("No JUnit XML and no per-test outcomes (no test stage ran).")
@@ -468,12 +613,29 @@ def render_summary(out: Path) -> str:
 
 
 def test_counts(out: Path, stage: str) -> dict[str, Any] | None:
-    """A test stage's counts: its JUnit XML, else its per-test outcomes (cut off)."""
-    junit = junit_counts(out / JUNIT[stage])
-    if junit is not None:
-        return {**junit, "complete": True}
+    """A test stage's counts: its JUnit XMLs, else its per-test outcomes (cut off).
+
+    The sum of the stage's JUnit XMLs when each is there; else the outcomes
+    file, which every command of the stage appends to; else the XMLs there are.
+    The failures are listed from the outcomes file where there is one: its
+    lines carry the error lines that say why, besides the first.
+    """
+    junits = [junit_counts(out / name) for name in JUNIT[stage]]
+    found = [counts for counts in junits if counts is not None]
     outcomes = outcome_counts(out / f"outcomes-{stage}.jsonl")
-    return None if outcomes is None else {**outcomes, "complete": False}
+    if found and len(found) == len(junits):
+        complete = _sum_counts(found)
+        if outcomes is not None:
+            complete["failures"] = outcomes["failures"]
+        return {**complete, "complete": True}
+    if outcomes is not None:
+        return {**outcomes, "complete": False}
+    return {**_sum_counts(found), "complete": False} if found else None
+
+
+def _sum_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts and listed tests of several parts, added up (numbers add, lists join)."""
+    return {key: sum((part[key] for part in parts[1:]), parts[0][key]) for key in parts[0]}
 
 
 def outcome_counts(path: Path) -> dict[str, Any] | None:
@@ -496,9 +658,16 @@ def outcome_counts(path: Path) -> dict[str, Any] | None:
         }.get(outcome, (None, None))
         if key is not None:
             counts[key] += 1
-            counts[listed].append((line.get("test", "?"), line.get("first_line") or "(no reason)"))
+            counts[listed].append((line.get("test", "?"), _reason(line)))
     counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
     return counts
+
+
+def _reason(line: dict[str, Any]) -> str:
+    """An outcome's first line, then the error lines that say more (a rank's, a case's)."""
+    first = line.get("first_line") or ""
+    more = [x for x in line.get("error_lines") or [] if x and x not in first]
+    return " / ".join([first, *more] if first else more) or "(no reason)"
 
 
 def junit_counts(path: Path) -> dict[str, Any] | None:
@@ -589,6 +758,7 @@ def evaluate_goals(out: Path, tests: dict[str, Any] | None) -> list[Goal]:
             None if alone is None else alone["images_per_s"] >= 8000,
         )
     )
+    goals += fsdp_goals(_load(out / "bench_fsdp_cuda.json"))
     if tests is None:
         goals.append(Goal("suite with CUDA present", "0 failures", "not run", None))
     else:
@@ -601,6 +771,25 @@ def evaluate_goals(out: Path, tests: dict[str, Any] | None) -> list[Goal]:
                 bad == 0,
             )
         )
+    return goals
+
+
+def fsdp_goals(result: dict | None) -> list[Goal]:
+    """FSDP2 on the 2 x 2 cluster over NCCL (``bench_fsdp.py --device cuda``)."""
+    layout = ((result or {}).get("layouts") or {}).get("link2x2") or {}
+    speedups = layout.get("speedup_over_native") or {}
+    goals = []
+    for row, label, minimum in (
+        ("tiacc 2d", "tiacc 2D (exact)", 1.3),
+        ("tiacc 2d + bf16", "tiacc 2D, reduce-scatters bf16 between nodes", 2.0),
+    ):
+        name, target = f"FSDP2 on 2 x 2: {label} vs native NCCL", f">= {minimum}x"
+        ratio = speedups.get(row)
+        if ratio is None:
+            why = "not run" if result is None else f"bench_fsdp_cuda.json has no row {row!r}"
+            goals.append(Goal(name, target, why, None))
+        else:
+            goals.append(Goal(name, target, f"{ratio:.2f}x", ratio >= minimum))
     return goals
 
 

@@ -8,16 +8,21 @@ write, with values on both sides of each goal.
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "benches"))
 
 import gpu_check  # noqa: E402
 
@@ -51,6 +56,17 @@ def _cluster_row(label: str, median_ms: float, native_ms: float) -> dict:
 
 def _write_sample(out: Path) -> None:
     native = 1000.0
+    # bench_fsdp.py --device cuda: its link2x2 layout's ratios.
+    (out / "bench_fsdp_cuda.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "bench_fsdp",
+                "layouts": {
+                    "link2x2": {"speedup_over_native": {"tiacc 2d": 1.45, "tiacc 2d + bf16": 1.8}}
+                },
+            }
+        )
+    )
     (out / "bench_nccl.json").write_text(
         json.dumps(
             {
@@ -141,6 +157,12 @@ def test_summary_reports_counts_skips_goals_and_versions(tmp_path: Path) -> None
     assert goals[("GPU decode alone, 224 px", ">= 8000 images/s")].met is True
     suite = goals[("suite with CUDA present", "0 failures")]
     assert (suite.measured, suite.met) == ("1 failed of 3 (1 skipped, listed)", False)
+    fsdp = "FSDP2 on 2 x 2: tiacc 2D"
+    exact = goals[(fsdp + " (exact) vs native NCCL", ">= 1.3x")]
+    assert (exact.measured, exact.met) == ("1.45x", True)
+    bf16 = goals[(fsdp + ", reduce-scatters bf16 between nodes vs native NCCL", ">= 2.0x")]
+    assert (bf16.measured, bf16.met) == ("1.80x", False)
+    assert "| FSDP2 on 2 x 2: tiacc 2D (exact) vs native NCCL | >= 1.3x | 1.45x | yes |" in summary
 
 
 def test_missing_measurements_say_why(tmp_path: Path) -> None:
@@ -152,32 +174,46 @@ def test_missing_measurements_say_why(tmp_path: Path) -> None:
     assert cluster and all(g.met is None for g in cluster)
     assert all("needs NCCL >= 2.30" in g.measured for g in cluster)
     assert all(g.met is None for g in goals)
+    fsdp = [g for g in goals if g.name.startswith("FSDP2")]
+    assert len(fsdp) == 2 and all(g.measured == "not run" for g in fsdp)
     summary = gpu_check.render_summary(tmp_path)
     assert "No JUnit XML" in summary and "| met |" in summary
 
 
 def test_stage_selection_and_commands(tmp_path: Path) -> None:
-    assert gpu_check.parse_args([]).stage == ["gpu-tests", "one", "cluster", "input"]
-    assert gpu_check.parse_args(["--stage", "all"]).stage == ["tests", "demo", "nccl", "input"]
+    assert gpu_check.parse_args([]).stage == ["gpu-tests", "one", "cluster", "input", "fsdp"]
+    assert gpu_check.parse_args(["--stage", "all"]).stage == [
+        "tests", "demo", "nccl", "input", "fsdp"
+    ]  # fmt: skip
     assert gpu_check.parse_args(["--stage", "nccl,tests"]).stage == ["nccl", "tests"]
     # The plan fits its window: the limits of its stages add up to the budget's
     # order, each stage's least start time below its limit.
+    # The last, FSDP2 over NCCL, runs where a larger budget leaves it time.
     plan = gpu_check.PLAN
-    assert sum(gpu_check.LIMITS[s][0] for s in plan) <= gpu_check.parse_args([]).budget + 60
+    assert plan[-1] == "fsdp"
+    assert sum(gpu_check.LIMITS[s][0] for s in plan[:-1]) <= gpu_check.parse_args([]).budget + 60
     assert all(least < limit for limit, least in gpu_check.LIMITS.values())
     gpu = gpu_check.stage_commands("gpu-tests", "py", tmp_path, 16)[0]
     assert gpu[:6] == ["py", "-m", "pytest", "tests", "-m", "gpu"] and "8" in gpu
     cluster = gpu_check.stage_commands("cluster", "py", tmp_path, 16)[0]
     assert "--only" in cluster and str(tmp_path / "bench_nccl.json") in cluster
     assert gpu_check.stage_env("tests", {}, tmp_path) == {
-        "TIACC_TEST_OUTCOMES": str(tmp_path / "outcomes-tests.jsonl")
+        "TIACC_TEST_OUTCOMES": str(tmp_path / "outcomes-tests.jsonl"),
+        "TIACC_TEST_FIRST": gpu_check.GPU_FIRST,
     }
     assert gpu_check.stage_env("one", {"A": "1"}, tmp_path) == {"A": "1"}
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--stage", "bench"])
+    # The whole suite: the tests not marked gpu on every core, then the GPU
+    # tests exactly as the gpu-tests stage runs them (at most 8 workers).
     tests = gpu_check.stage_commands("tests", "py", tmp_path, 16)
-    assert tests == [["py", "-m", "pytest", "tests", "-n", "16", "-ra",
-                      f"--junitxml={tmp_path / 'junit.xml'}"]]  # fmt: skip
+    assert tests == [
+        ["py", "-m", "pytest", "tests", "-m", "not gpu", "-n", "16", "-ra",
+         f"--junitxml={tmp_path / 'junit.xml'}"],
+        [*gpu[:-1], f"--junitxml={tmp_path / 'junit-tests-gpu.xml'}"],
+    ]  # fmt: skip
+    assert gpu == ["py", "-m", "pytest", "tests", "-m", "gpu", "-n", "8", "--dist", "loadgroup",
+                   "-ra", f"--junitxml={tmp_path / 'junit-gpu.xml'}"]  # fmt: skip
     demo = gpu_check.stage_commands("demo", "py", tmp_path, 16)[0]
     assert demo[:2] == ["make", "demo-run"] and "PY=py" in demo
     made = subprocess.run(
@@ -307,3 +343,263 @@ def test_the_gpu_stage_runs_its_telling_tests_first(tmp_path: Path) -> None:
         "test_b.py::test_one",
     ], listed
     assert "TIACC_TEST_FIRST" in gpu_check.stage_env("gpu-tests", {}, tmp_path)
+
+
+def _dead(pid: int) -> bool:
+    """Whether ``pid`` has exited (gone, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _wait_dead(pid: int, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while not _dead(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _dead(pid)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except OSError:
+        pass
+
+
+def _spawner(tmp_path: Path, then: str) -> tuple[Path, Path]:
+    """A stage command's script: starts a child that sleeps 600 s in a session
+    of its own, writes the child's pid to a file, then does ``then``."""
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "spawn.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                         start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        f"{then}\n"
+    )
+    return script, pid_file
+
+
+def test_a_timed_out_stage_stops_every_process_it_started(tmp_path: Path) -> None:
+    """The stage's command is killed at its deadline with what it started,
+    even a child in a session of its own (a torchrun agent, an xdist
+    worker's rank), which would otherwise keep running as an orphan."""
+    script, pid_file = _spawner(tmp_path, "time.sleep(600)")
+    start = time.monotonic()
+    try:
+        ok = gpu_check.run_stage("one", [[sys.executable, str(script)]], {}, tmp_path, 2.0)
+        child = int(pid_file.read_text())
+        assert ok is False
+        assert _wait_dead(child), f"the stage's child {child} still runs"
+    finally:
+        if pid_file.exists():
+            _kill(int(pid_file.read_text()))
+    assert time.monotonic() - start < 8.0  # SIGTERM sufficed: no grace period spent
+    log = (tmp_path / "one.log").read_text()
+    assert "timed out after 2 s" in log and "stopped 1 process(es) the stage left running" in log
+    stages = json.loads((tmp_path / "stages.json").read_text())
+    assert stages["one"]["status"] == "timed out after 2 s"
+
+
+def test_a_finished_stage_stops_what_it_left_running(tmp_path: Path, monkeypatch) -> None:
+    """A command that exits leaving processes behind: those still in its
+    session, and those seen as its descendants while it ran (here a child
+    in a session of its own), are stopped before the next command; a
+    process that ignores SIGTERM gets SIGKILL after the grace period."""
+    monkeypatch.setattr(gpu_check, "TICK", 0.2)
+    monkeypatch.setattr(gpu_check, "GRACE", 1.0)
+    same_session = tmp_path / "same.pid"
+    then = (
+        "stubborn = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+        f"open({str(same_session)!r}, 'w').write(str(stubborn.pid))\n"
+        "time.sleep(1.5)"
+    )
+    script, pid_file = _spawner(tmp_path, then)
+    try:
+        ok = gpu_check.run_stage("demo", [[sys.executable, str(script)]], {}, tmp_path, 60)
+        left = [int(pid_file.read_text()), int(same_session.read_text())]
+        assert ok is True
+        assert all(_dead(pid) for pid in left), [p for p in left if not _dead(p)]
+    finally:
+        for path in (pid_file, same_session):
+            if path.exists():
+                _kill(int(path.read_text()))
+    log = (tmp_path / "demo.log").read_text()
+    assert "stopped 2 process(es) the stage left running" in log
+
+
+def test_a_stage_that_leaves_nothing_running_logs_nothing_stopped(tmp_path: Path) -> None:
+    ok = gpu_check.run_stage("demo", [[sys.executable, "-c", "print('hi')"]], {}, tmp_path, 60)
+    assert ok is True and "stopped" not in (tmp_path / "demo.log").read_text()
+
+
+def test_the_tests_stage_runs_its_gpu_part_after_the_first_part_fails(tmp_path: Path) -> None:
+    """Both parts of the whole suite matter: the GPU part runs even when the
+    part without the GPU failed; other stages stop at a failing command."""
+    marker = tmp_path / "second-ran"
+    commands = [
+        [sys.executable, "-c", "import sys; sys.exit(1)"],
+        [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
+    ]
+    assert gpu_check.run_stage("demo", commands, {}, tmp_path, 60) is False
+    assert not marker.exists()
+    assert gpu_check.run_stage("tests", commands, {}, tmp_path, 60) is False
+    assert marker.exists()
+    stages = json.loads((tmp_path / "stages.json").read_text())
+    assert stages["tests"]["status"] == "failed (command 1: exit code 1)"
+    assert stages["demo"]["status"] == "failed (command 1: exit code 1)"
+
+
+def test_the_tests_stage_counts_both_parts(tmp_path: Path) -> None:
+    """Both JUnit XMLs of the tests stage are added up; with one missing (the
+    stage was cut off in its GPU part) the outcomes file both parts append
+    to counts instead; with neither, the XML there is."""
+    junit = _real_junit(tmp_path)
+    out = junit.parent
+    shutil.copyfile(junit, out / "junit-tests-gpu.xml")
+    found = gpu_check.test_counts(out, "tests")
+    assert found is not None and found["complete"] is True
+    assert (found["tests"], found["passed"], found["failed"], found["skipped"]) == (6, 2, 2, 2)
+    assert len(found["failures"]) == 2 and len(found["skips"]) == 2
+    summary = gpu_check.render_summary(out)
+    assert "`tests` (JUnit XML): 6 tests: 2 passed, 2 failed, 0 errors, 2 skipped." in summary
+
+    (out / "junit-tests-gpu.xml").unlink()
+    lines = [
+        {"test": "tests/unit/test_a.py::test_one", "outcome": "passed"},
+        {"test": "tests/gpu/test_b.py::test_two", "outcome": "failed", "first_line": "oom"},
+    ]
+    (out / "outcomes-tests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    found = gpu_check.test_counts(out, "tests")
+    assert found is not None and found["complete"] is False
+    assert (found["tests"], found["passed"], found["failed"]) == (2, 1, 1)
+
+    (out / "outcomes-tests.jsonl").unlink()
+    found = gpu_check.test_counts(out, "tests")
+    assert found is not None and (found["tests"], found["complete"]) == (3, False)
+
+
+def test_a_test_stage_starts_without_an_earlier_runs_results(tmp_path: Path) -> None:
+    """A folder used before: a stage cut off this time must not count the
+    JUnit XML or outcomes an earlier run left there."""
+    for name in ("junit.xml", "junit-tests-gpu.xml", "outcomes-tests.jsonl"):
+        (tmp_path / name).write_text("old")
+    gpu_check.run_stage("tests", [[sys.executable, "-c", "pass"]], {}, tmp_path, 60)
+    assert not any((tmp_path / name).exists() for name in ("junit.xml", "outcomes-tests.jsonl"))
+    assert gpu_check.test_counts(tmp_path, "tests") is None
+
+
+def test_every_benchmark_stage_command_is_accepted_by_its_script(tmp_path: Path) -> None:
+    """Each stage's command line of a benchmark script passes that script's
+    own argument checks (its ``parse_args``)."""
+    checked = set()
+    for stage in gpu_check.STAGES:
+        for command in gpu_check.stage_commands(stage, sys.executable, tmp_path, 8):
+            script = command[1] if len(command) > 1 else ""
+            if not (script.startswith("benches/") and script.endswith(".py")):
+                continue
+            module = importlib.import_module(Path(script).stem)
+            try:
+                module.parse_args(command[2:])
+            except SystemExit as e:
+                pytest.fail(f"{stage}: {script} refuses {command[2:]} (exit {e.code})")
+            checked.add(stage)
+    assert checked == {"one", "cluster", "nccl", "input", "fsdp"}
+
+
+def test_a_cut_off_stage_names_the_error_lines_of_a_failure(tmp_path: Path) -> None:
+    """A failure whose first line says little (``rank 0 rc=3``) is listed with
+    the error lines its outcome recorded (the suite's conftest)."""
+    line = {
+        "test": "tests/gpu/test_x.py::test_matrix[flat-4-4]",
+        "outcome": "failed",
+        "first_line": "AssertionError: --- rank 0 rc=3 after 38.6s",
+        "error_lines": [
+            "AssertionError: --- rank 0 rc=3 after 38.6s",
+            "CASE flat-4 FAILED CommError: Cuda failure 2 'out of memory'",
+        ],
+    }
+    path = tmp_path / "outcomes-gpu-tests.jsonl"
+    path.write_text(json.dumps(line) + "\n" + json.dumps({**line, "error_lines": []}) + "\n")
+    counts = gpu_check.outcome_counts(path)
+    assert counts["failures"] == [
+        (line["test"], "AssertionError: --- rank 0 rc=3 after 38.6s / CASE flat-4 FAILED "
+         "CommError: Cuda failure 2 'out of memory'"),
+        (line["test"], "AssertionError: --- rank 0 rc=3 after 38.6s"),
+    ]  # fmt: skip
+
+
+def test_bench_input_checks_the_image_count_only_where_it_matters() -> None:
+    bench_input = importlib.import_module("bench_input")
+    with pytest.raises(SystemExit):  # the loaders compare whole passes over >= 2000 images
+        bench_input.parse_args(["--images", "800", "--no-train"])
+    args = bench_input.parse_args(["--images", "800", "--skip-loaders", "--train"])
+    assert (args.images, args.train) == (800, True)
+    with pytest.raises(SystemExit):  # fewer images than one training batch
+        bench_input.parse_args(["--images", "100", "--skip-loaders", "--train"])
+    # A dataset smaller than the steps x the batch is read again, not ended.
+    assert list(itertools.islice(bench_input.cycle([1, 2]), 5)) == [1, 2, 1, 2, 1]
+    with pytest.raises(ValueError, match="no batch"):
+        next(bench_input.cycle([]))
+    bench_nccl = importlib.import_module("bench_nccl")
+    with pytest.raises(SystemExit):
+        bench_nccl.parse_args(["--parts", "one,clusters"])
+
+
+def _fake_nvidia_smi(folder: Path, script: str, monkeypatch) -> None:
+    folder.mkdir()
+    smi = folder / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + script)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def test_a_stage_records_its_gpu_memory_peak_and_the_gpu_processes_before_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """nvidia-smi is sampled at the stage's start (the processes already on
+    the GPU) and every tick (the memory's peak); the summary shows both."""
+    used = tmp_path / "used"
+    used.write_text("1000")
+    _fake_nvidia_smi(
+        tmp_path / "bin",
+        'case "$1" in\n'
+        f'  --query-gpu=memory.used,memory.total) echo "$(cat {used}), 81559" ;;\n'
+        "  --query-compute-apps=pid) printf '4242\\n4343\\n' ;;\n"
+        "  *) exit 9 ;;\n"
+        "esac\n",
+        monkeypatch,
+    )
+    assert gpu_check.gpu_sample() == (1000, 81559, 2)
+    monkeypatch.setattr(gpu_check, "TICK", 0.2)
+    work = (
+        f"import time, pathlib; p = pathlib.Path({str(used)!r}); p.write_text('52000'); "
+        "time.sleep(1.5); p.write_text('3000'); time.sleep(0.5)"
+    )
+    assert gpu_check.run_stage("one", [[sys.executable, "-c", work]], {}, tmp_path, 60)
+    record = json.loads((tmp_path / "stages.json").read_text())["one"]
+    assert record["gpu_memory_peak_mib"] == 52000
+    assert record["gpu_memory_total_mib"] == 81559
+    assert record["gpu_processes_at_start"] == 2
+    summary = gpu_check.render_summary(tmp_path)
+    assert "| GPU memory peak | GPU processes at start |" in summary
+    assert "| 52000 of 81559 MiB | 2 |" in summary
+
+
+def test_a_failing_nvidia_smi_samples_nothing(tmp_path: Path, monkeypatch) -> None:
+    _fake_nvidia_smi(tmp_path / "bin", "echo 'NVIDIA-SMI has failed' >&2\nexit 9\n", monkeypatch)
+    assert gpu_check.gpu_sample() is None
+    assert gpu_check.run_stage("one", [[sys.executable, "-c", "pass"]], {}, tmp_path, 60)
+    record = json.loads((tmp_path / "stages.json").read_text())["one"]
+    assert record["gpu_memory_peak_mib"] is None and record["gpu_processes_at_start"] is None
+    assert "| one | passed |" in gpu_check.render_summary(tmp_path)
+    assert (
+        gpu_check.render_summary(tmp_path)
+        .split("| one | passed | ")[1]
+        .split("\n")[0]
+        .endswith("| - | - |")
+    )
