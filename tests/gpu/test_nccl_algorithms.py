@@ -23,11 +23,11 @@ older NCCL the tests skip and say so. Point ``TIACC_TRAINING_NCCL_LIBRARY``
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from _gpu_env import ranks_env
 from _launch import describe, run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -78,29 +78,12 @@ ALGORITHMS = {
 @pytest.fixture(scope="module")
 def shared_gpu_env() -> dict[str, str]:
     """The environment of ranks sharing GPU 0; skips below NCCL 2.30."""
-    import tiacc_training.torch.distributed as tdist
-
-    try:
-        version = tdist.nccl_version()
-    except Exception as e:  # no NCCL at all
-        pytest.skip(f"several ranks on one GPU need NCCL >= 2.30; none loads here: {e}")
-    if version < (2, 30, 0):
-        pytest.skip(
-            "several ranks on one GPU need NCCL >= 2.30 (found "
-            f"{'.'.join(map(str, version))}); set TIACC_TRAINING_NCCL_LIBRARY and LD_PRELOAD "
-            "to a newer libnccl.so.2"
-        )
-    env = {
-        "NCCL_MULTI_RANK_GPU_ENABLE": "1",
-        "CUDA_VISIBLE_DEVICES": "0",
+    return {
+        **ranks_env(4, share=True),
         # Bitwise comparisons need deterministic cuBLAS workspaces.
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
         "TIACC_TRAINING_TIMEOUT": "120",
     }
-    library = os.environ.get("TIACC_TRAINING_NCCL_LIBRARY")
-    if library:
-        env["TIACC_TRAINING_NCCL_LIBRARY"] = library
-    return env
 
 
 def _ranks(world: int, worker: Path, args: list[str], env: dict[str, str], timeout: float = 300):

@@ -7,11 +7,11 @@ variables, like the multi-process CPU tests.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from _gpu_env import ranks_env
 from _launch import describe, run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -22,31 +22,9 @@ CUDA_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def _two_nccl_ranks() -> dict[str, str]:
-    """The environment for two ranks over NCCL, or a skip saying why none.
-
-    One GPU per rank where there are two; else both ranks on GPU 0, which
-    NCCL 2.30 and later allows with ``NCCL_MULTI_RANK_GPU_ENABLE=1``. A test
-    that needs two ranks never runs with one instead.
-    """
-    gpus = torch.cuda.device_count()
-    if gpus >= 2:
-        return {}
-    import tiacc_training.torch.distributed as tdist
-
-    try:
-        version = tdist.nccl_version()
-    except Exception as e:  # no NCCL library loads
-        pytest.skip(f"needs two ranks over NCCL: {gpus} GPU here and no NCCL loads ({e})")
-    if version < (2, 30, 0):
-        found = ".".join(map(str, version))
-        pytest.skip(
-            f"needs two ranks over NCCL: {gpus} GPU here, and NCCL {found} cannot put two "
-            "ranks on one GPU (2.30 or later can: set TIACC_TRAINING_NCCL_LIBRARY and "
-            "LD_PRELOAD to a newer libnccl.so.2)"
-        )
-    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "CUDA_VISIBLE_DEVICES": "0"}
-    library = os.environ.get("TIACC_TRAINING_NCCL_LIBRARY")
-    return {**env, "TIACC_TRAINING_NCCL_LIBRARY": library} if library else env
+    """The environment for two ranks over NCCL (a GPU each, or both on GPU 0),
+    or a skip saying why none: a test that needs two ranks never runs with one."""
+    return ranks_env(2)
 
 
 def _launch(
