@@ -300,7 +300,9 @@ def main() -> None:
                 shift = round_ % len(rows)
                 for row in rows[shift:] + rows[:shift]:
                     parts[layout][row].append(run_row(nodes, layout, row, args))
-    results = {x: summarize(x, parts[x]) for x in layouts}
+                    # What is measured so far, kept if the run is stopped.
+                    write(args, parts, load_before, started, complete=False)
+    results = write(args, parts, load_before, started, complete=True)
     for layout, res in results.items():
         print(f"\n{layout} ({res['nodes']} node(s) x {res['ranks_per_node']} ranks)")
         for row in res["rows"]:
@@ -310,6 +312,26 @@ def main() -> None:
                 + (f"  {ratio:.2f}x native" if ratio else "")
                 + f"  losses within {row['largest_relative_loss_difference_from_native']:.1e}"
             )
+    print(f"wrote {args.out}")
+
+
+def write(
+    args: argparse.Namespace,
+    parts: dict[str, dict[str, list[dict]]],
+    load_before: list[float],
+    started: float,
+    complete: bool,
+) -> dict[str, dict]:
+    """Writes ``--out`` from the rows measured so far; returns the layouts' results.
+
+    A layout appears once its native row has run (the reference of its
+    ratios), with the rows measured by then.
+    """
+    results = {
+        layout: summarize(layout, {row: done for row, done in rows.items() if done})
+        for layout, rows in parts.items()
+        if rows["native"]
+    }
     machine = machine_info(["torch", "tiacc-training"])
     machine["load_average_before_1_5_15"] = load_before
     out = {
@@ -328,12 +350,15 @@ def main() -> None:
             "figure": "median step over every timed step of the rounds",
             "wall_s": round(time.monotonic() - started, 1),
         },
+        "complete": complete,
         "layouts": results,
         "machine": machine,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    partial = args.out.with_name(args.out.name + ".partial")
+    partial.write_text(json.dumps(out, indent=2) + "\n")
+    partial.replace(args.out)
+    return results
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -206,22 +206,23 @@ def cluster_unavailable(device: str) -> str | None:
     return None if device == "cpu" else cuda_unavailable()
 
 
-def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:
-    """The emulated 2 x 2 cluster (see the module docstring)."""
+def bench_cluster(
+    args: argparse.Namespace, save: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """The emulated 2 x 2 cluster (see the module docstring).
+
+    ``save(part)`` gets the part as it stands after each row (``"complete":
+    False`` until the last), so a run stopped midway keeps its rows.
+    """
     from netns_cluster import cluster
 
-    cuda = args.cluster_device == "cuda"
     common = cuda_env()
     worker_args = ["--device", args.cluster_device, "--layers", str(args.layers)]
     worker_args += ["--width", str(args.width), "--batch", "16"]
     worker_args += ["--steps", str(args.cluster_steps), "--warmup", str(args.cluster_warmup)]
-    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     rows = []
     with cluster(args.rate_mbit) as nodes:
-        for label, mode, hook, env, bound_factor in CLUSTER_ROWS:
-            if wanted and label not in ("native NCCL (ring)", "native NCCL (auto)"):
-                if not any(w in label for w in wanted):
-                    continue
+        for label, mode, hook, env, bound_factor in selected_rows(args.only):
             row_env = {**common, **dict(env)}
             result = run_job(
                 nodes,
@@ -244,30 +245,55 @@ def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:
             if auto_lines:
                 rows[-1]["auto_choice"] = "; ".join(auto_lines)
             print(f"  {label}: {median * 1000:.0f} ms", flush=True)
-    grad_bytes = rows[0]["grad_bytes"]
-    native = min(r["median_ms"] for r in rows if r["pipeline"].startswith("native"))
-    link = args.rate_mbit * 1e6 / 8
-    world = 4
-    for row in rows:
-        row["native_over_this"] = round(native / row["median_ms"], 3)
-        row["link_bytes_per_step_per_rank"] = round(row["link_bytes_per_step"] / world)
-        factor = row.pop("bound_factor")
-        row["bound_ms"] = None if factor is None else round(factor * grad_bytes / link * 1000, 1)
+            if save is not None:
+                save(cluster_part(args, rows, complete=False))
+    part = cluster_part(args, rows, complete=True)
     print(
-        f"\n2 nodes x 2 ranks on {'one GPU' if cuda else 'CPU (harness check)'}, "
-        f"{grad_bytes / 1e6:.0f} MB of gradients, link {args.rate_mbit:g} Mbit/s each way"
+        f"\n2 nodes x 2 ranks on "
+        f"{'one GPU' if args.cluster_device == 'cuda' else 'CPU (harness check)'}, "
+        f"{part['grad_bytes'] / 1e6:.0f} MB of gradients, link {args.rate_mbit:g} Mbit/s each way"
     )
     print(
         f"{'pipeline':<30} {'median ms':>10} {'native/this':>12} {'MB/step/rank':>13} "
         f"{'bound ms':>9} {'drops':>6}"
     )
-    for row in rows:
+    for row in part["rows"]:
         bound = "-" if row["bound_ms"] is None else f"{row['bound_ms']:.0f}"
         print(
             f"{row['pipeline']:<30} {row['median_ms']:>10.1f} {row['native_over_this']:>11.2f}x "
             f"{row['link_bytes_per_step_per_rank'] / 1e6:>13.2f} {bound:>9} "
             f"{row['link_dropped_packets']:>6}"
         )
+    return part
+
+
+def selected_rows(
+    only: str,
+) -> list[tuple[str, str, str, tuple[tuple[str, str], ...], float | None]]:
+    """The cluster rows ``--only`` names, in its order after native NCCL's ring; else all."""
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    if not wanted:
+        return list(CLUSTER_ROWS)
+    by_label = {row[0]: row for row in CLUSTER_ROWS}
+    labels = ["native NCCL (ring)", *(w for w in wanted if w != "native NCCL (ring)")]
+    return [by_label[label] for label in dict.fromkeys(labels)]
+
+
+def cluster_part(args: argparse.Namespace, measured: list[dict], complete: bool) -> dict[str, Any]:
+    """The cluster part's result from the rows measured so far (native's first)."""
+    grad_bytes = measured[0]["grad_bytes"]
+    native = min(r["median_ms"] for r in measured if r["pipeline"].startswith("native"))
+    link = args.rate_mbit * 1e6 / 8
+    world = 4
+    rows = []
+    for row in measured:
+        row = dict(row)
+        row["native_over_this"] = round(native / row["median_ms"], 3)
+        row["link_bytes_per_step_per_rank"] = round(row["link_bytes_per_step"] / world)
+        factor = row.pop("bound_factor")
+        row["bound_ms"] = None if factor is None else round(factor * grad_bytes / link * 1000, 1)
+        rows.append(row)
+    cuda = args.cluster_device == "cuda"
     return {
         "setup": {
             "nodes": 2,
@@ -277,8 +303,9 @@ def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:
             "model": f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, batch 16, SGD",
             "steps": args.cluster_steps,
             "warmup": args.cluster_warmup,
-            "native_reference": "the faster of the two native NCCL rows",
+            "native_reference": "the faster of the native NCCL rows",
         },
+        "complete": complete,
         "grad_bytes": grad_bytes,
         "rows": rows,
     }
@@ -299,9 +326,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cluster-steps", type=int, default=10)
     parser.add_argument("--cluster-warmup", type=int, default=3)
     parser.add_argument("--cluster-device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--only", default="", help="cluster rows whose label holds one of these")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="the cluster rows to run, by label, in this order (comma-separated; native NCCL's "
+        "ring runs first always)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    labels = {row[0] for row in CLUSTER_ROWS}
+    rows = {w.strip() for w in args.only.split(",") if w.strip()} - labels
+    if rows:
+        parser.error(
+            f"unknown --only rows {', '.join(sorted(rows))}: labels are {', '.join(labels)}"
+        )
     unknown = {p.strip() for p in args.parts.split(",") if p.strip()} - set(PARTS)
     if unknown:
         parser.error(
@@ -317,10 +355,17 @@ def main() -> None:
     import torch
 
     result: dict[str, Any] = {"benchmark": "bench_nccl"}
+    harness_check = args.cluster_device == "cpu" and args.out is None
+    out = None if harness_check else args.out or REPO / "benches/results/bench_nccl.json"
+
+    def save(part: dict[str, Any]) -> None:  # the rows so far, kept if the run is stopped
+        if out is not None:
+            write(out, {**result, "cluster": part})
+
     if "cluster" in parts:
         why = cluster_unavailable(args.cluster_device)
         if why is None:
-            result["cluster"] = bench_cluster(args)
+            result["cluster"] = bench_cluster(args, save)
         else:
             print(f"cluster part skipped: {why}")
             result["cluster"] = {"skipped": why}
@@ -329,14 +374,20 @@ def main() -> None:
         parts -= {"one", "codecs"}
     if parts & {"one", "codecs"}:
         run_single_gpu_parts(args, parts, result)
-    if args.cluster_device == "cpu" and args.out is None:
+    if out is None:
         print("harness check on CPU: no results written (give --out to keep them)")
         return
-    out = args.out or REPO / "benches/results/bench_nccl.json"
-    result["machine"] = machine_info(["torch", "torchvision", "tiacc-training"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write(out, result)
     print(f"wrote {out}")
+
+
+def write(out: Path, result: dict[str, Any]) -> None:
+    """Writes ``result`` with the machine's description, whole or not at all."""
+    result = {**result, "machine": machine_info(["torch", "torchvision", "tiacc-training"])}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    partial.replace(out)
 
 
 def run_single_gpu_parts(args: argparse.Namespace, parts: set[str], result: dict) -> None:

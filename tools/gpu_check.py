@@ -9,12 +9,16 @@ a short window on a GPU node (``--budget``, 420 s of stages):
 - ``gpu-tests``: the tests marked ``gpu`` (every test that needs CUDA
   and NCCL), in parallel, with a JUnit XML; at most 180 s;
 - ``one``: ``benches/bench_nccl.py --parts one`` with few steps (the
-  world-of-one overhead against native DDP); at most 75 s;
-- ``cluster``: the emulated 2 x 2 cluster's rows that carry goals (native
-  ring, the bf16 hook, auto, flat, 2D, 2D + fp16, Top-K) with few steps;
-  at most 150 s;
+  world-of-one overhead against native DDP); at most 60 s;
 - ``input``: a short ``benches/bench_input.py --train`` (ResNet-50 fed by
-  CPU and by GPU decode, and GPU decode alone); at most 75 s.
+  CPU and by GPU decode, and GPU decode alone); at most 75 s;
+- ``cluster``: the emulated 2 x 2 cluster's rows that carry goals (2D,
+  2D + fp16, the bf16 hook, Top-K, flat, auto, after native NCCL's ring)
+  with few steps, written as each finishes; at most 180 s, and what the
+  budget leaves;
+- ``fsdp``: FSDP2 over NCCL on the same cluster (``benches/bench_fsdp.py
+  --device cuda``), native against the engine's 2D rows; at most 180 s,
+  run where a larger budget leaves it time.
 
 Before each stage the plan checks the budget left: a stage that would
 start with less than it needs is dropped, and ``stages.json`` and the
@@ -68,14 +72,14 @@ from _process_tree import POLL, exited, stage_processes, stop_processes
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("gpu-tests", "one", "cluster", "input", "fsdp", "tests", "demo", "nccl")
 # The default: one short window on a GPU node.
-PLAN = ("gpu-tests", "one", "cluster", "input", "fsdp")
+PLAN = ("gpu-tests", "one", "input", "cluster", "fsdp")
 # The long check (``--stage all``).
 LONG = ("tests", "demo", "nccl", "input", "fsdp")
 # Per stage: its limit and the least time worth starting it with (seconds).
 LIMITS = {
     "gpu-tests": (180.0, 60.0),
-    "one": (75.0, 40.0),
-    "cluster": (150.0, 90.0),
+    "one": (60.0, 40.0),
+    "cluster": (180.0, 90.0),
     "input": (75.0, 45.0),
     "fsdp": (180.0, 100.0),
     "tests": (600.0, 120.0),
@@ -88,9 +92,18 @@ JUNIT = {"gpu-tests": ("junit-gpu.xml",), "tests": ("junit.xml", "junit-tests-gp
 # Stages whose commands do not depend on each other: one that fails does not
 # stop the next (a timeout still ends the stage).
 INDEPENDENT = {"tests"}
-# The cluster rows that carry goals (labels holding one of these; the
-# native rows always run).
-GOAL_ROWS = "bf16_compress_hook,tiacc auto,tiacc flat,tiacc 2D,tiacc Top-K"
+# The cluster rows that carry goals, by label, the most telling first (the
+# bench writes its rows as they finish; native NCCL's ring runs first).
+GOAL_ROWS = ",".join(
+    (
+        "tiacc 2D",
+        "tiacc 2D + fp16",
+        "torch bf16_compress_hook",
+        "tiacc Top-K 1%",
+        "tiacc flat",
+        "tiacc auto",
+    )
+)
 # The FSDP2 rows that carry goals (native always runs).
 FSDP_ROWS = "tiacc 2d,tiacc 2d + bf16"
 # The GPU tests run first (TIACC_TEST_FIRST, the suite's conftest).
@@ -277,8 +290,8 @@ def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[lis
         ]  # fmt: skip
     if stage == "cluster":
         return [
-            [python, "benches/bench_nccl.py", "--parts", "cluster", "--cluster-steps", "4",
-             "--cluster-warmup", "2", "--only", GOAL_ROWS, "--out", str(out / "bench_nccl.json")],
+            [python, "benches/bench_nccl.py", "--parts", "cluster", "--cluster-steps", "3",
+             "--cluster-warmup", "1", "--only", GOAL_ROWS, "--out", str(out / "bench_nccl.json")],
         ]  # fmt: skip
     if stage == "demo":
         return [["make", "demo-run", f"PY={python}", f"DEMO_DIR={out / 'demo-data'}"]]
