@@ -7,15 +7,16 @@ older NCCL the tests skip and say so. Point ``TIACC_TRAINING_NCCL_LIBRARY``
 
 * DDP training, every algorithm x {1, 4} channels x {2, 4} ranks: ranks end
   bitwise in sync; the flat allreduce equals native NCCL DDP bit for bit;
-  2D, fp16 and bf16 stay within tolerance of it; Top-K learns. The 18
-  cases of a world size run in one launch of its ranks (``--cases``), so
-  the ranks, CUDA and the default group start once per world size; each
-  case is still its own test. Under pytest-xdist, ``--dist loadgroup``
-  keeps a matrix on one worker (``make gpu-check`` passes it).
+  2D, fp16 and bf16 stay within tolerance of it; Top-K learns. The 9
+  cases of a world size and channel count run in one launch of its ranks
+  (``--cases``), so the ranks, CUDA and the default group start once per
+  launch; each case is still its own test. Under pytest-xdist,
+  ``--dist loadgroup`` keeps a launch's cases on one worker while the
+  other launches run on others (``make gpu-check`` passes it).
 * The CUDA path against the host engine on the same buckets: Top-K's
   results are bitwise equal to the CPU reference, the dense algorithms
   equal within rounding (NCCL sums in its own order). These cases, too,
-  run in one launch per world size.
+  run in one launch per world size and channel count.
 * The NaN check: the rank holding the NaN raises naming the bucket, its
   peers raise naming it too, and nobody hangs.
 """
@@ -75,6 +76,24 @@ ALGORITHMS = {
 }
 
 
+def matrix(group: str) -> list:
+    """(algorithm, channels, world) for every case of a matrix, each launch its own
+    pytest-xdist group: the cases of one world size and channel count run in one
+    launch of its ranks, on one worker, while the other launches run on others."""
+    return [
+        pytest.param(
+            algorithm,
+            channels,
+            world,
+            id=f"{algorithm}-{channels}-{world}",
+            marks=pytest.mark.xdist_group(f"{group}-{world}x{channels}"),
+        )
+        for world in (2, 4)
+        for channels in (1, 4)
+        for algorithm in sorted(ALGORITHMS)
+    ]
+
+
 @pytest.fixture(scope="module")
 def shared_gpu_env() -> dict[str, str]:
     """The environment of ranks sharing GPU 0; skips below NCCL 2.30."""
@@ -113,34 +132,31 @@ def native(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict[str, s
 
 @pytest.fixture(scope="module")
 def ddp_matrix(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict[str, str]):
-    """Every (algorithm, channels) case of one world size, trained in one launch."""
-    cache: dict[int, tuple[Path, list]] = {}
+    """Every algorithm's case of one world size and channel count, trained in one launch."""
+    cache: dict[tuple[int, int], tuple[Path, list]] = {}
 
-    def get(world: int) -> tuple[Path, list]:
-        if world not in cache:
-            out = tmp_path_factory.mktemp(f"matrix{world}")
+    def get(world: int, channels: int) -> tuple[Path, list]:
+        if (world, channels) not in cache:
+            out = tmp_path_factory.mktemp(f"matrix{world}x{channels}")
             cases = [
                 {"id": f"{name}-{channels}", "env": ALGORITHMS[name], "channels": channels}
                 for name in sorted(ALGORITHMS)
-                for channels in (1, 4)
             ]
             (out / "cases.json").write_text(json.dumps(cases))
             args = ["--out", str(out), "--mode", "tiacc", "--transport", "nccl", "--steps", "30"]
             args += ["--cases", str(out / "cases.json")]
-            cache[world] = (out, _ranks(world, DDP_WORKER, args, shared_gpu_env, timeout=540))
-        return cache[world]
+            ranks = _ranks(world, DDP_WORKER, args, shared_gpu_env, timeout=540)
+            cache[world, channels] = (out, ranks)
+        return cache[world, channels]
 
     return get
 
 
-@pytest.mark.xdist_group("ddp-matrix")
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("channels", [1, 4])
-@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+@pytest.mark.parametrize(("algorithm", "channels", "world"), matrix("ddp"))
 def test_ddp_over_nccl_on_one_gpu(
     ddp_matrix, native, algorithm: str, channels: int, world: int
 ) -> None:
-    out, ranks = ddp_matrix(world)
+    out, ranks = ddp_matrix(world, channels)
     case = f"{algorithm}-{channels}"
     done = f"CASE {case} DONE tiacc nccl"
     failed = [line for r in ranks for line in r.stdout.splitlines() if " FAILED " in line]
@@ -166,13 +182,13 @@ def test_ddp_over_nccl_on_one_gpu(
 
 @pytest.fixture(scope="module")
 def engine_matrix(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict[str, str]):
-    """Every (algorithm, channels) case of the engines' check for one world
-    size, in one launch of its ranks (``device_engine_worker.py --cases``)."""
-    cache: dict[int, list] = {}
+    """Every algorithm's case of the engines' check for one world size and
+    channel count, in one launch of its ranks (``device_engine_worker.py --cases``)."""
+    cache: dict[tuple[int, int], list] = {}
 
-    def get(world: int) -> list:
-        if world not in cache:
-            out = tmp_path_factory.mktemp(f"engines{world}")
+    def get(world: int, channels: int) -> list:
+        if (world, channels) not in cache:
+            out = tmp_path_factory.mktemp(f"engines{world}x{channels}")
             # Top-K adds the gathered pairs rank by rank on every rank, as
             # the CPU reference does; its dense step inside a node of two
             # adds a + b. So its results are bitwise equal. Dense sums of
@@ -184,24 +200,21 @@ def engine_matrix(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict
                     "exact": name.startswith("topk") or world == 2,
                 }
                 for name in sorted(ALGORITHMS)
-                for channels in (1, 4)
             ]
             (out / "cases.json").write_text(json.dumps(cases))
             args = ["--out", str(out), "--device", "cuda", "--cases", str(out / "cases.json")]
-            cache[world] = _ranks(world, DEVICE_WORKER, args, shared_gpu_env, timeout=540)
-        return cache[world]
+            ranks = _ranks(world, DEVICE_WORKER, args, shared_gpu_env, timeout=540)
+            cache[world, channels] = ranks
+        return cache[world, channels]
 
     return get
 
 
-@pytest.mark.xdist_group("engine-matrix")
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("channels", [1, 4])
-@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+@pytest.mark.parametrize(("algorithm", "channels", "world"), matrix("engines"))
 def test_the_cuda_path_matches_the_host_engine(
     engine_matrix, algorithm: str, channels: int, world: int
 ) -> None:
-    ranks = engine_matrix(world)
+    ranks = engine_matrix(world, channels)
     prefix = f"CASE {algorithm}-{channels} "
     lines = [
         [x.removeprefix(prefix) for x in r.stdout.splitlines() if x.startswith(prefix)]
