@@ -50,6 +50,31 @@ def test_cases_run_one_after_the_other_with_their_own_settings(tmp_path: Path) -
         assert exact == (case != "fp16-4"), case
 
 
+def test_native_and_tiacc_cases_in_one_launch(tmp_path: Path) -> None:
+    """A case may set its own mode: native DDP first, then the engine, then
+    native again, in the same processes, each as a launch of its own gives."""
+    alone = run_ranks(2, ["--out", str(tmp_path / "alone"), "--mode", "native", *CPU],
+                      worker=WORKER, timeout=180)  # fmt: skip
+    assert all(r.returncode == 0 for r in alone), describe(alone)
+    cases = [
+        {"id": "native", "env": {}, "channels": 1, "mode": "native"},
+        {"id": "flat-2", "env": FLAT, "channels": 2},
+        {"id": "native-again", "env": {}, "channels": 1, "mode": "native"},
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    args = ["--out", str(tmp_path), "--mode", "tiacc", "--cases", str(tmp_path / "cases.json")]
+    ranks = run_ranks(2, [*args, *CPU], worker=WORKER, timeout=240)
+    assert all(r.returncode == 0 for r in ranks), describe(ranks)
+    for r in ranks:
+        assert "CASE native DONE native gloo" in r.stdout, describe(ranks)
+        assert "CASE flat-2 DONE tiacc tcp" in r.stdout, describe(ranks)
+        assert "CASE native-again DONE native gloo" in r.stdout, describe(ranks)
+    reference = _params(tmp_path / "alone", "native", 0)
+    for case, mode in (("native", "native"), ("flat-2", "tiacc"), ("native-again", "native")):
+        ours = _params(tmp_path / case, mode, 0)
+        assert all(torch.equal(ours[k], reference[k]) for k in reference), case
+
+
 def test_the_first_failing_case_is_named_and_ends_the_run(tmp_path: Path) -> None:
     cases = [
         {"id": "flat-1", "env": FLAT, "channels": 1},

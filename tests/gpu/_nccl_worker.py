@@ -10,12 +10,14 @@ Prints ``DONE <mode> <transport used>`` at the end; ``--nan-rank`` puts a
 NaN into that rank's input at ``--nan-step``.
 
 ``--cases FILE`` runs many cases in these same processes, one after the
-other (a JSON list of ``{"id", "env", "channels"}``): each case's settings
-replace the previous case's variables, ``init_tiacc_training`` runs again
-(which rebuilds the engines for the new settings), and the case's
-parameters go to ``<out>/<id>/``, with ``CASE <id> LOSS ...`` and
-``CASE <id> DONE <transport>`` lines; the first case that fails prints
-``CASE <id> FAILED ...`` and ends the run. Starting the ranks, CUDA and the
+other (a JSON list of ``{"id", "env", "channels"}``, each optionally with
+its own ``"mode"``, ``"transport"`` and ``"expect_transport"``, else the
+command line's): each case's settings replace the previous case's
+variables, ``init_tiacc_training`` runs again (which rebuilds the engines
+for the new settings, or turns them off for a native case), and the
+case's parameters go to ``<out>/<id>/``, with ``CASE <id> LOSS ...`` and
+``CASE <id> DONE <mode> <transport>`` lines; the first case that fails
+prints ``CASE <id> FAILED ...`` and ends the run. Starting the ranks, CUDA and the
 default group once for a whole matrix is what makes the GPU suite short.
 ``--device cpu`` (with ``--backend gloo --transport tcp``) runs the same
 loop on the CPU, where the tests check it without a GPU.
@@ -49,7 +51,9 @@ def build_model(width: int) -> nn.Module:
 def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, float, float]:
     """One run: init, DDP training, the parameters saved under ``out``.
 
-    Returns the transport used and the mean loss of the first and last steps.
+    ``args.mode``, ``args.transport`` and ``args.expect_transport`` are
+    this run's (a case's, under ``--cases``). Returns the transport used
+    and the mean loss of the first and last steps.
     """
     tdist.init_tiacc_training(
         backend=args.backend,
@@ -70,8 +74,9 @@ def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, floa
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=args.bucket_cap_mb,
     )
+    hooked = getattr(ddp, "_tiacc_hook_state", None) is not None
+    assert hooked == (args.mode == "tiacc"), f"{args.mode} run, tiacc hook attached: {hooked}"
     if args.mode == "tiacc":
-        assert getattr(ddp, "_tiacc_hook_state", None) is not None, "hook not attached"
         if device.type == "cuda":
             expected = args.expect_transport or args.transport
             assert tdist.cuda_transport() == expected, tdist.cuda_transport()
@@ -115,14 +120,17 @@ def run_cases(args: argparse.Namespace) -> int:
             os.environ.pop(name, None)
         os.environ.update(case["env"])
         previous = case["env"]
+        own = argparse.Namespace(**vars(args))
+        for key in ("mode", "transport", "expect_transport"):
+            setattr(own, key, case.get(key, getattr(args, key)))
         try:
-            transport, first, last = train(args, args.out / case["id"], case["channels"])
+            transport, first, last = train(own, args.out / case["id"], case["channels"])
         except Exception as exc:
             line = (str(exc).strip().splitlines() or [""])[0]
             print(f"CASE {case['id']} FAILED {type(exc).__name__}: {line}", flush=True)
             raise
         print(f"CASE {case['id']} LOSS first {first:.6f} last {last:.6f}", flush=True)
-        print(f"CASE {case['id']} DONE {args.mode} {transport}", flush=True)
+        print(f"CASE {case['id']} DONE {own.mode} {transport}", flush=True)
     tdist.shutdown()
     dist.destroy_process_group()
     return 0

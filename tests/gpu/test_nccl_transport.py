@@ -2,12 +2,17 @@
 
 Every test here needs a CUDA device (``@pytest.mark.gpu``; the conftest
 skips them without one). Ranks are separate processes with torchrun-style
-variables, like the multi-process CPU tests.
+variables, like the multi-process CPU tests. Where tests compare the engine
+with native DDP, the native run and the engine's runs are cases of one
+launch (``_nccl_worker.py --cases``, each case with its own mode and
+transport), so the ranks, CUDA and the default group start once for them.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,32 +72,65 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact:
             torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def _run_cases(
+    folder: Path, world: int, cases: list[dict], common: list[str], **launch: Any
+) -> list[str]:
+    """Every case in one launch of ``world`` ranks (``_nccl_worker --cases``): a
+    native run and the engine's runs in the same processes, started once."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cases.json").write_text(json.dumps(cases))
+    args = ["--out", str(folder), "--mode", "tiacc", *common, "--cases", str(folder / "cases.json")]
+    return _launch(world, args, **launch)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory):
+    """Each launch of cases once per module (a pytest-xdist group each)."""
+    done: dict[str, tuple[Path, list[str]]] = {}
+
+    def get(name: str, world: int, cases: list[dict], common: list[str], **launch: Any):
+        if name not in done:
+            folder = tmp_path_factory.mktemp(name)
+            done[name] = (folder, _run_cases(folder, world, cases, common, **launch))
+        return done[name]
+
+    return get
+
+
+def _native_and(cases: list[dict]) -> list[dict]:
+    return [{"id": "native", "env": {}, "channels": 1, "mode": "native"}, *cases]
+
+
+NCCL_CASES = _native_and(
+    [{"id": f"tiacc-{n}", "env": {}, "channels": n, "transport": "nccl"} for n in (1, 4)]
+)
+
+
+@pytest.mark.xdist_group("nccl-world-of-one")
 @pytest.mark.parametrize("channels", [1, 4])
-def test_world_of_one_over_nccl_equals_native_ddp(tmp_path: Path, channels: int) -> None:
+def test_world_of_one_over_nccl_equals_native_ddp(launches, channels: int) -> None:
     """One rank by design: the NCCL path's set-up with no peer, and the
     hook's buckets handed back as they are (the average over one rank)."""
-    common = ["--out", str(tmp_path), "--steps", "50", "--backend", "nccl"]
-    _launch(1, [*common, "--mode", "native"])
-    tiacc_args = [*common, "--mode", "tiacc", "--transport", "nccl", "--channels", str(channels)]
-    out = _launch(1, tiacc_args)
-    assert "DONE tiacc nccl" in out[0]
-    _assert_equal(_params(tmp_path, "tiacc", 0), _params(tmp_path, "native", 0), exact=True)
+    common = ["--steps", "50", "--backend", "nccl"]
+    out, stdout = launches("nccl-one", 1, NCCL_CASES, common)
+    assert f"CASE tiacc-{channels} DONE tiacc nccl" in stdout[0]
+    ours = _params(out / f"tiacc-{channels}", "tiacc", 0)
+    _assert_equal(ours, _params(out / "native", "native", 0), exact=True)
 
 
+@pytest.mark.xdist_group("nccl-two-ranks")
 @pytest.mark.parametrize("channels", [1, 4])
-def test_two_ranks_over_nccl_equal_native_ddp(tmp_path: Path, channels: int) -> None:
+def test_two_ranks_over_nccl_equal_native_ddp(launches, channels: int) -> None:
     """Two ranks (or a skip saying why there cannot be): a sum of two and
     the halving are exact, so the engine's NCCL path equals native NCCL DDP
     bit for bit."""
     env = _two_nccl_ranks()
-    common = ["--out", str(tmp_path), "--steps", "50", "--backend", "nccl"]
-    _launch(2, [*common, "--mode", "native"], env=env)
-    tiacc_args = [*common, "--mode", "tiacc", "--transport", "nccl", "--channels", str(channels)]
-    out = _launch(2, tiacc_args, env=env)
-    assert all("DONE tiacc nccl" in o for o in out)
-    ours = [_params(tmp_path, "tiacc", r) for r in range(2)]
+    common = ["--steps", "50", "--backend", "nccl"]
+    out, stdout = launches("nccl-two", 2, NCCL_CASES, common, env=env)
+    assert all(f"CASE tiacc-{channels} DONE tiacc nccl" in o for o in stdout)
+    ours = [_params(out / f"tiacc-{channels}", "tiacc", r) for r in range(2)]
     _assert_equal(ours[1], ours[0], exact=True)
-    _assert_equal(ours[0], _params(tmp_path, "native", 0), exact=True)
+    _assert_equal(ours[0], _params(out / "native", "native", 0), exact=True)
 
 
 def test_several_nccl_communicators_stay_deadlock_free(tmp_path: Path) -> None:
@@ -107,32 +145,44 @@ def test_several_nccl_communicators_stay_deadlock_free(tmp_path: Path) -> None:
     _assert_equal(_params(tmp_path, "tiacc", 0), _params(tmp_path, "tiacc", 1), exact=True)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_sharing_a_gpu_over_tcp_staging_match_native_ddp(tmp_path: Path, world: int) -> None:
+def _staging(launches, world: int) -> tuple[Path, list[str]]:
+    """Ranks sharing GPU 0 without NCCL's multi-rank switch: native DDP over
+    gloo, the engine staging through the host (TCP), and with two ranks the
+    engine left to choose (``auto``), in one launch per world size."""
+    cases = [{"id": "tcp", "env": {}, "channels": 2, "transport": "tcp"}]
+    if world == 2:
+        cases.append(
+            {"id": "auto", "env": {}, "channels": 1, "transport": "auto", "expect_transport": "tcp"}
+        )
+    common = ["--steps", "20", "--backend", "gloo"]
+    return launches(f"staging-{world}", world, _native_and(cases), common, one_gpu=True)
+
+
+@pytest.mark.parametrize(
+    "world",
+    [pytest.param(w, marks=pytest.mark.xdist_group(f"tcp-staging-{w}")) for w in (2, 4)],
+)
+def test_ranks_sharing_a_gpu_over_tcp_staging_match_native_ddp(launches, world: int) -> None:
     # Native DDP cannot use NCCL with ranks sharing a GPU; gloo handles CUDA
     # tensors through the host, which is the fair stock comparison here.
-    common = ["--out", str(tmp_path), "--steps", "20", "--backend", "gloo"]
-    _launch(world, [*common, "--mode", "native"], one_gpu=True)
-    tiacc_args = [*common, "--mode", "tiacc", "--transport", "tcp", "--channels", "2"]
-    out = _launch(world, tiacc_args, one_gpu=True)
-    assert all("DONE tiacc tcp" in o for o in out)
-    tiacc = [_params(tmp_path, "tiacc", r) for r in range(world)]
+    out, stdout = _staging(launches, world)
+    assert all("CASE tcp DONE tiacc tcp" in o for o in stdout)
+    tiacc = [_params(out / "tcp", "tiacc", r) for r in range(world)]
     for r in range(1, world):
         _assert_equal(tiacc[r], tiacc[0], exact=True)
     # Two ranks: a + b is exact in any order, and halving is exact, so the
     # results are bitwise equal; with four the summation order differs.
-    _assert_equal(tiacc[0], _params(tmp_path, "native", 0), exact=world == 2)
+    _assert_equal(tiacc[0], _params(out / "native", "native", 0), exact=world == 2)
 
 
-def test_auto_stages_over_tcp_when_ranks_share_a_gpu(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("tcp-staging-2")
+def test_auto_stages_over_tcp_when_ranks_share_a_gpu(launches) -> None:
     # NCCL cannot run two ranks on one GPU: auto must notice before NCCL's
     # init and stage through the host instead.
-    common = ["--out", str(tmp_path), "--steps", "20", "--backend", "gloo"]
-    _launch(2, [*common, "--mode", "native"], one_gpu=True)
-    args = [*common, "--mode", "tiacc", "--transport", "auto", "--expect-transport", "tcp"]
-    out = _launch(2, args, one_gpu=True)
-    assert all("DONE tiacc tcp" in o for o in out)
-    _assert_equal(_params(tmp_path, "tiacc", 0), _params(tmp_path, "native", 0), exact=True)
+    out, stdout = _staging(launches, 2)
+    assert all("CASE auto DONE tiacc tcp" in o for o in stdout)
+    ours = _params(out / "auto", "tiacc", 0)
+    _assert_equal(ours, _params(out / "native", "native", 0), exact=True)
 
 
 def test_explicit_nccl_with_ranks_sharing_a_gpu_names_them(tmp_path: Path) -> None:
