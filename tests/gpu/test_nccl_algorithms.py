@@ -7,10 +7,10 @@ older NCCL the tests skip and say so. Point ``TIACC_TRAINING_NCCL_LIBRARY``
 
 * DDP training, every algorithm x {1, 4} channels x {2, 4} ranks: ranks end
   bitwise in sync; the flat allreduce equals native NCCL DDP bit for bit;
-  2D, fp16 and bf16 stay within tolerance of it; Top-K learns. The 9
-  cases of a world size and channel count run in one launch of its ranks
-  (``--cases``), so the ranks, CUDA and the default group start once per
-  launch; each case is still its own test. Under pytest-xdist,
+  2D, fp16 and bf16 stay within tolerance of it; Top-K learns. Native
+  DDP and the 9 cases of a world size and channel count run in one launch
+  of its ranks (``--cases``), so the ranks, CUDA and the default group
+  start once per launch; each case is still its own test. Under pytest-xdist,
   ``--dist loadgroup`` keeps a launch's cases on one worker while the
   other launches run on others (``make gpu-check`` passes it).
 * The CUDA path against the host engine on the same buckets: Top-K's
@@ -114,36 +114,22 @@ def _params(out: Path, mode: str, rank: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict[str, str]):
-    """Native NCCL DDP's final parameters, per world size (trained once)."""
-    cache: dict[int, dict[str, torch.Tensor]] = {}
-
-    def get(world: int) -> dict[str, torch.Tensor]:
-        if world not in cache:
-            out = tmp_path_factory.mktemp(f"native{world}")
-            args = ["--out", str(out), "--mode", "native", "--backend", "nccl", "--steps", "30"]
-            ranks = _ranks(world, DDP_WORKER, args, shared_gpu_env)
-            assert all(r.returncode == 0 for r in ranks), describe(ranks)
-            cache[world] = _params(out, "native", 0)
-        return cache[world]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def ddp_matrix(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict[str, str]):
-    """Every algorithm's case of one world size and channel count, trained in one launch."""
+    """Native NCCL DDP, then every algorithm's case of one world size and
+    channel count, trained in one launch (``<out>/native/`` holds native's)."""
     cache: dict[tuple[int, int], tuple[Path, list]] = {}
 
     def get(world: int, channels: int) -> tuple[Path, list]:
         if (world, channels) not in cache:
             out = tmp_path_factory.mktemp(f"matrix{world}x{channels}")
-            cases = [
+            cases = [{"id": "native", "env": {}, "channels": 1, "mode": "native"}]
+            cases += [
                 {"id": f"{name}-{channels}", "env": ALGORITHMS[name], "channels": channels}
                 for name in sorted(ALGORITHMS)
             ]
             (out / "cases.json").write_text(json.dumps(cases))
             args = ["--out", str(out), "--mode", "tiacc", "--transport", "nccl", "--steps", "30"]
+            args += ["--backend", "nccl"]
             args += ["--cases", str(out / "cases.json")]
             ranks = _ranks(world, DDP_WORKER, args, shared_gpu_env, timeout=540)
             cache[world, channels] = (out, ranks)
@@ -153,9 +139,7 @@ def ddp_matrix(tmp_path_factory: pytest.TempPathFactory, shared_gpu_env: dict[st
 
 
 @pytest.mark.parametrize(("algorithm", "channels", "world"), matrix("ddp"))
-def test_ddp_over_nccl_on_one_gpu(
-    ddp_matrix, native, algorithm: str, channels: int, world: int
-) -> None:
+def test_ddp_over_nccl_on_one_gpu(ddp_matrix, algorithm: str, channels: int, world: int) -> None:
     out, ranks = ddp_matrix(world, channels)
     case = f"{algorithm}-{channels}"
     done = f"CASE {case} DONE tiacc nccl"
@@ -165,7 +149,7 @@ def test_ddp_over_nccl_on_one_gpu(
     for r in range(1, world):
         for key, value in ours[0].items():
             assert torch.equal(value, ours[r][key]), f"rank {r} differs from rank 0 in {key}"
-    reference = native(world)
+    reference = _params(out / "native", "native", 0)
     if algorithm == "flat":
         for key, value in reference.items():
             assert torch.equal(ours[0][key], value), key
