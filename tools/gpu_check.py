@@ -70,7 +70,7 @@ from typing import Any, Callable
 from _process_tree import POLL, exited, stage_processes, stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("gpu-tests", "one", "cluster", "input", "fsdp", "tests", "demo", "nccl")
+STAGES = ("gpu-tests", "one", "input", "cluster", "fsdp", "tests", "demo", "nccl")
 # The default: one short window on a GPU node.
 PLAN = ("gpu-tests", "one", "input", "cluster", "fsdp")
 # The long check (``--stage all``).
