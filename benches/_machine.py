@@ -1,9 +1,10 @@
-"""What every benchmark records about the machine it ran on."""
+"""What every benchmark records about the machine it ran on, and how it writes results."""
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -95,3 +96,12 @@ def machine_info(packages: Sequence[str] = ()) -> dict[str, Any]:
         }
     )
     return info
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    """Writes ``result`` to ``path`` whole or not at all (a run stopped
+    midway leaves the previous file, never half of one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    partial.replace(path)

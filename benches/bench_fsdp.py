@@ -56,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _machine import REPO, machine_info  # noqa: E402
+from _machine import REPO, machine_info, write_json  # noqa: E402
 
 RESULTS = {
     "cpu": REPO / "benches" / "results" / "bench_fsdp.json",
@@ -354,10 +354,7 @@ def write(
         "layouts": results,
         "machine": machine,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    partial = args.out.with_name(args.out.name + ".partial")
-    partial.write_text(json.dumps(out, indent=2) + "\n")
-    partial.replace(args.out)
+    write_json(args.out, out)
     return results
 
 

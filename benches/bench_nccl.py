@@ -33,7 +33,6 @@ Writes benches/results/bench_nccl.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -45,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster_jobs import AUTO_PREFIXES, cuda_env, cuda_unavailable, run_job  # noqa: E402
-from _machine import REPO, machine_info  # noqa: E402
+from _machine import REPO, machine_info, write_json  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
 PARTS = ("one", "codecs", "cluster")
@@ -383,11 +382,7 @@ def main() -> None:
 
 def write(out: Path, result: dict[str, Any]) -> None:
     """Writes ``result`` with the machine's description, whole or not at all."""
-    result = {**result, "machine": machine_info(["torch", "torchvision", "tiacc-training"])}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    partial.write_text(json.dumps(result, indent=2) + "\n")
-    partial.replace(out)
+    write_json(out, {**result, "machine": machine_info(["torch", "torchvision", "tiacc-training"])})
 
 
 def run_single_gpu_parts(args: argparse.Namespace, parts: set[str], result: dict) -> None:
