@@ -39,6 +39,25 @@ def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def launcher_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """``base_env`` for a launcher (torchrun, ``mp.spawn``) whose ranks share one pipe.
+
+    No rank or rendezvous variables from the outer run, and Python's output
+    buffered: with ``PYTHONUNBUFFERED`` a ``print`` writes its text and its
+    newline in two writes, so on a shared pipe another rank's line can land
+    between them ("LOSS 1 1.3RESULT {...}"). Buffered, ``print(...,
+    flush=True)`` writes the whole line at once.
+    """
+    env = base_env(extra)
+    env.pop("PYTHONUNBUFFERED", None)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(var, None)
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    env.update(extra or {})
+    return env
+
+
 def tiacc_class() -> str:
     """The class that serves the "tiacc" backend's CPU collectives in the jobs.
 

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import base_env, free_port, json_lines
+from _launch import free_port, json_lines, launcher_env
 
 SCRIPT = Path(__file__).resolve().parent / "user_scripts" / "classification_ddp.py"
 RUNS = int(os.environ.get("TIACC_TEST_STRESS_RUNS", "3"))
@@ -40,10 +40,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(data: Path, out: Path, extra: bool) -> str:
-    env = base_env({"TIACC_TEST_START_JITTER": "1.0"})
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        env.pop(var, None)
-    env.pop("MASTER_PORT", None)
+    env = launcher_env({"TIACC_TEST_START_JITTER": "1.0"})
     command = [
         sys.executable,
         "-m",

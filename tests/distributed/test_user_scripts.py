@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import base_env, free_port
+from _launch import free_port, launcher_env
 
 SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
 TWO_LINES = (
@@ -78,12 +78,8 @@ def _env(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     reporter = tmp_path / "reporter"
     reporter.mkdir(exist_ok=True)
     (reporter / "sitecustomize.py").write_text(REPORTER)
-    env = base_env()
+    env = launcher_env(extra)
     env["PYTHONPATH"] = os.pathsep.join([str(reporter), env["PYTHONPATH"]])
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        env.pop(var, None)
-    env.pop("MASTER_PORT", None)
-    env.update(extra or {})
     return env
 
 
