@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import REPO, base_env, free_port
+from _launch import REPO, base_env, free_port, launcher_env
 from conftest import write_image
 
 EXAMPLES = REPO / "examples"
@@ -68,11 +68,11 @@ def test_train_imagenet_under_torchrun(packed, tmp_path):
            str(EXAMPLES / "train_imagenet.py"), "--train", str(packed / "train/train.index"),
            "--val", str(packed / "val/val.index"), "--checkpoint", str(checkpoint),
            *TRAIN_ARGS]  # fmt: skip
-    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=300)
     check_training(proc, "torchrun", checkpoint)
     # the policy's state came back with the checkpoint: epoch 2 resumes after 1
     cmd[cmd.index("--epochs") + 1] = "3"
-    proc = subprocess.run([*cmd, "--resume"], env=base_env(), capture_output=True, text=True,
+    proc = subprocess.run([*cmd, "--resume"], env=launcher_env(), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "epoch 0:" not in proc.stdout and "epoch 2: loss" in proc.stdout, proc.stdout
@@ -84,7 +84,7 @@ def test_train_imagenet_under_mpirun(packed, tmp_path):
             pytest.fail("mpirun is required here (install openmpi-bin: make setup)")
         pytest.skip("mpirun not installed (make setup installs openmpi-bin)")
     checkpoint = tmp_path / "ckpt.pt"
-    env = base_env({"DATA": str(packed), "NPROC": "2", "PYTHON": sys.executable,
+    env = launcher_env({"DATA": str(packed), "NPROC": "2", "PYTHON": sys.executable,
                     "MASTER_PORT": str(free_port()), "MPIRUN_ARGS": "--oversubscribe",
                     "OMPI_MCA_plm_rsh_agent": ""})  # fmt: skip
     cmd = ["bash", str(EXAMPLES / "train_imagenet_mpirun.sh"), "--checkpoint", str(checkpoint),
@@ -118,7 +118,7 @@ def test_train_imagenet_through_the_sbatch_file(packed, tmp_path):
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = base_env({
+    env = launcher_env({
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "DATA": str(packed), "PYTHON": sys.executable, "MASTER_PORT": str(free_port()),
         "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",

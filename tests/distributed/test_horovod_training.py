@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import base_env, describe, free_port, run_ranks
+from _launch import describe, free_port, launcher_env, run_ranks
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "horovod_training_worker.py"
@@ -66,11 +66,9 @@ def _losses(out: str) -> dict[str, float]:
 
 
 def _run(command: list[str], cwd: Path) -> str:
-    env = base_env()
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        env.pop(var, None)
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        command, env=launcher_env(), cwd=cwd, capture_output=True, text=True, timeout=240
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(command)} failed:\n{out[-6000:]}"
     return out
