@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tiacc_training.torch.distributed as tdist
-from tiacc_training.torch.distributed._state import state
+from tiacc_training.torch.distributed._hook import totals
 
 STEPS = 6
 
@@ -53,7 +53,7 @@ def train(
     model = nn.parallel.DistributedDataParallel(Branchy(), bucket_cap_mb=0.004, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
-    before = state.engine_buckets
+    before = totals.engine_buckets
     expected = buckets = 0
     for step in range(STEPS):
         x = torch.randn(16, 24, generator=gen)
@@ -69,7 +69,7 @@ def train(
         loss.backward()
         opt.step()
     params = [p.detach().clone() for p in model.parameters()]
-    return params, state.engine_buckets - before, (expected, buckets)
+    return params, totals.engine_buckets - before, (expected, buckets)
 
 
 def main() -> None:

@@ -228,15 +228,15 @@ def probe(args: argparse.Namespace) -> None:
     handed to the engine and what the engine's own counters
     (``tdist.stats()["engine"]``) gained in that pass, for the test to
     compare with its own references."""
-    from tiacc_training.torch.distributed._state import state
+    from tiacc_training.torch.distributed._hook import totals
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x = probe_input(args.probe, rank, world)
     layer = nn.Linear(PROBE_LEN, 1, bias=False)
     ddp = nn.parallel.DistributedDataParallel(layer)
-    before, counted = state.engine_buckets, tdist.stats()["engine"]
+    before, counted = totals.engine_buckets, tdist.stats()["engine"]
     ddp(x.unsqueeze(0)).sum().backward()
-    carried = state.engine_buckets - before
+    carried = totals.engine_buckets - before
     grad = layer.weight.grad.detach().reshape(-1).clone()
     torch.save(
         {

@@ -439,7 +439,7 @@ def check_case(
     torch.save(results, out / f"device_rank{rank}.pt")
     device.shutdown()
     host.shutdown()
-    state.engine = None  # the next case builds its own
+    state.set_engine(None)  # the next case builds its own
 
 
 if __name__ == "__main__":

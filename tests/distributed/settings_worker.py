@@ -29,7 +29,7 @@ from torch import nn
 import tiacc_training.torch.distributed as tdist
 from tests._launch import exit_failed
 from tests.distributed.ddp_worker import build_model
-from tiacc_training.torch.distributed._state import state
+from tiacc_training.torch.distributed._hook import totals
 
 
 def train(mode: str, window: int, windows: int, bucket_cap_mb: float | None) -> dict:
@@ -49,10 +49,10 @@ def train(mode: str, window: int, windows: int, bucket_cap_mb: float | None) -> 
         x = torch.randn(16, 32, generator=gen)
         y = torch.randint(0, 10, (16,), generator=gen)
         skip = mode.endswith("nosync") and not last
-        before = state.engine_buckets
+        before = totals.engine_buckets
         with ddp.no_sync() if skip else contextlib.nullcontext():
             nn.functional.cross_entropy(ddp(x), y).backward()
-        sent.append(state.engine_buckets - before)
+        sent.append(totals.engine_buckets - before)
         if last:
             grads.append({n: q.grad.detach().clone() for n, q in model.named_parameters()})
             opt.step()

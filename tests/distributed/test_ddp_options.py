@@ -4,7 +4,7 @@
 each train a model of several buckets with 2 ranks, native and through the
 engine, over shared memory and over the loopback TCP ring
 (``TIACC_TRAINING_SHM=0``). The engine must carry every bucket of every step
-(``state.engine_buckets``), so a hook that silently stepped aside would
+(``_hook.totals.engine_buckets``), so a hook that silently stepped aside would
 fail here.
 """
 

@@ -46,12 +46,12 @@ import sys
 
 
 def _report():
-    state = sys.modules.get("tiacc_training.torch.distributed._state")
-    if state is not None:
+    hook = sys.modules.get("tiacc_training.torch.distributed._hook")
+    if hook is not None:
         backend = sys.modules["tiacc_training.torch.distributed._backend"]
         served = sum(backend.served_in_process.values())
         # One write, so the lines of processes sharing the pipe never mix.
-        line = (f"ENGINE_BUCKETS pid={os.getpid()} {state.state.engine_buckets} "
+        line = (f"ENGINE_BUCKETS pid={os.getpid()} {hook.totals.engine_buckets} "
                 f"collectives={served}\\n")
         os.write(2, line.encode())
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import tiacc_training.torch.distributed as tdist
+from tiacc_training.torch.distributed._hook import totals
 from tiacc_training.torch.distributed._state import state
 
 
@@ -40,57 +41,60 @@ class Staging:
 @pytest.fixture
 def clean_state() -> Iterator[None]:
     saved = {k: state.__dict__[k] for k in ("engine", "cuda", "retired_counters", "logged")}
-    saved["steps"] = state.steps
+    saved_steps = totals.steps
     state.__dict__.update(engine=None, cuda=None, retired_counters={})
     try:
         yield
     finally:
         state.__dict__.update(saved)
+        totals.steps = saved_steps
 
 
 def test_counters_of_engines_in_use_and_stopped_add_up(clean_state: None) -> None:
     first = Counting({("ring", "fp16"): row(3, 3000, 1500)})
-    state.engine = first
+    state.set_engine(first)
     assert tdist.stats()["engine"] == {("ring", "fp16"): row(3, 3000, 1500)}
     # The NCCL path's device engine adds its own.
     device = Counting({("2d", "none"): row(1, 400, 0, 400, 100)})
-    state.cuda = Staging(device)
+    state.set_cuda(Staging(device))
     first.rows = {("ring", "fp16"): row(5, 5000, 2500)}
     assert tdist.engine_counters() == {
         ("ring", "fp16"): row(5, 5000, 2500),
         ("2d", "none"): row(1, 400, 0, 400, 100),
     }
     # Stopped (destroy_process_group, exit): both keep counting in the totals.
-    state.cuda = None
-    state.engine = None
+    state.set_cuda(None)
+    state.set_engine(None)
     want = {("ring", "fp16"): row(5, 5000, 2500), ("2d", "none"): row(1, 400, 0, 400, 100)}
     assert tdist.engine_counters() == want
     # A new engine adds to them.
-    state.engine = Counting({("ring", "fp16"): row(1, 1000, 500)})
+    state.set_engine(Counting({("ring", "fp16"): row(1, 1000, 500)}))
     assert tdist.engine_counters()[("ring", "fp16")] == row(6, 6000, 3000)
 
 
 def test_host_staging_is_counted_once_with_the_cpu_engine(clean_state: None) -> None:
     cpu = Counting({("ring", "none"): row(2, 800, 800)})
-    state.engine = cpu
-    state.cuda = Staging(cpu)
+    state.set_engine(cpu)
+    state.set_cuda(Staging(cpu))
     assert tdist.engine_counters() == {("ring", "none"): row(2, 800, 800)}
     # Stopped in close_all's order: the CUDA path, then the CPU engine.
-    state.cuda = None
-    state.engine = None
+    state.set_cuda(None)
+    state.set_engine(None)
     assert tdist.engine_counters() == {("ring", "none"): row(2, 800, 800)}
 
 
 def test_the_summary_line_says_bytes_on_the_wire(
     clean_state: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    state.engine = Counting(
-        {
-            ("ring", "fp16"): row(120, 48 * 2**20, 24 * 2**20),
-            ("2d", "none"): row(2, 2**20, 0, 2**20, 2**19),
-        }
+    state.set_engine(
+        Counting(
+            {
+                ("ring", "fp16"): row(120, 48 * 2**20, 24 * 2**20),
+                ("2d", "none"): row(2, 2**20, 0, 2**20, 2**19),
+            }
+        )
     )
-    state.logged, state.steps = True, 60
+    state.logged, totals.steps = True, 60
     with caplog.at_level(logging.INFO, logger="tiacc_training"):
         tdist._summary()
     line = caplog.messages[-1]

@@ -49,10 +49,9 @@ import torch.distributed as dist
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
 
-from . import _backend, _collectives, _config, _device_collectives, _launch, _runtime
+from . import _backend, _collectives, _config, _device_collectives, _hook, _launch, _perf, _runtime
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
-from ._perf import PerfCheck
 from ._rendezvous import check_same_config, default_store
 from ._state import add_counters, engine_counters_of, logger, state
 
@@ -221,9 +220,7 @@ def _finish(launch: dict[str, Any], device_given: bool, check_round: bool) -> No
         state.config_round += 1
         prefix = f"tiacc_training/config{state.config_round}"
         check_same_config(config, default_store(), prefix, rank, world)
-    state.perf = None
-    if config.enabled and config.perf_check_n_steps > 0 and world > 1:
-        state.perf = PerfCheck(config.perf_check_n_steps, rank, world, config.timeout)
+    _perf.start(config, rank, world)
     local_rank = launch.get("local_rank")
     if torch.cuda.is_available() and local_rank is not None and not device_given:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -295,12 +292,13 @@ def stats() -> dict[str, Any]:
         the device engine, or handed to NCCL), and ``engine``: the engines'
         own counters (:func:`engine_counters`).
     """
+    totals = _hook.totals
     return {
-        "steps": state.steps,
-        "buckets": dict(state.carried),
-        "bytes": dict(state.carried_bytes),
-        "accumulated": state.accumulated,
-        "native": dict(state.native),
+        "steps": totals.steps,
+        "buckets": dict(totals.carried),
+        "bytes": dict(totals.carried_bytes),
+        "accumulated": totals.accumulated,
+        "native": dict(totals.native),
         "collectives": dict(_backend.served_in_process),
         "forwarded": _forwarded(_backend.forwarded_in_process),
         "cuda_collectives": dict(_device_collectives.served_in_process),
@@ -369,20 +367,21 @@ def _summary() -> None:
     cuda = sum(_device_collectives.served_in_process.values()) + sum(
         _device_collectives.forwarded_in_process.values()
     )
-    if not state.logged or not (state.steps or state.native or served or forwarded or cuda):
+    totals = _hook.totals
+    if not state.logged or not (totals.steps or totals.native or served or forwarded or cuda):
         return
     carried = ", ".join(
-        f"{n} {path} bucket(s) ({state.carried_bytes[path] / 2**20:.1f} MiB)"
-        for path, n in sorted(state.carried.items())
+        f"{n} {path} bucket(s) ({totals.carried_bytes[path] / 2**20:.1f} MiB)"
+        for path, n in sorted(totals.carried.items())
     )
-    native = sum(state.native.values())
+    native = sum(totals.native.values())
     counted = _describe_counters(engine_counters())
     logger.info(
         "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s%s; %s",
-        state.steps,
+        totals.steps,
         carried or "nothing",
         native,
-        f" ({'; '.join(sorted(state.native))})" if native else "",
+        f" ({'; '.join(sorted(totals.native))})" if native else "",
         f"; the engine counted: {counted}" if counted else "",
         _describe_collectives(served, forwarded),
     )

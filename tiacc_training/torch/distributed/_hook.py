@@ -14,6 +14,8 @@ import functools
 import inspect
 import threading
 import warnings
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -23,10 +25,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tiacc_training.errors import CommError
 
-from . import _state
+from . import _perf
 from ._cuda import unwrap
 from ._runtime import cuda_path, ensure_group, world_engine
-from ._state import logger, state
+from ._state import logger
+from ._state import state as runtime
 
 _MIB = 1024 * 1024
 _SUPPORTED_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
@@ -36,10 +39,35 @@ _original_register_comm_hook = DistributedDataParallel.register_comm_hook
 _original_register_builtin = DistributedDataParallel._register_builtin_comm_hook
 _init_signature = inspect.signature(_original_init)
 
-# The hook's counters (``HookState``'s, and the process's ``steps``): a CUDA
+# The hook's counters (``HookState``'s, and ``totals.steps``): a CUDA
 # model's gradient and comm hooks run on autograd's device threads, the
 # check on the thread that calls the model.
 _counters = threading.Lock()
+# DistributedDataParallel is patched (once per process).
+_patched = False
+
+
+@dataclass
+class HookTotals:
+    """What the gradient buckets of this process did (``stats()``).
+
+    Counted by the DDP hook and by :func:`carry_bucket` (Horovod's
+    ``DistributedOptimizer`` too).
+    """
+
+    # Backward passes whose buckets reached the engine.
+    steps: int = 0
+    # Buckets handed to an engine; per path, with their bytes.
+    engine_buckets: int = 0
+    carried: Counter[str] = field(default_factory=Counter)
+    carried_bytes: Counter[str] = field(default_factory=Counter)
+    # Buckets kept local by gradient accumulation.
+    accumulated: int = 0
+    # Buckets or models left to torch's own allreduce, per reason.
+    native: Counter[str] = field(default_factory=Counter)
+
+
+totals = HookTotals()
 
 
 class HookState:
@@ -55,7 +83,7 @@ class HookState:
         # Local gradient accumulation (TIACC_TRAINING_ACCUMULATE_N_STEPS /
         # PERSEUS_ACCUMULATE_N_STEPS): the buckets go out in one backward
         # pass of every `accumulate_n_steps` that reach the hook.
-        config = _state.state.config
+        config = runtime.config
         self.accumulate_n_steps: int = 1 if config is None else config.accumulate_n_steps
         self.passes = 0
         # A world of one rank: the average over the world is the bucket
@@ -79,21 +107,22 @@ class HookState:
 
 def patch_ddp() -> None:
     """Patches ``DistributedDataParallel`` (once per process)."""
-    if state.patched:
+    global _patched
+    if _patched:
         return
     DistributedDataParallel.__init__ = _patched_init  # type: ignore[method-assign]
     DistributedDataParallel.register_comm_hook = _patched_register_comm_hook  # type: ignore[method-assign]
     DistributedDataParallel._register_builtin_comm_hook = _patched_register_builtin  # type: ignore[method-assign]
-    state.patched = True
+    _patched = True
 
 
 def _patched_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
-    config = state.config
+    config = runtime.config
     if config is not None:
         bound = _init_signature.bind(self, *args, **kwargs)
         if bound.arguments.get("process_group") is None:
             ensure_group()
-            config = state.config  # the script's init may have set its timeout
+            config = runtime.config  # the script's init may have set its timeout
         if "bucket_cap_mb" not in bound.arguments:
             gradient_bytes = _gradient_bytes(bound.arguments["module"])
             kwargs["bucket_cap_mb"] = config.bucket_bytes(gradient_bytes) / _MIB
@@ -151,8 +180,8 @@ def _step_aside(config: Any, what: str, fix: str, warn: bool = True) -> None:
     """
     if config is not None and config.strict:
         raise CommError(f"{what}; {fix} (TIACC_TRAINING_STRICT=1 makes this an error)")
-    if warn and what not in state.warned:
-        state.warned.add(what)
+    if warn and what not in runtime.warned:
+        runtime.warned.add(what)
         warnings.warn(f"tiacc_training: {what}; {fix}", RuntimeWarning, stacklevel=4)
 
 
@@ -209,7 +238,7 @@ def _watch_for_a_hook_that_never_runs(
                 return
             hook_state.reported = True
             missed = hook_state.missed
-        state.native["the comm hook never ran"] += 1
+        totals.native["the comm hook never ran"] += 1
         _step_aside(
             config,
             f"the tiacc engine's comm hook did not run in {missed} "
@@ -236,13 +265,13 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
     with _counters:
         state.calls += 1
         if bucket.is_last():
-            _state.state.steps += 1
+            totals.steps += 1
     if state.accumulate_n_steps > 1:
         communicates = state.passes % state.accumulate_n_steps == state.accumulate_n_steps - 1
         if bucket.is_last():
             state.passes += 1
         if not communicates:
-            _state.state.accumulated += 1
+            totals.accumulated += 1
             return _accumulated_locally(buf)
     if buf.dtype not in _SUPPORTED_DTYPES:
         return _native(
@@ -262,7 +291,7 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
     if state.alone:
         _carried("world of one", buf.numel() * buf.element_size())
         return _accumulated_locally(buf)
-    perf = _state.state.perf
+    perf = _perf.active()
     if perf is not None and bucket.index() == 0:
         engine = state.engine if state.cuda is None else state.cuda.engine
         perf.before_step(engine, buf.device)
@@ -332,20 +361,20 @@ def carry_bucket(
 def count_step() -> None:
     """Counts a backward pass whose buckets reached the engine (``stats()["steps"]``)."""
     with _counters:
-        _state.state.steps += 1
+        totals.steps += 1
 
 
 def _carried(path: str, nbytes: int) -> None:
     """Counts a bucket handed to an engine (``stats()``)."""
-    _state.state.engine_buckets += 1
-    _state.state.carried[path] += 1
-    _state.state.carried_bytes[path] += nbytes
+    totals.engine_buckets += 1
+    totals.carried[path] += 1
+    totals.carried_bytes[path] += nbytes
 
 
 def _native(state: HookState, bucket: dist.GradBucket, why: str, fix: str) -> torch.futures.Future:
     """A bucket handed to torch's allreduce: counted, warned once, or an error."""
-    _state.state.native[why] += 1
-    _step_aside(_state.state.config, why, fix)
+    totals.native[why] += 1
+    _step_aside(runtime.config, why, fix)
     return default_hooks.allreduce_hook(state.process_group, bucket)
 
 

@@ -20,12 +20,23 @@ import torch
 from tiacc_training import _engine
 
 from ._rendezvous import default_store
-from ._state import logger, state
+from ._state import logger
+
+# The slow-rank check of the current group (``None`` while it is off).
+_check: PerfCheck | None = None
 
 
 def active() -> PerfCheck | None:
     """The slow-rank check of the current group (``None`` while it is off)."""
-    return state.perf
+    return _check
+
+
+def start(config: Any, rank: int, world: int) -> None:
+    """Turns the check on for a new group, or off (the group's settings say which)."""
+    global _check
+    _check = None
+    if config.enabled and config.perf_check_n_steps > 0 and world > 1:
+        _check = PerfCheck(config.perf_check_n_steps, rank, world, config.timeout)
 
 
 class PerfCheck:

@@ -275,7 +275,7 @@ def world_engine(config: Any) -> Any:
         logger.info("  CPU buckets connected: %s", carried or "nothing to carry (a world of one)")
         if engine.auto_choice is not None:
             logger.info("%s", engine.auto_choice)
-    state.engine = engine
+    state.set_engine(engine)
     return engine
 
 
@@ -300,11 +300,11 @@ def cuda_path(config: Any, device: torch.device) -> Any:
         return existing
     if existing is not None:
         existing.close()
-        state.cuda = None
+        state.set_cuda(None)
     if nccl:
-        state.cuda = NcclChannels(_nccl_engine(config, device, rank, world), device)
+        state.set_cuda(NcclChannels(_nccl_engine(config, device, rank, world), device))
     else:
-        state.cuda = HostStaging(engine, device)
+        state.set_cuda(HostStaging(engine, device))
     return state.cuda
 
 
@@ -452,9 +452,11 @@ def advertised_host(config: Any, store: Any = None) -> str:
 
 def close_all() -> None:
     """Stops every engine (CUDA paths first: staging feeds the CPU engine)."""
-    cuda, state.cuda = state.cuda, None
+    cuda = state.cuda
+    state.set_cuda(None)
     if cuda is not None:
         cuda.close()
-    engine, state.engine = state.engine, None
+    engine = state.engine
+    state.set_engine(None)
     if engine is not None:
         engine.shutdown()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +33,8 @@ class State:
     # Counters that keep store keys of successive rendezvous apart.
     generation: int = 0
     placement_round: int = 0
-    # The slow-rank check (``_perf.PerfCheck``), when it is on.
-    perf: Any = None
     # Counts start-up configuration checks (keeps their store keys apart).
     config_round: int = 0
-    patched: bool = False
     logged: bool = False
     # The default group (``_runtime``): torch.distributed's functions wrapped;
     # whether the set-up finished for the current group; whether the group
@@ -51,42 +47,36 @@ class State:
     pending_launch: dict[str, Any] | None = None
     backend_arg: str | None = None
     # Conflicts between the script's init_process_group and our settings,
-    # waiting for rank 0 to warn; the warnings given (once per process).
+    # waiting for rank 0 to warn; the warnings given (once per process, by
+    # the runtime and the DDP hook).
     conflicts: list[str] = field(default_factory=list)
-    # Gradient buckets this process handed to an engine (CPU or CUDA path).
-    engine_buckets: int = 0
-    # What the DDP hook did in this process (``stats()``): backward passes,
-    # buckets and bytes per path through the engine, buckets handed to
-    # torch per reason.
-    steps: int = 0
-    carried: Counter[str] = field(default_factory=Counter)
-    carried_bytes: Counter[str] = field(default_factory=Counter)
-    native: Counter[str] = field(default_factory=Counter)
-    accumulated: int = 0
     warned: set[str] = field(default_factory=set)
     # What the engines stopped or replaced so far counted themselves, per
     # (path, codec) (``stats()["engine"]`` adds the engines in use): an
-    # engine's counters are folded in here when ``engine`` or ``cuda``
-    # stops pointing at it, so the summary at exit still has them after
+    # engine's counters are folded in here when ``set_engine`` or
+    # ``set_cuda`` replaces it, so the summary at exit still has them after
     # ``destroy_process_group``.
     retired_counters: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Sets a field, keeping the counters of an engine that leaves.
+    def set_engine(self, engine: Any) -> None:
+        """Makes ``engine`` the CPU engine; the one it replaces is retired."""
+        if self.engine is not None and self.engine is not engine:
+            add_counters(self.retired_counters, engine_counters_of(self.engine))
+        self.engine = engine
 
-        An engine leaving ``engine``, or the NCCL path's device engine
-        leaving ``cuda``, adds its counters to ``retired_counters`` (host
-        staging runs on a CPU engine, counted when that one leaves).
+    def set_cuda(self, cuda: Any) -> None:
+        """Makes ``cuda`` the path of CUDA buckets; the one it replaces is retired.
+
+        The NCCL path's device engine is retired with it. Host staging runs
+        on a CPU engine, which is counted when it leaves ``engine``.
         """
-        old = self.__dict__.get(name) if name in ("engine", "cuda") else None
-        if old is not None and old is not value:
-            engine = old if name == "engine" else getattr(old, "engine", None)
-            staging = engine is self.__dict__.get("engine") or isinstance(
-                engine, (_engine.CommEngine, type(None))
-            )
-            if name == "engine" or not staging:
+        old = self.cuda
+        if old is not None and old is not cuda:
+            engine = getattr(old, "engine", None)
+            staging = engine is self.engine or isinstance(engine, (_engine.CommEngine, type(None)))
+            if not staging:
                 add_counters(self.retired_counters, engine_counters_of(engine))
-        super().__setattr__(name, value)
+        self.cuda = cuda
 
 
 def engine_counters_of(engine: Any) -> dict[tuple[str, str], dict[str, Any]]:
