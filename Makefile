@@ -12,7 +12,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build wheel demo demo-run gpu-kit gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv test-torch-smoke bench bench-ddp bench-nccl bench-topk bench-collectives bench-horovod bench-fsdp lint docs-check fmt fuzz fuzz-merge clean
+.PHONY: help setup build wheel demo demo-run gpu-kit gpu-decoders gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv test-torch-smoke bench bench-ddp bench-nccl bench-topk bench-collectives bench-horovod bench-fsdp lint docs-check fmt fuzz fuzz-merge clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -90,6 +90,10 @@ BUDGET ?= 420
 gpu-kit: wheel ## the wheel plus the small wheels a GPU machine may lack (.gpu-kit/wheels)
 	@mkdir -p .gpu-kit/wheels
 	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu-kit/wheels pytest-timeout pyroute2
+
+gpu-decoders: ## the optional GPU JPEG decoder's wheels for a CUDA 13 GPU machine (.gpu-decoders, ~30 MB: carry it apart)
+	@mkdir -p .gpu-decoders
+	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu-decoders nvidia-nvimgcodec-cu13 'nvidia-nvjpeg>=13,<14'
 
 gpu-check: ## on a GPU machine: install the wheel, GPU tests, NCCL + input benchmarks, summary.md in OUT
 	$(GPU_PY) tools/gpu_check.py --python $(GPU_PY) --out $(OUT) --stage $(STAGE) --budget $(BUDGET) \

@@ -40,12 +40,13 @@ Training part (``--train``; on by default where CUDA is available): ResNet-50
 against the same model on synthetic data already on the GPU: stock
 ``ImageFolder``, the fused dataset through torch's loader, the drop-in loader
 (float32 pinned; ``device="cuda"``, uint8 shipped and normalised on the GPU;
-``decode_device="cuda"``, GPU decode with at most 4 threads); on a GPU also
-the GPU-decode loader alone (``decode_device_alone``: batches reach the GPU,
-nothing trains). Each loader draws one shuffled pass of all the batches a
-run takes, repeating images where the dataset has fewer (``--images`` may
-be below 2000 with ``--skip-loaders``), so none restarts an epoch while
-timed.
+``decode_device="cuda"``, GPU decode with at most 4 threads; where
+nvImageCodec is installed, the same with ``jpeg_decoder="nvimagecodec"``);
+on a GPU also each GPU-decode loader alone (``decode_device_alone``,
+``nvimagecodec_alone``: batches reach the GPU, nothing trains). Each
+loader draws one shuffled pass of all the batches a run takes, repeating
+images where the dataset has fewer (``--images`` may be below 2000 with
+``--skip-loaders``), so none restarts an epoch while timed.
 ``--train-device cpu --train-model resnet18`` runs it on the CPU to check
 the harness.
 
@@ -60,6 +61,7 @@ Run: ``make bench`` or ``.venv/bin/python benches/bench_input.py``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -329,6 +331,11 @@ def train_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str
         "dropin_decode_device": lambda: loader(
             DropInLoader, packed(), num_workers=min(4, workers), decode_device=device),
     }  # fmt: skip
+    nvimagecodec = device.type == "cuda" and importlib.util.find_spec("nvidia.nvimgcodec")
+    if nvimagecodec:
+        feeds["dropin_nvimagecodec"] = lambda: loader(
+            DropInLoader, packed(), num_workers=min(4, workers), decode_device=device,
+            jpeg_decoder="nvimagecodec")  # fmt: skip
     rows = {}
     for name, make in feeds.items():
         rate = train_rate(make, device, args.train_model, args.train_steps, batch)
@@ -341,6 +348,10 @@ def train_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str
         rate = loader_rate(feeds["dropin_decode_device"](), device, args.train_steps)
         rows["decode_device_alone"] = {"images_per_s": rate, "workers": min(4, workers)}
         print(f"  decode on {device} alone     {rate:8.1f} images/s", flush=True)
+    if nvimagecodec:
+        rate = loader_rate(feeds["dropin_nvimagecodec"](), device, args.train_steps)
+        rows["nvimagecodec_alone"] = {"images_per_s": rate, "workers": min(4, workers)}
+        print(f"  nvImageCodec on {device} alone {rate:8.1f} images/s", flush=True)
     return {
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -69,3 +69,27 @@ def test_device_output_and_pinned_batches(index: Path) -> None:  # noqa: F811
         torch.testing.assert_close(b.cpu(), a, rtol=0, atol=1e-5)
     images, _ = next(iter(DataLoader(ds, batch_size=5, num_workers=2, pin_memory=True)))
     assert images.is_pinned()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_nvimagecodec_decode_batches(index: Path, workers: int) -> None:  # noqa: F811
+    """nvImageCodec's decoder (hardware engines first) against torchvision's."""
+    pytest.importorskip(
+        "nvidia.nvimgcodec",
+        reason="needs nvImageCodec (pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)",
+    )
+    ds = dataset(index)
+    png = next(i for i in range(len(ds)) if _is_png(ds, i))
+    torchvision = batches(DataLoader(ds, batch_size=6, num_workers=workers, decode_device="cuda"))
+    loader = DataLoader(
+        ds, batch_size=6, num_workers=workers, decode_device="cuda", jpeg_decoder="nvimagecodec"
+    )
+    std = torch.tensor(STD).view(1, 3, 1, 1)
+    for k, ((a, la), (b, lb)) in enumerate(zip(torchvision, batches(loader))):
+        assert b.device.type == "cuda" and b.dtype == torch.float32
+        assert torch.equal(la, lb)
+        # Two GPU decoders (and, on hardware engines, another IDCT).
+        assert float(((a.cpu() - b.cpu()) * std).abs().mean()) <= 3 / 255, k
+        if 6 * k <= png < 6 * k + 6:
+            j = png - 6 * k
+            torch.testing.assert_close(b[j].cpu(), a[j].cpu(), rtol=0, atol=1e-6)

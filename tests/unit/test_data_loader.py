@@ -9,16 +9,22 @@ generator per worker seeded like torch's workers), and so the same pixels.
 from __future__ import annotations
 
 import gc
+import io
 import multiprocessing
 import signal
+import sys
 import threading
 import time
+import types
 import warnings
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torchvision.transforms as T
+from PIL import Image
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
 from tests.conftest import pack_folder, write_image
@@ -327,3 +333,103 @@ def test_device_and_decode_device_arguments(index: Path) -> None:
     # uint8 plans decode on the device too, and stay uint8.
     images, _ = next(iter(DataLoader(uint8, batch_size=4, decode_device="cpu")))
     assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)
+
+
+class _StandInNvImageCodec(types.ModuleType):
+    """``nvidia.nvimgcodec`` as far as ``_gpu_jpeg`` uses it, decoding with PIL.
+
+    Its images are HWC uint8 numpy arrays (which speak DLPack, as
+    nvImageCodec's do); a stream PIL cannot open decodes to ``None``, as
+    nvImageCodec reports a failed image. Records what it was asked for.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("nvidia.nvimgcodec")
+        self.BackendKind = types.SimpleNamespace(
+            CPU_ONLY="cpu", GPU_ONLY="gpu", HW_GPU_ONLY="hw", HYBRID_CPU_GPU="hybrid"
+        )
+        self.ColorSpec = types.SimpleNamespace(SRGB="srgb")
+        self.SampleFormat = types.SimpleNamespace(I_RGB="i_rgb")
+        self.decoders: list[dict] = []
+        self.batches: list[int] = []
+        module = self
+
+        class Decoder:
+            def __init__(self, device_id: int = -1, backends: Any = None) -> None:
+                module.decoders.append({"device_id": device_id, "backends": backends})
+
+            def decode(self, streams: list, params: Any = None, cuda_stream: int = 0) -> list:
+                assert params == ("srgb", "i_rgb", False), params
+                module.batches.append(len(streams))
+                out = []
+                for data in streams:
+                    try:
+                        out.append(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+                    except OSError:
+                        out.append(None)
+                return out
+
+        self.Decoder = Decoder
+        self.Backend = lambda kind: kind
+        self.CodeStream = lambda array: bytes(array)
+        self.DecodeParams = lambda apply_exif_orientation, color_spec, sample_format: (
+            color_spec,
+            sample_format,
+            apply_exif_orientation,
+        )
+
+
+@pytest.fixture
+def stand_in_nvimgcodec(monkeypatch: pytest.MonkeyPatch) -> _StandInNvImageCodec:
+    fake = _StandInNvImageCodec()
+    parent = sys.modules.get("nvidia") or types.ModuleType("nvidia")
+    monkeypatch.setitem(sys.modules, "nvidia", parent)
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
+    monkeypatch.setattr(parent, "nvimgcodec", fake, raising=False)
+    return fake
+
+
+def test_the_nvimagecodec_decoder_feeds_the_same_batches(
+    index: Path, stand_in_nvimgcodec: _StandInNvImageCodec
+) -> None:
+    """``jpeg_decoder="nvimagecodec"`` runs its adapter on the CPU (a stand-in
+    decoding with PIL, the same libjpeg-turbo as torchvision's CPU decoder):
+    the batches equal torchvision's, and a record it fails takes the CPU path."""
+    ds = dataset(index)
+    torchvision = batches(DataLoader(ds, batch_size=6, decode_device="cpu"))
+    loader = DataLoader(ds, batch_size=6, decode_device="cpu", jpeg_decoder="nvimagecodec")
+    ours = batches(loader)
+    assert stand_in_nvimgcodec.decoders == [{"device_id": -1, "backends": ["cpu"]}]
+    assert sum(stand_in_nvimgcodec.batches) == sum(not _is_png(ds, i) for i in range(len(ds))), (
+        "every JPEG, and only the JPEGs, went to the decoder"
+    )
+    assert len(ours) == len(torchvision)
+    for (a, la), (b, lb) in zip(torchvision, ours):
+        assert torch.equal(la, lb)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+def test_an_image_nvimagecodec_fails_takes_the_cpu_path(
+    index: Path, stand_in_nvimgcodec: _StandInNvImageCodec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = dataset(index)
+    cpu = batches(DataLoader(ds, batch_size=6))
+    loader = DataLoader(ds, batch_size=6, decode_device="cpu", jpeg_decoder="nvimagecodec")
+    decoder = loader._tiacc_decoder._jpeg._decoder
+    real = decoder.decode
+    monkeypatch.setattr(decoder, "decode", lambda s, **kw: [None] * len(real(s, **kw)))
+    # Every JPEG refused: the whole batch is the CPU path's, exactly.
+    for (a, la), (b, lb) in zip(cpu, batches(loader)):
+        assert torch.equal(la, lb)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+def test_jpeg_decoder_argument_errors(index: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = dataset(index)
+    with pytest.raises(ValueError, match="jpeg_decoder='nvimagecodec' picks the decoder"):
+        DataLoader(ds, batch_size=4, jpeg_decoder="nvimagecodec")
+    with pytest.raises(ValueError, match="jpeg_decoder='nvjpeg': expected one of torchvision"):
+        DataLoader(ds, batch_size=4, decode_device="cpu", jpeg_decoder="nvjpeg")
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # not installed
+    with pytest.raises(ImportError, match="pip install nvidia-nvimgcodec-cu13"):
+        DataLoader(ds, batch_size=4, decode_device="cpu", jpeg_decoder="nvimagecodec")

@@ -106,6 +106,11 @@ def _write_sample(out: Path) -> None:
                             "fraction_of_synthetic": 0.95,
                         },
                         "decode_device_alone": {"images_per_s": 9100.0},
+                        "dropin_nvimagecodec": {
+                            "images_per_s": 2950.0,
+                            "fraction_of_synthetic": 0.983,
+                        },
+                        "nvimagecodec_alone": {"images_per_s": 7900.0},
                     }
                 }
             }
@@ -155,6 +160,10 @@ def test_summary_reports_counts_skips_goals_and_versions(tmp_path: Path) -> None
     gpu = next(g for (name, _), g in goals.items() if name.startswith("GPU decode, <= 4"))
     assert (cpu.met, gpu.met) == (True, False)
     assert goals[("GPU decode alone, 224 px", ">= 8000 images/s")].met is True
+    nv = goals[("GPU decode (nvImageCodec), <= 4 threads: share of the GPU-bound rate", ">= 97%")]
+    assert (nv.measured, nv.met) == ("98.3%", True)
+    nv = goals[("GPU decode alone (nvImageCodec), 224 px", ">= 8000 images/s")]
+    assert (nv.measured, nv.met) == ("7900 images/s", False)
     suite = goals[("suite with CUDA present", "0 failures")]
     assert (suite.measured, suite.met) == ("1 failed of 3 (1 skipped, listed)", False)
     fsdp = "FSDP2 on 2 x 2: tiacc 2D"
@@ -176,6 +185,8 @@ def test_missing_measurements_say_why(tmp_path: Path) -> None:
     assert all(g.met is None for g in goals)
     fsdp = [g for g in goals if g.name.startswith("FSDP2")]
     assert len(fsdp) == 2 and all(g.measured == "not run" for g in fsdp)
+    # nvImageCodec's rows appear only where it ran.
+    assert not any("nvImageCodec" in g.name for g in goals)
     summary = gpu_check.render_summary(tmp_path)
     assert "No JUnit XML" in summary and "| met |" in summary
 

@@ -1,11 +1,12 @@
 """Decoding and augmenting whole batches on a device (``decode_device``).
 
-JPEGs are decoded with torchvision's decoder on the device (nvJPEG on
-CUDA), then cropped, resized, flipped and normalised there, batched: the
-decoded images are stacked into one padded tensor and every crop is
-resampled by one ``roi_align`` call, which averages ``ceil(scale)``
-bilinear samples per output pixel when it shrinks (so downscaling is
-antialiased, like Pillow's filter, though not with Pillow's exact weights).
+JPEGs are decoded on the device by the decoder asked for (``_gpu_jpeg``:
+torchvision's, nvJPEG on CUDA, or nvImageCodec's), then cropped, resized,
+flipped and normalised there, batched: the decoded images are stacked into
+one padded tensor and every crop is resampled by one ``roi_align`` call,
+which averages ``ceil(scale)`` bilinear samples per output pixel when it
+shrinks (so downscaling is antialiased, like Pillow's filter, though not
+with Pillow's exact weights).
 The random crops and flips are the fused path's own draws, so a seeded run
 crops exactly what the CPU path crops; the pixels differ from the CPU path
 by the decoders' IDCT rounding and the resampling filter, a few levels of
@@ -14,22 +15,19 @@ by the decoders' IDCT rounding and the resampling filter, a few levels of
 Records that are not JPEG, and JPEGs the device decoder refuses (CMYK,
 arithmetic coding, ...), go through the CPU fused path in the same batch and
 are copied into it. On the CPU (``decode_device="cpu"``) the same code runs
-with torchvision's CPU decoder, which is how the tests check it without a
-GPU.
+with the decoder's CPU form, which is how the tests check it without a GPU.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional
 
 import torch
 
+from ._gpu_jpeg import jpeg_decoder
+
 # Padded float32 staging beyond this is resampled in smaller groups.
 _STAGING_BYTES = 512 << 20
-# torchvision's CUDA decoder keeps one nvJPEG state per device: one batch at
-# a time.
-_DECODE_LOCK = threading.Lock()
 
 
 class DeviceDecoder:
@@ -38,14 +36,15 @@ class DeviceDecoder:
     Args:
         dataset: An ``IndexTFRDataset`` on the fused path.
         device: Where to decode and augment (``"cuda"``, or ``"cpu"``).
+        decoder: The JPEG decoder, one of ``_gpu_jpeg.DECODERS``.
     """
 
-    def __init__(self, dataset: Any, device: torch.device) -> None:
-        import torchvision.io  # noqa: F401  (fails early when torchvision lacks it)
-        from torchvision.ops import roi_align  # noqa: F401
+    def __init__(self, dataset: Any, device: torch.device, decoder: str = "torchvision") -> None:
+        from torchvision.ops import roi_align  # noqa: F401  (fails early without it)
 
         self.dataset = dataset
         self.device = torch.device(device)
+        self._jpeg = jpeg_decoder(decoder, self.device)
 
     def batch(
         self, idx: list[int], generator: Optional[torch.Generator]
@@ -67,7 +66,7 @@ class DeviceDecoder:
             device=self.device,
         )
         jpegs = [k for k in range(len(idx)) if is_jpeg[k]]
-        decoded = self._decode([flat[offsets[k] : offsets[k + 1]] for k in jpegs])
+        decoded = self._jpeg.decode([flat[offsets[k] : offsets[k + 1]] for k in jpegs])
         ok = [k for k, img in zip(jpegs, decoded) if img is not None]
         if ok:
             pixels = _resample(
@@ -93,29 +92,6 @@ class DeviceDecoder:
         if ds.target_transform is not None:
             targets = [ds.target_transform(t) for t in targets]
         return out, targets
-
-    def _decode(self, inputs: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-        """CHW uint8 RGB images on the device (``None`` where it failed).
-
-        Args:
-            inputs: Each JPEG's bytes, a 1-D uint8 CPU tensor.
-        """
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        if not inputs:
-            return []
-        with _DECODE_LOCK:
-            try:
-                return list(decode_jpeg(inputs, mode=ImageReadMode.RGB, device=self.device))
-            except RuntimeError:
-                pass  # one of them: find which, decode the others
-            out: list[Optional[torch.Tensor]] = []
-            for one in inputs:
-                try:
-                    out.append(decode_jpeg(one, mode=ImageReadMode.RGB, device=self.device))
-                except RuntimeError:
-                    out.append(None)
-        return out
 
 
 def _boxes(geometries: list[Any], offset: int = 0) -> torch.Tensor:

@@ -38,9 +38,11 @@ Additions:
   there, as DALI and FFCV do. The result equals the float32 batches up to
   float rounding.
 * ``decode_device="cuda"``: JPEGs are decoded on the GPU (nvJPEG, through
-  torchvision) and cropped, resized, flipped and normalised there in whole
-  batches; the CPU threads only read records. Non-JPEG records, and JPEGs
-  the GPU decoder refuses, take the CPU path in the same batch. Crops and
+  torchvision, or with ``jpeg_decoder="nvimagecodec"`` NVIDIA's
+  nvImageCodec, which can use the GPU's hardware JPEG engines) and
+  cropped, resized, flipped and normalised there in whole batches; the CPU
+  threads only read records. Non-JPEG records, and JPEGs the GPU decoder
+  refuses, take the CPU path in the same batch. Crops and
   flips are the same draws as on the CPU; pixels differ from the CPU path
   by a few levels of 255 (IDCT rounding, the resampling filter). See
   ``_device_decode``.
@@ -78,15 +80,25 @@ class DataLoader(torch.utils.data.DataLoader):
             fast path honours it; elsewhere it is an error to ask for it.
         decode_device: ``"cuda"`` to decode and augment on the GPU (see
             the module docs); batches are then yielded there.
+        jpeg_decoder: With ``decode_device``: ``"torchvision"`` (default)
+            or ``"nvimagecodec"`` (needs ``nvidia-nvimgcodec-cu13`` and
+            ``nvidia-nvjpeg``, or the ``-cu12`` build).
         **kwargs: As for ``torch.utils.data.DataLoader``.
 
     Raises:
         ValueError: ``device`` or ``decode_device`` was given but the fast
-            path does not apply (the message says why), or they disagree.
+            path does not apply (the message says why), they disagree, or
+            ``jpeg_decoder`` is unknown or given without ``decode_device``.
+        ImportError: the ``jpeg_decoder`` asked for is not installed.
     """
 
     def __init__(
-        self, *args: Any, device: Any = None, decode_device: Any = None, **kwargs: Any
+        self,
+        *args: Any,
+        device: Any = None,
+        decode_device: Any = None,
+        jpeg_decoder: Optional[str] = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._tiacc_why_not = _why_not_fast(self)
@@ -99,13 +111,20 @@ class DataLoader(torch.utils.data.DataLoader):
                     f"{name}={value!r} needs the fast path, which does not apply: "
                     f"{self._tiacc_why_not}"
                 )
+        if jpeg_decoder is not None and decode_device is None:
+            raise ValueError(
+                f"jpeg_decoder={jpeg_decoder!r} picks the decoder of decode_device=, "
+                "which was not given"
+            )
         if decode_device is not None:
             if device is not None and torch.device(device) != torch.device(decode_device):
                 raise ValueError(
                     f"decode_device={decode_device!r} yields batches there; device={device!r} "
                     "differs"
                 )
-            self._tiacc_decoder = DeviceDecoder(self.dataset, torch.device(decode_device))
+            self._tiacc_decoder = DeviceDecoder(
+                self.dataset, torch.device(decode_device), jpeg_decoder or "torchvision"
+            )
         elif device is not None:
             self._tiacc_device = torch.device(device)
             if not self.dataset._plan.to_float:
