@@ -28,20 +28,11 @@ def cuda_unavailable() -> str | None:
     """Why a job with four ranks on GPU 0 cannot run here, or None."""
     import torch
 
-    import tiacc_training.torch.distributed as tdist
+    from tiacc_training.torch.distributed._nccl import shared_gpu_unavailable
 
     if not torch.cuda.is_available():
         return "needs a CUDA device"
-    try:
-        version = tdist.nccl_version()
-    except Exception as e:
-        return f"needs NCCL >= 2.30 for four ranks on one GPU; none loads: {e}"
-    if version < (2, 30, 0):
-        return (
-            f"needs NCCL >= 2.30 for four ranks on one GPU (found {'.'.join(map(str, version))});"
-            " preload one: LD_PRELOAD and TIACC_TRAINING_NCCL_LIBRARY"
-        )
-    return None
+    return shared_gpu_unavailable(4)
 
 
 def cuda_env() -> dict[str, str]:

@@ -25,25 +25,16 @@ def ranks_env(ranks: int, share: bool = False) -> dict[str, str]:
     """The variables of ``ranks`` ranks over NCCL, or a skip saying why none.
 
     One GPU per rank where there are enough (and ``share`` is not asked);
-    else every rank on GPU 0, which needs NCCL 2.30 or later.
+    else every rank on GPU 0, which needs an NCCL that allows it (the core's
+    rule: 2.30 or later).
     """
     if not share and torch.cuda.device_count() >= ranks:
         return dict(NCCL_CAPS)
-    import tiacc_training.torch.distributed as tdist
+    from tiacc_training.torch.distributed._nccl import shared_gpu_unavailable
 
-    gpus = torch.cuda.device_count()
-    try:
-        version = tdist.nccl_version()
-    except Exception as e:  # no NCCL library loads
-        pytest.skip(
-            f"{ranks} ranks on one GPU need NCCL >= 2.30; {gpus} GPU here and none loads: {e}"
-        )
-    if version < (2, 30, 0):
-        found = ".".join(map(str, version))
-        pytest.skip(
-            f"{ranks} ranks on one GPU need NCCL >= 2.30 ({gpus} GPU here, NCCL {found}): "
-            "set TIACC_TRAINING_NCCL_LIBRARY and LD_PRELOAD to a newer libnccl.so.2"
-        )
+    why = shared_gpu_unavailable(ranks)
+    if why is not None:
+        pytest.skip(f"{why} ({torch.cuda.device_count()} GPU here)")
     env = {**NCCL_CAPS, "NCCL_MULTI_RANK_GPU_ENABLE": "1", "CUDA_VISIBLE_DEVICES": "0"}
     library = os.environ.get("TIACC_TRAINING_NCCL_LIBRARY")
     return {**env, "TIACC_TRAINING_NCCL_LIBRARY": library} if library else env

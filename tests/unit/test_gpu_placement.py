@@ -154,3 +154,26 @@ def test_auto_stages_over_tcp_at_init_when_the_node_has_fewer_gpus_than_ranks(
     with pytest.raises(CommError, match="2 ranks on this node share 1 GPU"):
         _nccl.resolve_cuda_transport(_config.effective_config(transport="nccl"), {"local_size": 2})
     assert _nccl.resolve_cuda_transport(config, {"local_size": 1}) == ("nccl", None)
+
+
+def test_why_ranks_cannot_share_a_gpu_follows_the_cores_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tiacc_training import _engine
+
+    assert _engine.NCCL_MULTI_RANK_GPU_SINCE == (2, 30, 0)
+    assert _engine.nccl_allows_shared_gpu((2, 30, 0)) is True
+    assert _engine.nccl_allows_shared_gpu((2, 30, 7), enabled=False) is False
+    monkeypatch.setattr(_nccl, "nccl_version", lambda: (2, 28, 9))
+    why = _nccl.shared_gpu_unavailable(4)
+    assert why is not None and why.startswith("4 ranks on one GPU need NCCL >= 2.30 (found 2.28.9)")
+    monkeypatch.setattr(_nccl, "nccl_version", lambda: (2, 30, 7))
+    assert _nccl.shared_gpu_unavailable(2) is None
+
+    def missing() -> tuple[int, int, int]:
+        raise CommError("no libnccl.so.2 in /nowhere")
+
+    monkeypatch.setattr(_nccl, "nccl_version", missing)
+    assert _nccl.shared_gpu_unavailable(2) == (
+        "2 ranks on one GPU need NCCL >= 2.30; none loads: no libnccl.so.2 in /nowhere"
+    )

@@ -318,3 +318,12 @@ pub fn check_same_config(rank: usize, fingerprints: Vec<String>) -> PyResult<()>
 pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     PyCommConfig::from_env()?.to_dict(py)
 }
+
+/// Whether NCCL `version` runs several ranks on one GPU once
+/// `NCCL_MULTI_RANK_GPU_ENABLE` is on (`enabled`): the core's rule, for
+/// code that sets that variable for ranks it starts.
+#[pyfunction]
+#[pyo3(signature = (version, enabled=true))]
+pub fn nccl_allows_shared_gpu(version: (u32, u32, u32), enabled: bool) -> bool {
+    config::nccl_allows_shared_gpu(version, enabled)
+}

@@ -49,6 +49,11 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(comm::collective_dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(comm::collective_ops, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_same_config, m)?)?;
+    m.add_function(wrap_pyfunction!(config::nccl_allows_shared_gpu, m)?)?;
+    m.add(
+        "NCCL_MULTI_RANK_GPU_SINCE",
+        tiacc_core::config::NCCL_MULTI_RANK_GPU_SINCE,
+    )?;
     m.add_class::<comm::CommEngine>()?;
     m.add_class::<comm::SharedResult>()?;
     m.add_class::<device::DeviceEngine>()?;

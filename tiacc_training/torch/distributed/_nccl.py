@@ -23,7 +23,8 @@ from tiacc_training.errors import CommError
 from ._rendezvous import default_store, exchange
 from ._state import logger, state
 
-_SHARED_GPU_HOW = "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1"
+_SINCE = ".".join(map(str, _engine.NCCL_MULTI_RANK_GPU_SINCE[:2]))
+_SHARED_GPU_HOW = f"NCCL >= {_SINCE} with NCCL_MULTI_RANK_GPU_ENABLE=1"
 
 
 def nccl_search_dirs() -> list[str]:
@@ -72,6 +73,27 @@ def local_gpus_shared(launch: dict[str, Any]) -> bool:
     """Whether this node runs more ranks than it shows GPUs."""
     local_size = launch.get("local_size") or 1
     return torch.cuda.is_available() and local_size > torch.cuda.device_count()
+
+
+def shared_gpu_unavailable(ranks: int) -> str | None:
+    """Why ``ranks`` ranks cannot share one GPU here, or ``None``.
+
+    The ranks are started with ``NCCL_MULTI_RANK_GPU_ENABLE=1`` and load
+    the NCCL this process loads. For code that starts such ranks itself
+    (the GPU tests, the benchmarks' emulated cluster); the rule is the
+    core's.
+    """
+    need = f"{ranks} ranks on one GPU need NCCL >= {_SINCE}"
+    try:
+        version = nccl_version()
+    except Exception as e:  # no NCCL library loads
+        return f"{need}; none loads: {e}"
+    if not _engine.nccl_allows_shared_gpu(version):
+        return (
+            f"{need} (found {'.'.join(map(str, version))}): point "
+            "TIACC_TRAINING_NCCL_LIBRARY and LD_PRELOAD at a newer libnccl.so.2"
+        )
+    return None
 
 
 def resolve_cuda_transport(config: Any, launch: dict[str, Any]) -> tuple[str, str | None]:
