@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -300,12 +299,34 @@ def loader_rate(loader: Any, device: torch.device, steps: int) -> float:
     return seen / (time.perf_counter() - start)
 
 
-def train_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str, Any]:
-    """Training images/s fed by each loader (see the module docstring)."""
+def train_part(
+    args: argparse.Namespace,
+    img_dir: Path,
+    index: Path,
+    save: Callable[[dict[str, Any]], None] = lambda part: None,
+) -> dict[str, Any]:
+    """Training images/s fed by each loader (see the module docstring).
+
+    ``save(part)`` gets the part as it stands after each row (``"complete":
+    False``), so a run stopped midway keeps the rows it measured.
+    """
     device = torch.device(args.train_device)
     workers = args.train_workers or max(1, (os.cpu_count() or 2) - 1)
     batch = args.train_batch
     pin = device.type == "cuda"
+    rows: dict[str, dict[str, Any]] = {}
+
+    def part(complete: bool) -> dict[str, Any]:
+        return {
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "model": args.train_model,
+            "batch": batch,
+            "workers": workers,
+            "steps": args.train_steps,
+            "rows": rows,
+            "complete": complete,
+        }
 
     def packed() -> IndexTFRDataset:
         return IndexTFRDataset(str(index.parent), str(index), transform())
@@ -336,31 +357,22 @@ def train_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str
         feeds["dropin_nvimagecodec"] = lambda: loader(
             DropInLoader, packed(), num_workers=min(4, workers), decode_device=device,
             jpeg_decoder="nvimagecodec")  # fmt: skip
-    rows = {}
-    for name, make in feeds.items():
+    for name, make in feeds.items():  # synthetic first: the others' reference
         rate = train_rate(make, device, args.train_model, args.train_steps, batch)
-        rows[name] = {"images_per_s": rate}
+        synthetic = rows["synthetic"]["images_per_s"] if rows else rate
+        rows[name] = {"images_per_s": rate, "fraction_of_synthetic": rate / synthetic}
         print(f"  train {name:<22} {rate:8.1f} images/s", flush=True)
-    synthetic = rows["synthetic"]["images_per_s"]
-    for row in rows.values():
-        row["fraction_of_synthetic"] = row["images_per_s"] / synthetic
+        save(part(complete=False))
     if device.type == "cuda":
         rate = loader_rate(feeds["dropin_decode_device"](), device, args.train_steps)
         rows["decode_device_alone"] = {"images_per_s": rate, "workers": min(4, workers)}
         print(f"  decode on {device} alone     {rate:8.1f} images/s", flush=True)
+        save(part(complete=False))
     if nvimagecodec:
         rate = loader_rate(feeds["dropin_nvimagecodec"](), device, args.train_steps)
         rows["nvimagecodec_alone"] = {"images_per_s": rate, "workers": min(4, workers)}
         print(f"  nvImageCodec on {device} alone {rate:8.1f} images/s", flush=True)
-    return {
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "model": args.train_model,
-        "batch": batch,
-        "workers": workers,
-        "steps": args.train_steps,
-        "rows": rows,
-    }
+    return part(complete=True)
 
 
 def decode_bound(img_dir: Path, limit: int = 300) -> dict[str, float]:
@@ -546,9 +558,12 @@ def main() -> int:
             result["scaling"] = scaling_part(args, img_dir, index)
         torch.set_num_threads(os.cpu_count() or 1)
     if args.train:
-        result["training"] = train_part(args, img_dir, index)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+        def save(part: dict[str, Any]) -> None:
+            _machine.write_json(Path(args.out), {**result, "training": part})
+
+        result["training"] = train_part(args, img_dir, index, save)
+    _machine.write_json(Path(args.out), result)
     print(f"wrote {args.out}")
     if "results" in result:  # the chart of the loaders (plot_input.py)
         chart = Path(args.out).with_suffix(".png")
