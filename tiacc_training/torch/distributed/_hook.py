@@ -57,14 +57,18 @@ class HookTotals:
 
     # Backward passes whose buckets reached the engine.
     steps: int = 0
-    # Buckets handed to an engine; per path, with their bytes.
-    engine_buckets: int = 0
+    # Buckets handed to an engine, per path, and their bytes.
     carried: Counter[str] = field(default_factory=Counter)
     carried_bytes: Counter[str] = field(default_factory=Counter)
     # Buckets kept local by gradient accumulation.
     accumulated: int = 0
     # Buckets or models left to torch's own allreduce, per reason.
     native: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def engine_buckets(self) -> int:
+        """Buckets handed to an engine, over every path."""
+        return sum(self.carried.values())
 
 
 totals = HookTotals()
@@ -366,7 +370,6 @@ def count_step() -> None:
 
 def _carried(path: str, nbytes: int) -> None:
     """Counts a bucket handed to an engine (``stats()``)."""
-    totals.engine_buckets += 1
     totals.carried[path] += 1
     totals.carried_bytes[path] += nbytes
 
