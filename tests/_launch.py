@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,20 +43,29 @@ def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def launcher_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """``base_env`` for a launcher (torchrun, ``mp.spawn``) whose ranks share one pipe.
 
-    No rank or rendezvous variables from the outer run, and Python's output
-    buffered: with ``PYTHONUNBUFFERED`` a ``print`` writes its text and its
-    newline in two writes, so on a shared pipe another rank's line can land
-    between them ("LOSS 1 1.3RESULT {...}"). Buffered, ``print(...,
-    flush=True)`` writes the whole line at once.
+    No rank or rendezvous variables from the outer run, and no
+    ``PYTHONUNBUFFERED``: where Python buffers, ``print(..., flush=True)``
+    writes a line in one piece. torchrun starts its workers with ``python
+    -u`` all the same, so parse their output through :func:`unmix`.
     """
-    env = base_env(extra)
-    env.pop("PYTHONUNBUFFERED", None)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(var, None)
-    for var in ("MASTER_ADDR", "MASTER_PORT"):
+    env = base_env()
+    outer = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    for var in ("PYTHONUNBUFFERED", *outer):
         env.pop(var, None)
     env.update(extra or {})
     return env
+
+
+def unmix(output: str, tags: tuple[str, ...]) -> str:
+    """The output of ranks sharing one pipe, each tagged line on a line of its own.
+
+    Unbuffered (torchrun runs ``python -u``), ``print`` writes its text,
+    then its newline: another rank's whole line can land between the two
+    ("LOSS 1 1.32RESULT {...}", then both newlines). A line's own text stays
+    in one piece, so starting a new line at every tag puts each back.
+    """
+    pattern = "|".join(re.escape(tag) for tag in tags)
+    return re.sub(rf"(?<=[^\n])(?={pattern})", "\n", output)
 
 
 def tiacc_class() -> str:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import free_port, json_lines, launcher_env
+from _launch import free_port, json_lines, launcher_env, unmix
 
 SCRIPT = Path(__file__).resolve().parent / "user_scripts" / "classification_ddp.py"
 RUNS = int(os.environ.get("TIACC_TEST_STRESS_RUNS", "3"))
@@ -55,7 +55,7 @@ def _run(data: Path, out: Path, extra: bool) -> str:
         *(["--extra-passes"] if extra else []),
     ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-    output = proc.stdout + proc.stderr
+    output = unmix(proc.stdout, ("LOSS ", "RESULT ")) + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     return output
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import describe, free_port, launcher_env, run_ranks
+from _launch import describe, free_port, launcher_env, run_ranks, unmix
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "horovod_training_worker.py"
@@ -69,7 +69,7 @@ def _run(command: list[str], cwd: Path) -> str:
     proc = subprocess.run(
         command, env=launcher_env(), cwd=cwd, capture_output=True, text=True, timeout=240
     )
-    out = proc.stdout + proc.stderr
+    out = unmix(proc.stdout, ("LOSS ",)) + proc.stderr
     assert proc.returncode == 0, f"{' '.join(command)} failed:\n{out[-6000:]}"
     return out
 

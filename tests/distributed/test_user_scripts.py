@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import free_port, launcher_env
+from _launch import free_port, launcher_env, unmix
 
 SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
 TWO_LINES = (
@@ -38,6 +38,8 @@ TWO_LINES = (
     "tdist.init_tiacc_training()\n",
 )
 STARTUP = "tiacc_training: DDP communication through the tiacc engine"
+# What the scripts (and the exit reporter) print, one line per record.
+TAGS = ("LOSS ", "RESULT ", "ACCURACY ", "HALVES_SYNCED ", "WORLD ", "ENGINE_BUCKETS ")
 
 REPORTER = """\
 import atexit
@@ -127,7 +129,7 @@ def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 24
                     f"{timeout:.0f} s: {(stdout + stderr)[-300:]!r}"
                 )
             raise
-        return proc.returncode, stdout + stderr
+        return proc.returncode, unmix(stdout, TAGS) + unmix(stderr, TAGS)
 
     code, out = once()
     for _ in range(2):
