@@ -161,6 +161,33 @@ def describe(ranks: list[Rank]) -> str:
     )
 
 
+def case_lines(stdout: str, case: str) -> list[str]:
+    """The lines a ``--cases`` run printed for ``case``, without their ``CASE <id> `` prefix."""
+    prefix = f"CASE {case} "
+    return [x.removeprefix(prefix) for x in stdout.splitlines() if x.startswith(prefix)]
+
+
+def case_report(ranks: list[Rank], case: str) -> str:
+    """Why ``case`` of a ``--cases`` launch failed, for an assertion's message.
+
+    Its first line names the case and its first ``FAILED`` line (the line a
+    cut-off run's outcome file keeps), or the ranks that printed no
+    ``DONE`` for it; then every rank's output.
+    """
+    failed = [
+        f"rank {r.rank}: {line}"
+        for r in ranks
+        for line in case_lines(r.stdout, case)
+        if line.startswith("FAILED ")
+    ]
+    if failed:
+        head = f"case {case}: {failed[0]}" + (f" (+{len(failed) - 1} more)" if failed[1:] else "")
+    else:
+        silent = [r.rank for r in ranks if "DONE" not in " ".join(case_lines(r.stdout, case))]
+        head = f"case {case}: no DONE line from ranks {silent}"
+    return f"{head}\n{describe(ranks)}"
+
+
 def exit_failed(exc: BaseException, linger: float = 0.0) -> None:
     """A worker's way out after an error: the traceback, one ``WORKER_ERROR``
     line the tests read, then exit code 3.

@@ -23,7 +23,10 @@ after the other (a JSON list of ``{"id", "env", "exact"}``): each case's
 variables replace the previous case's, both engines are built anew for it,
 its results go to ``<out>/<id>/`` and every line it prints starts with
 ``CASE <id> ``. The ranks and the default group start once for a whole
-matrix; the first case that fails ends the run.
+matrix. A rank that finds a wrong result goes on with the case's
+collectives and raises at its end, so a failed case costs only itself
+(``tests/_cases``): the cases after it run, and the run ends with exit
+code 3 naming the failed ones.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests._cases import Findings, run_cases
 from tests._launch import exit_failed
 from tiacc_training import _engine
 from tiacc_training.torch.distributed import _config, _launch, _rendezvous, _runtime
@@ -226,12 +230,15 @@ def check_probe_counted(
     say("COUNTED probe")
 
 
-def check_device_collectives(engine: object, rank: int, world: int, on: torch.device) -> int:
+def check_device_collectives(
+    engine: object, rank: int, world: int, on: torch.device, findings: Findings
+) -> int:
     """torch.distributed's collectives through the device engine
     (``DeviceEngine.collective``) against references computed here from
     every rank's input: small integers, whose sums and quarters are exact
     in every order, so the results must be equal bit for bit. Returns how
-    many were checked."""
+    many were equal; what differs goes to ``findings``, and every
+    collective runs whatever came before."""
     block = 1027
     sync = torch.cuda.synchronize if on.type == "cuda" else (lambda: None)
     stream = torch.cuda.current_stream(on).cuda_stream if on.type == "cuda" else 0
@@ -241,7 +248,7 @@ def check_device_collectives(engine: object, rank: int, world: int, on: torch.de
             dtype
         )
 
-    checked = 0
+    issued = equal = 0
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         total = sum(data(r, dtype).double() for r in range(world))
         mine = slice(rank * block, (rank + 1) * block)
@@ -253,25 +260,27 @@ def check_device_collectives(engine: object, rank: int, world: int, on: torch.de
         ):
             ours = data(rank, dtype).to(on)
             engine.collective(  # type: ignore[attr-defined]
-                collective, ours.view(torch.uint8), str(dtype), 100 + checked, reduce, stream
+                collective, ours.view(torch.uint8), str(dtype), 100 + issued, reduce, stream
             )
             sync()
             got = ours.cpu().double()
             got = got[mine] if collective == "reduce_scatter" else got
-            assert torch.equal(got, want.to(dtype).double()), (collective, reduce, dtype)
-            checked += 1
+            ok = torch.equal(got, want.to(dtype).double())
+            findings.expect(ok, f"{collective} {reduce} of {dtype} differs from its reference")
+            issued, equal = issued + 1, equal + ok
         own = torch.zeros(world * block, dtype=dtype)
         own[mine] = data(rank, dtype)[mine]
         ours = own.to(on)
         engine.collective(  # type: ignore[attr-defined]
-            "allgather", ours.view(torch.uint8), str(dtype), 100 + checked, "sum", stream
+            "allgather", ours.view(torch.uint8), str(dtype), 100 + issued, "sum", stream
         )
         sync()
         want = torch.cat([data(r, dtype)[r * block : (r + 1) * block] for r in range(world)])
-        assert torch.equal(ours.cpu(), want), ("allgather", dtype)
-        checked += 1
+        ok = torch.equal(ours.cpu(), want)
+        findings.expect(ok, f"allgather of {dtype} differs from its reference")
+        issued, equal = issued + 1, equal + ok
     engine.check()  # type: ignore[attr-defined]
-    return checked
+    return equal
 
 
 def check_counters_agree(host: object, device: object) -> None:
@@ -290,8 +299,19 @@ def check_counters_agree(host: object, device: object) -> None:
     say(f"COUNTED {sum(n for n, _ in buckets(device).values())}")
 
 
-def main() -> int:
+def run_case(args: argparse.Namespace, launch: dict, case: dict) -> None:
+    """One case of ``--cases``, under its own settings and line prefix."""
     global _prefix
+    _prefix = f"CASE {case['id']} "
+    try:
+        config = _config.effective_config()
+        check_case(args, config, launch, args.out / case["id"], case["exact"], case["id"])
+        say("DONE")
+    finally:
+        _prefix = ""
+
+
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
@@ -308,24 +328,14 @@ def main() -> int:
         if args.cases is None:
             check_case(args, config, launch, args.out, args.exact, "")
         else:
-            previous: dict[str, str] = {}
-            for case in json.loads(args.cases.read_text()):
-                for name in previous:
-                    os.environ.pop(name, None)
-                os.environ.update(case["env"])
-                previous = case["env"]
-                _prefix = f"CASE {case['id']} "
-                try:
-                    config = _config.effective_config()
-                    check_case(
-                        args, config, launch, args.out / case["id"], case["exact"], case["id"]
-                    )
-                except Exception as exc:
-                    line = (str(exc).strip().splitlines() or [""])[0]
-                    say(f"FAILED {type(exc).__name__}: {line}")
-                    raise
-                say("DONE")
-            _prefix = ""
+            cases = json.loads(args.cases.read_text())
+            # A rank that failed waits for peers stuck in a collective to
+            # time out and fail in turn.
+            failed = run_cases(
+                cases, lambda case: run_case(args, launch, case), timeout=config.timeout + 60
+            )
+            if failed:
+                raise RuntimeError(f"cases failed: {', '.join(failed)}")
         dist.barrier()
         dist.destroy_process_group()
         return 0
@@ -337,28 +347,59 @@ def main() -> int:
 def check_case(
     args: argparse.Namespace, config: object, launch: dict, out: Path, exact_arg: bool, tag: str
 ) -> None:
-    """One configuration: both engines built for it, every bucket compared."""
+    """One configuration: both engines built for it, every bucket compared.
+
+    A wrong result is recorded and the case goes on with its collectives
+    (its peers are in them too); the problems found are raised at the end.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _rendezvous.default_store()
     host = _runtime.world_engine(config)
-    if args.device == "cuda":
-        gpu = torch.device("cuda", torch.cuda.current_device())
-        device = _runtime._nccl_engine(config, gpu, rank, world)
-        channels = NcclChannels(device, gpu)
-    else:
-        prefix = f"tiacc_training/device-check/{tag}"
-        device = _engine.DeviceEngine(
-            config,
-            rank,
-            world,
-            TorchKernels(torch.device("cpu")),
-            "tcp",
-            board=_rendezvous.FailureBoard(store, prefix),
-            local_size=launch["local_size"],
-            intra_size=_rendezvous.node_intra_size(config, launch, store, prefix, rank, world),
-            host="127.0.0.1",
-        )
-        _rendezvous.connect_tcp(device, store, prefix, rank, world, config.timeout)
+    device = None
+    try:
+        if args.device == "cuda":
+            gpu = torch.device("cuda", torch.cuda.current_device())
+            device = _runtime._nccl_engine(config, gpu, rank, world)
+        else:
+            gpu = torch.device("cpu")
+            prefix = f"tiacc_training/device-check/{tag}"
+            device = _engine.DeviceEngine(
+                config,
+                rank,
+                world,
+                TorchKernels(gpu),
+                "tcp",
+                board=_rendezvous.FailureBoard(store, prefix),
+                local_size=launch["local_size"],
+                intra_size=_rendezvous.node_intra_size(config, launch, store, prefix, rank, world),
+                host="127.0.0.1",
+            )
+            _rendezvous.connect_tcp(device, store, prefix, rank, world, config.timeout)
+        findings = Findings()
+        compare_engines(args, config, host, device, gpu, out, exact_arg, findings)
+        findings.raise_any()
+    finally:
+        if device is not None:
+            device.shutdown()
+        host.shutdown()
+        state.set_engine(None)  # the next case builds its own
+
+
+def compare_engines(
+    args: argparse.Namespace,
+    config: object,
+    host: object,
+    device: object,
+    on: torch.device,
+    out: Path,
+    exact_arg: bool,
+    findings: Findings,
+) -> None:
+    """Every bucket through both engines, then the device engine's
+    collectives and (on CPU) the probe; what differs goes to ``findings``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = on.type == "cuda"
+    channels = NcclChannels(device, on) if cuda else None
     say(f"ENGINE_2D={device.two_d_members}")
     # Under auto each engine measured on its own and may have chosen
     # differently: then their sums are in another order.
@@ -370,17 +411,20 @@ def check_case(
     # are a + b, the host engine's order too.
     pairwise = world == 2 or (device.two_d and world == 4)
     results = {}
-    checked = 0
+    equal = 0
+    # The tests make one rank's first bucket wrong with this variable, to
+    # check that a failed check keeps the rank in step with its peers.
+    wrong_rank = int(os.environ.get("DEVICE_CHECK_WRONG_RANK", "-1"))
     for step in range(args.steps):
         for index, (n, dtype) in enumerate(BUCKETS):
             data = bucket_data(rank, step, index, n, dtype)
             if rank == args.nan_rank and step == 1 and index == 2:
                 data[1] = float("nan")
             try:
-                if args.device == "cuda":
-                    ours = data.to(gpu)
+                if cuda:
+                    ours = data.to(on)
                     channels.allreduce(ours, index).wait()
-                    torch.cuda.synchronize(gpu)
+                    torch.cuda.synchronize(on)
                     device.check()
                     ours = ours.cpu()
                 else:
@@ -390,6 +434,8 @@ def check_case(
                 finite = all(bool(torch.isfinite(v).all()) for v in results.values())
                 say(f"RECEIVED_ONLY_FINITE={finite}")
                 raise
+            if rank == wrong_rank and step == 0 and index == 0:
+                ours[0] += 1  # a wrong result, on purpose
             reference = data.clone()
             host.allreduce(
                 reference.data_ptr(),
@@ -400,16 +446,19 @@ def check_case(
             )
             # A bucket Top-K sparsifies is summed rank by rank on every
             # rank, bitwise the host engine's sums.
-            exact = (args.device == "cpu" and same) or (
+            exact = (not cuda and same) or (
                 exact_arg and (pairwise or config.topk_applies(str(dtype), n * data.element_size()))
             )
-            if exact and not torch.equal(ours.view(torch.uint8), reference.view(torch.uint8)):
-                diff = (ours.double() - reference.double()).abs().max().item()
-                raise AssertionError(
-                    f"step {step} bucket {index} ({n} x {dtype}): the device engine "
-                    f"differs from the host engine by up to {diff}"
-                )
-            if not exact:
+            found = len(findings.problems)
+            if exact:
+                if not torch.equal(ours.view(torch.uint8), reference.view(torch.uint8)):
+                    diff = (ours.double() - reference.double()).abs().max().item()
+                    findings.expect(
+                        False,
+                        f"step {step} bucket {index} ({n} x {dtype}): the device engine "
+                        f"differs from the host engine by up to {diff}",
+                    )
+            else:
                 # Sums in another order differ by the rounding of the
                 # partial sums: up to ~12 sigma with 4 ranks, rounded
                 # twice, where sigma is the bucket's scale (index + 1);
@@ -418,28 +467,26 @@ def check_case(
                 for half in (dtype, WIRES.get(settings["compression"])):
                     if half in (torch.float16, torch.bfloat16):
                         tolerance = max(tolerance, 16 * torch.finfo(half).eps)
-                torch.testing.assert_close(
-                    ours.double(),
-                    reference.double(),
-                    rtol=tolerance,
-                    atol=tolerance * (index + 1),
-                )
+                atol = tolerance * (index + 1)
+                if not torch.allclose(ours.double(), reference.double(), tolerance, atol):
+                    diff = (ours.double() - reference.double()).abs().max().item()
+                    findings.expect(
+                        False,
+                        f"step {step} bucket {index} ({n} x {dtype}): the device engine is off "
+                        f"the host engine by up to {diff} (rtol {tolerance:g}, atol {atol:g})",
+                    )
             results[f"{step}/{index}"] = ours
-            checked += 1
-    say(f"EQUAL {checked}")
+            equal += len(findings.problems) == found
+    say(f"EQUAL {equal}")
     if same:
-        check_counters_agree(host, device)
-    on = gpu if args.device == "cuda" else torch.device("cpu")
-    say(f"COLLECTIVES {check_device_collectives(device, rank, world, on)}")
-    if args.device == "cpu":
+        findings.call(lambda: check_counters_agree(host, device))
+    say(f"COLLECTIVES {check_device_collectives(device, rank, world, on, findings)}")
+    if not cuda:
         # The device engine's TCP groups move to shared memory exactly
         # where the host engine's do (the same set-up, on one host).
-        check_probe(device, rank, world, settings, host.transports["world"])
+        findings.call(lambda: check_probe(device, rank, world, settings, host.transports["world"]))
     out.mkdir(parents=True, exist_ok=True)
     torch.save(results, out / f"device_rank{rank}.pt")
-    device.shutdown()
-    host.shutdown()
-    state.set_engine(None)  # the next case builds its own
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import describe, run_ranks
+from _launch import case_lines, case_report, describe, run_ranks
 
 WORKER = Path(__file__).resolve().parent / "device_engine_worker.py"
 
@@ -81,12 +81,6 @@ def _run(tmp_path: Path, world: int, env: dict[str, str], extra: list[str] | Non
     )
 
 
-def case_lines(stdout: str, case: str) -> list[str]:
-    """The lines a ``--cases`` run printed for ``case``, without their prefix."""
-    prefix = f"CASE {case} "
-    return [x.removeprefix(prefix) for x in stdout.splitlines() if x.startswith(prefix)]
-
-
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     """Every (algorithm, channels) case on 4 ranks, in one launch of the ranks."""
@@ -123,7 +117,7 @@ def test_the_device_engine_equals_the_host_engine_bit_for_bit(
     out, ranks = matrix
     case = f"{algorithm}-{channels}"
     lines = [case_lines(r.stdout, case) for r in ranks]
-    assert all("DONE" in mine for mine in lines), describe(ranks)
+    assert all("DONE" in mine for mine in lines), case_report(ranks, case)
     assert all("EQUAL 21" in mine for mine in lines), describe(ranks)
     # Both engines' own counters hold the 21 buckets under the same paths
     # and codecs; the probe's, under the one its settings call for.
@@ -143,6 +137,29 @@ def test_the_device_engine_equals_the_host_engine_bit_for_bit(
         other = torch.load(out / case / f"device_rank{rank}.pt")
         for key, value in first.items():
             assert torch.equal(value.view(torch.uint8), other[key].view(torch.uint8)), key
+
+
+def test_a_wrong_result_on_one_rank_fails_its_case_only(tmp_path: Path) -> None:
+    """The rank whose result is wrong goes on with the case's collectives, so
+    its peers finish the case, and the next case runs on every rank."""
+    cases = [
+        {"id": "wrong", "env": {**FLAT, "DEVICE_CHECK_WRONG_RANK": "1"}, "exact": False},
+        {"id": "after", "env": FLAT, "exact": False},
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    ranks = _run(tmp_path, 2, {}, ["--cases", str(tmp_path / "cases.json")])
+    assert [r.returncode for r in ranks] == [3, 3], describe(ranks)
+    wrong = [case_lines(r.stdout, "wrong") for r in ranks]
+    assert "DONE" in wrong[0] and "EQUAL 21" in wrong[0], describe(ranks)
+    assert "DONE" not in wrong[1] and "EQUAL 20" in wrong[1], describe(ranks)
+    failed = [x for x in wrong[1] if x.startswith("FAILED AssertionError: step 0 bucket 0 ")]
+    assert failed and "differs from the host engine" in failed[0], describe(ranks)
+    # Its collectives after the wrong bucket ran with its peer's.
+    assert all("COLLECTIVES 15" in mine for mine in wrong), describe(ranks)
+    assert all("FAILED_ON ranks [1]" in mine for mine in wrong), describe(ranks)
+    after = [case_lines(r.stdout, "after") for r in ranks]
+    assert all("DONE" in mine and "EQUAL 21" in mine for mine in after), describe(ranks)
+    assert all("cases failed: wrong" in r.stdout for r in ranks), describe(ranks)
 
 
 def test_two_ranks_of_one_node(tmp_path: Path) -> None:

@@ -16,9 +16,11 @@ command line's): each case's settings replace the previous case's
 variables, ``init_tiacc_training`` runs again (which rebuilds the engines
 for the new settings, or turns them off for a native case), and the
 case's parameters go to ``<out>/<id>/``, with ``CASE <id> LOSS ...`` and
-``CASE <id> DONE <mode> <transport>`` lines; the first case that fails
-prints ``CASE <id> FAILED ...`` and ends the run. Starting the ranks, CUDA and the
-default group once for a whole matrix is what makes the GPU suite short.
+``CASE <id> DONE <mode> <transport>`` lines. A case that fails prints
+``CASE <id> FAILED ...`` and the cases after it still run (``tests/_cases``);
+the run then ends with exit code 3, naming the failed cases. Starting the
+ranks, CUDA and the default group once for a whole matrix is what makes the
+GPU suite short.
 ``--device cpu`` (with ``--backend gloo --transport tcp``) runs the same
 loop on the CPU, where the tests check it without a GPU.
 """
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tiacc_training.torch.distributed as tdist
+from tests._cases import run_cases
 from tests._launch import exit_failed
 
 
@@ -111,26 +114,22 @@ def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, floa
     return transport, sum(losses[:n]) / n, sum(losses[-n:]) / n
 
 
-def run_cases(args: argparse.Namespace) -> int:
+def run_matrix(args: argparse.Namespace) -> int:
     """Every case of ``--cases`` in turn (see the module docstring)."""
-    cases = json.loads(Path(args.cases).read_text())
-    previous: dict[str, str] = {}
-    for case in cases:
-        for name in previous:
-            os.environ.pop(name, None)
-        os.environ.update(case["env"])
-        previous = case["env"]
+
+    def run_one(case: dict) -> None:
         own = argparse.Namespace(**vars(args))
         for key in ("mode", "transport", "expect_transport"):
             setattr(own, key, case.get(key, getattr(args, key)))
-        try:
-            transport, first, last = train(own, args.out / case["id"], case["channels"])
-        except Exception as exc:
-            line = (str(exc).strip().splitlines() or [""])[0]
-            print(f"CASE {case['id']} FAILED {type(exc).__name__}: {line}", flush=True)
-            raise
+        transport, first, last = train(own, args.out / case["id"], case["channels"])
         print(f"CASE {case['id']} LOSS first {first:.6f} last {last:.6f}", flush=True)
         print(f"CASE {case['id']} DONE {own.mode} {transport}", flush=True)
+
+    # A rank that failed waits for peers stuck in a collective to time out
+    # (the engine's 120 s) and fail in turn.
+    failed = run_cases(json.loads(Path(args.cases).read_text()), run_one, timeout=180)
+    if failed:
+        raise RuntimeError(f"cases failed: {', '.join(failed)}")
     tdist.shutdown()
     dist.destroy_process_group()
     return 0
@@ -159,7 +158,7 @@ def main() -> int:
         torch.backends.cudnn.allow_tf32 = False
         torch.use_deterministic_algorithms(True)
         if args.cases:
-            return run_cases(args)
+            return run_matrix(args)
         transport, first, last = train(args, args.out, args.channels)
         print(f"LOSS first {first:.6f} last {last:.6f}", flush=True)
         print(f"DONE {args.mode} {transport}", flush=True)

@@ -10,13 +10,15 @@ older NCCL the tests skip and say so. Point ``TIACC_TRAINING_NCCL_LIBRARY``
   2D, fp16 and bf16 stay within tolerance of it; Top-K learns. Native
   DDP and the 9 cases of a world size and channel count run in one launch
   of its ranks (``--cases``), so the ranks, CUDA and the default group
-  start once per launch; each case is still its own test. Under pytest-xdist,
+  start once per launch; each case is still its own test, and a case that
+  fails costs only itself (``tests/_cases``). Under pytest-xdist,
   ``--dist loadgroup`` keeps a launch's cases on one worker while the
   other launches run on others (``make gpu-check`` passes it).
 * The CUDA path against the host engine on the same buckets: Top-K's
   results are bitwise equal to the CPU reference, the dense algorithms
   equal within rounding (NCCL sums in its own order). These cases, too,
-  run in one launch per world size and channel count.
+  run in one launch per world size and channel count; a rank whose result
+  is wrong finishes the case's collectives with its peers before failing it.
 * The NaN check: the rank holding the NaN raises naming the bucket, its
   peers raise naming it too, and nobody hangs.
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from _gpu_env import ranks_env
-from _launch import describe, run_ranks
+from _launch import case_lines, case_report, describe, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -143,8 +145,7 @@ def test_ddp_over_nccl_on_one_gpu(ddp_matrix, algorithm: str, channels: int, wor
     out, ranks = ddp_matrix(world, channels)
     case = f"{algorithm}-{channels}"
     done = f"CASE {case} DONE tiacc nccl"
-    failed = [line for r in ranks for line in r.stdout.splitlines() if " FAILED " in line]
-    assert all(done in r.stdout for r in ranks), (failed, describe(ranks))
+    assert all(done in r.stdout for r in ranks), case_report(ranks, case)
     ours = [_params(out / case, "tiacc", r) for r in range(world)]
     for r in range(1, world):
         for key, value in ours[0].items():
@@ -199,12 +200,9 @@ def test_the_cuda_path_matches_the_host_engine(
     engine_matrix, algorithm: str, channels: int, world: int
 ) -> None:
     ranks = engine_matrix(world, channels)
-    prefix = f"CASE {algorithm}-{channels} "
-    lines = [
-        [x.removeprefix(prefix) for x in r.stdout.splitlines() if x.startswith(prefix)]
-        for r in ranks
-    ]
-    assert all("DONE" in mine and "EQUAL 21" in mine for mine in lines), describe(ranks)
+    case = f"{algorithm}-{channels}"
+    lines = [case_lines(r.stdout, case) for r in ranks]
+    assert all("DONE" in mine and "EQUAL 21" in mine for mine in lines), case_report(ranks, case)
     # torch.distributed's collectives on CUDA buffers through the device
     # engine (NCCL, 2D where it goes 2D): integer-valued, so exact.
     assert all("COLLECTIVES 15" in mine for mine in lines), describe(ranks)
