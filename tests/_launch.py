@@ -172,7 +172,9 @@ def case_report(ranks: list[Rank], case: str) -> str:
 
     Its first line names the case and its first ``FAILED`` line (the line a
     cut-off run's outcome file keeps), or the ranks that printed no
-    ``DONE`` for it; then every rank's output.
+    ``DONE`` for it; then every rank's output, and last the case's own
+    ``FAILED`` lines again (the outcome file's error lines are the last
+    ones, and every rank's output holds the other cases' too).
     """
     failed = [
         f"rank {r.rank}: {line}"
@@ -185,7 +187,7 @@ def case_report(ranks: list[Rank], case: str) -> str:
     else:
         silent = [r.rank for r in ranks if "DONE" not in " ".join(case_lines(r.stdout, case))]
         head = f"case {case}: no DONE line from ranks {silent}"
-    return f"{head}\n{describe(ranks)}"
+    return "\n".join([head, describe(ranks), *failed])
 
 
 def exit_failed(exc: BaseException, linger: float = 0.0) -> None:

@@ -14,8 +14,13 @@ def test_the_first_line_names_the_case_and_its_failure() -> None:
         _rank(0, "CASE a DONE\nCASE b FAILED CommError: rank 1 timed out\nCASE c DONE\n"),
         _rank(1, "CASE a DONE\nCASE b FAILED AcceleratorError: out of memory\nCASE c DONE\n"),
     ]
-    head = case_report(ranks, "b").splitlines()[0]
-    assert head == "case b: rank 0: FAILED CommError: rank 1 timed out (+1 more)"
+    report = case_report(ranks, "b").splitlines()
+    assert report[0] == "case b: rank 0: FAILED CommError: rank 1 timed out (+1 more)"
+    # It ends with the case's own lines, every rank's.
+    assert report[-2:] == [
+        "rank 0: FAILED CommError: rank 1 timed out",
+        "rank 1: FAILED AcceleratorError: out of memory",
+    ]
     # Another case's failure is not this case's.
     assert case_report(ranks, "c").splitlines()[0] == "case c: no DONE line from ranks []"
 
