@@ -162,6 +162,27 @@ def test_a_wrong_result_on_one_rank_fails_its_case_only(tmp_path: Path) -> None:
     assert all("cases failed: wrong" in r.stdout for r in ranks), describe(ranks)
 
 
+def test_after_an_engine_failure_the_next_case_runs_on_fresh_engines(tmp_path: Path) -> None:
+    """A NaN fails its case on every rank (the engine's error, published on
+    its failure board, its groups broken); the next case builds new engines
+    whose board is clean, and passes."""
+    nan = {"LIGHT_2D_ALLREDUCE": "1", "TIACC_TRAINING_NAN_CHECK": "1"}
+    cases = [
+        {"id": "nan", "env": {**nan, "DEVICE_CHECK_NAN_RANK": "1"}, "exact": False},
+        {"id": "after", "env": {"LIGHT_2D_ALLREDUCE": "1"}, "exact": False},
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    ranks = _run(tmp_path, 4, {}, ["--cases", str(tmp_path / "cases.json")])
+    assert all(r.returncode == 3 for r in ranks), describe(ranks)
+    named = "rank 1: bucket 2 holds a non-finite gradient"
+    for r in ranks:
+        failed = [x for x in case_lines(r.stdout, "nan") if x.startswith("FAILED ")]
+        assert failed and named in failed[0], case_report(ranks, "nan")
+    assert all("FAILED_ON ranks [0, 1, 2, 3]" in r.stdout for r in ranks), describe(ranks)
+    after = [case_lines(r.stdout, "after") for r in ranks]
+    assert all("DONE" in mine and "EQUAL 21" in mine for mine in after), case_report(ranks, "after")
+
+
 def test_two_ranks_of_one_node(tmp_path: Path) -> None:
     ranks = _run(tmp_path, 2, {"LIGHT_2D_ALLREDUCE": "1", "TIACC_TRAINING_COMPRESSION": "bf16"})
     assert all(r.returncode == 0 and "EQUAL 21" in r.stdout for r in ranks), describe(ranks)
