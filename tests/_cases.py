@@ -98,8 +98,6 @@ def run_cases(cases: list[dict], run_one: Callable[[dict], None], timeout: float
             line = (str(exc).strip().splitlines() or [""])[0]
             print(f"{prefix}FAILED {type(exc).__name__}: {line}", flush=True)
             outcome = "failed"
-        # The engine counter its rendezvous keys are named by goes on from
-        # the highest: a rank that failed early built fewer engines.
         key = f"tests/cases/{index}"
         if not dist.is_initialized():
             raise RuntimeError(f"case {case['id']}: no default group to agree through")
@@ -112,6 +110,8 @@ def run_cases(cases: list[dict], run_one: Callable[[dict], None], timeout: float
                 f"case {case['id']}: only ranks {done} of {world} finished it "
                 f"within {timeout:.0f} s ({type(exc).__name__})"
             ) from exc
+        # The counter the engines' rendezvous keys are named by goes on from
+        # the highest rank's: a rank that failed early built fewer engines.
         state.generation = max(int(a.split()[1]) for a in answers)
         bad = [r for r, a in enumerate(answers) if a.split()[0] != "ok"]
         if bad:
