@@ -185,7 +185,11 @@ def case_report(ranks: list[Rank], case: str) -> str:
     if failed:
         head = f"case {case}: {failed[0]}" + (f" (+{len(failed) - 1} more)" if failed[1:] else "")
     else:
-        silent = [r.rank for r in ranks if "DONE" not in " ".join(case_lines(r.stdout, case))]
+        silent = [
+            r.rank
+            for r in ranks
+            if not any(line.startswith("DONE") for line in case_lines(r.stdout, case))
+        ]
         head = f"case {case}: no DONE line from ranks {silent}"
     return "\n".join([head, describe(ranks), *failed])
 
