@@ -41,6 +41,7 @@ of CUDA buckets), ``_kernels`` (torch operations for the device engine),
 from __future__ import annotations
 
 import atexit
+import os
 from typing import Any
 
 import torch
@@ -243,6 +244,8 @@ def _finish(launch: dict[str, Any], device_given: bool, check_round: bool) -> No
         cuda = _backend.describe_cuda_collectives()
         if cuda:
             logger.info("  %s", cuda)
+        if _attempt_text():
+            logger.info("  %s", _attempt_text())
 
 
 def cuda_transport() -> str:
@@ -377,13 +380,14 @@ def _summary() -> None:
     native = sum(totals.native.values())
     counted = _describe_counters(engine_counters())
     logger.info(
-        "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s%s; %s",
+        "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s%s; %s%s",
         totals.steps,
         carried or "nothing",
         native,
         f" ({'; '.join(sorted(totals.native))})" if native else "",
         f"; the engine counted: {counted}" if counted else "",
         _describe_collectives(served, forwarded),
+        f"; {_attempt_text()}" if _attempt_text() else "",
     )
     if cuda:
         logger.info("  %s", _describe_cuda_collectives())
@@ -423,6 +427,26 @@ def _describe_cuda_collectives() -> str:
     counted = _describe_counters(_collectives.counters_in_process("cuda"))
     if counted:
         text += f"; their engines counted: {counted}"
+    return text
+
+
+def _attempt_text() -> str | None:
+    """Which attempt of a restarting job this process is, for the log lines.
+
+    ``torchrun attempt 2 of at most 3 (its keys: generation 5)`` under
+    torchrun (from ``TORCHELASTIC_RESTART_COUNT``, and the generation the
+    attempt's ranks agreed on where they share the agent's store); ``None``
+    outside torchrun.
+    """
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if count is None or not count.isdigit():
+        return None
+    text = f"torchrun attempt {int(count) + 1}"
+    most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
+    if most.isdigit():
+        text += f" of at most {int(most) + 1}"
+    if state.attempt is not None:
+        text += f" (its keys: generation {state.attempt})"
     return text
 
 

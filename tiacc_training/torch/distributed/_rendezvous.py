@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import secrets
 import socket
+import time
 from typing import Any
 
 import torch.distributed as dist
 
 from tiacc_training import _engine
+from tiacc_training.errors import CommTimeoutError
 
 
 def default_store() -> Any:
@@ -41,8 +45,166 @@ def exchange(
     """
     store.set(f"{prefix}/{rank}", value)
     keys = [f"{prefix}/{r}" for r in range(world)]
-    store.wait(keys, datetime.timedelta(seconds=timeout))
+    wait_for(store, keys, list(range(world)), timeout, rank, prefix)
     return [store.get(k).decode() for k in keys]
+
+
+def wait_for(
+    store: Any, keys: list[str], owners: list[int], timeout: float, rank: int, what: str
+) -> None:
+    """Waits for ``keys`` (``owners[i]`` publishes ``keys[i]``), naming who never did.
+
+    A rank that died or stopped during start-up never publishes its key:
+    the store's own timeout says only that a key is missing, so this one
+    names the ranks.
+
+    Raises:
+        CommTimeoutError: a key is still missing after ``timeout`` seconds;
+            the message names its ranks, this rank and the exchange.
+    """
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as err:  # the store's timeout error; its type varies across torch
+        missing = sorted({o for k, o in zip(keys, owners) if not _has(store, k)})
+        if not missing:
+            raise
+        raise CommTimeoutError(
+            f"rank {rank}: {_ranks(missing)} did not reach the start-up exchange {what!r} "
+            f"within {timeout:g} s (stopped, killed or still starting; see their own "
+            "output)"
+        ) from err
+
+
+def _has(store: Any, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:  # the store itself is gone: treat as missing
+        return False
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
+# Where every attempt of a job under torchrun agrees on keys of its own.
+ATTEMPTS = "tiacc_training/attempts"
+# Seconds between polls of the store while the attempt handshake waits.
+_POLL = (0.005, 0.1)
+
+
+def elastic_agent_store() -> tuple[str, int] | None:
+    """The torchelastic agent's store that ``env://`` would join, if any.
+
+    torchrun's agent keeps one store for every attempt (restart) of its
+    workers, and on some torch releases the workers' keys carry nothing
+    of the attempt: a new attempt then reads what a dead one left (peers'
+    addresses, ids). ``None`` where the workers' store is not the agent's.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    return host, int(port)
+
+
+def attempt_prefix(store: Any, rank: int, world: int, timeout: float) -> str:
+    """A key prefix that only this attempt's ranks use, agreed through ``store``.
+
+    Every rank publishes a fresh random nonce. Rank 0 takes a new
+    generation number (an atomic counter that never repeats), publishes the
+    nonces it read as that generation's roster, and waits until every rank
+    has acknowledged a roster holding its own nonce; a roster that held a
+    dead attempt's nonce is replaced by a newer one. Rank 0 then says go.
+    Nothing an earlier attempt left (stale nonces, rosters or
+    acknowledgements) can complete this handshake, and the restart counts
+    of the launcher's agents need not agree (they differ after membership
+    changes).
+
+    Args:
+        store: the store shared by every attempt (the agent's).
+        rank: this rank.
+        world: the number of ranks.
+        timeout: seconds every rank has to arrive.
+
+    Returns:
+        ``tiacc_training/attempts/<generation>``.
+
+    Raises:
+        CommTimeoutError: a rank did not arrive within ``timeout``; rank 0
+            names it, and the others fail with rank 0's message (or, where
+            rank 0 never saw them, their own).
+    """
+    nonce = secrets.token_hex(8)
+    store.set(f"{ATTEMPTS}/hello/{rank}", nonce)
+    deadline = time.monotonic() + timeout
+    if rank == 0:
+        return _lead_attempt(store, world, timeout, deadline)
+    return _join_attempt(store, rank, nonce, timeout, deadline)
+
+
+def _lead_attempt(store: Any, world: int, timeout: float, deadline: float) -> str:
+    hellos = [f"{ATTEMPTS}/hello/{r}" for r in range(world)]
+    wait_for(store, hellos, list(range(world)), timeout, 0, "attempt handshake")
+    while True:
+        nonces = _values(store, hellos)
+        generation = int(store.add(f"{ATTEMPTS}/generation", 1))
+        prefix = f"{ATTEMPTS}/{generation}"
+        store.set(f"{ATTEMPTS}/roster/{generation}", json.dumps({"nonces": nonces}))
+        store.set(f"{ATTEMPTS}/latest", str(generation))
+        acks = [f"{prefix}/ack/{r}" for r in range(1, world)]
+        pause = _POLL[0]
+        while not store.check(acks):
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(acks, start=1) if not _has(store, k)]
+                message = (
+                    f"rank 0: {_ranks(missing)} did not start this attempt's rendezvous "
+                    f"within {timeout:g} s (stopped, killed or still starting; see their own "
+                    "output)"
+                )
+                failure = json.dumps({"nonces": nonces, "failed": message})
+                store.set(f"{ATTEMPTS}/roster/{generation}", failure)
+                raise CommTimeoutError(message)
+            if _values(store, hellos) != nonces:
+                break  # a rank of this attempt replaced a dead attempt's nonce
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL[1])
+        else:
+            store.set(f"{prefix}/go", "1")
+            return prefix
+
+
+def _join_attempt(store: Any, rank: int, nonce: str, timeout: float, deadline: float) -> str:
+    latest, acked = f"{ATTEMPTS}/latest", None
+    pause = _POLL[0]
+    while time.monotonic() <= deadline:
+        generation = store.get(latest).decode() if _has(store, latest) else None
+        if generation is not None:
+            roster = json.loads(store.get(f"{ATTEMPTS}/roster/{generation}"))
+            mine = roster["nonces"][rank] == nonce if len(roster["nonces"]) > rank else False
+            if mine and "failed" in roster:
+                raise CommTimeoutError(f"rank {rank}: {roster['failed']}")
+            prefix = f"{ATTEMPTS}/{generation}"
+            if mine and acked != generation:
+                store.set(f"{prefix}/ack/{rank}", "1")
+                acked = generation
+            if mine and _has(store, f"{prefix}/go"):
+                return prefix
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL[1])
+    raise CommTimeoutError(
+        f"rank {rank}: rank 0 did not confirm this rank's arrival at the attempt's "
+        f"rendezvous within {timeout:g} s (rank 0 stopped, killed or still starting; see "
+        "its own output)"
+    )
+
+
+def _values(store: Any, keys: list[str]) -> list[str]:
+    multi_get = getattr(store, "multi_get", None)
+    values = multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
 
 
 def check_same_config(config: Any, store: Any, prefix: str, rank: int, world: int) -> None:
@@ -235,9 +397,11 @@ def connect_tcp(
     if rank == 0:
         store.set(f"{prefix}/token", _engine.random_token())
     keys = [f"{prefix}/addr/{r}" for r in range(world)] + [f"{prefix}/token"]
+    owners = [*range(world), 0]
     if two_d is not None:
         keys += [f"{prefix}/{g}/{r}" for g in ("intra", "inter") for r in range(world)]
-    store.wait(keys, datetime.timedelta(seconds=timeout))
+        owners += [*range(world), *range(world)]
+    wait_for(store, keys, owners, timeout, rank, f"{prefix}/addr")
     addresses = [store.get(f"{prefix}/addr/{r}").decode() for r in range(world)]
     intra = inter = None
     if engine.two_d_members is not None:
@@ -252,7 +416,7 @@ def _ids(store: Any, prefix: str, leader: int, rank: int, n: int, timeout: float
     if rank == leader:
         for key in keys:
             store.set(key, new_id())
-    store.wait(keys, datetime.timedelta(seconds=timeout))
+    wait_for(store, keys, [leader] * n, timeout, rank, prefix)
     return [store.get(k) for k in keys]
 
 

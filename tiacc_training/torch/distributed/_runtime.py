@@ -36,6 +36,7 @@ import datetime
 import functools
 import inspect
 import os
+import urllib.parse
 import warnings
 from typing import Any, Callable
 
@@ -52,9 +53,11 @@ from ._kernels import TorchKernels
 from ._nccl import check_gpu_placement, nccl_search_dirs
 from ._rendezvous import (
     FailureBoard,
+    attempt_prefix,
     board_store,
     connect_tcp,
     default_store,
+    elastic_agent_store,
     exchange,
     nccl_ids,
     node_intra_size,
@@ -161,8 +164,56 @@ def _init_process_group(*args: Any, **kwargs: Any) -> None:
     )
     if not ours:
         _adopt_timeout(arguments.get("timeout"))
+    _own_attempt_store(arguments)
     _original_init(*bound.args, **bound.kwargs)
     _finish(launch, arguments.get("device_id") is not None)
+
+
+def _own_attempt_store(arguments: dict[str, Any]) -> None:
+    """Gives a torchrun attempt store keys of its own, where it would share them.
+
+    Under torchrun the workers' ``env://`` rendezvous joins the agent's
+    store, which outlives a failed attempt; where torch does not keep the
+    attempts' keys apart, a restarted job reads what the dead attempt left
+    (gloo's and the engine's peer addresses) and fails or hangs. The group
+    is then created on that store under a prefix every rank of this attempt
+    agrees on (``attempt_prefix``), so torch's keys and the engine's are
+    this attempt's alone. A rank that does not arrive makes the others
+    raise within the engine's timeout, naming it. A script's own store or
+    other rendezvous (``tcp://`` to its own host, ``file://``) is left as
+    it is.
+    """
+    agent = elastic_agent_store()
+    if agent is None or arguments.get("store") is not None:
+        return
+    method = arguments.get("init_method")
+    if method not in (None, "env://"):
+        url = urllib.parse.urlparse(str(method))
+        if url.scheme != "tcp" or (url.hostname, url.port) != agent:
+            return
+    rank = _explicit(arguments.get("rank"), "RANK")
+    world = _explicit(arguments.get("world_size"), "WORLD_SIZE")
+    if rank is None or world is None:
+        return  # torch's own rendezvous raises naming what is missing
+    timeout = arguments.get("timeout")
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = distributed_c10d.default_pg_timeout
+    store = dist.TCPStore(
+        agent[0], agent[1], is_master=False, timeout=timeout, wait_for_workers=False
+    )
+    prefix = attempt_prefix(store, rank, world, state.config.timeout)
+    state.attempt = prefix.rsplit("/", 1)[-1]
+    arguments.update(
+        init_method=None, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world
+    )
+
+
+def _explicit(value: Any, variable: str) -> int | None:
+    """``value`` unless it is torch's "not given" (-1 or None), else ``variable``'s."""
+    if value is not None and int(value) != -1:
+        return int(value)
+    text = os.environ.get(variable)
+    return int(text) if text is not None and text.strip().lstrip("-").isdigit() else None
 
 
 @functools.wraps(_original_destroy)

@@ -46,6 +46,9 @@ class State:
     create_on_use: bool = False
     pending_launch: dict[str, Any] | None = None
     backend_arg: str | None = None
+    # The generation the ranks of this torchrun attempt agreed on, where
+    # the group's store is one every attempt shares (``_runtime``).
+    attempt: str | None = None
     # Conflicts between the script's init_process_group and our settings,
     # waiting for rank 0 to warn; the warnings given (once per process, by
     # the runtime and the DDP hook).
