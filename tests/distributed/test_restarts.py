@@ -147,6 +147,43 @@ def test_a_rank_stopped_during_start_up_fails_the_others_naming_it(
     assert waited < timeout + 10, (waited, failed[2])
 
 
+def test_a_rank_stopped_before_init_under_a_plain_env_launch(tmp_path: Path) -> None:
+    """The same without torchrun: two processes given RANK, WORLD_SIZE and
+    MASTER_ADDR/PORT, as mp.spawn and cluster launchers do (rank 0 hosts
+    the store). Stock torch waits in the store's constructor for the group
+    timeout."""
+    timeout = 5.0
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = launcher_env(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "TIACC_TRAINING_TIMEOUT": str(timeout),
+            }
+        )
+        argv = [sys.executable, str(SCRIPT), "--tiacc", "--ckpt", str(tmp_path / "c.pt")]
+        argv += ["--stop-rank", "1", "--stop-seconds", str(timeout + 3)]
+        procs.append(
+            subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    out = "\n".join(outs)
+    assert procs[0].returncode != 0, out[-4000:]
+    stopped = re.search(r"^STOPPING rank 1 \S+ at (\S+)$", out, re.M)
+    failed = re.search(r"^RANK_FAILED 0 at ([\d.]+): (.*)$", out, re.M)
+    assert stopped and failed, out[-4000:]
+    assert "CommTimeoutError" in failed[2] and "rank 1" in failed[2], failed[2]
+    assert float(failed[1]) - float(stopped[1]) < timeout + 10, failed[2]
+
+
 def _two_node_agents(
     nodes: tuple, port: int, extra: tuple[str, ...]
 ) -> list[subprocess.Popen[str]]:

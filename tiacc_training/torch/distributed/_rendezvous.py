@@ -92,6 +92,9 @@ def _ranks(ranks: list[int]) -> str:
 ATTEMPTS = "tiacc_training/attempts"
 # Seconds between polls of the store while the attempt handshake waits.
 _POLL = (0.005, 0.1)
+# Seconds the other ranks wait beyond the timeout, so that rank 0's verdict
+# (which rank never came) reaches them before their own.
+_GRACE = 2.0
 
 
 def elastic_agent_store() -> tuple[str, int] | None:
@@ -135,14 +138,14 @@ def attempt_prefix(store: Any, rank: int, world: int, timeout: float) -> str:
     Raises:
         CommTimeoutError: a rank did not arrive within ``timeout``; rank 0
             names it, and the others fail with rank 0's message (or, where
-            rank 0 never saw them, their own).
+            rank 0 never saw them, their own, ``_GRACE`` seconds later).
     """
     nonce = secrets.token_hex(8)
     store.set(f"{ATTEMPTS}/hello/{rank}", nonce)
     deadline = time.monotonic() + timeout
     if rank == 0:
         return _lead_attempt(store, world, timeout, deadline)
-    return _join_attempt(store, rank, nonce, timeout, deadline)
+    return _join_attempt(store, rank, nonce, timeout, deadline + _GRACE)
 
 
 def _lead_attempt(store: Any, world: int, timeout: float, deadline: float) -> str:

@@ -170,7 +170,7 @@ def _init_process_group(*args: Any, **kwargs: Any) -> None:
 
 
 def _own_attempt_store(arguments: dict[str, Any]) -> None:
-    """Gives a torchrun attempt store keys of its own, where it would share them.
+    """Makes the ``env://`` group's store here, so that its start-up is bounded.
 
     Under torchrun the workers' ``env://`` rendezvous joins the agent's
     store, which outlives a failed attempt; where torch does not keep the
@@ -178,34 +178,63 @@ def _own_attempt_store(arguments: dict[str, Any]) -> None:
     (gloo's and the engine's peer addresses) and fails or hangs. The group
     is then created on that store under a prefix every rank of this attempt
     agrees on (``attempt_prefix``), so torch's keys and the engine's are
-    this attempt's alone. A rank that does not arrive makes the others
-    raise within the engine's timeout, naming it. A script's own store or
-    other rendezvous (``tcp://`` to its own host, ``file://``) is left as
-    it is.
+    this attempt's alone. Elsewhere (``mp.spawn``, SLURM and other
+    launchers of ``env://``) rank 0 hosts the store as torch would, without
+    waiting in its constructor for every rank to connect (torch waits there
+    for its whole group timeout, 30 minutes by default): the same handshake
+    then makes the others raise within the engine's timeout, naming a rank
+    that does not arrive. A script's own store or other rendezvous
+    (``tcp://`` to its own host, ``file://``) is left as it is.
     """
-    agent = elastic_agent_store()
-    if agent is None or arguments.get("store") is not None:
+    if arguments.get("store") is not None:
         return
+    agent = elastic_agent_store()
     method = arguments.get("init_method")
-    if method not in (None, "env://"):
-        url = urllib.parse.urlparse(str(method))
-        if url.scheme != "tcp" or (url.hostname, url.port) != agent:
-            return
+    if method in (None, "env://"):
+        address = agent or _env_master()
+    elif agent is not None and _tcp_address(str(method)) == agent:
+        address = agent  # ours from the launcher (create_group) on torchrun's store
+    else:
+        return
     rank = _explicit(arguments.get("rank"), "RANK")
     world = _explicit(arguments.get("world_size"), "WORLD_SIZE")
-    if rank is None or world is None:
-        return  # torch's own rendezvous raises naming what is missing
+    if address is None or rank is None or world is None or world < 2:
+        return  # torch's own rendezvous (or a world of one) as it is
     timeout = arguments.get("timeout")
     if not isinstance(timeout, datetime.timedelta):
         timeout = distributed_c10d.default_pg_timeout
-    store = dist.TCPStore(
-        agent[0], agent[1], is_master=False, timeout=timeout, wait_for_workers=False
-    )
+    if agent is not None:
+        store = dist.TCPStore(
+            address[0], address[1], is_master=False, timeout=timeout, wait_for_workers=False
+        )
+    else:
+        store = _hosted_store(address, rank, world, timeout)
     prefix = attempt_prefix(store, rank, world, state.config.timeout)
-    state.attempt = prefix.rsplit("/", 1)[-1]
+    if agent is not None:
+        state.attempt = prefix.rsplit("/", 1)[-1]
     arguments.update(
         init_method=None, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world
     )
+
+
+def _env_master() -> tuple[str, int] | None:
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def _tcp_address(method: str) -> tuple[str | None, int | None] | None:
+    url = urllib.parse.urlparse(method)
+    return (url.hostname, url.port) if url.scheme == "tcp" else None
+
+
+def _hosted_store(address: tuple[str, int], rank: int, world: int, timeout: Any) -> Any:
+    """The ``env://`` store as torch makes it (rank 0 serves), minus the wait for workers."""
+    arguments = {"timeout": timeout, "wait_for_workers": False, "multi_tenant": True}
+    try:
+        return dist.TCPStore(address[0], address[1], world, rank == 0, **arguments)
+    except TypeError:  # a torch without multi-tenant stores
+        del arguments["multi_tenant"]
+        return dist.TCPStore(address[0], address[1], world, rank == 0, **arguments)
 
 
 def _explicit(value: Any, variable: str) -> int | None:
