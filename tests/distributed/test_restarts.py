@@ -66,7 +66,7 @@ def _run(argv: list[str], env: dict[str, str] | None = None, limit: float = 240)
 def _losses(out: str) -> dict[int, str]:
     """Every step's loss as rank 0 printed it (a step trained twice must agree)."""
     losses: dict[int, str] = {}
-    for step, value in re.findall(r"^LOSS (\d+) (\S+)$", out, re.M):
+    for step, value in re.findall(r"^LOSS (\d+) (\S+)", out, re.M):
         assert losses.setdefault(int(step), value) == value, (step, out[-3000:])
     return losses
 

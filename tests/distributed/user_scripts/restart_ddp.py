@@ -25,6 +25,7 @@ parser.add_argument("--backend", default="gloo", help="'none': no backend argume
 parser.add_argument("--kill-rank", type=int, default=-1)
 parser.add_argument("--faults", default="", help="attempt:step pairs, comma-separated")
 parser.add_argument("--fault", default="kill", choices=("kill", "raise"))
+parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep after each step")
 parser.add_argument("--reinit", action="store_true", help="init, destroy, then init again")
 parser.add_argument("--stop-rank", type=int, default=-1, help="stops itself (SIGSTOP)")
 parser.add_argument("--stop-at", default="before-init", choices=("before-init", "before-ddp"))
@@ -108,7 +109,8 @@ def main() -> None:
         value = loss.detach().clone()
         dist.all_reduce(value)
         if rank == 0:
-            print(f"LOSS {step} {value.item() / dist.get_world_size():.6f}", flush=True)
+            world = dist.get_world_size()
+            print(f"LOSS {step} {value.item() / world:.6f} WORLD {world}", flush=True)
             tmp = args.ckpt + ".tmp"
             torch.save(
                 {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
@@ -116,6 +118,7 @@ def main() -> None:
             )
             os.replace(tmp, args.ckpt)
         dist.barrier()
+        time.sleep(args.step_seconds)
         if rank == args.kill_rank and f"{attempt}:{step}" in args.faults.split(","):
             if args.fault == "raise":
                 raise RuntimeError(f"planted fault on rank {rank} after step {step}")
