@@ -114,6 +114,20 @@ pub enum Error {
     /// A peer did not answer within the communication timeout.
     #[error("{message}")]
     CommTimeout { peer: usize, message: String },
+
+    /// An engine's state across steps (a checkpoint's Top-K buffers and
+    /// step counts, [`crate::comm::state`]) that does not fit the engine it
+    /// is loaded into: `key` names what differs (`rank`, `world size`,
+    /// `setting topk_ratio`, `bucket 3 velocity`, ...), `expected` is this
+    /// engine's value, `found` the state's.
+    #[error(
+        "the engine state does not fit this engine: {key}: expected {expected}, found {found}"
+    )]
+    StateMismatch {
+        key: String,
+        expected: String,
+        found: String,
+    },
 }
 
 /// What exactly is wrong with a corrupt record.

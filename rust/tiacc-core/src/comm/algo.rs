@@ -152,6 +152,18 @@ impl Algorithm {
         &self.counters
     }
 
+    /// Each bucket's Top-K length and step count (the buffers themselves
+    /// live in the backend).
+    pub fn sparse_state(&self) -> &SparseState {
+        &self.sparse
+    }
+
+    /// Replaces the Top-K bookkeeping (a checkpoint's, see
+    /// [`super::state`]); the backend's buffers must match it.
+    pub fn set_sparse_state(&mut self, sparse: SparseState) {
+        self.sparse = sparse;
+    }
+
     /// Sums `buf` (elements of `dtype`) over the world, divided by the world
     /// size first when `average` (DDP's gradient averaging, done before the
     /// sum so half types cannot overflow). Every rank ends with identical

@@ -11,7 +11,13 @@
 //! When the job spans nodes, the channels take turns on the link between
 //! nodes in submission order ([`super::turns`]), so several channels never
 //! make a step slower than one.
+//!
+//! The engine's state across steps (Top-K's buffers and step counts, kept
+//! by each channel thread) is exported and imported through the same
+//! queues ([`Engine::export_state`], [`Engine::import_state`]), so it is
+//! read and replaced between the jobs queued before and after.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -26,6 +32,7 @@ use super::host::{Groups, HostBackend};
 use super::mapping::SharedBytes;
 use super::progress::{self, Position, Progress, Recorder};
 use super::sharded::{self, ReduceScatterPlan};
+use super::state::{self, BucketState, EngineState};
 use super::transport::{Deadline, OpKind, OpTag, Transport};
 use super::turns::LinkTurns;
 use crate::error::{Error, Result};
@@ -138,9 +145,21 @@ pub struct Job {
     pub done: Completion,
 }
 
+/// What a channel thread takes from its queue.
+enum Work {
+    /// A job, with its submission number and position.
+    Job(u64, Position, Job),
+    /// Hand the channel's state across steps back.
+    Export(mpsc::Sender<Result<BTreeMap<u64, BucketState>>>),
+    /// Hand back the length (float32 elements) of each bucket whose
+    /// buffers the channel keeps.
+    Lengths(mpsc::Sender<HashMap<u64, usize>>),
+    /// Replace the channel's state across steps with these buckets'.
+    Import(BTreeMap<u64, BucketState>, mpsc::Sender<Result<()>>),
+}
+
 struct Channel {
-    /// Jobs with their submission number and position.
-    queue: Option<mpsc::Sender<(u64, Position, Job)>>,
+    queue: Option<mpsc::Sender<Work>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -162,6 +181,10 @@ pub struct Engine {
     recorder: Option<Recorder>,
     /// What the channels carried ([`super::counters`]).
     counters: Arc<Counters>,
+    /// The engine's failure rule; a failed engine exports no state.
+    failures: Arc<Failures>,
+    /// The settings its state depends on ([`state::settings_of`]).
+    state_settings: BTreeMap<String, String>,
 }
 
 impl Engine {
@@ -195,6 +218,8 @@ impl Engine {
             ));
         };
         let (rank, size) = (first.world.rank(), first.world.size());
+        let intra_size = first.hierarchy.as_ref().map(|h| h.layout.intra_size);
+        let state_settings = state::settings_of(&channels_spec[0].1, intra_size);
         let failures = Arc::new(Failures::new(board.clone()));
         failures.add_aborters(channels_spec.iter().flat_map(|(g, _)| g.aborters()));
         let progress = Arc::new(Progress::new());
@@ -209,7 +234,7 @@ impl Engine {
         }
         let mut channels = Vec::with_capacity(channels_spec.len());
         for (index, (groups, settings)) in channels_spec.into_iter().enumerate() {
-            let (tx, rx) = mpsc::channel::<(u64, Position, Job)>();
+            let (tx, rx) = mpsc::channel::<Work>();
             let failures = Arc::clone(&failures);
             let progress = Arc::clone(&progress);
             let turns = turns.clone();
@@ -240,6 +265,8 @@ impl Engine {
             progress,
             recorder,
             counters,
+            failures,
+            state_settings,
         })
     }
 
@@ -298,10 +325,17 @@ impl Engine {
         let rejected = match queue {
             Some(q) => {
                 let at = self.progress.submit(job.bucket);
-                q.send((*submitted, at, job)).err().map(|e| {
-                    self.progress.complete();
-                    e.0 .2
-                })
+                match q.send(Work::Job(*submitted, at, job)) {
+                    Ok(()) => None,
+                    Err(mpsc::SendError(work)) => {
+                        self.progress.complete();
+                        match work {
+                            Work::Job(_, _, job) => Some(job),
+                            // Only the job sent above comes back.
+                            _ => None,
+                        }
+                    }
+                }
             }
             None => Some(job),
         };
@@ -342,6 +376,106 @@ impl Engine {
                 message: format!("rank {}: a channel thread stopped unexpectedly", self.rank),
             })
         })
+    }
+
+    /// The engine's state across steps ([`super::state`]): every channel's,
+    /// read once the jobs queued before this call are done (call it between
+    /// steps, when no bucket of the current step is still queued).
+    ///
+    /// Errors when the engine failed (its buffers may hold half a step), is
+    /// shut down, or this is a forked child.
+    pub fn export_state(&self) -> Result<EngineState> {
+        if let Some(err) = self.failures.first() {
+            return Err(Error::Comm {
+                peer: None,
+                message: format!(
+                    "rank {}: the engine failed, so its state is not that of a finished step: {err}",
+                    self.rank
+                ),
+            });
+        }
+        let replies = self.ask_channels(|_, tx| Some(Work::Export(tx)))?;
+        let mut buckets = BTreeMap::new();
+        for part in replies {
+            buckets.extend(part.recv().map_err(|_| self.stopped())??);
+        }
+        Ok(EngineState {
+            rank: self.rank,
+            world_size: self.size,
+            settings: self.state_settings.clone(),
+            buckets,
+        })
+    }
+
+    /// Replaces the engine's state across steps with `state` (exported by
+    /// an engine of the same rank, world size and settings, with any number
+    /// of channels): each bucket's state goes to the channel that bucket
+    /// runs on, between the jobs queued before and after this call. A
+    /// state that does not fit ([`EngineState::check_fits`], or a bucket
+    /// whose length differs from the one this engine already ran) is an
+    /// [`Error::StateMismatch`] and nothing is imported.
+    pub fn import_state(&self, state: &EngineState) -> Result<()> {
+        state.check_fits(self.rank, self.size, &self.state_settings)?;
+        let lengths = self.ask_channels(|_, tx| Some(Work::Lengths(tx)))?;
+        for (channel, lens) in lengths.into_iter().enumerate() {
+            let lens = lens.recv().map_err(|_| self.stopped())?;
+            let mine = state
+                .buckets
+                .iter()
+                .filter(|(b, _)| self.channel_of(**b) == channel);
+            state::check_lengths(mine, &lens)?;
+        }
+        let mut parts: Vec<BTreeMap<u64, BucketState>> = vec![BTreeMap::new(); self.channels.len()];
+        for (&bucket, b) in &state.buckets {
+            parts[self.channel_of(bucket)].insert(bucket, b.clone());
+        }
+        let mut parts = parts.into_iter();
+        let replies = self.ask_channels(|_, tx| parts.next().map(|part| Work::Import(part, tx)))?;
+        for reply in replies {
+            reply.recv().map_err(|_| self.stopped())??;
+        }
+        Ok(())
+    }
+
+    /// Queues `make(channel, reply)` on every channel; the receivers of the
+    /// replies, in channel order.
+    fn ask_channels<T>(
+        &self,
+        mut make: impl FnMut(usize, mpsc::Sender<T>) -> Option<Work>,
+    ) -> Result<Vec<mpsc::Receiver<T>>> {
+        if std::process::id() != self.owner_pid {
+            return Err(Error::Comm {
+                peer: None,
+                message: format!(
+                    "rank {}: the communication engine belongs to the parent process; a forked \
+                     child cannot use it",
+                    self.rank
+                ),
+            });
+        }
+        let mut out = Vec::with_capacity(self.channels.len());
+        for (index, channel) in self.channels.iter().enumerate() {
+            let (tx, rx) = mpsc::channel();
+            let sent = match (make(index, tx), channel.queue.as_ref()) {
+                (Some(work), Some(q)) => q.send(work).is_ok(),
+                _ => false,
+            };
+            if !sent {
+                return Err(Error::Comm {
+                    peer: None,
+                    message: format!("rank {}: the communication engine is shut down", self.rank),
+                });
+            }
+            out.push(rx);
+        }
+        Ok(out)
+    }
+
+    fn stopped(&self) -> Error {
+        Error::Comm {
+            peer: None,
+            message: format!("rank {}: a channel thread stopped unexpectedly", self.rank),
+        }
     }
 
     /// Finishes queued jobs and stops the channel threads.
@@ -403,156 +537,213 @@ fn sharded_plan(
 fn channel_loop(
     mut backend: HostBackend,
     mut algorithm: Algorithm,
-    jobs: mpsc::Receiver<(u64, Position, Job)>,
+    work: mpsc::Receiver<Work>,
     timeout: Duration,
     failures: &Failures,
     turns: Option<Arc<LinkTurns>>,
     progress: &Progress,
 ) {
-    let (rank, size) = (backend.groups.world.rank(), backend.groups.world.size());
-    for (seq, (number, at, mut job)) in (1u64..).zip(jobs) {
-        let deadline = Deadline::after(timeout);
-        // Every job takes part in the turns, even one that fails before
-        // reaching the link: dropping its turn passes it on.
-        let mut turn = turns.as_ref().map(|t| t.turn(number));
-        let dtype = job.dtype;
-        let buf = job.buf.as_mut_slice();
-        let typed = !matches!(job.op, Collective::Broadcast { .. } | Collective::Barrier);
-        let tag = OpTag {
-            op: job.op.reduce_op().map_or(0, ReduceOp::code),
-            kind: job.op.kind(),
-            seq,
-            bucket: job.bucket,
-            dtype: if typed { dtype.code() } else { 0 },
-            bytes: buf.len() as u64,
-        };
-        let before = wire_of(&backend);
-        let sharded_plan = sharded_plan(&job.op, &algorithm, backend.hierarchical(), dtype, size);
-        let result = if matches!(
-            job.op,
-            Collective::AllreduceOp { mean: true, .. }
-                | Collective::ReduceScatter { mean: true, .. }
-        ) && !dtype.averages()
-        {
-            Err(Error::InvalidArgument(format!(
-                "an average of {} elements has no meaning",
-                dtype.name()
-            )))
-        } else if typed && buf.len() % dtype.size() != 0 {
-            Err(Error::InvalidArgument(format!(
-                "bucket {}: {} bytes is not a whole number of {} elements",
-                job.bucket,
-                buf.len(),
-                dtype.name()
-            )))
-        } else if let Some(plan) = sharded_plan {
-            // SAFETY: the job's buffer is the engine's alone until its
-            // completion runs (`RawBuf::new`'s contract), after `end` below.
-            let mem = unsafe { backend.begin(buf, deadline, turn.take()) };
-            let result = match job.op {
-                Collective::ReduceScatter { mean, .. } => {
-                    let divisor = if mean && size > 1 { size as f64 } else { 1.0 };
-                    sharded::reduce_scatter(&mut backend, &tag, mem, dtype, divisor, &plan)
-                        .map(drop)
-                }
-                _ => sharded::allgather_two_d(&mut backend, &tag, mem, dtype.size()),
-            };
-            backend.end();
-            result.map(|()| None)
-        } else {
-            match job.op {
-                Collective::Allreduce { average } => {
-                    // SAFETY: the job's buffer is the engine's alone until its
-                    // completion runs (`RawBuf::new`'s contract), and that is
-                    // after `end` below.
-                    let mem = unsafe { backend.begin(buf, deadline, turn.take()) };
-                    let result = if job.share {
-                        algorithm.allreduce_shared(&mut backend, &tag, mem, dtype, average)
-                    } else {
-                        algorithm
-                            .allreduce(&mut backend, &tag, mem, dtype, average)
-                            .map(|()| None)
-                    };
-                    backend.end();
-                    result
-                }
-                Collective::Broadcast { root } => {
-                    let world = backend.groups.world.as_mut();
-                    turn.as_mut()
-                        .map_or(Ok(()), |t| t.take(deadline))
-                        .and_then(|()| world.agree(&tag, deadline))
-                        .and_then(|()| world.broadcast(buf, root, deadline))
-                        .map(|()| None)
-                }
-                Collective::Barrier => {
-                    let world = backend.groups.world.as_mut();
-                    turn.as_mut()
-                        .map_or(Ok(()), |t| t.take(deadline))
-                        .and_then(|()| world.agree(&tag, deadline))
-                        .and_then(|()| world.barrier(deadline))
-                        .map(|()| None)
-                }
-                Collective::AllreduceOp { op, mean } => {
-                    let world = backend.groups.world.as_mut();
-                    // The header travels with the data (no round of its own).
-                    turn.as_mut()
-                        .map_or(Ok(()), |t| t.take(deadline))
-                        .and_then(|()| world.allreduce_op(Some(&tag), buf, dtype, op, deadline))
-                        .map(|()| {
-                            if mean && size > 1 {
-                                dtype.div_assign(buf, size as f64);
-                            }
-                            None
-                        })
-                }
-                Collective::ReduceScatter { .. } | Collective::Allgather | Collective::AllToAll => {
-                    let world = backend.groups.world.as_mut();
-                    turn.as_mut()
-                        .map_or(Ok(()), |t| t.take(deadline))
-                        .and_then(|()| world.agree(&tag, deadline))
-                        .and_then(|()| match job.op {
-                            Collective::ReduceScatter { op, mean } => {
-                                world.reduce_scatter_op(buf, dtype, op, deadline).map(|()| {
-                                    if mean && size > 1 {
-                                        let block = buf.len() / size;
-                                        let shard = &mut buf[rank * block..(rank + 1) * block];
-                                        dtype.div_assign(shard, size as f64);
-                                    }
-                                })
-                            }
-                            Collective::Allgather => world.allgather(buf, dtype.size(), deadline),
-                            _ => world.alltoall(buf, deadline),
-                        })
-                        .map(|()| None)
-                }
+    let mut seq = 0u64;
+    for item in work {
+        let (number, at, job) = match item {
+            Work::Job(number, at, job) => (number, at, job),
+            Work::Export(reply) => {
+                let part = state::export_channel(algorithm.sparse_state(), |key| {
+                    Ok(backend.state_buffer(key).map(<[u8]>::to_vec))
+                });
+                let _ = reply.send(part);
+                continue;
+            }
+            Work::Lengths(reply) => {
+                let _ = reply.send(algorithm.sparse_state().lens().clone());
+                continue;
+            }
+            Work::Import(buckets, reply) => {
+                backend.clear_residuals();
+                let sparse = state::import_channel(&buckets, |key, bytes| {
+                    backend.set_state_buffer(key, bytes.to_vec());
+                    Ok(())
+                });
+                let done = match sparse {
+                    Ok(sparse) => {
+                        algorithm.set_sparse_state(sparse);
+                        Ok(())
+                    }
+                    Err(err) => {
+                        // Half a state is no state: the channel starts afresh.
+                        backend.clear_residuals();
+                        algorithm.set_sparse_state(Default::default());
+                        Err(err)
+                    }
+                };
+                let _ = reply.send(done);
+                continue;
             }
         };
-        drop(turn);
-        if result.is_ok() && !matches!(job.op, Collective::Allreduce { .. }) {
-            // The algorithm counts DDP's buckets; these are torch's collectives.
-            let wire = wire_since(before, wire_of(&backend));
-            let bytes = tag.bytes;
-            let (path, codec) = match sharded_plan {
-                Some(plan) if plan.two_d => (Path::Collective2d, plan.codec(dtype)),
-                Some(plan) => (Path::Collective, plan.codec(dtype)),
-                None => (Path::Collective, Compression::None),
-            };
-            algorithm.counters().record(path, codec, bytes, wire);
-        }
-        progress.complete();
-        let result = result.map_err(|err| {
-            // A timeout says where every rank was (unless another rank's
-            // failure came first: then that one is the cause).
-            let err = match failures.board() {
-                Some(board) if failures.first().is_none() => {
-                    progress::attribute_timeout(err, at, progress, board, rank, size)
-                }
-                _ => err,
-            };
-            let err = failures.fail(err);
-            backend.groups.abort();
-            err
-        });
-        (job.done)(result);
+        seq += 1;
+        run_job(
+            &mut backend,
+            &mut algorithm,
+            (seq, number, at, job),
+            timeout,
+            failures,
+            turns.as_ref(),
+            progress,
+        );
     }
+}
+
+/// Runs one job on its channel: `seq` is its number on this channel,
+/// `number` its submission number (for the link turns).
+fn run_job(
+    backend: &mut HostBackend,
+    algorithm: &mut Algorithm,
+    (seq, number, at, mut job): (u64, u64, Position, Job),
+    timeout: Duration,
+    failures: &Failures,
+    turns: Option<&Arc<LinkTurns>>,
+    progress: &Progress,
+) {
+    let (rank, size) = (backend.groups.world.rank(), backend.groups.world.size());
+    let deadline = Deadline::after(timeout);
+    // Every job takes part in the turns, even one that fails before
+    // reaching the link: dropping its turn passes it on.
+    let mut turn = turns.map(|t| t.turn(number));
+    let dtype = job.dtype;
+    let buf = job.buf.as_mut_slice();
+    let typed = !matches!(job.op, Collective::Broadcast { .. } | Collective::Barrier);
+    let tag = OpTag {
+        op: job.op.reduce_op().map_or(0, ReduceOp::code),
+        kind: job.op.kind(),
+        seq,
+        bucket: job.bucket,
+        dtype: if typed { dtype.code() } else { 0 },
+        bytes: buf.len() as u64,
+    };
+    let before = wire_of(backend);
+    let sharded_plan = sharded_plan(&job.op, algorithm, backend.hierarchical(), dtype, size);
+    let result = if matches!(
+        job.op,
+        Collective::AllreduceOp { mean: true, .. } | Collective::ReduceScatter { mean: true, .. }
+    ) && !dtype.averages()
+    {
+        Err(Error::InvalidArgument(format!(
+            "an average of {} elements has no meaning",
+            dtype.name()
+        )))
+    } else if typed && buf.len() % dtype.size() != 0 {
+        Err(Error::InvalidArgument(format!(
+            "bucket {}: {} bytes is not a whole number of {} elements",
+            job.bucket,
+            buf.len(),
+            dtype.name()
+        )))
+    } else if let Some(plan) = sharded_plan {
+        // SAFETY: the job's buffer is the engine's alone until its
+        // completion runs (`RawBuf::new`'s contract), after `end` below.
+        let mem = unsafe { backend.begin(buf, deadline, turn.take()) };
+        let result = match job.op {
+            Collective::ReduceScatter { mean, .. } => {
+                let divisor = if mean && size > 1 { size as f64 } else { 1.0 };
+                sharded::reduce_scatter(backend, &tag, mem, dtype, divisor, &plan).map(drop)
+            }
+            _ => sharded::allgather_two_d(backend, &tag, mem, dtype.size()),
+        };
+        backend.end();
+        result.map(|()| None)
+    } else {
+        match job.op {
+            Collective::Allreduce { average } => {
+                // SAFETY: the job's buffer is the engine's alone until its
+                // completion runs (`RawBuf::new`'s contract), and that is
+                // after `end` below.
+                let mem = unsafe { backend.begin(buf, deadline, turn.take()) };
+                let result = if job.share {
+                    algorithm.allreduce_shared(backend, &tag, mem, dtype, average)
+                } else {
+                    algorithm
+                        .allreduce(backend, &tag, mem, dtype, average)
+                        .map(|()| None)
+                };
+                backend.end();
+                result
+            }
+            Collective::Broadcast { root } => {
+                let world = backend.groups.world.as_mut();
+                turn.as_mut()
+                    .map_or(Ok(()), |t| t.take(deadline))
+                    .and_then(|()| world.agree(&tag, deadline))
+                    .and_then(|()| world.broadcast(buf, root, deadline))
+                    .map(|()| None)
+            }
+            Collective::Barrier => {
+                let world = backend.groups.world.as_mut();
+                turn.as_mut()
+                    .map_or(Ok(()), |t| t.take(deadline))
+                    .and_then(|()| world.agree(&tag, deadline))
+                    .and_then(|()| world.barrier(deadline))
+                    .map(|()| None)
+            }
+            Collective::AllreduceOp { op, mean } => {
+                let world = backend.groups.world.as_mut();
+                // The header travels with the data (no round of its own).
+                turn.as_mut()
+                    .map_or(Ok(()), |t| t.take(deadline))
+                    .and_then(|()| world.allreduce_op(Some(&tag), buf, dtype, op, deadline))
+                    .map(|()| {
+                        if mean && size > 1 {
+                            dtype.div_assign(buf, size as f64);
+                        }
+                        None
+                    })
+            }
+            Collective::ReduceScatter { .. } | Collective::Allgather | Collective::AllToAll => {
+                let world = backend.groups.world.as_mut();
+                turn.as_mut()
+                    .map_or(Ok(()), |t| t.take(deadline))
+                    .and_then(|()| world.agree(&tag, deadline))
+                    .and_then(|()| match job.op {
+                        Collective::ReduceScatter { op, mean } => {
+                            world.reduce_scatter_op(buf, dtype, op, deadline).map(|()| {
+                                if mean && size > 1 {
+                                    let block = buf.len() / size;
+                                    let shard = &mut buf[rank * block..(rank + 1) * block];
+                                    dtype.div_assign(shard, size as f64);
+                                }
+                            })
+                        }
+                        Collective::Allgather => world.allgather(buf, dtype.size(), deadline),
+                        _ => world.alltoall(buf, deadline),
+                    })
+                    .map(|()| None)
+            }
+        }
+    };
+    drop(turn);
+    if result.is_ok() && !matches!(job.op, Collective::Allreduce { .. }) {
+        // The algorithm counts DDP's buckets; these are torch's collectives.
+        let wire = wire_since(before, wire_of(backend));
+        let bytes = tag.bytes;
+        let (path, codec) = match sharded_plan {
+            Some(plan) if plan.two_d => (Path::Collective2d, plan.codec(dtype)),
+            Some(plan) => (Path::Collective, plan.codec(dtype)),
+            None => (Path::Collective, Compression::None),
+        };
+        algorithm.counters().record(path, codec, bytes, wire);
+    }
+    progress.complete();
+    let result = result.map_err(|err| {
+        // A timeout says where every rank was (unless another rank's
+        // failure came first: then that one is the cause).
+        let err = match failures.board() {
+            Some(board) if failures.first().is_none() => {
+                progress::attribute_timeout(err, at, progress, board, rank, size)
+            }
+            _ => err,
+        };
+        let err = failures.fail(err);
+        backend.groups.abort();
+        err
+    });
+    (job.done)(result);
 }

@@ -302,6 +302,18 @@ impl<G: GroupSet> HostBackend<G> {
         mem.pool.append(&mut mem.in_use);
     }
 
+    /// The buffer kept across steps under `key` ([`Backend::residual`]), if
+    /// there is one.
+    pub fn state_buffer(&self, key: u64) -> Option<&[u8]> {
+        self.mem.residuals.get(&key).map(Vec::as_slice)
+    }
+
+    /// Keeps `bytes` across steps under `key`, as [`Backend::residual`]
+    /// would have (a checkpoint's buffer, [`super::state`]).
+    pub fn set_state_buffer(&mut self, key: u64, bytes: Vec<u8>) {
+        self.mem.residuals.insert(key, bytes);
+    }
+
     /// `m`'s bytes, once checked to lie inside memory of the current
     /// operation.
     pub fn bytes(&mut self, m: Mem) -> Result<&mut [u8]> {

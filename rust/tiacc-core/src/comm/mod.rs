@@ -25,6 +25,7 @@ pub mod progress;
 pub mod sharded;
 pub mod shm;
 pub mod sparse;
+pub mod state;
 pub mod tcp;
 pub mod transport;
 pub mod turns;
@@ -36,6 +37,7 @@ pub use dtype::{DType, ReduceOp};
 pub use engine::{Collective, Completion, Engine, Job, RawBuf};
 pub use failure::{FailureBoard, Failures};
 pub use mapping::SharedBytes;
+pub use state::{BucketState, EngineState};
 pub use transport::{Deadline, OpKind, OpTag, Transport};
 
 #[cfg(test)]

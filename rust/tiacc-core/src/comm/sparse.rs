@@ -148,6 +148,25 @@ pub struct SparseState {
     steps: HashMap<u64, u64>,
 }
 
+impl SparseState {
+    /// A state with these buffer lengths (elements) and step counts, as a
+    /// checkpoint restores it ([`super::state`]).
+    pub fn from_parts(lens: HashMap<u64, usize>, steps: HashMap<u64, u64>) -> Self {
+        SparseState { lens, steps }
+    }
+
+    /// Elements of each bucket's state buffers (buckets whose buffers are
+    /// kept).
+    pub fn lens(&self) -> &HashMap<u64, usize> {
+        &self.lens
+    }
+
+    /// Sparse allreduces of each bucket so far (Top-K's warm-up reads them).
+    pub fn steps(&self) -> &HashMap<u64, u64> {
+        &self.steps
+    }
+}
+
 /// The order of selection as an integer: `|v|` under [`f32::total_cmp`].
 /// `abs` only clears the sign bit, and for floats without it (NaNs
 /// included) the total order is the order of their bits as unsigned

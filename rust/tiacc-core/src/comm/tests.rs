@@ -1863,3 +1863,4 @@ fn engine_counters_show_scope_inter_compressing_only_between_nodes() {
 
 mod device;
 mod sharded;
+mod state;

@@ -9,14 +9,18 @@
 //! done. The watchdog bounds each bucket's wait; any failure goes through
 //! [`Failures`] (published, recorded, every communicator aborted) and is
 //! returned by the next call.
+//!
+//! The channels' state across steps (Top-K's buffers and step counts) is
+//! exported and imported as an [`EngineState`] ([`DeviceChannels::export_state`],
+//! [`DeviceChannels::import_state`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 use super::backend::{Comms, DeviceBackend, NcclGroups, Slot, PROBE_BUCKET};
-use super::kernels::Kernels;
+use super::kernels::{Kernels, Span};
 use crate::comm::algo::{AlgoSettings, Algorithm, Layout};
 use crate::comm::auto::{self, Probe};
 use crate::comm::backend::{Backend, GroupId, Shards};
@@ -31,6 +35,7 @@ use crate::comm::nccl::{
 };
 use crate::comm::progress::{self, Position, Progress, Recorder};
 use crate::comm::sharded;
+use crate::comm::state::{self, EngineState};
 use crate::comm::transport::{Aborter, Deadline, OpKind, OpTag};
 use crate::error::{Error, Result};
 
@@ -85,6 +90,9 @@ pub struct DeviceChannels<B> {
     recorder: Option<Recorder>,
     /// What the channels carried ([`crate::comm::counters`]).
     counters: Arc<Counters>,
+    /// The settings the channels' state depends on
+    /// ([`state::settings_of`]), once opened.
+    state_settings: BTreeMap<String, String>,
 }
 
 /// Locks a channel, waiting with the framework's lock released (the
@@ -125,6 +133,7 @@ impl<B> DeviceChannels<B> {
             progress,
             recorder,
             counters: Arc::new(Counters::new()),
+            state_settings: BTreeMap::new(),
         })
     }
 
@@ -277,6 +286,11 @@ impl<B> DeviceChannels<B> {
 
     /// Opens one channel per element of `comms`, each running `settings`.
     pub fn open(&mut self, comms: Vec<Comms>, settings: AlgoSettings) {
+        let intra_size = comms.first().and_then(|c| match c {
+            Comms::Nccl(g) => g.two_d.as_ref().map(|(intra, _)| intra.size()),
+            Comms::Tcp(g) => g.hierarchy.as_ref().map(|h| h.layout.intra_size),
+        });
+        self.state_settings = state::settings_of(&settings, intra_size);
         self.channels = comms
             .into_iter()
             .map(|comms| {
@@ -523,6 +537,124 @@ impl<B> DeviceChannels<B> {
             });
         }
         Ok(())
+    }
+
+    /// The channels' state across steps ([`crate::comm::state`]), once the
+    /// device finished the work enqueued so far (the kernels' synchronize,
+    /// then each buffer fetched). Errors when the engine failed or is shut
+    /// down, or a kernel fails.
+    pub fn export_state<K: Kernels<Buffer = B>>(&self, kernels: &K) -> Result<EngineState> {
+        self.check()?;
+        kernels
+            .synchronize()
+            .map_err(|e| self.kernel_failed("synchronize", e))?;
+        let mut buckets = BTreeMap::new();
+        for m in &self.channels {
+            let channel = lock(kernels, m);
+            let part = state::export_channel(channel.algorithm.sparse_state(), |key| {
+                let Some(slot) = channel.residuals.get(&key) else {
+                    return Ok(None);
+                };
+                let span = Span {
+                    buffer: &slot.buffer,
+                    offset: 0,
+                    bytes: slot.mem.bytes,
+                };
+                let bytes = kernels
+                    .fetch(span)
+                    .map_err(|e| self.kernel_failed("fetch", e))?;
+                Ok(Some(bytes))
+            })?;
+            buckets.extend(part);
+        }
+        Ok(EngineState {
+            rank: self.rank,
+            world_size: self.size,
+            settings: self.state_settings.clone(),
+            buckets,
+        })
+    }
+
+    /// Replaces the channels' state across steps with `state` (exported by
+    /// an engine of the same rank, world size and settings, with any number
+    /// of channels): each bucket's buffers are allocated and loaded through
+    /// `kernels` on the channel that bucket runs on. With `only`, only that
+    /// channel's buckets are replaced (the framework allocates them on that
+    /// channel's stream), after the whole state was checked. A state that
+    /// does not fit ([`EngineState::check_fits`], or a bucket whose length
+    /// differs from the one a channel already ran) is an
+    /// [`Error::StateMismatch`] and nothing is imported.
+    pub fn import_state<K: Kernels<Buffer = B>>(
+        &self,
+        kernels: &K,
+        state: &EngineState,
+        only: Option<usize>,
+    ) -> Result<()> {
+        self.check()?;
+        if let Some(c) = only.filter(|&c| c >= self.channels.len()) {
+            return Err(Error::InvalidArgument(format!(
+                "channel {c} is not one of the engine's {} channels",
+                self.channels.len()
+            )));
+        }
+        state.check_fits(self.rank, self.size, &self.state_settings)?;
+        let mut guards: Vec<_> = self.channels.iter().map(|m| lock(kernels, m)).collect();
+        let of = |c: usize| {
+            state
+                .buckets
+                .iter()
+                .filter(move |(b, _)| self.channel_of(**b) == c)
+        };
+        for (c, channel) in guards.iter().enumerate() {
+            state::check_lengths(of(c), channel.algorithm.sparse_state().lens())?;
+        }
+        for (c, channel) in guards.iter_mut().enumerate() {
+            if only.is_some_and(|o| o != c) {
+                continue;
+            }
+            let Channel {
+                algorithm,
+                residuals,
+                ..
+            } = &mut **channel;
+            residuals.clear();
+            let sparse = state::import_channel(of(c), |key, bytes| {
+                let (buffer, mem) = kernels
+                    .empty(bytes.len())
+                    .map_err(|e| self.kernel_failed("empty", e))?;
+                let span = Span {
+                    buffer: &buffer,
+                    offset: 0,
+                    bytes: mem.bytes,
+                };
+                kernels
+                    .load(span, bytes)
+                    .map_err(|e| self.kernel_failed("load", e))?;
+                residuals.insert(key, Slot { buffer, mem });
+                Ok(())
+            });
+            match sparse {
+                Ok(sparse) => algorithm.set_sparse_state(sparse),
+                Err(err) => {
+                    // Half a state is no state: the channel starts afresh.
+                    residuals.clear();
+                    algorithm.set_sparse_state(Default::default());
+                    return Err(err);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A kernel's failure while exporting or importing the state.
+    fn kernel_failed(&self, name: &str, e: super::kernels::KernelError) -> Error {
+        Error::Comm {
+            peer: Some(self.rank),
+            message: format!(
+                "rank {}: the engine state: the {name} kernel failed: {}",
+                self.rank, e.0
+            ),
+        }
     }
 
     /// Records `err` as the engine's failure (see [`Failures::fail`]).

@@ -14,7 +14,7 @@ use crate::comm::sharded::{self, ReduceScatterPlan};
 use crate::comm::sparse::{self, TopKOptions};
 
 /// A host allocation a [`HostKernels`] hands out, freed when dropped.
-struct HostBuffer {
+pub(super) struct HostBuffer {
     ptr: *mut u8,
     len: usize,
 }
@@ -54,10 +54,10 @@ unsafe impl Sync for HostBuffer {}
 
 /// What [`HostKernels`] hands out: a shared handle, so a test can keep one
 /// to read a bucket the engine took.
-type Shared = std::sync::Arc<HostBuffer>;
+pub(super) type Shared = std::sync::Arc<HostBuffer>;
 
 /// [`Kernels`] over host memory: the host backend's own kernels.
-struct HostKernels;
+pub(super) struct HostKernels;
 
 /// `span`'s bytes.
 ///
