@@ -818,6 +818,29 @@ impl CommEngine {
         counters_dict(py, self.counters.as_deref())
     }
 
+    /// The engine's state across steps (Top-K's residuals, the momentum
+    /// correction's buffers and each bucket's step count) as a dict (see
+    /// `tiacc_training.torch.distributed._engine_state`), read once the
+    /// collectives queued before this call are done; waits without the GIL.
+    /// Raises `CommError` once the engine failed or was shut down.
+    fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let engine = self.engine()?;
+        let state = py.detach(|| engine.export_state()).py()?;
+        crate::state::to_dict(py, &state)
+    }
+
+    /// Replaces the engine's state across steps with `state` (a dict as
+    /// `state()` returns), each bucket's on the channel it runs on, after
+    /// the collectives queued before; waits without the GIL. Raises
+    /// `ValueError` naming the key when `state` is malformed or does not
+    /// fit this engine (another rank, world size or setting, a bucket of
+    /// another size); nothing is imported then.
+    fn load_state(&self, py: Python<'_>, state: &Bound<'_, PyDict>) -> PyResult<()> {
+        let state = crate::state::from_dict(state)?;
+        let engine = self.engine()?;
+        py.detach(|| engine.import_state(&state)).py()
+    }
+
     /// Finishes queued collectives and stops the channel threads. Safe to
     /// call twice.
     fn shutdown(&mut self, py: Python<'_>) {

@@ -358,6 +358,43 @@ impl DeviceEngine {
         (t.steps, t.compute, t.comm)
     }
 
+    /// The engine's state across steps (Top-K's residuals, the momentum
+    /// correction's buffers and each bucket's step count) as a dict (the
+    /// form of `CommEngine.state()`), once the device finished the work
+    /// enqueued so far. Raises `CommError` once the engine failed or was
+    /// shut down.
+    fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let ops = TorchOps {
+            py,
+            kernels: self.kernels.bind(py),
+        };
+        let state = self.core.export_state(&ops).map_err(to_pyerr)?;
+        crate::state::to_dict(py, &state)
+    }
+
+    /// Replaces the engine's state across steps with `state` (a dict as
+    /// `state()` returns), each bucket's buffers allocated and loaded on
+    /// the channel it runs on; with `channel`, only that channel's buckets
+    /// (the caller runs this inside that channel's stream context, once per
+    /// channel). Raises `ValueError` naming the key when `state` is
+    /// malformed or does not fit this engine; nothing is imported then.
+    #[pyo3(signature = (state, channel=None))]
+    fn load_state(
+        &self,
+        py: Python<'_>,
+        state: &Bound<'_, PyDict>,
+        channel: Option<usize>,
+    ) -> PyResult<()> {
+        let state = crate::state::from_dict(state)?;
+        let ops = TorchOps {
+            py,
+            kernels: self.kernels.bind(py),
+        };
+        self.core
+            .import_state(&ops, &state, channel)
+            .map_err(to_pyerr)
+    }
+
     /// Raises the engine's failure (a timeout, an NCCL error, a failure on
     /// another rank), if there was one, or a `CommError` once shut down.
     fn check(&self) -> PyResult<()> {

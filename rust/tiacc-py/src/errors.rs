@@ -285,6 +285,18 @@ pub fn to_pyerr(err: Error) -> PyErr {
                 CommTimeoutError::new_err(message),
                 vec![("peer", any(py, *peer))],
             ),
+            Error::StateMismatch {
+                key,
+                expected,
+                found,
+            } => (
+                PyValueError::new_err(message),
+                vec![
+                    ("key", any(py, key.as_str())),
+                    ("expected", any(py, expected.as_str())),
+                    ("found", any(py, found.as_str())),
+                ],
+            ),
         };
         let value = exc.value(py);
         for (name, obj) in attrs {

@@ -15,6 +15,7 @@ mod features;
 mod nccl;
 mod pack;
 mod records;
+mod state;
 
 #[pymodule]
 fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
