@@ -35,7 +35,8 @@ use, and the engines built for it: the one place that builds either),
 and whether CUDA buckets use it), ``_rendezvous`` (exchanges through the
 store), ``_hook`` (the DDP patch and hook), ``_cuda`` (streams and futures
 of CUDA buckets), ``_kernels`` (torch operations for the device engine),
-``_state`` (process-wide state).
+``_state`` (process-wide state), ``_engine_state`` (the engines' state
+across steps in checkpoints: :func:`state_dict`, :func:`load_state_dict`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
 
 from . import _backend, _collectives, _config, _device_collectives, _hook, _launch, _perf, _runtime
+from ._engine_state import load_state_dict, state_dict
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
 from ._rendezvous import check_same_config, default_store
@@ -65,10 +67,12 @@ __all__ = [
     "get_engine",
     "init_tiacc_training",
     "is_initialized",
+    "load_state_dict",
     "logger",
     "nccl_search_dirs",
     "nccl_version",
     "shutdown",
+    "state_dict",
     "stats",
 ]
 

@@ -73,6 +73,23 @@ class NcclChannels:
         self.engine.watch(channel, done.query)
         return future
 
+    def load_engine_state(self, state: dict[str, Any]) -> None:
+        """Loads the device engine's state across steps (``_engine_state``).
+
+        Each channel's buffers are allocated on its own stream, the one its
+        buckets use them on (so the caching allocator orders their reuse
+        with that stream's work), after the work already queued on the
+        current stream.
+
+        Args:
+            state: the engine's dict (``DeviceEngine.load_state``'s form).
+        """
+        current = torch.cuda.current_stream(self.device)
+        for channel, stream in enumerate(self.streams):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                self.engine.load_state(state, channel=channel)
+
     def close(self) -> None:
         """Aborts the communicators (never waits on peers)."""
         self.engine.shutdown()

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tiacc_training.errors import CommError
 
-from . import _perf
+from . import _engine_state, _perf
 from ._cuda import unwrap
 from ._runtime import cuda_path, ensure_group, world_engine
 from ._state import logger
@@ -347,6 +347,8 @@ def carry_bucket(
         ValueError: neither path given, or ``average=False`` for a CUDA bucket.
     """
     nbytes = buf.numel() * buf.element_size()
+    if _engine_state.expected_sizes:
+        _engine_state.check_bucket(index, nbytes)
     if cuda is not None:
         if not average:
             raise ValueError("carry_bucket: the CUDA paths average (average=False given)")
