@@ -1,4 +1,4 @@
-"""One rank of a Top-K run that is checkpointed and resumed (``test_engine_state``).
+"""One rank of a Top-K run that is checkpointed and resumed (``test_engine_state_resume``).
 
 Top-K with DGC's momentum correction and a warm-up comes from the
 environment. ``--mode full`` trains ``STEPS`` steps from the start and,

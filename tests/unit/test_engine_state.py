@@ -155,6 +155,7 @@ def test_a_state_loaded_before_its_engine_is_held_then_applied(
 
     engine = cpu_engine(config)
     state.set_engine(engine)
+    _engine_state.apply_held("cpu", engine)  # as _runtime does once it built it
     assert state.pending_engine_state == {}
     applied = engine.state()
     assert applied["buckets"][2]["steps"] == 2
@@ -296,8 +297,9 @@ def test_an_engine_built_later_checks_the_rank_and_the_fit(config: Any, clean_st
     s.update(rank=1, world_size=2)
     tdist.load_state_dict(s)
     engine = cpu_engine(config)
+    state.set_engine(engine)
     with pytest.raises(ValueError) as caught:
-        state.set_engine(engine)
+        _engine_state.apply_held("cpu", engine)
     assert "rank: expected rank 0 (this engine's), found rank 1" in str(caught.value)
     assert caught.value.key == "rank"
     # A bucket whose buffers do not go together, and a setting of another value.

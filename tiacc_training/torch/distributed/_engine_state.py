@@ -131,7 +131,7 @@ def load_state_dict(state_dict: Mapping[str, Any]) -> None:
 def apply_held(kind: str, carrier: Any) -> None:
     """Applies the state held for ``kind`` to the engine just built.
 
-    Called by ``_state`` when the runtime installs an engine.
+    Called by ``_runtime`` once it has built and installed the engine.
 
     Args:
         kind: ``"cpu"`` or ``"cuda"``.

@@ -47,7 +47,7 @@ from torch.distributed import distributed_c10d
 from tiacc_training import _engine
 from tiacc_training.errors import ConfigError
 
-from . import _backend, _launch
+from . import _backend, _engine_state, _launch
 from ._cuda import HostStaging, NcclChannels
 from ._kernels import TorchKernels
 from ._nccl import check_gpu_placement, nccl_search_dirs
@@ -356,6 +356,7 @@ def world_engine(config: Any) -> Any:
         if engine.auto_choice is not None:
             logger.info("%s", engine.auto_choice)
     state.set_engine(engine)
+    _engine_state.apply_held("cpu", engine)
     return engine
 
 
@@ -383,6 +384,7 @@ def cuda_path(config: Any, device: torch.device) -> Any:
         state.set_cuda(None)
     if nccl:
         state.set_cuda(NcclChannels(_nccl_engine(config, device, rank, world), device))
+        _engine_state.apply_held("cuda", state.cuda)
     else:
         state.set_cuda(HostStaging(engine, device))
     return state.cuda

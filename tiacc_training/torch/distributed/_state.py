@@ -62,29 +62,21 @@ class State:
     retired_counters: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # Engine state loaded by ``load_state_dict`` before its engine was built,
     # per kind (``"cpu"``, ``"cuda"``), as the engines' ``load_state`` takes
-    # it: applied by ``set_engine`` / ``set_cuda`` to the engine they install
-    # (``_engine_state``).
+    # it: ``_runtime`` applies it to the engine it builds next
+    # (``_engine_state.apply_held``).
     pending_engine_state: dict[str, Any] = field(default_factory=dict)
 
     def set_engine(self, engine: Any) -> None:
-        """Makes ``engine`` the CPU engine; the one it replaces is retired.
-
-        A state held for the CPU engine is loaded into ``engine``.
-        """
+        """Makes ``engine`` the CPU engine; the one it replaces is retired."""
         if self.engine is not None and self.engine is not engine:
             add_counters(self.retired_counters, engine_counters_of(self.engine))
         self.engine = engine
-        if engine is not None and "cpu" in self.pending_engine_state:
-            from ._engine_state import apply_held
-
-            apply_held("cpu", engine)
 
     def set_cuda(self, cuda: Any) -> None:
         """Makes ``cuda`` the path of CUDA buckets; the one it replaces is retired.
 
         The NCCL path's device engine is retired with it. Host staging runs
-        on a CPU engine, which is counted when it leaves ``engine``. A state
-        held for the device engine is loaded into ``cuda``'s.
+        on a CPU engine, which is counted when it leaves ``engine``.
         """
         old = self.cuda
         if old is not None and old is not cuda:
@@ -93,10 +85,6 @@ class State:
             if not staging:
                 add_counters(self.retired_counters, engine_counters_of(engine))
         self.cuda = cuda
-        if cuda is not None and "cuda" in self.pending_engine_state:
-            from ._engine_state import apply_held
-
-            apply_held("cuda", cuda)
 
 
 def engine_counters_of(engine: Any) -> dict[tuple[str, str], dict[str, Any]]:
