@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _launch import free_port, launcher_env, unmix
 
 SCRIPT = Path(__file__).resolve().parent / "user_scripts" / "restart_ddp.py"
@@ -185,10 +186,12 @@ def test_a_rank_stopped_before_init_under_a_plain_env_launch(tmp_path: Path) -> 
 
 
 def _two_node_agents(
-    nodes: tuple, port: int, extra: tuple[str, ...]
+    nodes: tuple, port: int, extra: tuple[str, ...], only: int | None = None
 ) -> list[subprocess.Popen[str]]:
     procs = []
     for node_rank, node in enumerate(nodes):
+        if only is not None and node_rank != only:
+            continue
         argv = [
             sys.executable,
             "-m",
@@ -237,15 +240,7 @@ def test_restarts_of_two_nodes_over_an_emulated_link(tmp_path: Path) -> None:
     with cluster(rate_mbit=1000) as nodes:
         extra = ("--tiacc", "--ckpt", str(ckpt), "--kill-rank", "3", "--faults", "0:3")
         procs = _two_node_agents(nodes, free_port(), extra)
-        deadline = time.monotonic() + 240
-        outs = []
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                outs.append(p.communicate()[0] + "\n(timed out)")
-    out = unmix("\n".join(outs), TAGS)
+        out = _finish(procs, 240)
     assert all(p.returncode == 0 for p in procs), out[-5000:]
     assert "ATTEMPT 1 RESUMED 4" in out and "DONE attempt 1" in out, out[-5000:]
     losses = _losses(out)
@@ -253,3 +248,67 @@ def test_restarts_of_two_nodes_over_an_emulated_link(tmp_path: Path) -> None:
     for step, value in expected.items():
         assert float(losses[step]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), step
     assert "inter-node over tcp" in out, out[-5000:]
+
+
+def _kill_agent_and_its_ranks(agent: subprocess.Popen[str]) -> None:
+    """SIGKILL to a torchrun agent and the ranks it started, as when a node is lost."""
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children")
+    ranks = [int(pid) for pid in children.read_text().split()] if children.exists() else []
+    agent.kill()
+    for pid in ranks:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def _finish(procs: list[subprocess.Popen[str]], limit: float) -> str:
+    deadline = time.monotonic() + limit
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0] + "\n(timed out)")
+    return unmix("\n".join(outs), TAGS)
+
+
+def test_a_node_lost_and_started_again_over_an_emulated_link(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks over the emulated link: node 1's agent and its ranks
+    are killed after step 2 (a lost machine); the scheduler starts a new
+    agent there. Node 0's agent restarts its ranks (its count is 1, the new
+    agent's 0: the attempt handshake does not need them to agree), and the
+    job resumes from the checkpoint with the uninterrupted run's losses."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("needs root and iproute2 (ip, tc) for network namespaces")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from netns_cluster import cluster
+
+    reference = _run(_torchrun("--ckpt", str(tmp_path / "native.pt"), nproc=4, restarts=0))
+    assert reference.startswith("rc=0"), reference[-3000:]
+    expected = _losses(reference)
+    ckpt = tmp_path / "ckpt.pt"
+    port = free_port()
+    with cluster(rate_mbit=1000) as nodes:
+        extra = ("--tiacc", "--ckpt", str(ckpt), "--step-seconds", "0.3")
+        node0, lost = _two_node_agents(nodes, port, extra)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if ckpt.exists() and torch.load(ckpt)["step"] >= 2:
+                break
+            assert node0.poll() is None and lost.poll() is None, "an agent ended early"
+            time.sleep(0.1)
+        _kill_agent_and_its_ranks(lost)
+        lost_out = lost.communicate()[0]
+        time.sleep(1.0)
+        (again,) = _two_node_agents(nodes, port, extra, only=1)
+        out = _finish([node0, again], 240)
+    out = f"{unmix(lost_out, TAGS)}\n{out}"
+    assert node0.returncode == 0 and again.returncode == 0, out[-5000:]
+    assert re.search(r"^ATTEMPT 1 RESUMED [3-9]", out, re.M), out[-5000:]
+    assert "DONE attempt 1" in out, out[-5000:]
+    losses = _losses(out)
+    assert sorted(losses) == sorted(expected), out[-5000:]
+    for step, value in expected.items():
+        assert float(losses[step]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), step
