@@ -47,7 +47,9 @@ def config(monkeypatch: pytest.MonkeyPatch) -> Any:
 def clean_state() -> Iterator[None]:
     keys = ("engine", "cuda", "retired_counters", "pending_engine_state", "launch")
     saved = {k: state.__dict__[k] for k in keys}
-    state.__dict__.update(engine=None, cuda=None, retired_counters={}, pending_engine_state={})
+    state.__dict__.update(
+        engine=None, cuda=None, retired_counters={}, pending_engine_state={}, launch=None
+    )
     _engine_state.expected_sizes.clear()
     try:
         yield

@@ -66,11 +66,13 @@ def state_dict() -> dict[str, Any]:
         CommError: an engine failed (its state may be half a step's).
     """
     engines: dict[str, Any] = {}
-    for kind, engine in _engines():
-        engines[kind] = _to_torch(engine.state())
+    exported = {kind: engine.state() for kind, engine in _engines()}
+    for kind, entry in exported.items():
+        engines[kind] = _to_torch(entry)
     for kind, held in state.pending_engine_state.items():
         engines.setdefault(kind, _to_torch(held))
-    rank, world = _place(state.pending_engine_state)
+    # The engines know their own rank and world: ask them first.
+    rank, world = _place({**state.pending_engine_state, **exported})
     return {"format": FORMAT, "rank": rank, "world_size": world, "engines": engines}
 
 
@@ -212,12 +214,16 @@ def _empty(rank: int, world: int) -> dict[str, Any]:
     return {"rank": rank, "world_size": world, "settings": {}, "buckets": {}}
 
 
-def _place(held: dict[str, Any]) -> tuple[int, int]:
-    """This rank and the world size, without creating the default group."""
+def _place(known: dict[str, Any]) -> tuple[int, int]:
+    """This rank and the world size, without creating the default group.
+
+    From an engine's state (``known``: exported or held) where there is
+    one, else the default group, else the launcher.
+    """
+    for entry in known.values():
+        return int(entry["rank"]), int(entry["world_size"])
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    for entry in held.values():
-        return entry["rank"], entry["world_size"]
     launch = state.launch or _launch.launch_env()
     return int(launch["rank"]), int(launch["world_size"])
 
