@@ -21,7 +21,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import base_env, describe, free_port, json_lines, results_of, run_ranks, tiacc_class
+from _launch import (
+    base_env,
+    describe,
+    free_port,
+    json_lines,
+    results_of,
+    run_ranks,
+    tiacc_class,
+    unmix,
+)
 
 from tiacc_training.errors import ConfigError
 
@@ -137,7 +146,9 @@ def test_under_mpirun() -> None:
                "--suite", "basics"]  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json_lines(proc.stdout)
+    # mpirun forwards both ranks' output into one pipe, where one rank's
+    # line can land before the other's newline: each RESULT on its own line.
+    results = json_lines(unmix(proc.stdout, ("RESULT ",)))
     assert len(results) == 2, proc.stdout[-3000:]
     # Open MPI's variables gave the ranks (0 and 1, RANK set from them).
     assert sorted(r["env_rank"] for r in results) == ["0", "1"], results
