@@ -185,6 +185,31 @@ def test_a_rank_stopped_before_init_under_a_plain_env_launch(tmp_path: Path) -> 
     assert float(failed[1]) - float(stopped[1]) < timeout + 10, failed[2]
 
 
+def _netns_cluster():
+    """``netns_cluster.cluster``, or a skip where network namespaces cannot be made."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("needs root and iproute2 (ip, tc) for network namespaces")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from netns_cluster import cluster
+
+    return cluster
+
+
+def _four_rank_reference(tmp_path: Path) -> dict[int, str]:
+    """The stock script's losses on 4 ranks of this host, without a fault."""
+    reference = _run(_torchrun("--ckpt", str(tmp_path / "native.pt"), nproc=4, restarts=0))
+    assert reference.startswith("rc=0"), reference[-3000:]
+    return _losses(reference)
+
+
+def _same_losses_within_rounding(out: str, expected: dict[int, str]) -> None:
+    """Every step's loss, within float rounding of ``expected`` (2D sums in another order)."""
+    losses = _losses(out)
+    assert sorted(losses) == sorted(expected), out[-5000:]
+    for step, value in expected.items():
+        assert float(losses[step]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), step
+
+
 def _two_node_agents(
     nodes: tuple, port: int, extra: tuple[str, ...], only: int | None = None
 ) -> list[subprocess.Popen[str]]:
@@ -228,14 +253,8 @@ def test_restarts_of_two_nodes_over_an_emulated_link(tmp_path: Path) -> None:
     node 1 is killed after step 3; both agents restart their ranks and the
     job resumes from the checkpoint, with the uninterrupted run's losses
     (within float rounding: 2D sums in another order than the native ring)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("needs root and iproute2 (ip, tc) for network namespaces")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    from netns_cluster import cluster
-
-    reference = _run(_torchrun("--ckpt", str(tmp_path / "native.pt"), nproc=4, restarts=0))
-    assert reference.startswith("rc=0"), reference[-3000:]
-    expected = _losses(reference)
+    cluster = _netns_cluster()
+    expected = _four_rank_reference(tmp_path)
     ckpt = tmp_path / "ckpt.pt"
     with cluster(rate_mbit=1000) as nodes:
         extra = ("--tiacc", "--ckpt", str(ckpt), "--kill-rank", "3", "--faults", "0:3")
@@ -243,10 +262,7 @@ def test_restarts_of_two_nodes_over_an_emulated_link(tmp_path: Path) -> None:
         out = _finish(procs, 240)
     assert all(p.returncode == 0 for p in procs), out[-5000:]
     assert "ATTEMPT 1 RESUMED 4" in out and "DONE attempt 1" in out, out[-5000:]
-    losses = _losses(out)
-    assert sorted(losses) == sorted(expected), out[-5000:]
-    for step, value in expected.items():
-        assert float(losses[step]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), step
+    _same_losses_within_rounding(out, expected)
     assert "inter-node over tcp" in out, out[-5000:]
 
 
@@ -280,14 +296,8 @@ def test_a_node_lost_and_started_again_over_an_emulated_link(tmp_path: Path) -> 
     agent there. Node 0's agent restarts its ranks (its count is 1, the new
     agent's 0: the attempt handshake does not need them to agree), and the
     job resumes from the checkpoint with the uninterrupted run's losses."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("needs root and iproute2 (ip, tc) for network namespaces")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    from netns_cluster import cluster
-
-    reference = _run(_torchrun("--ckpt", str(tmp_path / "native.pt"), nproc=4, restarts=0))
-    assert reference.startswith("rc=0"), reference[-3000:]
-    expected = _losses(reference)
+    cluster = _netns_cluster()
+    expected = _four_rank_reference(tmp_path)
     ckpt = tmp_path / "ckpt.pt"
     port = free_port()
     with cluster(rate_mbit=1000) as nodes:
@@ -308,7 +318,4 @@ def test_a_node_lost_and_started_again_over_an_emulated_link(tmp_path: Path) -> 
     assert node0.returncode == 0 and again.returncode == 0, out[-5000:]
     assert re.search(r"^ATTEMPT 1 RESUMED [3-9]", out, re.M), out[-5000:]
     assert "DONE attempt 1" in out, out[-5000:]
-    losses = _losses(out)
-    assert sorted(losses) == sorted(expected), out[-5000:]
-    for step, value in expected.items():
-        assert float(losses[step]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), step
+    _same_losses_within_rounding(out, expected)
