@@ -43,9 +43,11 @@ from dataclasses import dataclass, field
 from typing import IO, Callable
 
 from tiacc_training import _engine
+from tiacc_training.tools import _elastic
 
 PROG = "tiaccrun"
 DEFAULT_START_TIMEOUT = 30.0
+DEFAULT_ELASTIC_TIMEOUT = 600.0
 # Seconds a rank gets to exit after SIGTERM before it is killed.
 TERMINATE_GRACE = 10.0
 # Variables of this process that are not handed to remote ranks: they
@@ -523,50 +525,62 @@ class Job:
             UsageError: A rank's program (or ssh) cannot be started; the
                 ranks already started are terminated.
         """
-        cwd = os.getcwd()
-        forwarded = forwarded_environment(self.base_env)
         width = len(str(len(self.specs) - 1))
         for spec in self.specs:
-            if spec.local:
-                argv = list(self.command)
-                env = {**self.base_env, **spec.env}
-            else:
-                remote_env = {**forwarded, **spec.env}
-                argv = [
-                    *ssh_base(self.args, self.args.start_timeout or DEFAULT_START_TIMEOUT),
-                    spec.host,
-                    remote_command(self.command, cwd, remote_env),
-                ]
-                env = dict(self.base_env)
-            if self.args.verbose:
-                where = "locally" if spec.local else f"over ssh on {spec.host}"
-                self.log(f"rank {spec.rank} {where}: {shlex.join(self.command)}")
             try:
-                proc = subprocess.Popen(
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL if spec.local else subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                )
-            except OSError as e:
+                self.launch(spec, width)
+            except UsageError:
                 self.terminate()
-                raise UsageError(f"rank {spec.rank}: cannot start {argv[0]!r}: {e}") from e
-            self.procs.append(proc)
-            copies: dict[str, IO[bytes] | None] = {"stdout": None, "stderr": None}
-            if self.args.output_filename:
-                folder = os.path.join(self.args.output_filename, f"rank.{spec.rank:0{width}d}")
-                os.makedirs(folder, exist_ok=True)
-                for name in copies:
-                    copies[name] = open(os.path.join(folder, name), "wb")  # noqa: SIM115
-            assert proc.stdout is not None and proc.stderr is not None
-            self.output.follow(
-                proc.stdout, spec.rank, "stdout", sys.stdout.buffer, copies["stdout"]
+                raise
+
+    def launch(self, spec: RankSpec, width: int) -> subprocess.Popen[bytes]:
+        """Starts one rank (or elastic worker) and the threads copying its output.
+
+        Args:
+            spec: where it runs and its variables.
+            width: digits of the ``--output-filename`` folder names.
+
+        Raises:
+            UsageError: its program (or ssh) cannot be started.
+        """
+        cwd = os.getcwd()
+        forwarded = forwarded_environment(self.base_env)
+        if spec.local:
+            argv = list(self.command)
+            env = {**self.base_env, **spec.env}
+        else:
+            remote_env = {**forwarded, **spec.env}
+            argv = [
+                *ssh_base(self.args, self.args.start_timeout or DEFAULT_START_TIMEOUT),
+                spec.host,
+                remote_command(self.command, cwd, remote_env),
+            ]
+            env = dict(self.base_env)
+        if self.args.verbose:
+            where = "locally" if spec.local else f"over ssh on {spec.host}"
+            self.log(f"rank {spec.rank} {where}: {shlex.join(self.command)}")
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL if spec.local else subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
             )
-            self.output.follow(
-                proc.stderr, spec.rank, "stderr", sys.stderr.buffer, copies["stderr"]
-            )
+        except OSError as e:
+            raise UsageError(f"rank {spec.rank}: cannot start {argv[0]!r}: {e}") from e
+        self.procs.append(proc)
+        copies: dict[str, IO[bytes] | None] = {"stdout": None, "stderr": None}
+        if self.args.output_filename:
+            folder = os.path.join(self.args.output_filename, f"rank.{spec.rank:0{width}d}")
+            os.makedirs(folder, exist_ok=True)
+            for name in copies:
+                copies[name] = open(os.path.join(folder, name), "wb")  # noqa: SIM115
+        assert proc.stdout is not None and proc.stderr is not None
+        self.output.follow(proc.stdout, spec.rank, "stdout", sys.stdout.buffer, copies["stdout"])
+        self.output.follow(proc.stderr, spec.rank, "stderr", sys.stderr.buffer, copies["stderr"])
+        return proc
 
     def terminate(self, sig: int = signal.SIGTERM) -> None:
         """Sends ``sig`` to every running rank, then kills what is left."""
@@ -678,7 +692,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a training job on this host or several (horovodrun's flags).",
     )
     parser.add_argument(
-        "-np", "--num-proc", dest="num_proc", type=int, required=True, help="number of ranks"
+        "-np",
+        "--num-proc",
+        dest="num_proc",
+        type=int,
+        help="number of ranks (elastic: the slots to wait for before starting; default --min-np)",
     )
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument(
@@ -765,6 +783,39 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="TIACC_TRAINING_NUM_NCCL_STREAMS (channels)",
     )
+    elastic = parser.add_argument_group("elastic training")
+    elastic.add_argument(
+        "--host-discovery-script",
+        dest="host_discovery_script",
+        help="run the job elastically: this executable prints the usable hosts, one "
+        "'host' or 'host:slots' per line (run every second)",
+    )
+    elastic.add_argument(
+        "--min-np", dest="min_np", type=int, help="fewest workers to train with (default -np)"
+    )
+    elastic.add_argument(
+        "--max-np", dest="max_np", type=int, help="most workers to train with (default: all slots)"
+    )
+    elastic.add_argument(
+        "--slots-per-host",
+        "--slots",
+        dest="slots_per_host",
+        type=int,
+        help="slots of a discovered host that gives none (default 1)",
+    )
+    elastic.add_argument(
+        "--elastic-timeout",
+        dest="elastic_timeout",
+        type=float,
+        help="seconds to wait for --min-np slots (and for a worker's next round); default "
+        f"HOROVOD_ELASTIC_TIMEOUT or {DEFAULT_ELASTIC_TIMEOUT:g}",
+    )
+    elastic.add_argument(
+        "--reset-limit",
+        dest="reset_limit",
+        type=int,
+        help="most new rounds (workers lost or added) before the job fails (default: no limit)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command of every rank")
     return parser
 
@@ -777,6 +828,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.command = args.command[1:]
     if not args.command:
         parser.error("no command to run (tiaccrun -np 2 python train.py)")
+    _check_elastic(parser, args)
+    if args.num_proc is None:
+        parser.error("-np/--num-proc is required (or --min-np with --host-discovery-script)")
     if args.num_proc < 1:
         parser.error(f"-np/--num-proc must be at least 1, got {args.num_proc}")
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
@@ -794,6 +848,55 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.num_nccl_streams is not None and not 1 <= args.num_nccl_streams <= 64:
         parser.error("--num-nccl-streams must be 1-64")
     return args
+
+
+_ELASTIC_FLAGS = {
+    "min_np": "--min-np",
+    "max_np": "--max-np",
+    "slots_per_host": "--slots-per-host",
+    "elastic_timeout": "--elastic-timeout",
+    "reset_limit": "--reset-limit",
+}
+
+
+def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks the elastic flags and fills in their defaults."""
+    if not args.host_discovery_script:
+        given = [flag for dest, flag in _ELASTIC_FLAGS.items() if getattr(args, dest) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} need --host-discovery-script (an elastic job)")
+        return
+    script = args.host_discovery_script
+    if not os.path.isfile(script) or not os.access(script, os.X_OK):
+        parser.error(f"--host-discovery-script {script}: not an executable file")
+    if args.hosts or args.hostfile:
+        parser.error("-H/--hostfile and --host-discovery-script exclude each other")
+    if args.num_proc is None:
+        args.num_proc = args.min_np
+    for dest in ("num_proc", "min_np", "max_np", "slots_per_host"):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            parser.error(f"{_ELASTIC_FLAGS.get(dest, '-np')} must be at least 1, got {value}")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        parser.error(f"--reset-limit must be >= 0, got {args.reset_limit}")
+    if args.num_proc is None:
+        return  # the caller names -np
+    if args.min_np is None:
+        args.min_np = args.num_proc
+    if args.min_np > args.num_proc:
+        parser.error(f"--min-np {args.min_np} is more than -np {args.num_proc}")
+    if args.max_np is not None and args.max_np < args.num_proc:
+        parser.error(f"--max-np {args.max_np} is less than -np {args.num_proc}")
+    if args.slots_per_host is None:
+        args.slots_per_host = 1
+    if args.elastic_timeout is None:
+        value = os.environ.get("HOROVOD_ELASTIC_TIMEOUT", "").strip()
+        try:
+            args.elastic_timeout = float(value) if value else DEFAULT_ELASTIC_TIMEOUT
+        except ValueError:
+            parser.error(f"HOROVOD_ELASTIC_TIMEOUT={value!r}: expected seconds")
+    if args.elastic_timeout <= 0:
+        parser.error(f"--elastic-timeout must be positive, got {args.elastic_timeout:g}")
 
 
 def plan(args: argparse.Namespace) -> tuple[list[Host], list[RankSpec], str, int]:
@@ -845,6 +948,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
+    if args.host_discovery_script:
+        return run_elastic(args, log)
     try:
         hosts, specs, master_addr, master_port = plan(args)
     except UsageError as e:
@@ -889,6 +994,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.start_timeout is not None and specs[0].local:
             watch = (master_port, deadline)
         return job.wait(watch)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_elastic(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    """Runs the job with the elastic driver (``--host-discovery-script``)."""
+    base_env = dict(os.environ)
+    base_env.setdefault("OMP_NUM_THREADS", "1")
+    job = Job([], list(args.command), args, base_env, log)
+    addresses = local_addresses()
+    extra = settings_environment(args)
+    driver: _elastic.ElasticDriver | None = None
+
+    def parse(text: str) -> list[tuple[str, int]]:
+        try:
+            return [(h.name, h.slots) for h in parse_hosts(text)]
+        except UsageError as e:
+            raise ValueError(str(e).replace("-H/--hosts", "the discovered hosts")) from e
+
+    def store_address(names: list[str]) -> str:
+        if args.nics:
+            return interface_address(args.nics[0])
+        remote = [h for h in names if not is_local(h, addresses)]
+        return route_address(remote[0]) if remote else "127.0.0.1"
+
+    def environments(names: list[str], placement: list[tuple[int, int]]) -> list[dict[str, str]]:
+        assert driver is not None
+        hosts = [Host(name, 1) for name in names]
+        address, port = driver.store_address, driver.store.port
+        return rank_environments(hosts, placement, address, port, extra)
+
+    def spawn(label: int, host: str, slot: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        spec = RankSpec(label, host, is_local(host, addresses), env)
+        if args.verbose:
+            log(f"worker {label}: {host} slot {slot}")
+        return job.launch(spec, 1)
+
+    launcher = _elastic.Launcher(parse, environments, spawn, job._signal, log, store_address)
+    driver = _elastic.ElasticDriver(_elastic.settings_from(args), launcher, base_env)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        assert driver is not None
+        driver.stopping = signal.Signals(signum)
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, on_signal) for s in handled}
+    try:
+        status = driver.run()
+        job.output.drain(5.0)
+        return status
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -459,6 +459,11 @@ def _has_cpu(group: Any) -> bool:
     return torch.device("cpu") in getattr(group, "_device_types", [torch.device("cpu")])
 
 
+def forget_generations() -> None:
+    """Counts the groups of each name from 0 again (their store is new to every rank)."""
+    _collectives.forget_generations()
+
+
 def stop(group: Any = None) -> None:
     """Stops the engine of ``group``'s "tiacc" collectives (all groups' for the world).
 

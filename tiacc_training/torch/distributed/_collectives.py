@@ -52,6 +52,13 @@ forwarded_in_process: collections.Counter[tuple[str, str]] = collections.Counter
 # Engines made per group name in this process: successive groups of one
 # name (a script that creates the default group again) rendezvous apart.
 _generations: collections.Counter[str] = collections.Counter()
+
+
+def forget_generations() -> None:
+    """Counts the engines of each group name from 0 again (``create_group`` on a new store)."""
+    _generations.clear()
+
+
 # The groups' collectives alive in this process (every device type), stopped at exit.
 _live: weakref.WeakSet[GroupCollectives] = weakref.WeakSet()
 # The counters of the groups' engines that stopped, per device type (see

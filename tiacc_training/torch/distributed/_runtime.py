@@ -106,7 +106,7 @@ def ensure_group() -> None:
         create_group()
 
 
-def create_group(store: Any = None) -> None:
+def create_group(store: Any = None, launch: dict[str, Any] | None = None) -> None:
     """Creates the default group from the launcher: the one place that does.
 
     ``init_process_group`` with the arguments ``_launch.group_arguments``
@@ -117,17 +117,26 @@ def create_group(store: Any = None) -> None:
     Args:
         store: a store to rendezvous on instead of the launcher's address
             (``hvd.init()`` after ``hvd.shutdown()`` reuses its first group's).
+        launch: the launch to use instead of the launcher's environment (a
+            round of an elastic job: each round has its own ranks). With
+            it, ``store`` must be new to every rank (a round's): the counts
+            that keep successive groups' keys apart start again, so that a
+            rank new to the job and ranks that were in earlier rounds agree.
 
     Raises:
         ConfigError: the job spans nodes and ``MASTER_ADDR`` is not set.
     """
     state.create_on_use = False
+    given = launch
     launch, arguments = _launch.group_arguments(
-        state.backend_arg, state.config, state.launch or _launch.launch_env()
+        state.backend_arg, state.config, given or state.launch or _launch.launch_env()
     )
     if store is not None:
         del arguments["init_method"]
         arguments["store"] = store
+    if given is not None:
+        state.generation = state.placement_round = state.config_round = 0
+        _backend.forget_generations()
     state.pending_launch = launch
     _init_process_group(**arguments)
 

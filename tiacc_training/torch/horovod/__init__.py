@@ -94,3 +94,7 @@ from ._sync_batch_norm import SyncBatchNorm  # noqa: F401
 
 # -- timeline (_timeline.py) --
 from ._timeline import start_timeline, stop_timeline  # noqa: F401
+
+# -- elastic training: hvd.elastic (elastic.py, over the driver's rounds in _rounds.py) --
+# isort: split
+from . import elastic  # noqa: F401

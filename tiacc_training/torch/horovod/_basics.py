@@ -16,8 +16,10 @@ otherwise from the host names the ranks exchange at ``init()``.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from tiacc_training import _engine
+
+from . import _rounds
 
 __all__ = [
     "ccl_built",
@@ -75,6 +79,13 @@ class _Job:
     store: Any = None
     # Every rank's (host, local rank, local size), in rank order.
     layout: list[tuple[str, int, int]] = field(default_factory=list)
+    # In an elastic job (tiaccrun --host-discovery-script): this worker's
+    # place in the rounds; looked up at the first init().
+    elastic: _rounds.Membership | None = None
+    elastic_checked: bool = False
+    # How many times init() has started Horovod in this process (each
+    # start is a new world: optimizers plan their buckets afresh).
+    worlds: int = 0
 
 
 job = _Job()
@@ -162,11 +173,12 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     with job.lock:
         if job.initialized:
             return
+        round_launch = _join_round() if not dist.is_initialized() else None
         export_launcher_env()
         tdist.init_tiacc_training()
         created = False
         if not dist.is_initialized():
-            _create_group()
+            _create_group(round_launch)
             created = True
         world = dist.get_world_size()
         if comm is not None and not _is_whole_world(comm, world):
@@ -178,6 +190,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         job.created_group = created
         _find_layout(_runtime.job_launch())
         job.initialized = True
+        job.worlds += 1
         _process_sets.reset_global(list(range(world)))
     if process_sets is not None and process_sets != "dynamic":
         for process_set in process_sets:
@@ -189,16 +202,64 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _timeline.start_from_env()
 
 
-def _create_group() -> None:
+def elastic_membership() -> _rounds.Membership | None:
+    """This worker's membership in an elastic job's rounds, or ``None`` outside one."""
+    if not job.elastic_checked:
+        job.elastic = _rounds.Membership.from_env(_connect)
+        job.elastic_checked = True
+    return job.elastic
+
+
+def _connect(host: str, port: int, timeout: float) -> Any:
+    """A client of the elastic driver's store."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+
+
+def _join_round() -> tuple[Any, dict[str, Any]] | None:
+    """In an elastic job: waits for this worker's next round and takes its variables.
+
+    Returns:
+        The round's store (the driver's, under the round's prefix) and the
+        launch it describes; ``None`` outside an elastic job.
+
+    Raises:
+        SystemExit: (code 0) the driver left this worker out of the new
+            round: its host was removed from the job.
+    """
+    membership = elastic_membership()
+    if membership is None:
+        return None
+    joined = _rounds.join(membership)
+    if joined is None:
+        print(
+            f"tiacc_training: elastic worker {membership.key} is not in the job's new round "
+            "(its host was removed); this worker ends",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(0)
+    number, env = joined
+    os.environ.update(env)
+    store = dist.PrefixStore(f"{_rounds.PREFIX}round.{number}/", membership.store)
+    return store, _engine.launch_env()
+
+
+def _create_group(round_launch: tuple[Any, dict[str, Any]] | None = None) -> None:
     """The default group from the launcher, made where ``tdist`` makes it on first use.
 
     After a :func:`shutdown` the group rendezvouses on the store of the
     first group, which :func:`shutdown` kept (under a prefix of its own for
     each group): binding ``MASTER_PORT`` again could fail while the
     previous server socket lingers, and a nearby port could be taken.
+
+    Args:
+        round_launch: in an elastic job, the round's store and launch.
     """
     from tiacc_training.torch.distributed import _runtime
 
+    if round_launch is not None:
+        _runtime.create_group(round_launch[0], launch=round_launch[1])
+        return
     store = None
     if job.store is not None:
         store = dist.PrefixStore(f"tiacc_training/horovod/init.{job.groups_made}", job.store)

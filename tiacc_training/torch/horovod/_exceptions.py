@@ -25,14 +25,15 @@ class HorovodInternalError(RuntimeError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """The set of hosts changed while training (Horovod's elastic mode).
+    """The driver of an elastic job added or removed workers.
 
-    We run no elastic driver, so nothing here raises it; it exists so that
-    scripts which catch it import and run unchanged.
+    Raised by ``State.commit()`` / ``State.check_host_updates()`` on every
+    worker at the same call (see :mod:`tiacc_training.torch.horovod.elastic`).
 
     Args:
-        skip_sync: whether the state can be restored without a sync
-            (Horovod's meaning: only hosts were added, none removed).
+        skip_sync: whether the new round only removed workers, so every
+            remaining worker already holds the committed state and
+            ``hvd.elastic.run`` need not sync it from rank 0.
     """
 
     def __init__(self, skip_sync: bool = False) -> None:

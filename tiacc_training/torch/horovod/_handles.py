@@ -74,10 +74,16 @@ _lock = threading.Lock()
 
 
 def forget() -> None:
-    """``shutdown()``: drops the handles and the names in flight."""
+    """``shutdown()``: drops the handles, the names in flight and the unnamed counts.
+
+    Unnamed operations are numbered from 0 again after ``init()`` on every
+    rank, so that a worker that joins an elastic job names them as the
+    workers that were there before.
+    """
     with _lock:
         _handles.clear()
         _in_flight.clear()
+        _names.clear()
 
 
 def in_flight(key: tuple[int, str, str]) -> bool:

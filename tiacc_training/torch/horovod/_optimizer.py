@@ -26,12 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tiacc_training.errors import CommError
 from tiacc_training.torch.distributed import _config, _hook, _perf, _runtime
 
 from . import Adasum, Average, Sum, _basics, _timeline, global_process_set
 from ._broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from ._buckets import Bucket, cut, first_plan, fusion_bytes, named_parameters_of
 from ._compression import Compression
+from ._exceptions import HorovodInternalError
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
 
@@ -100,11 +102,16 @@ class _DistributedMixin:
         self._hvd_first_index = _BUCKET_BASE + _optimizers_built * _INDICES_PER_OPTIMIZER
         _optimizers_built += 1
         world = _set_size(process_set)
-        self._hvd_world = world
         self._hvd_threshold = fusion_bytes(self._hvd_params)
+        self._hvd_groups = groups
         self._hvd_plan = first_plan(self._hvd_params, groups, self._hvd_threshold)
+        # The world (hvd.init()) the buckets were planned in.
+        self._hvd_world_seen = _basics.job.worlds
         self._hvd_engine_reason = _engine_reason(op, process_set, hvd)
-        if world > 1 and process_set.included():
+        # In an elastic job the world can grow later: hooks from the start,
+        # as Horovod's optimizer has them there.
+        elastic = _basics.elastic_membership() is not None
+        if (world > 1 or elastic) and process_set.included():
             self._hvd_register_hooks()
 
     def _hvd_register_hooks(self) -> None:
@@ -119,8 +126,27 @@ class _DistributedMixin:
 
     # -- backward ------------------------------------------------------------
 
+    def _hvd_follow_world(self) -> None:
+        """Starts the buckets afresh when Horovod started again since they were planned.
+
+        After ``shutdown()`` and ``init()`` (an elastic job's new round,
+        where workers that just joined have never stepped), every rank
+        drops what a failed step left in flight and plans its buckets as
+        for a first step, so that all of them cut the same buckets again.
+        """
+        if self._hvd_world_seen == _basics.job.worlds:
+            return
+        self._hvd_world_seen = _basics.job.worlds
+        self._hvd_plan = first_plan(self._hvd_params, self._hvd_groups, self._hvd_threshold)
+        self._hvd_rebuilt = self._hvd_groups is not None
+        self._hvd_ready_order = []
+        self._hvd_synchronized = False
+        self._hvd_engine_reason = _engine_reason(self._hvd_op, self._hvd_process_set, _hvd())
+        self._hvd_clear()
+
     def _hvd_hook(self, p: torch.nn.Parameter) -> None:
         """A parameter's gradient was accumulated in backward."""
+        self._hvd_follow_world()
         if self._hvd_delay[p] <= 0:
             raise AssertionError(
                 f"the gradient of {self._hvd_names.get(p, 'a parameter')} was computed more "
@@ -229,6 +255,7 @@ class _DistributedMixin:
         if not self._hvd_hooks:
             self._hvd_synchronized = True
             return
+        self._hvd_follow_world()
         for bucket in self._hvd_plan.buckets:
             if bucket.pending is None:
                 bucket.ready = len(bucket.params)
@@ -239,13 +266,13 @@ class _DistributedMixin:
             kind = bucket.pending[0]
             if kind == "engine":
                 _, future, contexts, cuda = bucket.pending
-                result = future.wait()
+                result = _wait_bucket(future)
                 carried = True
                 scale = 1.0
                 if self._hvd_op is Average and self._hvd_predivide != 1.0:
                     scale = self._hvd_predivide
                 if cuda and self._hvd_op is Sum:
-                    scale *= self._hvd_world
+                    scale *= _set_size(self._hvd_process_set)
                 if scale != 1.0:
                     result = result * scale
                 offset = 0
@@ -273,6 +300,12 @@ class _DistributedMixin:
         self._hvd_synchronized = True
 
     def _hvd_reset(self) -> None:
+        self._hvd_clear()
+        if not self._hvd_rebuilt:
+            self._hvd_rebuild()
+
+    def _hvd_clear(self) -> None:
+        """Nothing in flight: every bucket empty, every parameter's passes to come."""
         for p in self._hvd_params:
             self._hvd_delay[p] = self._hvd_passes
         for bucket in self._hvd_plan.buckets:
@@ -280,8 +313,6 @@ class _DistributedMixin:
         self._hvd_dispatched.clear()
         self._hvd_sparse.clear()
         self._hvd_densified.clear()
-        if not self._hvd_rebuilt:
-            self._hvd_rebuild()
 
     def _hvd_rebuild(self) -> None:
         """Re-cuts the buckets in the order rank 0's gradients became ready.
@@ -332,6 +363,7 @@ class _DistributedMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped ``zero_grad``; an error while gradients are in flight."""
+        self._hvd_follow_world()
         if self._hvd_dispatched:
             raise AssertionError(
                 "optimizer.zero_grad() called after loss.backward() and before "
@@ -358,6 +390,19 @@ def _flat_buffer(bucket: Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _legacy_hook(optimizer: _DistributedMixin, p: torch.nn.Parameter, *unused: Any) -> None:
     optimizer._hvd_hook(p)
+
+
+def _wait_bucket(future: Any) -> torch.Tensor:
+    """A bucket's reduced gradients; a failed reduction raises Horovod's error.
+
+    Raises:
+        HorovodInternalError: the engine's reduction failed (a worker died
+            or timed out): elastic scripts restore their state on it.
+    """
+    try:
+        return future.wait()
+    except (CommError, RuntimeError) as error:
+        raise HorovodInternalError(f"DistributedOptimizer's allreduce failed: {error}") from error
 
 
 def _set_size(process_set: Any) -> int:
