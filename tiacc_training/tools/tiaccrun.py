@@ -20,6 +20,10 @@ or ``[rank]<stderr>:``. A rank that fails ends the job: the other ranks are
 terminated and tiaccrun prints the rank, its host and its exit code or
 signal, and exits with that code. Ctrl-C, SIGTERM and SIGHUP reach every
 rank.
+
+With ``--host-discovery-script`` the job is elastic (Horovod's elastic
+mode): the hosts come from the script and the workers form their worlds
+in rounds, see ``_elastic``.
 """
 
 from __future__ import annotations
