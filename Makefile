@@ -68,7 +68,8 @@ LEG_EXTRAS := accelerate pytorch-lightning
 # DDP engine, init, and the Horovod API.
 LEG_TESTS ?= tests/distributed/test_user_scripts.py tests/distributed/test_collectives.py \
              tests/distributed/test_ddp_engine.py tests/distributed/test_init.py \
-             tests/distributed/test_horovod_ops.py tests/distributed/test_horovod_training.py
+             tests/distributed/test_horovod_ops.py tests/distributed/test_horovod_training.py \
+             tests/distributed/test_horovod_elastic.py
 COMPAT_TESTS ?= tests/unit $(LEG_TESTS)
 LEG ?= 2.11
 

@@ -25,7 +25,7 @@ from _launch import base_env
 
 SCRIPT = Path(__file__).parent / "user_scripts" / "horovod_elastic.py"
 LAUNCH = [sys.executable, "-m", "tiacc_training.tools.tiaccrun"]
-STEPS = 60
+STEPS = 80
 
 
 class _Job:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from tiacc_training.tools import tiaccrun
+from tiacc_training.tools import _elastic, tiaccrun
 from tiacc_training.torch.horovod import _rounds, elastic
 
 # -- tiaccrun's flags ------------------------------------------------------------
@@ -181,3 +182,100 @@ def test_elastic_sampler_shares_out_what_is_left() -> None:
     again = elastic.ElasticSampler(list(range(10)), shuffle=True, seed=3)
     assert list(shuffled) == list(again) and sorted(shuffled) == list(range(10))
     assert list(shuffled) != list(range(10))
+
+
+# -- the driver, with workers that are not processes --------------------------------
+
+
+class _FakeProc:
+    def __init__(self) -> None:
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.code or 0
+
+
+def _driver(tmp_path: Path, hosts: str, **settings: object):
+    listed = tmp_path / "hosts"
+    listed.write_text(hosts)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    spawned: dict[str, _FakeProc] = {}
+    lines: list[str] = []
+
+    def spawn(label: int, host: str, slot: int, env: dict[str, str]) -> _FakeProc:
+        spawned[f"{host}:{slot}"] = proc = _FakeProc()
+        return proc
+
+    def stop(proc: _FakeProc, sig: int) -> None:
+        proc.code = -sig
+
+    def parse(text: str) -> list[tuple[str, int]]:
+        return [(h.name, h.slots) for h in tiaccrun.parse_hosts(text)]
+
+    def environments(names, placement):
+        return [{"RANK": str(r), "HOST": names[h]} for r, (h, _) in enumerate(placement)]
+
+    launcher = _elastic.Launcher(
+        parse, environments, spawn, stop, lines.append, lambda n: "1.2.3.4"
+    )
+    values = {"num_proc": 2, "min_np": 1, "max_np": None, "slots_per_host": 1,
+              "elastic_timeout": 0.5, "reset_limit": None, **settings}  # fmt: skip
+    driver = _elastic.ElasticDriver(
+        _elastic.Settings(discovery_script=str(script), **values), launcher, {}
+    )
+    return driver, listed, spawned, lines
+
+
+def _tick(driver):
+    driver.hosts.checked = -1e9  # discover again now
+    return driver._tick()
+
+
+def test_driver_rounds_follow_the_hosts_and_failures(tmp_path: Path) -> None:
+    driver, listed, spawned, lines = _driver(tmp_path, "a:2\n")
+    driver._start()
+    assert (
+        driver.round == 0 and driver.members == ["a:0", "a:1"] and sorted(spawned) == ["a:0", "a:1"]
+    )
+    assert _rounds.members(driver.store, 0)["a:1"] == {"RANK": "1", "HOST": "a"}
+    assert driver.env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "1.2.3.4"
+    assert _tick(driver) is None and driver.round == 0  # nothing changed
+    listed.write_text("a:2\nb:1\n")
+    assert _tick(driver) is None
+    assert driver.round == 1 and driver.members == ["a:0", "a:1", "b:0"]
+    assert _rounds.latest_round(driver.store) == 1
+    spawned["a:1"].code = 1  # a worker fails: its host is not used again
+    assert _tick(driver) is None
+    assert driver.round == 2 and driver.members == ["b:0"] and "a" in driver.blacklist
+    assert any(
+        "worker 1 (a:1) exited with code 1; host a is not used again" in line for line in lines
+    )
+    spawned["a:0"].code = 0  # left out of round 2: ends
+    spawned["b:0"].code = 0  # the training function returned
+    assert _tick(driver) == 0
+
+
+def test_driver_asked_for_a_round_and_the_reset_limit(tmp_path: Path) -> None:
+    driver, listed, spawned, lines = _driver(tmp_path, "a:2\n", reset_limit=1)
+    driver._start()
+    driver.store.add("tiacc_training/elastic/request.0", 1)
+    assert _tick(driver) is None and driver.round == 1 and driver.members == ["a:0", "a:1"]
+    listed.write_text("a:1\n")
+    with pytest.raises(_elastic.ElasticError, match="--reset-limit 1 reached"):
+        _tick(driver)
+
+
+def test_driver_fails_after_too_few_slots_for_the_timeout(tmp_path: Path) -> None:
+    driver, listed, spawned, lines = _driver(tmp_path, "a:2\n", min_np=2)
+    driver._start()
+    listed.write_text("a:1\n")
+    assert _tick(driver) is None and driver.round == 0
+    assert any("fewer than --min-np 2" in line for line in lines)
+    time.sleep(0.6)
+    with pytest.raises(_elastic.ElasticError, match="fewer than --min-np 2 usable slots"):
+        _tick(driver)
