@@ -6,7 +6,7 @@ checkpoint written by rank 0 after every step, and faults planted in
 attempts: ``--kill-rank R --faults 0:4,1:7`` makes rank R kill itself with
 SIGKILL (or raise, ``--fault raise``) after step 4 of attempt 0 and after
 step 7 of attempt 1 (``TORCHELASTIC_RESTART_COUNT``). Rank 0 prints
-``LOSS <step> <loss>`` for every step it trains, and ``ATTEMPT <n> RESUMED
+``LOSS <step> <loss> WORLD <size>`` for every step it trains, and ``ATTEMPT <n> RESUMED
 <step>`` when it starts from a checkpoint. Without ``--tiacc`` it is the
 stock script (native DDP), for comparison.
 """
@@ -30,6 +30,12 @@ parser.add_argument("--reinit", action="store_true", help="init, destroy, then i
 parser.add_argument("--stop-rank", type=int, default=-1, help="stops itself (SIGSTOP)")
 parser.add_argument("--stop-at", default="before-init", choices=("before-init", "before-ddp"))
 parser.add_argument("--stop-seconds", type=float, default=10.0, help="until SIGCONT")
+parser.add_argument(
+    "--global-batch",
+    type=int,
+    default=0,
+    help="one batch of this many samples per step, split over the ranks (0: 32 per rank)",
+)
 args = parser.parse_args()
 
 if args.tiacc:
@@ -43,9 +49,15 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def batch(step: int, rank: int) -> tuple:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(32, 16, generator=g)
+def batch(step: int, rank: int, world: int) -> tuple:
+    """32 samples of the rank's own, or its share of a global batch: the same
+    data and mean gradient for any world size that divides it."""
+    if args.global_batch:
+        g = torch.Generator().manual_seed(1000 * step)
+        x = torch.randn(args.global_batch, 16, generator=g).chunk(world)[rank]
+    else:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(32, 16, generator=g)
     return x, (x[:, :3].sum(dim=1) > 0).long()
 
 
@@ -101,7 +113,7 @@ def main() -> None:
     ddp = DDP(model)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(start, args.steps):
-        x, y = batch(step, rank)
+        x, y = batch(step, rank, dist.get_world_size())
         optimizer.zero_grad()
         loss = loss_fn(ddp(x), y)
         loss.backward()
