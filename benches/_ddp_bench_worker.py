@@ -25,6 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 MODELS = ("mlp", "dominant", "tiny")
+# torchvision's models, trained on random images of --image-size pixels.
+VISION_MODELS = {
+    "resnet18": "resnet18",
+    "resnet50": "resnet50",
+    "resnext50": "resnext50_32x4d",
+}
 SMALL_PARAM_BYTES = 4096
 
 
@@ -41,7 +47,7 @@ class _Residual(nn.Module):
 
 
 def build_model(
-    name: str, batch: int, layers: int = 4, width: int = 1024
+    name: str, batch: int, layers: int = 4, width: int = 1024, image_size: int = 64
 ) -> tuple[nn.Module, torch.Tensor, str]:
     """The model, one input batch for it, and a one-line description.
 
@@ -55,8 +61,17 @@ def build_model(
       head: 243 of its 246 parameter tensors are under 4 KB, so the cost per
       parameter and per bucket shows.
 
+    - ``resnet18``, ``resnet50``, ``resnext50`` (32x4d): torchvision's
+      models (1000 classes), on random RGB images of ``image_size`` pixels.
+
     ``layers`` and ``width`` apply to ``mlp`` only.
     """
+    if name in VISION_MODELS:
+        import torchvision  # optional: only the benchmarks of real models need it
+
+        model = getattr(torchvision.models, VISION_MODELS[name])()
+        x = torch.randn(batch, 3, image_size, image_size)
+        return model, x, f"torchvision {VISION_MODELS[name]} on {image_size}x{image_size} images"
     if name == "mlp":
         stack: list[nn.Module] = []
         for _ in range(layers):
@@ -102,7 +117,7 @@ def build_model(
             f"(LayerNorm({narrow})(x)))), Linear({narrow}, 10)"
         )
         return model, torch.randn(batch, 1024), description
-    raise ValueError(f"unknown model {name!r}: expected one of {MODELS}")
+    raise ValueError(f"unknown model {name!r}: expected one of {MODELS + tuple(VISION_MODELS)}")
 
 
 def model_stats(model: nn.Module) -> dict:
@@ -179,7 +194,8 @@ def register_torch_hook(ddp: nn.parallel.DistributedDataParallel, hook: str) -> 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["native", "tiacc", "none"], required=True)
-    parser.add_argument("--model", choices=MODELS, default="mlp")
+    parser.add_argument("--model", choices=MODELS + tuple(VISION_MODELS), default="mlp")
+    parser.add_argument("--image-size", type=int, default=64, help="torchvision models only")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--layers", type=int, default=4, help="mlp only")
     parser.add_argument("--width", type=int, default=1024, help="mlp only")
@@ -207,7 +223,7 @@ def main() -> None:
     else:
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     torch.manual_seed(0)
-    model, x, _ = build_model(args.model, args.batch, args.layers, args.width)
+    model, x, _ = build_model(args.model, args.batch, args.layers, args.width, args.image_size)
     model = model.to(device)
     x = x.to(device)
     if args.mode == "none":

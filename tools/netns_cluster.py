@@ -36,6 +36,17 @@ from dataclasses import dataclass
 PREFIX = "tiacc-node"
 SUBNET = "10.231.77"
 BURST_BYTES = 256 * 1024  # holds at least rate/HZ bytes up to 1 Gbit/s
+
+
+def burst_bytes(rate_mbit: float) -> int:
+    """The shaper's bucket: at least what the link carries in 10 ms (a tick at HZ=100).
+
+    A bucket smaller than the bytes of one timer tick caps the rate under the
+    one asked for, which 256 KiB does above about 1 Gbit/s.
+    """
+    return max(BURST_BYTES, round(rate_mbit * 1e6 / 8 / 100))
+
+
 LATENCY = "100ms"
 
 # Runs argv[2:] inside namespace argv[1] (the pyroute2 way of `ip netns exec`).
@@ -117,7 +128,8 @@ def up(rate_mbit: float = 200.0, nodes: tuple[Node, ...] = NODES) -> None:
     """Creates the namespaces, the link and the rate limits.
 
     Args:
-        rate_mbit: link rate in Mbit/s in each direction.
+        rate_mbit: link rate in Mbit/s in each direction; 0 leaves the link
+            unshaped (the veth pair's own speed).
         nodes: the two nodes to create.
     """
     down(nodes)
@@ -133,11 +145,14 @@ def up(rate_mbit: float = 200.0, nodes: tuple[Node, ...] = NODES) -> None:
         _run(["ip", "link", "set", node.veth, "netns", node.netns])
         _run(node.command(["ip", "addr", "add", f"{node.address}/24", "dev", node.veth]))
         _run(node.command(["ip", "link", "set", node.veth, "up"]))
+        if rate_mbit <= 0:
+            continue
         # tbf shapes what leaves each end, so each direction gets `rate`.
+        burst = str(burst_bytes(rate_mbit))
         _run(
             node.command(
                 ["tc", "qdisc", "add", "dev", node.veth, "root", "tbf"]
-                + ["rate", f"{rate_mbit}mbit", "burst", str(BURST_BYTES), "latency", LATENCY]
+                + ["rate", f"{rate_mbit}mbit", "burst", burst, "latency", LATENCY]
             )
         )
 
@@ -158,12 +173,14 @@ def _up_pyroute2(rate_mbit: float, nodes: tuple[Node, ...]) -> None:
             ipr.addr("add", index=index, address=node.address, prefixlen=24)
             ipr.link("set", index=index, state="up")
             ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+            if rate_mbit <= 0:
+                continue
             ipr.tc(
                 "add",
                 "tbf",
                 index=index,
                 rate=f"{round(rate_mbit * 1000)}kbit",
-                burst=BURST_BYTES,
+                burst=burst_bytes(rate_mbit),
                 latency=LATENCY,
             )
 
