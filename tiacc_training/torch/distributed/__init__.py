@@ -51,7 +51,17 @@ import torch.distributed as dist
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
 
-from . import _backend, _collectives, _config, _device_collectives, _hook, _launch, _perf, _runtime
+from . import (
+    _backend,
+    _collectives,
+    _config,
+    _device_collectives,
+    _hook,
+    _launch,
+    _perf,
+    _runtime,
+    _waiting,
+)
 from ._engine_state import load_state_dict, state_dict
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
@@ -296,8 +306,14 @@ def stats() -> dict[str, Any]:
         ``{"gather": {"an op the engine does not run": 2}}``),
         ``cuda_collectives`` and ``cuda_forwarded`` (the same for CUDA
         tensors under ``TIACC_TRAINING_CUDA_COLLECTIVES=tiacc``: served by
-        the device engine, or handed to NCCL), and ``engine``: the engines'
-        own counters (:func:`engine_counters`).
+        the device engine, or handed to NCCL), ``engine``: the engines'
+        own counters (:func:`engine_counters`), and ``waiting``: how long
+        the DDP steps waited for communication after backward had computed
+        every gradient (``steps`` measured, ``exposed_ms_per_step``,
+        ``last_step_ms``, ``max_step_ms``) and the bytes each network
+        interface of this host carried per measured step
+        (``link_bytes_per_step``); with the engine switched off
+        (``TIACC_TRAINING_DISABLE=1``) the same figures of native DDP.
     """
     totals = _hook.totals
     return {
@@ -311,6 +327,7 @@ def stats() -> dict[str, Any]:
         "cuda_collectives": dict(_device_collectives.served_in_process),
         "cuda_forwarded": _forwarded(_device_collectives.forwarded_in_process),
         "engine": engine_counters(),
+        "waiting": _waiting.report(),
     }
 
 
@@ -375,6 +392,10 @@ def _summary() -> None:
         _device_collectives.forwarded_in_process.values()
     )
     totals = _hook.totals
+    waited = _waiting.describe()
+    if waited and state.logged and not (totals.steps or totals.native):
+        logger.info("summary (the engine is off): %s", waited)  # native DDP, timed
+        return
     if not state.logged or not (totals.steps or totals.native or served or forwarded or cuda):
         return
     carried = ", ".join(
@@ -384,13 +405,14 @@ def _summary() -> None:
     native = sum(totals.native.values())
     counted = _describe_counters(engine_counters())
     logger.info(
-        "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s%s; %s%s",
+        "summary: %d backward pass(es); through the engine: %s; left to torch: %d%s%s; %s%s%s",
         totals.steps,
         carried or "nothing",
         native,
         f" ({'; '.join(sorted(totals.native))})" if native else "",
         f"; the engine counted: {counted}" if counted else "",
         _describe_collectives(served, forwarded),
+        f"; {waited}" if waited else "",
         f"; {_attempt_text()}" if _attempt_text() else "",
     )
     if cuda:

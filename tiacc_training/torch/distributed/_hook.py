@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tiacc_training.errors import CommError
 
-from . import _engine_state, _perf
+from . import _engine_state, _perf, _waiting
 from ._cuda import unwrap
 from ._runtime import cuda_path, ensure_group, world_engine
 from ._state import logger
@@ -77,9 +77,16 @@ totals = HookTotals()
 class HookState:
     """State of the engine's comm hook on one DDP model."""
 
-    def __init__(self, engine: Any, process_group: Any, cuda: Any = None) -> None:
+    def __init__(
+        self, engine: Any, process_group: Any, cuda: Any = None, native: bool = False
+    ) -> None:
         self.engine = engine
         self.process_group = process_group
+        # The engine is switched off: every bucket goes to torch's allreduce
+        # (timed, so that stats() shows the native step's wait too).
+        self.native = native
+        # Each step's wait for its buckets (stats()["waiting"]).
+        self.clock = _waiting.StepClock()
         # CUDA buckets: a _cuda.NcclChannels or _cuda.HostStaging (None: CPU model).
         self.cuda = cuda
         self.user_hook: Callable[..., torch.futures.Future] | None = None
@@ -133,6 +140,11 @@ def _patched_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> N
     _original_init(self, *args, **kwargs)
     if config is not None and config.enabled:
         _attach(self, config)
+    elif config is not None:
+        # The engine is off: torch's own allreduce, timed like the engine's.
+        hook_state = HookState(None, self.process_group, native=True)
+        self._tiacc_hook_state = hook_state  # type: ignore[attr-defined]
+        _original_register_comm_hook(self, hook_state, _tiacc_comm_hook)
 
 
 def _gradient_bytes(module: torch.nn.Module) -> int:
@@ -262,9 +274,26 @@ def _watch_for_a_hook_that_never_runs(
 
 
 def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP comm hook: hands the bucket to the engine, returns its future."""
+    """DDP comm hook: hands the bucket to the engine, returns its future.
+
+    Every bucket that communicates is timed (``_waiting``); those kept local
+    by gradient accumulation are not.
+    """
     if state.user_hook is not None:
-        return state.user_hook(state.user_state, bucket)
+        return _timed(state, bucket, state.user_hook(state.user_state, bucket))
+    if state.native:
+        return _timed(state, bucket, default_hooks.allreduce_hook(state.process_group, bucket))
+    return _route(state, bucket)
+
+
+def _timed(
+    state: HookState, bucket: dist.GradBucket, future: torch.futures.Future
+) -> torch.futures.Future:
+    return _waiting.timed(state.clock, bucket.is_last(), future)
+
+
+def _route(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Where one of the engine hook's buckets goes: the engine, torch, or nowhere."""
     buf = bucket.buffer()
     with _counters:
         state.calls += 1
@@ -294,13 +323,13 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
         )
     if state.alone:
         _carried("world of one", buf.numel() * buf.element_size())
-        return _accumulated_locally(buf)
+        return _accumulated_locally(buf)  # nothing to wait for: not timed
     perf = _perf.active()
     if perf is not None and bucket.index() == 0:
         engine = state.engine if state.cuda is None else state.cuda.engine
         perf.before_step(engine, buf.device)
     if buf.device.type == "cuda" and state.cuda is not None:
-        return carry_bucket(buf, bucket.index(), cuda=state.cuda)
+        return _timed(state, bucket, carry_bucket(buf, bucket.index(), cuda=state.cuda))
     if buf.device.type != "cpu" or state.engine is None:
         return _native(
             state,
@@ -309,7 +338,7 @@ def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
             "carries CPU and CUDA buckets",
             "keep the model on the CPU or a CUDA device",
         )
-    return carry_bucket(buf, bucket.index(), engine=state.engine)
+    return _timed(state, bucket, carry_bucket(buf, bucket.index(), engine=state.engine))
 
 
 def carry_bucket(
@@ -380,7 +409,7 @@ def _native(state: HookState, bucket: dist.GradBucket, why: str, fix: str) -> to
     """A bucket handed to torch's allreduce: counted, warned once, or an error."""
     totals.native[why] += 1
     _step_aside(runtime.config, why, fix)
-    return default_hooks.allreduce_hook(state.process_group, bucket)
+    return _timed(state, bucket, default_hooks.allreduce_hook(state.process_group, bucket))
 
 
 def _accumulated_locally(buf: torch.Tensor) -> torch.futures.Future:
