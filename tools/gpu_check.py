@@ -16,6 +16,11 @@ a short window on a GPU node (``--budget``, 420 s of stages):
   2D + fp16, the bf16 hook, Top-K, flat, auto, after native NCCL's ring)
   with few steps, written as each finishes; at most 180 s, and what the
   budget leaves;
+- ``scaling``: ResNet-50 (224 px, batch 32 per rank) trained end to end on
+  the same cluster at 1, 10 and 25 Gbit/s (``benches/bench_scaling.py
+  --device cuda``): native NCCL, tiacc 2D (exact), 2D + fp16 and the
+  default (``auto``), one round, its rows written as they finish; at most
+  150 s, run where the budget leaves it time;
 - ``fsdp``: FSDP2 over NCCL on the same cluster (``benches/bench_fsdp.py
   --device cuda``), native against the engine's 2D rows; at most 180 s,
   run where a larger budget leaves it time.
@@ -70,9 +75,9 @@ from typing import Any, Callable
 from _process_tree import POLL, exited, stage_processes, stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("gpu-tests", "one", "input", "cluster", "fsdp", "tests", "demo", "nccl")
+STAGES = ("gpu-tests", "one", "input", "cluster", "scaling", "fsdp", "tests", "demo", "nccl")
 # The default: one short window on a GPU node.
-PLAN = ("gpu-tests", "one", "input", "cluster", "fsdp")
+PLAN = ("gpu-tests", "one", "input", "cluster", "scaling", "fsdp")
 # The long check (``--stage all``).
 LONG = ("tests", "demo", "nccl", "input", "fsdp")
 # Per stage: its limit and the least time worth starting it with (seconds).
@@ -81,6 +86,7 @@ LIMITS = {
     "one": (60.0, 40.0),
     "cluster": (180.0, 90.0),
     "input": (75.0, 45.0),
+    "scaling": (150.0, 90.0),
     "fsdp": (180.0, 100.0),
     "tests": (600.0, 120.0),
     "demo": (300.0, 60.0),
@@ -104,6 +110,8 @@ GOAL_ROWS = ",".join(
         "tiacc auto",
     )
 )
+# The scaling rows besides native and the default (auto), which always run.
+SCALING_ROWS = "tiacc 2D"
 # The FSDP2 rows that carry goals (native always runs).
 FSDP_ROWS = "tiacc 2d,tiacc 2d + bf16"
 # The GPU tests run first (TIACC_TEST_FIRST, the suite's conftest).
@@ -308,6 +316,13 @@ def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[lis
             [python, "benches/bench_input.py", "--train", "--skip-loaders",
              "--train-workers", str(CPU_DECODE_WORKERS), "--train-steps", "20", "--images", "800",
              "--workdir", str(out / "bench-input-data"), "--out", str(out / "bench_input.json")],
+        ]  # fmt: skip
+    if stage == "scaling":
+        return [
+            [python, "benches/bench_scaling.py", "--device", "cuda", "--model", "resnet50",
+             "--image-size", "224", "--batch", "32", "--rates", "1000,10000,25000",
+             "--only", SCALING_ROWS, "--rounds", "1", "--steps", "4", "--warmup", "2",
+             "--out", str(out / "bench_scaling_cuda.json")],
         ]  # fmt: skip
     if stage == "fsdp":
         return [
@@ -801,6 +816,7 @@ def evaluate_goals(out: Path, tests: dict[str, Any] | None) -> list[Goal]:
                 None if alone is None else alone["images_per_s"] >= 8000,
             )
         )
+    goals += scaling_goals(_load(out / "bench_scaling_cuda.json"))
     goals += fsdp_goals(_load(out / "bench_fsdp_cuda.json"))
     if tests is None:
         goals.append(Goal("suite with CUDA present", "0 failures", "not run", None))
@@ -815,6 +831,36 @@ def evaluate_goals(out: Path, tests: dict[str, Any] | None) -> list[Goal]:
             )
         )
     return goals
+
+
+def scaling_goals(result: dict | None) -> list[Goal]:
+    """ResNet-50 across link rates over NCCL (``bench_scaling.py --device cuda``)."""
+    per_rate = ((result or {}).get("goals") or {}).get("per_rate") or []
+    why = "not run" if result is None else "no rate finished"
+    name = "scaling, ResNet-50: tiacc default vs native NCCL at every rate"
+    if not per_rate:
+        return [Goal(name, ">= 0.98x", why, None), Goal(_REGIME, ">= 1.7x", why, None)]
+    worst = min(per_rate, key=lambda g: g["auto_over_native"])
+    goals = [
+        Goal(
+            name,
+            ">= 0.98x",
+            f"{worst['auto_over_native']:.2f}x (worst, at {worst['rate_mbit']:g} Mbit/s)",
+            worst["auto_over_native"] >= 0.98,
+        )
+    ]
+    regime = [g for g in per_rate if 0.4 <= g["native_efficiency"] <= 0.6]
+    fp16 = [g for g in regime if "two_d_fp16_over_native" in g]
+    if not fp16:
+        seen = ", ".join(f"{g['native_efficiency']:.0%}" for g in per_rate)
+        goals.append(Goal(_REGIME, ">= 1.7x", f"no rate there (native: {seen})", None))
+    else:
+        best = max(g["two_d_fp16_over_native"] for g in fp16)
+        goals.append(Goal(_REGIME, ">= 1.7x", f"{best:.2f}x", best >= 1.7))
+    return goals
+
+
+_REGIME = "scaling, ResNet-50: 2D + fp16 vs native where native scales 40-60%"
 
 
 def fsdp_goals(result: dict | None) -> list[Goal]:

@@ -192,7 +192,9 @@ def test_missing_measurements_say_why(tmp_path: Path) -> None:
 
 
 def test_stage_selection_and_commands(tmp_path: Path) -> None:
-    assert gpu_check.parse_args([]).stage == ["gpu-tests", "one", "input", "cluster", "fsdp"]
+    assert gpu_check.parse_args([]).stage == [
+        "gpu-tests", "one", "input", "cluster", "scaling", "fsdp"
+    ]  # fmt: skip
     assert gpu_check.parse_args(["--stage", "all"]).stage == [
         "tests", "demo", "nccl", "input", "fsdp"
     ]  # fmt: skip
@@ -200,11 +202,11 @@ def test_stage_selection_and_commands(tmp_path: Path) -> None:
     # The plan fits its window: the limits of its stages add up to the budget's
     # order, each stage's least start time below its limit.
     # The stages before the cluster fit with the cluster's least time (its
-    # rows are written as they finish); FSDP2 over NCCL, last, runs where a
-    # larger budget leaves it time.
+    # rows are written as they finish); the scaling sweep and FSDP2 over
+    # NCCL, last, run where a larger budget leaves them time.
     plan, limits = gpu_check.PLAN, gpu_check.LIMITS
-    assert plan[-2:] == ("cluster", "fsdp")
-    fixed = sum(limits[s][0] for s in plan[:-2]) + limits["cluster"][1]
+    assert plan[-3:] == ("cluster", "scaling", "fsdp")
+    fixed = sum(limits[s][0] for s in plan[:-3]) + limits["cluster"][1]
     assert fixed <= gpu_check.parse_args([]).budget
     assert all(least < limit for limit, least in gpu_check.LIMITS.values())
     gpu = gpu_check.stage_commands("gpu-tests", "py", tmp_path, 16)[0]
@@ -522,7 +524,7 @@ def test_every_benchmark_stage_command_is_accepted_by_its_script(tmp_path: Path)
             except SystemExit as e:
                 pytest.fail(f"{stage}: {script} refuses {command[2:]} (exit {e.code})")
             checked.add(stage)
-    assert checked == {"one", "cluster", "nccl", "input", "fsdp"}
+    assert checked == {"one", "cluster", "nccl", "input", "scaling", "fsdp"}
 
 
 def test_a_cut_off_stage_names_the_error_lines_of_a_failure(tmp_path: Path) -> None:
@@ -617,3 +619,20 @@ def test_a_failing_nvidia_smi_samples_nothing(tmp_path: Path, monkeypatch) -> No
         .split("\n")[0]
         .endswith("| - | - |")
     )
+
+
+def test_scaling_goals_read_the_sweep() -> None:
+    assert [g.met for g in gpu_check.scaling_goals(None)] == [None, None]
+    result = {
+        "goals": {
+            "per_rate": [
+                {"rate_mbit": 1000, "native_efficiency": 0.5, "auto_over_native": 1.4,
+                 "two_d_fp16_over_native": 1.8},
+                {"rate_mbit": 25000, "native_efficiency": 0.9, "auto_over_native": 0.97,
+                 "two_d_fp16_over_native": 1.0},
+            ]
+        }
+    }  # fmt: skip
+    auto, regime = gpu_check.scaling_goals(result)
+    assert not auto.met and "0.97x" in auto.measured and "25000" in auto.measured
+    assert regime.met and regime.measured == "1.80x"
