@@ -74,43 +74,64 @@ def _step_times(ddp: Any, opt: Any, batch: int, steps: int, warmup: int) -> list
 
 def bench_ddp(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
-    import torchvision
-    from torch import nn
-
-    import tiacc_training.torch.distributed as tdist
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     runs = [("native", None), ("tiacc nccl", 1), ("tiacc nccl", 4)]
+    # Interleaved rounds: every row once per round, the first row turning
+    # each round, so a slow spell of the GPU lands on every row.
+    steps: dict[int, list[float]] = {i: [] for i in range(len(runs))}
+    medians: dict[int, list[float]] = {i: [] for i in range(len(runs))}
+    for round_index in range(args.one_rounds):
+        shift = round_index % len(runs)
+        for index in [*range(shift, len(runs)), *range(shift)]:
+            times = _one_row(args, device, *runs[index])
+            steps[index] += times
+            medians[index].append(round(statistics.median(times) * 1000, 2))
     rows = []
-    for name, channels in runs:
-        tdist.init_tiacc_training(
-            backend="nccl",
-            enable=channels is not None,
-            num_streams=channels,
-            transport="nccl",
-        )
-        torch.manual_seed(0)
-        model = torchvision.models.resnet50().to(device)
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0])
-        if channels is not None and getattr(ddp, "_tiacc_hook_state", None) is None:
-            raise RuntimeError("the tiacc hook was not attached")
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        times = _step_times(ddp, opt, args.batch, args.steps, args.warmup)
+    for index, (name, channels) in enumerate(runs):
+        times, round_ms = steps[index], medians[index]
         rows.append(
             {
                 "pipeline": name,
                 "channels": channels,
                 "median_ms": round(statistics.median(times) * 1000, 2),
                 "min_ms": round(min(times) * 1000, 2),
+                "round_medians_ms": round_ms,
+                "spread_pct": round((max(round_ms) - min(round_ms)) / min(round_ms) * 100, 2),
+                "steps": len(times),
             }
         )
-        del ddp, model, opt
-        torch.cuda.empty_cache()
     native = rows[0]["median_ms"]
     for row in rows:
         row["overhead_vs_native"] = round(row["median_ms"] / native - 1.0, 4)
     return rows
+
+
+def _one_row(args: argparse.Namespace, device: Any, name: str, channels: int | None) -> list[float]:
+    """One world-of-one row's timed steps (a fresh model and DDP)."""
+    import torch
+    import torchvision
+    from torch import nn
+
+    import tiacc_training.torch.distributed as tdist
+
+    tdist.init_tiacc_training(
+        backend="nccl",
+        enable=channels is not None,
+        num_streams=channels,
+        transport="nccl",
+    )
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    if channels is not None and getattr(ddp, "_tiacc_hook_state", None) is None:
+        raise RuntimeError("the tiacc hook was not attached")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    times = _step_times(ddp, opt, args.batch, args.steps, args.warmup)
+    del ddp, model, opt
+    torch.cuda.empty_cache()
+    return times
 
 
 def _gpu_seconds(fn: Any, repeats: int) -> float:
@@ -317,6 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument(
+        "--one-rounds", type=int, default=3, help="world of one: interleaved rounds of every row"
+    )
     parser.add_argument("--elements", type=int, default=25_000_000)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--rate-mbit", type=float, default=1000.0)
@@ -421,6 +445,7 @@ def run_single_gpu_parts(args: argparse.Namespace, parts: set[str], result: dict
             "batch": args.batch,
             "steps": args.steps,
             "warmup": args.warmup,
+            "rounds": args.one_rounds,
             "world_size": 1,
             "gpu": torch.cuda.get_device_name(0),
             "nccl_version": ".".join(map(str, tdist.nccl_version())),

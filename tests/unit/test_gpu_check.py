@@ -154,8 +154,8 @@ def test_summary_reports_counts_skips_goals_and_versions(tmp_path: Path) -> None
     assert goals[(cluster + "tiacc Top-K 1% vs native NCCL", ">= 10.0x")].met is True
     auto = goals[(cluster + "tiacc auto vs the faster of flat and 2D", ">= 0.95x")]
     assert (auto.measured, auto.met) == ("0.98x (picked 2d)", True)
-    overhead = goals[("world of one: overhead over native DDP", "<= 2%")]
-    assert (overhead.measured, overhead.met) == ("3.1% (worst of 2)", False)
+    overhead = goals[("world of one: overhead over native DDP", "<= 1%")]
+    assert overhead.measured.startswith("3.1% (worst of 2;") and overhead.met is False
     cpu = next(g for (name, _), g in goals.items() if name.startswith("CPU decode"))
     gpu = next(g for (name, _), g in goals.items() if name.startswith("GPU decode, <= 4"))
     assert (cpu.met, gpu.met) == (True, False)
