@@ -114,6 +114,7 @@ def run_row(nodes: tuple, row: Row, rate: float, args: argparse.Namespace) -> di
     auto = result.pop("rank0_stderr_lines", [])
     run = {"pipeline": row.label, "rate_mbit": rate, "step_s": result["step_s"]}
     run["link_bytes_per_step"] = result["link_bytes_per_step"]
+    run["rank0_cpu_s_per_step"] = result["rank0_cpu_s_per_step"]
     run["link_dropped_packets"] = result["link_dropped_packets"]
     run["grad_bytes"] = result["grad_bytes"]
     if auto:
@@ -131,7 +132,12 @@ def run_reference(nodes: tuple, label: str, args: argparse.Namespace) -> dict:
     )
     median = statistics.median(result["step_s"]) * 1000
     print(f"  {label}: {median:.0f} ms", flush=True)
-    return {"pipeline": label, "rate_mbit": None, "step_s": result["step_s"]}
+    return {
+        "pipeline": label,
+        "rate_mbit": None,
+        "step_s": result["step_s"],
+        "rank0_cpu_s_per_step": result["rank0_cpu_s_per_step"],
+    }
 
 
 def summarize(runs: list[dict], batch: int) -> list[dict]:
@@ -159,6 +165,9 @@ def summarize(runs: list[dict], batch: int) -> list[dict]:
             "efficiency_vs_compute_floor": round(floor_s / step_s, 3),
             "efficiency_vs_one_rank": round(alone_s / step_s, 3),
         }
+        cpu = [p["rank0_cpu_s_per_step"] for p in parts if "rank0_cpu_s_per_step" in p]
+        if cpu:  # rank 0's CPU time a step: on cores shared by the ranks, its cost
+            line["rank0_cpu_ms_per_step"] = round(statistics.fmean(cpu) * 1000, 1)
         if rate is not None:
             line["speed_over_native"] = round(median_s((NATIVE, rate)) / step_s, 3)
             line["link_mb_per_step"] = round(
