@@ -125,7 +125,8 @@ def _one_row(args: argparse.Namespace, device: Any, name: str, channels: int | N
     torch.manual_seed(0)
     model = torchvision.models.resnet50().to(device)
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0])
-    if channels is not None and getattr(ddp, "_tiacc_hook_state", None) is None:
+    hook_state = getattr(ddp, "_tiacc_hook_state", None)
+    if channels is not None and (hook_state is None or hook_state.native):
         raise RuntimeError("the tiacc hook was not attached")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     times = _step_times(ddp, opt, args.batch, args.steps, args.warmup)

@@ -77,7 +77,9 @@ def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, floa
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=args.bucket_cap_mb,
     )
-    hooked = getattr(ddp, "_tiacc_hook_state", None) is not None
+    # With the engine off DDP keeps a timing-only state (native=True).
+    hook_state = getattr(ddp, "_tiacc_hook_state", None)
+    hooked = hook_state is not None and not hook_state.native
     assert hooked == (args.mode == "tiacc"), f"{args.mode} run, tiacc hook attached: {hooked}"
     if args.mode == "tiacc":
         if device.type == "cuda":
