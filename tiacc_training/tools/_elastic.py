@@ -234,10 +234,11 @@ class ElasticDriver:
                 )
         hosts = [h for h in self.hosts.order if any(k.rsplit(":", 1)[0] == h for k in target)]
         placement = []
+        placed: dict[str, int] = {}  # members placed so far per host: the next local rank
         for key in target:
             host = key.rsplit(":", 1)[0]
-            before = sum(1 for k in target[: target.index(key)] if k.rsplit(":", 1)[0] == host)
-            placement.append((hosts.index(host), before))
+            placement.append((hosts.index(host), placed.get(host, 0)))
+            placed[host] = placed.get(host, 0) + 1
         envs = self.launcher.environments(hosts, placement)
         self.round += 1
         self.members = list(target)
