@@ -40,8 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _launch import free_port  # noqa: E402
 from _machine import REPO, machine_info  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_topk_convergence_worker.py"
@@ -65,14 +67,6 @@ def variants(ratio: float, warmup: int, clip: float) -> dict[str, dict[str, str]
         "dgc-warmup": {**dgc, "TIACC_TRAINING_TOPK_WARMUP_STEPS": str(warmup)},
         "dgc-clip": {**dgc, "TIACC_TRAINING_TOPK_CLIP_NORM": str(clip)},
     }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(task: str, variant: str, env: dict[str, str], steps: int, every: int) -> dict:

@@ -24,15 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _launch import free_port  # noqa: E402
 from _machine import REPO, machine_info  # noqa: E402
 
 RESULTS = REPO / "benches" / "results" / "bench_world_of_one.json"
@@ -77,17 +78,11 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_row(row: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--row", row]
     for name in ("layers", "width", "batch", "bucket_mb", "steps", "warmup"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command += ["--port", str(_free_port())]
+    command += ["--port", str(free_port())]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIACC_TRAINING_")}
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)

@@ -1,17 +1,22 @@
 """Launch helpers for the multi-process tests: plain processes on loopback.
 
 Shared by ``tests/distributed`` and ``tests/gpu`` (this folder is on
-``sys.path`` through its conftest).
+``sys.path`` through its conftest), and :func:`free_port` by every launcher
+of the tests, benches and tools (which put this folder on ``sys.path``).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import random
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +24,112 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "distributed" / "ddp_worker.py"
 
+# free_port's ports: from here up to the kernel's ephemeral range, above the
+# ports services usually listen on.
+PORT_FLOOR = 20000
+# Linux's default ephemeral range, where /proc does not say.
+EPHEMERAL_DEFAULT = (32768, 60999)
+# Fewer ports than this below (or above) the ephemeral range: use the whole
+# range from PORT_FLOOR up, with the bind check and the reservations only.
+MIN_POOL = 1000
+# torch's default rendezvous ports (MASTER_PORT, torchrun's c10d
+# rendezvous): a launch that names no port takes them.
+TORCH_DEFAULT_PORTS = frozenset({29400, 29500})
+# Seconds a port handed out stays reserved: longer than a test's launch
+# (whose rank 0 may bind, close and bind the port again between restarts).
+RESERVATION_S = 30 * 60.0
+# Where the reservations are kept: one file per port, its mtime the time the
+# port was handed out, plus the lock that serializes free_port across
+# processes.
+RESERVATIONS = Path(tempfile.gettempdir()) / f"tiacc-training-test-ports-{os.getuid()}"
+
+_random = random.SystemRandom()  # no state shared with forked processes
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port for a job's rendezvous, reserved for this caller.
+
+    Binding port 0 and closing the socket hands out an ephemeral port that
+    nothing holds until rank 0's store binds it: another launch's port-0
+    pick, a port-0 listener (gloo's) or an outgoing connection could take it
+    first (``EADDRINUSE`` with 16 pytest-xdist workers launching at once).
+    So the port is taken from below the kernel's ephemeral range, where no
+    port-0 bind or connection lands; it must bind on every local address
+    with ``SO_REUSEADDR`` off (stricter than the store, which sets it); and
+    it is reserved across processes, under an ``flock``, for
+    ``RESERVATION_S``. A random start keeps concurrent callers apart.
+
+    Returns:
+        The port number.
+
+    Raises:
+        RuntimeError: every port of the pool is reserved or in use.
+    """
+    pool = _port_pool()
+    start = _random.randrange(len(pool))
+    RESERVATIONS.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = os.open(RESERVATIONS / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        for i in range(len(pool)):
+            port = pool[(start + i) % len(pool)]
+            if port in TORCH_DEFAULT_PORTS:
+                continue
+            mark = RESERVATIONS / str(port)
+            try:
+                if abs(now - mark.stat().st_mtime) < RESERVATION_S:
+                    continue
+            except FileNotFoundError:
+                pass
+            if not _bindable(port):
+                continue
+            mark.write_text(f"{os.getpid()}\n")  # sets the mtime: reserved from now
+            return port
+    finally:
+        os.close(lock)  # releases the flock
+    raise RuntimeError(
+        f"no free port in {pool.start}-{pool.stop - 1}: all reserved in the last "
+        f"{RESERVATION_S:.0f} s (under {RESERVATIONS}) or in use"
+    )
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range, first and last port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+    return low, high
+
+
+def _port_pool() -> range:
+    """The ports ``free_port`` picks from: outside the ephemeral range where it can."""
+    low, high = _ephemeral_range()
+    below = range(PORT_FLOOR, low)
+    above = range(max(high + 1, PORT_FLOOR), 65536)
+    pool = max(below, above, key=len)
+    return pool if len(pool) >= MIN_POOL else range(PORT_FLOOR, 65536)
+
+
+def _bindable(port: int) -> bool:
+    """Whether ``port`` binds now on every IPv4 and IPv6 address, ``SO_REUSEADDR`` off."""
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host
+            continue
+        with sock:
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                if family == socket.AF_INET6 and e.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 off: nothing can listen there either
+                return False
+    return True
 
 
 # TIACC_TEST_BACKEND_FORM=process-group runs every job with the "tiacc"

@@ -35,13 +35,17 @@ import faulthandler
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
+
+# The tests' port allocator (a launch of two ranks, like theirs).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+
+from _launch import free_port  # noqa: E402
 
 # The checks, in the order they are reported.
 CHECKS = ("torch", "init", "backend", "all_reduce", "ddp")
@@ -69,13 +73,6 @@ def _error(error: BaseException) -> str:
 def _check(result: str, error: str | None = None) -> dict[str, Any]:
     """One check's entry: ``pass``, ``fail`` or ``skip``, and its error text."""
     return {"result": result, "error": error}
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- one rank ---------------------------------------------------------------

@@ -9,12 +9,12 @@ never complete a new attempt's handshake.
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 import time
 
 import pytest
 import torch.distributed as dist
+from _launch import free_port
 
 from tiacc_training.errors import CommTimeoutError
 from tiacc_training.torch.distributed._rendezvous import ATTEMPTS, attempt_prefix
@@ -22,11 +22,10 @@ from tiacc_training.torch.distributed._rendezvous import ATTEMPTS, attempt_prefi
 
 @pytest.fixture()
 def server() -> dist.TCPStore:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     timeout = datetime.timedelta(seconds=30)
-    return dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(
+        "127.0.0.1", free_port(), is_master=True, timeout=timeout, wait_for_workers=False
+    )
 
 
 def _client(server: dist.TCPStore) -> dist.TCPStore:
