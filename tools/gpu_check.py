@@ -124,6 +124,9 @@ GPU_FIRST = ",".join(
         "tests/gpu/test_nccl_algorithms.py::test_a_nan",
     )
 )
+# pytest-xdist's switch that keeps --dist loadgroup in the collected order.
+NO_REORDER = "--no-loadscope-reorder"
+_pytest_options: dict[str, str] = {}
 # How often the summary is rewritten and the GPU sampled while a stage runs (seconds).
 TICK = 10.0
 # Seconds the processes of a stage being stopped get between SIGTERM and SIGKILL.
@@ -335,9 +338,32 @@ def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[lis
 
 
 def gpu_tests_command(python: str, junit: Path, workers: int) -> list[str]:
-    """The tests marked ``gpu``: at most 8 workers, a matrix's cases on one worker."""
-    return [python, "-m", "pytest", "tests", "-m", "gpu", "-n", str(min(workers, 8)),
-            "--dist", "loadgroup", "-ra", f"--junitxml={junit}"]  # fmt: skip
+    """The tests marked ``gpu``: at most 8 workers, a matrix's cases on one worker.
+
+    pytest-xdist 3.6 and later hand out the largest groups first under
+    ``--dist loadgroup`` (the 9-case matrices), which put the whole-feature
+    tests that ``TIACC_TEST_FIRST`` orders first behind every matrix: where
+    this xdist has ``--no-loadscope-reorder``, it keeps the collected order.
+    """
+    command = [python, "-m", "pytest", "tests", "-m", "gpu", "-n", str(min(workers, 8)),
+               "--dist", "loadgroup", "-ra", f"--junitxml={junit}"]  # fmt: skip
+    if _pytest_has_option(python, NO_REORDER):
+        command.append(NO_REORDER)
+    return command
+
+
+def _pytest_has_option(python: str, option: str) -> bool:
+    """Whether ``python -m pytest --help`` lists ``option`` (read once per Python)."""
+    if python not in _pytest_options:
+        try:
+            run = subprocess.run(
+                [python, "-m", "pytest", "-p", "xdist", "--help"],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            _pytest_options[python] = run.stdout
+        except (OSError, subprocess.SubprocessError):
+            _pytest_options[python] = ""
+    return re.search(rf"(^|\s){re.escape(option)}\b", _pytest_options[python]) is not None
 
 
 def install(args: argparse.Namespace, out: Path) -> None:

@@ -6,8 +6,11 @@ engine (``--transport nccl``, ``tcp`` or ``auto``; the algorithm comes from
 the environment: ``LIGHT_*``, ``TIACC_TRAINING_*``) and saves the final
 parameters per rank. Reads each step's loss on the host, as a training loop
 that logs does, so a failure on another rank surfaces at the next step.
-Prints ``DONE <mode> <transport used>`` at the end; ``--nan-rank`` puts a
-NaN into that rank's input at ``--nan-step``.
+Prints ``SECONDS init <s> train <s> save <s>`` (where its time went) and
+``DONE <mode> <transport used>`` at the end; ``--nan-rank`` puts a NaN
+into that rank's input at ``--nan-step``. ``TIACC_TEST_STACKS_AFTER=<s>``
+dumps every thread's Python stack to stderr each ``<s>`` seconds the run
+is still going (what a stuck rank waits on).
 
 ``--cases FILE`` runs many cases in these same processes, one after the
 other (a JSON list of ``{"id", "env", "channels"}``, each optionally with
@@ -15,7 +18,8 @@ its own ``"mode"``, ``"transport"`` and ``"expect_transport"``, else the
 command line's): each case's settings replace the previous case's
 variables, ``init_tiacc_training`` runs again (which rebuilds the engines
 for the new settings, or turns them off for a native case), and the
-case's parameters go to ``<out>/<id>/``, with ``CASE <id> LOSS ...`` and
+case's parameters go to ``<out>/<id>/``, with ``CASE <id> SECONDS ...``,
+``CASE <id> LOSS ...`` and
 ``CASE <id> DONE <mode> <transport>`` lines. A case that fails prints
 ``CASE <id> FAILED ...`` and the cases after it still run (``tests/_cases``);
 the run then ends with exit code 3, naming the failed cases. Starting the
@@ -28,9 +32,11 @@ loop on the CPU, where the tests check it without a GPU.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -51,13 +57,15 @@ def build_model(width: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, float, float]:
+def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, float, float, str]:
     """One run: init, DDP training, the parameters saved under ``out``.
 
     ``args.mode``, ``args.transport`` and ``args.expect_transport`` are
-    this run's (a case's, under ``--cases``). Returns the transport used
-    and the mean loss of the first and last steps.
+    this run's (a case's, under ``--cases``). Returns the transport used,
+    the mean loss of the first and last steps, and the seconds of each
+    phase (``init ... train ... save ...``: where a launch's time goes).
     """
+    started = time.monotonic()
     tdist.init_tiacc_training(
         backend=args.backend,
         enable=args.mode == "tiacc",
@@ -86,6 +94,9 @@ def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, floa
             expected = args.expect_transport or args.transport
             assert tdist.cuda_transport() == expected, tdist.cuda_transport()
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    built = time.monotonic()
+    # Wall clock, as the ERROR_AT of a failure: a failed run's phases too.
+    print(f"BUILT_AT {time.time():.3f} after {built - started:.2f}s", flush=True)
     gen = torch.Generator().manual_seed(100 + rank)
     teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
     losses: list[float] = []
@@ -101,6 +112,7 @@ def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, floa
         losses.append(loss.item())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    trained = time.monotonic()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     assert all(torch.isfinite(v).all() for v in state.values()), "non-finite parameters"
     out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +125,9 @@ def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, floa
     n = min(5, len(losses))
     dist.barrier()
     del ddp, opt
-    return transport, sum(losses[:n]) / n, sum(losses[-n:]) / n
+    end = time.monotonic()
+    phases = f"init {built - started:.2f} train {trained - built:.2f} save {end - trained:.2f}"
+    return transport, sum(losses[:n]) / n, sum(losses[-n:]) / n, phases
 
 
 def run_matrix(args: argparse.Namespace) -> int:
@@ -123,7 +137,8 @@ def run_matrix(args: argparse.Namespace) -> int:
         own = argparse.Namespace(**vars(args))
         for key in ("mode", "transport", "expect_transport"):
             setattr(own, key, case.get(key, getattr(args, key)))
-        transport, first, last = train(own, args.out / case["id"], case["channels"])
+        transport, first, last, phases = train(own, args.out / case["id"], case["channels"])
+        print(f"CASE {case['id']} SECONDS {phases}", flush=True)
         print(f"CASE {case['id']} LOSS first {first:.6f} last {last:.6f}", flush=True)
         print(f"CASE {case['id']} DONE {own.mode} {transport}", flush=True)
 
@@ -154,6 +169,11 @@ def main() -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--cases", help="a JSON file of cases to run one after the other")
     args = parser.parse_args()
+    if os.environ.get("TIACC_TEST_STACKS_AFTER"):
+        # Every thread's Python stack on stderr while the run is still going
+        # after that many seconds (and as often again): what a stuck rank waits on.
+        every = float(os.environ["TIACC_TEST_STACKS_AFTER"])
+        faulthandler.dump_traceback_later(every, repeat=True)
     try:
         # Bitwise comparisons need deterministic kernels and no TF32.
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -161,7 +181,8 @@ def main() -> int:
         torch.use_deterministic_algorithms(True)
         if args.cases:
             return run_matrix(args)
-        transport, first, last = train(args, args.out, args.channels)
+        transport, first, last, phases = train(args, args.out, args.channels)
+        print(f"SECONDS {phases}", flush=True)
         print(f"LOSS first {first:.6f} last {last:.6f}", flush=True)
         print(f"DONE {args.mode} {transport}", flush=True)
         tdist.shutdown()
