@@ -10,7 +10,7 @@
 use std::ffi::{c_int, c_void};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use super::ffi::{self, CudaStream, NcclComm, NcclDataType, NcclRedOp, NcclResult, NcclUniqueId};
@@ -306,6 +306,35 @@ impl NcclCommunicator {
         })
     }
 
+    /// A non-blocking communicator around `comm`, a handle that `lib`'s
+    /// functions (fakes of NCCL's, in this crate's tests) accept; calls that
+    /// return `ncclInProgress` are waited for up to `wait`.
+    #[cfg(test)]
+    pub(crate) fn from_handle(
+        lib: Arc<NcclLibrary>,
+        comm: NcclComm,
+        rank: usize,
+        size: usize,
+        group: Group,
+        wait: Duration,
+    ) -> Self {
+        assert!(!comm.is_null(), "a communicator needs a non-null handle");
+        NcclCommunicator {
+            lib,
+            comm,
+            rank,
+            size,
+            group,
+            issue: Mutex::new(()),
+            closed: AtomicBool::new(false),
+            inflight: AtomicUsize::new(0),
+            reason: Mutex::new(None),
+            non_blocking: true,
+            wait,
+            given: AtomicU64::new(0),
+        }
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -341,7 +370,31 @@ impl NcclCommunicator {
     /// Runs `call` on the live handle, serialised with other calls, and
     /// maps its result. Fails without calling NCCL once closed.
     fn call(&self, what: &str, call: impl FnOnce(NcclComm) -> NcclResult) -> Result<()> {
-        let _guard = self.issue.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = self.issue.lock().unwrap_or_else(|p| p.into_inner());
+        self.call_locked(guard, what, call)
+    }
+
+    /// [`NcclCommunicator::call`] when no other call holds the `issue`
+    /// lock; `Ok(None)` without calling NCCL when one does.
+    fn try_call(
+        &self,
+        what: &str,
+        call: impl FnOnce(NcclComm) -> NcclResult,
+    ) -> Result<Option<()>> {
+        let guard = match self.issue.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return Ok(None),
+        };
+        self.call_locked(guard, what, call).map(Some)
+    }
+
+    fn call_locked(
+        &self,
+        _guard: MutexGuard<'_, ()>,
+        what: &str,
+        call: impl FnOnce(NcclComm) -> NcclResult,
+    ) -> Result<()> {
         // Dekker-style handshake with `abort`: either this call sees
         // `closed`, or abort sees `inflight > 0` and waits for it.
         self.inflight.fetch_add(1, Ordering::SeqCst);
@@ -352,9 +405,19 @@ impl NcclCommunicator {
         let result = call(self.comm);
         let outcome = if self.non_blocking && result == ffi::NCCL_IN_PROGRESS {
             // Non-blocking mode: the call goes on in NCCL's own thread
-            // (setting up connections, say); it must finish before the next.
+            // (setting up connections, or waiting for room behind work a
+            // missing peer holds up); it must finish before the next. An
+            // abort from another thread (the watchdog, after another
+            // rank's failure or the deadline) ends the wait: the next poll
+            // sees `closed` and leaves, so abort's grace period sees
+            // `inflight` drop before it frees the handle.
             await_ready(
-                || self.readiness(what),
+                || {
+                    if self.is_closed() {
+                        return Err(self.closed_error(what));
+                    }
+                    self.readiness(what)
+                },
                 || {},
                 Deadline::after(self.wait),
                 self.rank,
@@ -580,15 +643,24 @@ impl NcclCommunicator {
     }
 
     /// The communicator's asynchronous error: `Ok(None)` while healthy (or
-    /// still initialising), `Ok(Some(error))` once NCCL reports a failure.
+    /// still initialising, or while another call holds the communicator),
+    /// `Ok(Some(error))` once NCCL reports a failure.
     pub fn async_error(&self) -> Result<Option<Error>> {
         let mut state: NcclResult = ffi::NCCL_SUCCESS;
         let f = self.lib.fns().comm_get_async_error;
-        self.call("ncclCommGetAsyncError", |comm| {
-            // SAFETY: `comm` is live (checked in `call`) and `state` is a
-            // valid out-pointer.
+        // Never waits behind a call in progress: the watchdog polls this,
+        // and a collective whose enqueue waits on NCCL (behind work that a
+        // missing peer holds up) would otherwise keep it from reading the
+        // failure board and the deadline, the only things that end such a
+        // wait. That call polls the same state itself meanwhile.
+        let polled = self.try_call("ncclCommGetAsyncError", |comm| {
+            // SAFETY: `comm` is live (checked in `call_locked`) and `state`
+            // is a valid out-pointer.
             unsafe { f(comm, &mut state) }
         })?;
+        if polled.is_none() {
+            return Ok(None);
+        }
         if state == ffi::NCCL_SUCCESS || state == ffi::NCCL_IN_PROGRESS {
             return Ok(None);
         }

@@ -46,8 +46,9 @@ pub struct NcclLibrary {
     /// closed: NCCL starts threads of its own (bootstrap, proxy) that may
     /// outlive every communicator, and unloading the code under them
     /// crashes the process (seen in this crate's tests). A loaded NCCL
-    /// stays for the life of the process, as torch's does.
-    _library: std::mem::ManuallyDrop<Library>,
+    /// stays for the life of the process, as torch's does. `None` only for
+    /// the in-process fakes of this crate's tests, which load nothing.
+    _library: Option<std::mem::ManuallyDrop<Library>>,
 }
 
 impl std::fmt::Debug for NcclLibrary {
@@ -188,7 +189,7 @@ impl NcclLibrary {
             fns,
             version: (0, 0, 0),
             path,
-            _library: std::mem::ManuallyDrop::new(library),
+            _library: Some(std::mem::ManuallyDrop::new(library)),
         };
         lib.check(result, "ncclGetVersion")?;
         lib.version = decode_version(code);
@@ -201,6 +202,18 @@ impl NcclLibrary {
             )));
         }
         Ok(lib)
+    }
+
+    /// A library whose functions are `fns` (Rust fakes of NCCL's API in
+    /// this crate's tests): nothing is loaded and no version is checked.
+    #[cfg(test)]
+    pub(crate) fn from_functions(fns: Functions, version: (u32, u32, u32)) -> Self {
+        NcclLibrary {
+            fns,
+            version,
+            path: "in-process fake NCCL (tests)".to_string(),
+            _library: None,
+        }
     }
 
     /// NCCL's version as (major, minor, patch).
