@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -70,9 +71,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         "seconds": round(report.duration, 2),
         "first_line": _first_line(report),
         "error_lines": _error_lines(report),
+        "diagnosis": _diagnosis_lines(report),
     }
-    import json
-
     with open(_outcomes_file, "a") as f:  # one write per line: appends do not interleave
         f.write(json.dumps(line) + "\n")
 
@@ -122,6 +122,23 @@ def _error_lines(report: pytest.TestReport, keep: int = 4) -> list[str]:
             found.remove(text)
         found.append(text)
     return found[-keep:]
+
+
+# The lines of a failure's text that say where a hung rank waited: the
+# engine's NCCL trace (TIACC_TRAINING_NCCL_TRACE) and Python's stack dumps
+# (faulthandler, TIACC_TEST_STACKS_AFTER in the GPU workers).
+_DIAGNOSIS_LINE = re.compile(
+    r'tiacc_training nccl trace|^\s*Thread 0x|^\s+File "|^\s*Timeout \(|--- rank \d+ rc='
+)
+
+
+def _diagnosis_lines(report: pytest.TestReport, keep: int = 60) -> list[str]:
+    """The last ``keep`` trace, stack and rank-header lines of a failure's text."""
+    if report.passed or report.skipped:
+        return []
+    # pytest marks the failure's own lines with "E   ".
+    lines = [text.removeprefix("E   ") for text in report.longreprtext.splitlines()]
+    return [text[:300] for text in lines if _DIAGNOSIS_LINE.search(text)][-keep:]
 
 
 def write_image(path: Path, width: int, height: int, seed: int, fmt: str = "JPEG") -> None:

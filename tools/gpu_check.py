@@ -363,7 +363,7 @@ def _pytest_has_option(python: str, option: str) -> bool:
             _pytest_options[python] = run.stdout
         except (OSError, subprocess.SubprocessError):
             _pytest_options[python] = ""
-    return re.search(rf"(^|\s){re.escape(option)}\b", _pytest_options[python]) is not None
+    return re.search(rf"(^|\s){re.escape(option)}(?![\w-])", _pytest_options[python]) is not None
 
 
 def install(args: argparse.Namespace, out: Path) -> None:

@@ -219,10 +219,12 @@ def test_the_cuda_path_matches_the_host_engine(
 def test_a_nan_is_raised_on_its_rank_and_named_on_the_peers(
     tmp_path: Path, shared_gpu_env, algorithm: str
 ) -> None:
-    # The engine's timeout is short, and a rank still running after 40 s
-    # prints its threads' stacks: a hang shows where it waits.
+    # The engine's timeout is short, the engine traces its NCCL waits, and a
+    # rank still running after 40 s prints its threads' stacks: a hang shows
+    # where it waits (the outcome file keeps those lines).
     env = {**shared_gpu_env, **ALGORITHMS[algorithm], "TIACC_TRAINING_NAN_CHECK": "1"}
     env.update({"TIACC_TRAINING_TIMEOUT": "30", "TIACC_TEST_STACKS_AFTER": "40"})
+    env["TIACC_TRAINING_NCCL_TRACE"] = "1"
     args = ["--out", str(tmp_path), "--mode", "tiacc", "--transport", "nccl", "--steps", "12"]
     args += ["--nan-rank", "1", "--nan-step", "3", "--channels", "4"]
     ranks = _ranks(4, DDP_WORKER, args, env, timeout=120)

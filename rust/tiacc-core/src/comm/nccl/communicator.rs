@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::ffi::{self, CudaStream, NcclComm, NcclDataType, NcclRedOp, NcclResult, NcclUniqueId};
 use super::library::{comm_error, NcclLibrary};
+use super::trace;
 use crate::comm::{DType, Deadline};
 use crate::error::{Error, Result};
 
@@ -402,7 +403,16 @@ impl NcclCommunicator {
             self.inflight.fetch_sub(1, Ordering::SeqCst);
             return Err(self.closed_error(what));
         }
+        // The watchdog's poll of the asynchronous error runs every few
+        // milliseconds: the trace leaves it out.
+        let traced = what != "ncclCommGetAsyncError";
+        if traced {
+            trace::note(|| format!("{}: {what} enters NCCL", self.place()));
+        }
         let result = call(self.comm);
+        if traced {
+            trace::note(|| format!("{}: {what} returned {result}", self.place()));
+        }
         let outcome = if self.non_blocking && result == ffi::NCCL_IN_PROGRESS {
             // Non-blocking mode: the call goes on in NCCL's own thread
             // (setting up connections, or waiting for room behind work a
@@ -432,7 +442,23 @@ impl NcclCommunicator {
             self.lib.check_comm(result, what, self.comm)
         };
         self.inflight.fetch_sub(1, Ordering::SeqCst);
+        if traced && result == ffi::NCCL_IN_PROGRESS {
+            trace::note(|| {
+                let how = outcome
+                    .as_ref()
+                    .map_or_else(|e| e.to_string(), |()| "ready".into());
+                format!("{}: {what} waited for ncclInProgress: {how}", self.place())
+            });
+        }
         outcome.map_err(|e| self.locate(e))
+    }
+
+    /// The group and rank, for the trace.
+    fn place(&self) -> String {
+        format!(
+            "{} communicator rank {} of {}",
+            self.group, self.rank, self.size
+        )
     }
 
     fn closed_error(&self, what: &str) -> Error {
@@ -680,16 +706,25 @@ impl NcclCommunicator {
             return;
         }
         *self.reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
+        trace::note(|| format!("{}: abort ({reason})", self.place()));
         // Give a call already inside NCCL a moment to return normally.
         let start = Instant::now();
         while self.inflight.load(Ordering::SeqCst) > 0 && start.elapsed() < ABORT_GRACE {
             std::thread::sleep(Duration::from_millis(1));
         }
+        trace::note(|| {
+            let inflight = self.inflight.load(Ordering::SeqCst);
+            format!(
+                "{}: ncclCommAbort with {inflight} call(s) still in NCCL",
+                self.place()
+            )
+        });
         // SAFETY: `closed` was false and is now true, so this is the only
         // abort/destroy of the live handle; new calls see `closed` and never
         // reach NCCL. A call still stuck inside NCCL is what abort exists to
         // end (NCCL supports aborting from another thread).
-        let _ = unsafe { (self.lib.fns().comm_abort)(self.comm) };
+        let result = unsafe { (self.lib.fns().comm_abort)(self.comm) };
+        trace::note(|| format!("{}: ncclCommAbort returned {result}", self.place()));
     }
 
     /// `ncclCommDestroy`: waits for this communicator's queued work, then
@@ -778,7 +813,15 @@ pub fn watch(
     mut peer_failed: impl FnMut() -> Option<String>,
 ) -> Result<()> {
     let poll = poll.max(Duration::from_micros(50));
-    let abort_all = |reason: &str| comms.iter().for_each(|c| c.abort(reason));
+    let abort_all = |reason: &str| {
+        trace::note(|| {
+            format!(
+                "watchdog: aborting {} communicator(s): {reason}",
+                comms.len()
+            )
+        });
+        comms.iter().for_each(|c| c.abort(reason));
+    };
     loop {
         for comm in comms {
             if let Some(err) = comm.async_error()? {

@@ -6,6 +6,8 @@
 //! ffi.rs           nccl.h's types, enum values and function signatures
 //! communicator.rs  NcclCommunicator (collectives on raw device pointers and a
 //!                  raw CUDA stream) and the watchdog that bounds every wait
+//! watchdog.rs      the thread that waits for each enqueued collective
+//! trace.rs         TIACC_TRAINING_NCCL_TRACE: the waits on stderr
 //! ```
 //!
 //! The Python shim owns CUDA: it passes device pointers and
@@ -15,6 +17,7 @@
 pub mod communicator;
 pub mod ffi;
 pub mod library;
+pub mod trace;
 pub mod watchdog;
 
 pub use communicator::{watch, DevicePtr, Group, NcclCommunicator, ReduceOp, Watched};

@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::communicator::{watch, Watched};
+use super::trace;
 use crate::comm::failure::Failures;
 use crate::comm::progress::{self, Position, Progress};
 use crate::comm::Deadline;
@@ -145,9 +146,17 @@ fn run(
                 return None;
             }
             next_board_check = now + BOARD_POLL;
-            failures.published()
+            trace::note(|| format!("watchdog: reading the failure board for {:?}", pending.at));
+            let first = failures.published();
+            trace::note(|| format!("watchdog: the failure board says {first:?}"));
+            first
         };
+        trace::note(|| format!("watchdog: watching {:?}", pending.at));
         let result = watch(&comms, pending.deadline, poll, is_done, peer_failed);
+        trace::note(|| match &result {
+            Ok(()) => format!("watchdog: {:?} finished", pending.at),
+            Err(e) => format!("watchdog: {:?} failed: {e}", pending.at),
+        });
         if let Some((t, _)) = tracked {
             t.progress.complete();
         }
