@@ -90,7 +90,7 @@ STAGE ?= plan
 BUDGET ?= 420
 gpu-kit: wheel ## the wheel plus the small wheels a GPU machine may lack (.gpu-kit/wheels)
 	@mkdir -p .gpu-kit/wheels
-	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu-kit/wheels pytest-timeout pyroute2
+	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu-kit/wheels pytest-timeout pyroute2 py-spy
 
 gpu-decoders: ## the optional GPU JPEG decoder's wheels for a CUDA 13 GPU machine (.gpu-decoders, ~30 MB: carry it apart)
 	@mkdir -p .gpu-decoders

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -239,10 +240,41 @@ def run_ranks(
         try:
             out, err = proc.communicate(timeout=left)
         except subprocess.TimeoutExpired:
+            stacks = native_stacks(proc.pid)
             proc.kill()
             out, err = proc.communicate()
+            out += stacks
         results.append(Rank(rank, proc.returncode, out, err, time.monotonic() - start))
     return results
+
+
+def py_spy() -> str | None:
+    """The py-spy command on ``PATH`` or next to this Python, if any."""
+    return shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+
+
+def native_stacks(pid: int) -> str:
+    """Every thread's native and Python stack of a running process, as
+    ``py-spy| `` lines, or ``""`` where py-spy is not installed.
+
+    A rank that outlives its launch's time is stuck somewhere: in NCCL, a
+    CUDA wait or a lock, where Python's own stack dump shows no frame. The
+    GPU check brings py-spy with its kit.
+    """
+    tool = py_spy()
+    if tool is None:
+        return ""
+    try:
+        dump = subprocess.run(
+            [tool, "dump", "--native", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        text = dump.stdout + dump.stderr
+    except (OSError, subprocess.SubprocessError) as exc:
+        text = f"py-spy could not dump pid {pid}: {exc}"
+    return "".join(f"py-spy| {line}\n" for line in [f"stacks of pid {pid}:", *text.splitlines()])
 
 
 def json_lines(stdout: str, prefix: str = "RESULT ") -> list:

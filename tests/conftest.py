@@ -126,13 +126,14 @@ def _error_lines(report: pytest.TestReport, keep: int = 4) -> list[str]:
 
 # The lines of a failure's text that say where a hung rank waited: the
 # engine's NCCL trace (TIACC_TRAINING_NCCL_TRACE) and Python's stack dumps
-# (faulthandler, TIACC_TEST_STACKS_AFTER in the GPU workers).
+# (faulthandler, TIACC_TEST_STACKS_AFTER in the GPU workers), and py-spy's
+# native stacks of a rank that outlived its launch (tests/_launch.py).
 _DIAGNOSIS_LINE = re.compile(
-    r'tiacc_training nccl trace|^\s*Thread 0x|^\s+File "|^\s*Timeout \(|--- rank \d+ rc='
+    r'tiacc_training nccl trace|py-spy\||^\s*Thread 0x|^\s+File "|^\s*Timeout \(|--- rank \d+ rc='
 )
 
 
-def _diagnosis_lines(report: pytest.TestReport, keep: int = 60) -> list[str]:
+def _diagnosis_lines(report: pytest.TestReport, keep: int = 150) -> list[str]:
     """The last ``keep`` trace, stack and rank-header lines of a failure's text."""
     if report.passed or report.skipped:
         return []

@@ -135,6 +135,10 @@ GRACE = 5.0
 # pytest-timeout honours the suite's per-test limit, pyroute2 builds the
 # emulated cluster where iproute2 is missing.
 KIT_PACKAGES = {"pytest_timeout": "pytest-timeout", "pyroute2": "pyroute2"}
+# Command-line tools from the kit, by the command each installs: py-spy
+# prints the native and Python stacks of a GPU test's rank that outlives
+# its launch (tests/_launch.native_stacks), where no debugger runs.
+KIT_TOOLS = {"py-spy": "py-spy"}
 # CPU decode threads for the input stage's CPU-decode row (the goal's 15).
 CPU_DECODE_WORKERS = 15
 
@@ -377,6 +381,7 @@ def install(args: argparse.Namespace, out: Path) -> None:
     missing = [
         package for module, package in KIT_PACKAGES.items() if not _importable(args.python, module)
     ]
+    missing += [pkg for tool, pkg in KIT_TOOLS.items() if not _tool_found(args.python, tool)]
     wheels = args.kit / "wheels"
     if missing and wheels.is_dir():
         commands.append(
@@ -416,6 +421,12 @@ def _newest_wheel() -> Path:
     if not wheels:
         raise SystemExit("no wheel in dist/: run make wheel on a build machine first")
     return Path(wheels[-1])
+
+
+def _tool_found(python: str, tool: str) -> bool:
+    """Whether ``tool`` is on ``PATH`` or next to ``python`` (where pip puts it)."""
+    home = Path(shutil.which(python) or python).parent
+    return shutil.which(tool) is not None or shutil.which(tool, path=str(home)) is not None
 
 
 def _importable(python: str, module: str) -> bool:

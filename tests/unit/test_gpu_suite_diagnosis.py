@@ -4,7 +4,9 @@
   node's xdist lists it (3.6 and later hand out the largest groups first,
   which ran every algorithm matrix before the whole-feature tests).
 * The suite's outcome file keeps a failure's diagnosis: the engine's NCCL
-  trace lines and Python's stack dumps, which say where a hung rank waited.
+  trace lines, Python's stack dumps and, where py-spy is installed (the GPU
+  kit brings it), the native stacks of a rank that outlived its launch,
+  which say where a hung rank waited.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tests"))
 
 import gpu_check  # noqa: E402
+from _launch import py_spy, run_ranks  # noqa: E402
 
 # The suite's own conftest, by its path (its module name may be taken).
 _spec = importlib.util.spec_from_file_location("suite_conftest", REPO / "tests" / "conftest.py")
@@ -69,7 +73,27 @@ def test_a_hangs_trace_and_stacks_reach_the_outcome_file() -> None:
         '  File "tiacc_training/torch/distributed/_cuda.py", line 62 in allreduce',
         "--- rank 1 rc=3 after 120.2s",
     ]
-    many = "\n".join(f"tiacc_training nccl trace {i}.000s [t]: x" for i in range(100))
+    many = "\n".join(f"tiacc_training nccl trace {i}.000s [t]: x" for i in range(200))
     kept = conftest._diagnosis_lines(_failed(many))
-    assert len(kept) == 60 and kept[-1].startswith("tiacc_training nccl trace 99.000s")
+    assert len(kept) == 150 and kept[-1].startswith("tiacc_training nccl trace 199.000s")
     assert conftest._diagnosis_lines(SimpleNamespace(passed=True, skipped=False)) == []
+
+
+def test_a_rank_that_outlives_its_launch_leaves_its_native_stacks(tmp_path: Path) -> None:
+    if py_spy() is None:
+        pytest.skip("needs py-spy (make gpu-kit brings it to GPU nodes)")
+    worker = tmp_path / "stuck.py"
+    worker.write_text("import time\nprint('STARTED', flush=True)\ntime.sleep(60)\n")
+    ranks = run_ranks(2, [], timeout=4, worker=worker)
+    for r in ranks:
+        assert r.returncode != 0 and r.seconds < 40
+        dump = [x for x in r.stdout.splitlines() if x.startswith("py-spy| ")]
+        assert dump and "sleep" in "\n".join(dump), r.stdout
+        text = f"E   AssertionError: --- rank {r.rank} rc={r.returncode}\n" + r.stdout
+        assert any("py-spy| " in x for x in conftest._diagnosis_lines(_failed(text)))
+
+
+def test_the_kit_installs_a_tool_only_where_it_is_missing() -> None:
+    assert gpu_check._tool_found(sys.executable, Path(sys.executable).name)
+    assert not gpu_check._tool_found(sys.executable, "no-such-tool-of-the-kit")
+    assert gpu_check.KIT_TOOLS["py-spy"] == "py-spy"
