@@ -106,6 +106,8 @@ pub struct NcclCommunicator {
     wait: Duration,
     /// Bytes of the send buffers handed to NCCL's collectives so far.
     given: AtomicU64,
+    /// The thread running `ncclCommAbort` (see [`NcclCommunicator::abort`]).
+    aborting: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// What a poll of a non-blocking communicator found.
@@ -179,6 +181,34 @@ impl fmt::Debug for NcclCommunicator {
 /// underneath it (NCCL's abort is what unblocks a stuck call).
 const ABORT_GRACE: Duration = Duration::from_millis(200);
 
+/// A communicator handle moved to the thread that aborts it.
+struct SendComm(NcclComm);
+
+// SAFETY: the handle is an opaque pointer that NCCL lets any thread pass to
+// ncclCommAbort; once the communicator is closed, the aborting thread is
+// the only user left (calls see `closed`, abort and destroy run once).
+unsafe impl Send for SendComm {}
+
+/// One `ncclCommAbort`, on the thread [`NcclCommunicator::abort`] starts.
+struct AbortJob {
+    lib: Arc<NcclLibrary>,
+    comm: SendComm,
+    place: String,
+}
+
+impl AbortJob {
+    fn run(self) {
+        let AbortJob { lib, comm, place } = self;
+        // SAFETY: the communicator was live and is now closed by the one
+        // `abort` that won the `closed` swap: no call reaches NCCL on it any
+        // more, and this is its only abort/destroy. A call still stuck
+        // inside NCCL is what abort exists to end (NCCL supports aborting
+        // from another thread).
+        let result = unsafe { (lib.fns().comm_abort)(comm.0) };
+        trace::note(|| format!("{place}: ncclCommAbort returned {result}"));
+    }
+}
+
 impl NcclCommunicator {
     /// Joins the communicator `id` as `rank` of `size`, bounded by
     /// `deadline`: `ncclCommInitRankConfig` in non-blocking mode, polled
@@ -233,6 +263,7 @@ impl NcclCommunicator {
             non_blocking: true,
             wait: deadline.timeout,
             given: AtomicU64::new(0),
+            aborting: Mutex::new(None),
         };
         await_ready(
             || built.readiness("ncclCommInitRankConfig"),
@@ -304,6 +335,7 @@ impl NcclCommunicator {
             non_blocking: false,
             wait: Duration::ZERO,
             given: AtomicU64::new(0),
+            aborting: Mutex::new(None),
         })
     }
 
@@ -333,6 +365,7 @@ impl NcclCommunicator {
             non_blocking: true,
             wait,
             given: AtomicU64::new(0),
+            aborting: Mutex::new(None),
         }
     }
 
@@ -719,12 +752,52 @@ impl NcclCommunicator {
                 self.place()
             )
         });
-        // SAFETY: `closed` was false and is now true, so this is the only
-        // abort/destroy of the live handle; new calls see `closed` and never
-        // reach NCCL. A call still stuck inside NCCL is what abort exists to
-        // end (NCCL supports aborting from another thread).
-        let result = unsafe { (self.lib.fns().comm_abort)(self.comm) };
-        trace::note(|| format!("{}: ncclCommAbort returned {result}", self.place()));
+        // ncclCommAbort runs on a thread of its own: freeing a
+        // communicator's memory synchronises the device, so it waits for
+        // every kernel still running, among them other communicators'
+        // collectives stuck on the same missing peer until their own abort
+        // sets their abort flag. An engine aborts its communicators one
+        // after the other (every channel, the 2D groups): run in line, the
+        // first abort would wait for kernels only the later ones end.
+        let job = AbortJob {
+            lib: self.lib.clone(),
+            comm: SendComm(self.comm),
+            place: self.place(),
+        };
+        let spawned = std::thread::Builder::new()
+            .name("tiacc-nccl-abort".into())
+            .spawn(move || job.run());
+        match spawned {
+            Ok(thread) => *self.aborting.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread),
+            // No thread to be had: abort in line rather than not at all.
+            Err(_) => AbortJob {
+                lib: self.lib.clone(),
+                comm: SendComm(self.comm),
+                place: self.place(),
+            }
+            .run(),
+        }
+    }
+
+    /// Waits up to `within` for this communicator's `ncclCommAbort` to
+    /// return: `true` once it has (or when there was none to wait for).
+    pub fn wait_aborted(&self, within: Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            let done = self
+                .aborting
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .is_none_or(|t| t.is_finished());
+            if done {
+                return true;
+            }
+            if start.elapsed() >= within {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// `ncclCommDestroy`: waits for this communicator's queued work, then

@@ -628,7 +628,16 @@ struct FakeNccl {
     overlaps: AtomicUsize,
     /// Calls of functions these tests never expect.
     unexpected: AtomicUsize,
+    /// Another fake whose abort this one's `ncclCommAbort` waits for (at
+    /// most [`ABORT_STALL`]): freeing a communicator synchronises the
+    /// device, which waits for the other's kernel stuck on a missing peer.
+    waits_for: std::sync::atomic::AtomicPtr<FakeNccl>,
+    /// Whether that wait ended because the other was aborted.
+    waited_ok: AtomicBool,
 }
+
+/// How long a fake `ncclCommAbort` waits for the other fake's abort.
+const ABORT_STALL: Duration = Duration::from_secs(10);
 
 /// Leaves [`FakeNccl::enter`]'s count when a fake call returns.
 struct InFake(&'static FakeNccl);
@@ -650,6 +659,8 @@ impl FakeNccl {
             busy: AtomicUsize::new(0),
             overlaps: AtomicUsize::new(0),
             unexpected: AtomicUsize::new(0),
+            waits_for: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+            waited_ok: AtomicBool::new(false),
         }
     }
 
@@ -735,7 +746,19 @@ unsafe extern "C" fn fake_comm_abort(comm: ffi::NcclComm) -> ffi::NcclResult {
     // SAFETY: as in `fake_unexpected`.
     let fake = unsafe { FakeNccl::of(comm) };
     fake.aborts.fetch_add(1, SeqCst);
+    // The abort flag is set first (the kernel stops), then the memory is
+    // freed, which waits for the other communicator's kernel.
     fake.aborted.store(true, SeqCst);
+    let other = fake.waits_for.load(SeqCst);
+    if !other.is_null() {
+        // SAFETY: `waits_for` only ever holds a pointer to a `static` FakeNccl.
+        let other = unsafe { &*other };
+        let start = Instant::now();
+        while !other.aborted.load(SeqCst) && start.elapsed() < ABORT_STALL {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        fake.waited_ok.store(other.aborted.load(SeqCst), SeqCst);
+    }
     ffi::NCCL_SUCCESS
 }
 
@@ -964,6 +987,10 @@ fn the_stuck_call_ends_closed(
     assert!(message.contains(reason), "{message}");
     assert!(comm.is_closed());
     assert_eq!(comm.bytes_given(), 0, "a failed allreduce was counted");
+    assert!(
+        comm.wait_aborted(RETURN_WITHIN),
+        "ncclCommAbort did not return"
+    );
     drop(comm); // aborts again, which must not reach NCCL
     assert_eq!(fake.aborts.load(SeqCst), 1, "ncclCommAbort runs once");
     assert_eq!(
@@ -1048,4 +1075,42 @@ fn the_watchdogs_deadline_ends_a_collective_stuck_in_progress_holding_the_lock()
         "{message}"
     );
     the_stuck_call_ends_closed(comm, &FAKE, caller, "did not finish within 100ms");
+}
+
+/// The second hang of that H100 run's kind: an engine aborts its
+/// communicators one after the other (every channel's, the 2D groups'),
+/// and freeing the first one's memory synchronises the device, which waits
+/// for the second one's kernel, stuck on the missing peer until the second
+/// one's abort. Aborting must not wait for NCCL: both aborts return at
+/// once, and both `ncclCommAbort`s then finish.
+#[test]
+fn communicators_aborted_one_after_the_other_do_not_wait_for_each_other() {
+    static A: FakeNccl = FakeNccl::new();
+    static B: FakeNccl = FakeNccl::new();
+    A.waits_for
+        .store(&B as *const FakeNccl as *mut FakeNccl, SeqCst);
+    B.waits_for
+        .store(&A as *const FakeNccl as *mut FakeNccl, SeqCst);
+    let (a, b) = (
+        fake_communicator(&A, Duration::from_secs(30)),
+        fake_communicator(&B, Duration::from_secs(30)),
+    );
+    let (tx, rx) = mpsc::channel();
+    let (first, second) = (a.clone(), b.clone());
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        first.abort("rank 1 failed");
+        second.abort("rank 1 failed");
+        let _ = tx.send(start.elapsed());
+    });
+    let took = rx.recv_timeout(RETURN_WITHIN).unwrap_or_else(|_| {
+        panic!("aborting two communicators in turn took over {RETURN_WITHIN:?}: the first abort waits for the second one's kernel")
+    });
+    assert!(took < Duration::from_secs(2), "the aborts took {took:?}");
+    assert!(a.wait_aborted(RETURN_WITHIN) && b.wait_aborted(RETURN_WITHIN));
+    assert!(A.waited_ok.load(SeqCst) && B.waited_ok.load(SeqCst));
+    assert_eq!((A.aborts.load(SeqCst), B.aborts.load(SeqCst)), (1, 1));
+    drop((a, b)); // aborts again, which must not reach NCCL
+    assert_eq!((A.aborts.load(SeqCst), B.aborts.load(SeqCst)), (1, 1));
+    assert_eq!(A.after_abort.load(SeqCst) + B.after_abort.load(SeqCst), 0);
 }
