@@ -138,9 +138,9 @@ def test_several_nccl_communicators_stay_deadlock_free(tmp_path: Path) -> None:
     # peer to deadlock with.
     env = _two_nccl_ranks()
     args = ["--out", str(tmp_path), "--mode", "tiacc", "--transport", "nccl"]
-    # Small buckets: many collectives per step (about 20), spread over four
-    # channels; 400 steps are 8000 collectives (1000 steps took 109 s of the
-    # GPU suite's 180 s window on an H100, its longest single test).
+    # Small buckets (a 20 KB cap): several collectives per step, spread over
+    # four channels, for 400 steps (1000 took 109 s of the GPU suite's 180 s
+    # window on an H100, its longest single test).
     args += ["--channels", "4", "--steps", "400", "--bucket-cap-mb", "0.02", "--width", "128"]
     out = _launch(2, args, timeout=900, env=env)
     assert all("DONE tiacc nccl" in o for o in out)
