@@ -36,19 +36,33 @@ engine's draws and with torch's per-image draws.
 
 Training part (``--train``; on by default where CUDA is available): ResNet-50
 (bf16 autocast, channels_last, batch ``--train-batch``) trained for
-``--train-steps`` steps fed by each loader with ``--train-workers`` workers,
-against the same model on synthetic data already on the GPU: stock
-``ImageFolder``, the fused dataset through torch's loader, the drop-in loader
-(float32 pinned; ``device="cuda"``, uint8 shipped and normalised on the GPU;
-``decode_device="cuda"``, GPU decode with at most 4 threads; where
-nvImageCodec is installed, the same with ``jpeg_decoder="nvimagecodec"``);
-on a GPU also each GPU-decode loader alone (``decode_device_alone``,
-``nvimagecodec_alone``: batches reach the GPU, nothing trains). Each
-loader draws one shuffled pass of all the batches a run takes, repeating
-images where the dataset has fewer (``--images`` may be below 2000 with
-``--skip-loaders``), so none restarts an epoch while timed.
-``--train-device cpu --train-model resnet18`` runs it on the CPU to check
-the harness.
+``--train-steps`` steps fed by each loader, against the same model on
+synthetic data already on the GPU: stock ``ImageFolder``, the fused dataset
+through torch's loader, the drop-in loader (float32 pinned; ``device="cuda"``,
+uint8 shipped and normalised on the GPU; ``decode_device="cuda"``, GPU decode
+with at most 4 threads; where nvImageCodec is installed, the same with
+``jpeg_decoder="nvimagecodec"``); on a GPU also each GPU-decode loader alone
+(``decode_device_alone``, ``nvimagecodec_alone``: batches reach the GPU,
+nothing trains). ``--train-workers`` is one worker count or several
+(``4,8,15``: a host with few CPUs per GPU measured beside one with many):
+the rows run the most telling first (``train_plan``): synthetic data, then
+at the fewest workers GPU decode, stock, nvImageCodec and the drop-in loader
+on the CPU, then each GPU decoder alone, then stock and the drop-in loader
+at each larger count, the largest first (GPU decode again only where its
+thread count differs), and last torch's loader over the fused path and the
+drop-in loader's device output at the most workers (``--train-feeds`` keeps
+only the loaders it names). With one count the rows keep the loaders' names;
+with several each name ends in its workers or threads
+(``stock_imagefolder_4``, ``dropin_decode_device_4``). Every row
+records its ``feed`` and ``workers`` (worker processes, or threads); each
+GPU-decode row also its ``decoder`` and the ``backend`` that decoded, with
+how that was found (``decoder_backends``: neither torchvision nor
+nvImageCodec reports it). Each loader draws one shuffled pass of all the
+batches a run takes, repeating images where the dataset has fewer
+(``--images`` may be below 2000 with ``--skip-loaders``), so none restarts
+an epoch while timed. The part is written to the JSON after each row
+(``"complete": false`` until the last). ``--train-device cpu --train-model
+resnet18`` runs it on the CPU to check the harness.
 
 Pipelines run alternately, ``--repeats`` times each (median reported); each
 run iterates the whole dataset after one warm-up batch. Files are read once
@@ -61,6 +75,7 @@ Run: ``make bench`` or ``.venv/bin/python benches/bench_input.py``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import os
 import statistics
@@ -68,15 +83,17 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import _machine
 import plot_input
 import torch
+import torchvision
 import torchvision.transforms as T
 from PIL import Image
 from torch.utils.data import DataLoader, RandomSampler
 from torchvision.datasets import ImageFolder
+from torchvision.io import decode_jpeg
 
 from tiacc_training.tools.general_image_list import list_images
 from tiacc_training.tools.img2tfrecord import Item, pack
@@ -89,6 +106,32 @@ WORKERS = 2
 # Batches each training-part run takes before it starts timing.
 WARMUP_STEPS = 5
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+# GPU decode's CPU threads: at most this many (they read records and hand
+# whole batches to the GPU decoder, one batch at a time per decoder).
+GPU_DECODE_THREADS = 4
+# The training part's feeds that decode on the device, and their decoder.
+GPU_DECODE_FEEDS = {
+    "dropin_decode_device": "torchvision",
+    "dropin_nvimagecodec": "nvimagecodec",
+    "decode_device_alone": "torchvision",
+    "nvimagecodec_alone": "nvimagecodec",
+}
+# The training part's loaders (``--train-feeds``); synthetic data always runs.
+TRAIN_FEEDS = (
+    "stock_imagefolder",
+    "fused_torch_loader",
+    "dropin",
+    "dropin_device",
+    "dropin_decode_device",
+    "dropin_nvimagecodec",
+    "decode_device_alone",
+    "nvimagecodec_alone",
+)
+# JPEGs of the dataset the decoders' backends are probed with.
+PROBE_IMAGES = 64
+# nvJPEG's C API (nvjpeg.h): NVJPEG_BACKEND_HARDWARE, NVJPEG_STATUS_ARCH_MISMATCH.
+NVJPEG_BACKEND_HARDWARE = 3
+NVJPEG_STATUS_ARCH_MISMATCH = 7
 
 
 def transform() -> T.Compose:
@@ -299,6 +342,236 @@ def loader_rate(loader: Any, device: torch.device, steps: int) -> float:
     return seen / (time.perf_counter() - start)
 
 
+class TrainRow(NamedTuple):
+    """One row of the training part.
+
+    Attributes:
+        key: Its name in the part's ``rows``.
+        feed: What feeds the model (``synthetic``, ``stock_imagefolder``, ...).
+        workers: The loader's worker processes or threads (0: synthetic).
+        alone: The loader alone: its batches reach the GPU, nothing trains.
+    """
+
+    key: str
+    feed: str
+    workers: int
+    alone: bool = False
+
+
+def train_plan(
+    counts: list[int], nvimagecodec: bool, alone: bool, feeds: list[str] | None = None
+) -> list[TrainRow]:
+    """The training part's rows for the worker ``counts``, the most telling first.
+
+    Synthetic data first (every other row's reference); then, at the fewest
+    workers, GPU decode, stock ``ImageFolder``, nvImageCodec (where
+    ``nvimagecodec``) and the drop-in loader on the CPU; then each GPU
+    decoder alone (where ``alone``); then stock and the drop-in loader at
+    each larger count, the largest first, with GPU decode again only where
+    its thread count (at most :data:`GPU_DECODE_THREADS`) differs; last,
+    torch's loader over the fused path and the drop-in loader's device
+    output at the most workers. With one count the keys are the feeds'
+    names; with several, each ends in its workers or threads (``dropin_8``).
+    ``feeds`` (default: all) keeps only those loaders' rows, and synthetic data.
+    """
+    counts = sorted(set(counts))
+    single = len(counts) == 1
+
+    def row(feed: str, workers: int, alone: bool = False) -> TrainRow:
+        return TrainRow(feed if single else f"{feed}_{workers}", feed, workers, alone)
+
+    plan = [TrainRow("synthetic", "synthetic", 0)]
+    gpu_threads: set[int] = set()
+
+    def group(workers: int) -> list[TrainRow]:
+        threads = min(GPU_DECODE_THREADS, workers)
+        new = threads not in gpu_threads
+        gpu_threads.add(threads)
+        rows = [row("dropin_decode_device", threads)] if new else []
+        rows.append(row("stock_imagefolder", workers))
+        if new and nvimagecodec:
+            rows.append(row("dropin_nvimagecodec", threads))
+        return [*rows, row("dropin", workers)]
+
+    plan += group(counts[0])
+    if alone:
+        threads = min(GPU_DECODE_THREADS, counts[0])
+        plan.append(row("decode_device_alone", threads, alone=True))
+        if nvimagecodec:
+            plan.append(row("nvimagecodec_alone", threads, alone=True))
+    for workers in reversed(counts[1:]):
+        plan += group(workers)
+    plan += [row("fused_torch_loader", counts[-1]), row("dropin_device", counts[-1])]
+    return [r for r in plan if feeds is None or r.feed == "synthetic" or r.feed in feeds]
+
+
+def _loaded_library(prefix: str) -> str | None:
+    """The path of a shared library this process has mapped whose name starts with ``prefix``."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                path = line.split()[-1]
+                if path.startswith("/") and Path(path).name.startswith(prefix):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def nvjpeg_backend(jpegs: list[bytes], device: torch.device) -> dict[str, Any]:
+    """The nvJPEG backend torchvision's batched CUDA decode takes for ``jpegs``.
+
+    torchvision (``decode_jpeg`` on a list, 0.19 and later) creates its
+    nvJPEG handle with the hardware backend, falling back to the default
+    (CUDA) one where ``nvjpegCreateEx`` answers ARCH_MISMATCH (no hardware
+    JPEG engine), and decodes on the hardware engine the images
+    ``nvjpegDecodeBatchedSupported`` accepts, the others on CUDA. It does not
+    report which; the same calls on the libnvjpeg it loaded say it.
+    """
+    basis = (
+        f"torchvision {torchvision.__version__} does not report it; nvjpegCreateEx("
+        "NVJPEG_BACKEND_HARDWARE) and nvjpegDecodeBatchedSupported, the calls by which its "
+        "batched CUDA decode chooses, asked on its libnvjpeg"
+    )
+    # One decode loads torchvision's libnvjpeg (and proves it decodes here).
+    decode_jpeg([torch.frombuffer(bytearray(jpegs[0]), dtype=torch.uint8)], device=device)
+    path = _loaded_library("libnvjpeg")
+    if path is None:
+        return {"backend": "unknown", "backend_basis": "no libnvjpeg is loaded after a decode"}
+    lib = ctypes.CDLL(path)
+    lib.nvjpegCreateEx.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
+                                   ctypes.POINTER(ctypes.c_void_p)]  # fmt: skip
+    lib.nvjpegJpegStreamCreate.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.nvjpegJpegStreamParseHeader.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                ctypes.c_void_p]  # fmt: skip
+    lib.nvjpegDecodeBatchedSupported.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                                 ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+    lib.nvjpegJpegStreamDestroy.argtypes = [ctypes.c_void_p]
+    lib.nvjpegDestroy.argtypes = [ctypes.c_void_p]
+    handle = ctypes.c_void_p()
+    status = lib.nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, None, None, 0, ctypes.byref(handle))
+    if status == NVJPEG_STATUS_ARCH_MISMATCH:
+        return {"backend": "CUDA", "backend_basis": basis + f" ({path}): no hardware JPEG "
+                "engine on this GPU (ARCH_MISMATCH)"}  # fmt: skip
+    if status != 0:
+        return {"backend": "unknown", "backend_basis": basis + f" ({path}): nvjpegCreateEx "
+                f"failed with status {status}"}  # fmt: skip
+    stream = ctypes.c_void_p()
+    hardware = 0
+    try:
+        if lib.nvjpegJpegStreamCreate(handle, ctypes.byref(stream)) != 0:
+            return {"backend": "unknown", "backend_basis": basis + ": no nvJPEG stream"}
+        for data in jpegs:
+            supported = ctypes.c_int(-1)
+            if (
+                lib.nvjpegJpegStreamParseHeader(handle, data, len(data), stream) == 0
+                and lib.nvjpegDecodeBatchedSupported(handle, stream, ctypes.byref(supported)) == 0
+                and supported.value == 0  # 0: the hardware backend decodes it
+            ):
+                hardware += 1
+    finally:
+        if stream.value:
+            lib.nvjpegJpegStreamDestroy(stream)
+        lib.nvjpegDestroy(handle)
+    return {
+        "backend": _backend_name(hardware, len(jpegs), "CUDA"),
+        "backend_basis": basis + f" ({path}), for {len(jpegs)} of the dataset's JPEGs",
+        "hardware_images": hardware,
+        "probe_images": len(jpegs),
+    }
+
+
+def _backend_name(hardware: int, total: int, other: str | None) -> str:
+    """``hardware``, ``other``, or both with the count each decoded."""
+    if hardware == total:
+        return "hardware"
+    if other is None:
+        return f"hardware for {hardware} of {total} images, no other backend" if hardware else (
+            "unknown")  # fmt: skip
+    if hardware == 0:
+        return other
+    return f"hardware for {hardware} of {total} images, {other} for the rest"
+
+
+def nvimagecodec_backend(jpegs: list[bytes], device: torch.device, repeats: int = 3) -> dict:
+    """The nvImageCodec backend that decodes ``jpegs`` on ``device``, and each one's rate.
+
+    nvImageCodec does not report which backend decoded an image. The loader's
+    decoder (``_gpu_jpeg``) lists the hardware JPEG engine, then CUDA, then
+    hybrid CPU/GPU decoding, and each image goes to the first that takes it;
+    here a decoder limited to each backend in turn decodes the images (timed
+    over ``repeats`` passes after one), and the backend named is the first
+    in that order that decoded them: inferred, not reported.
+    """
+    from nvidia import nvimgcodec
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    params = nvimgcodec.DecodeParams(
+        apply_exif_orientation=False,
+        color_spec=nvimgcodec.ColorSpec.SRGB,
+        sample_format=nvimgcodec.SampleFormat.I_RGB,
+    )
+    arrays = [torch.frombuffer(bytearray(data), dtype=torch.uint8).numpy() for data in jpegs]
+    backends: dict[str, dict[str, Any]] = {}
+    for name, kind in (("hardware", "HW_GPU_ONLY"), ("CUDA", "GPU_ONLY"),
+                       ("hybrid", "HYBRID_CPU_GPU")):  # fmt: skip
+        found: dict[str, Any] = {"decoded": 0, "of": len(jpegs)}
+        try:
+            backend = nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, kind))
+            decoder = nvimgcodec.Decoder(device_id=index, backends=[backend])
+            streams = [nvimgcodec.CodeStream(array) for array in arrays]
+            images = decoder.decode(streams, params=params)
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                decoder.decode(streams, params=params)
+            torch.cuda.synchronize(device)
+            found["decoded"] = sum(image is not None for image in images)
+            if found["decoded"]:
+                found["images_per_s"] = repeats * found["decoded"] / (time.perf_counter() - start)
+        except Exception as exc:  # a backend this GPU or this build lacks
+            found["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        backends[name] = found
+    whole = [n for n in ("CUDA", "hybrid") if backends[n]["decoded"] == len(jpegs)]
+    return {
+        "backend": _backend_name(
+            backends["hardware"]["decoded"], len(jpegs), whole[0] if whole else None
+        ),
+        "backend_basis": "inferred: nvImageCodec does not report it; of decoders limited to one "
+        f"backend each, the first in the loader's order (hardware, CUDA, hybrid) that decoded "
+        f"{len(jpegs)} of the dataset's JPEGs",
+        "backends": backends,
+    }
+
+
+def decoder_backends(img_dir: Path, device: torch.device, nvimagecodec: bool) -> dict:
+    """Per GPU decoder, the backend that decodes the dataset's JPEGs on ``device``.
+
+    Keyed by decoder (``torchvision``, ``nvimagecodec``), each with how the
+    backend was found (``backend_basis``). The first :data:`PROBE_IMAGES`
+    JPEGs of ``img_dir`` are asked about; a probe that fails records
+    ``"unknown"`` and why, and the rows still run.
+    """
+    if device.type != "cuda":
+        return {"torchvision": {"decoder": "torchvision", "backend": "CPU (libjpeg)",
+                                "backend_basis": "decode_jpeg on the CPU"}}  # fmt: skip
+    jpegs = [f.read_bytes() for f in sorted(img_dir.rglob("*.JPEG"))[:PROBE_IMAGES]]
+    probes: dict[str, Callable[[list[bytes], torch.device], dict[str, Any]]] = {
+        "torchvision": nvjpeg_backend
+    }
+    if nvimagecodec:
+        probes["nvimagecodec"] = nvimagecodec_backend
+    found: dict[str, dict[str, Any]] = {}
+    for decoder, probe in probes.items():
+        try:
+            found[decoder] = {"decoder": decoder, **probe(jpegs, device)}
+        except Exception as exc:  # the rows run all the same
+            why = f"the probe failed: {type(exc).__name__}: {exc}"
+            found[decoder] = {"decoder": decoder, "backend": "unknown", "backend_basis": why}
+        print(f"  {decoder} decodes on {found[decoder]['backend']}", flush=True)
+    return found
+
+
 def train_part(
     args: argparse.Namespace,
     img_dir: Path,
@@ -311,10 +584,13 @@ def train_part(
     False``), so a run stopped midway keeps the rows it measured.
     """
     device = torch.device(args.train_device)
-    workers = args.train_workers or max(1, (os.cpu_count() or 2) - 1)
+    counts = args.train_workers or [max(1, (os.cpu_count() or 2) - 1)]
     batch = args.train_batch
     pin = device.type == "cuda"
+    nvimagecodec = device.type == "cuda" and _installed("nvidia.nvimgcodec")
+    plan = train_plan(counts, nvimagecodec, alone=device.type == "cuda", feeds=args.train_feeds)
     rows: dict[str, dict[str, Any]] = {}
+    decoders: dict[str, dict[str, Any]] = {}
 
     def part(complete: bool) -> dict[str, Any]:
         return {
@@ -322,8 +598,11 @@ def train_part(
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "model": args.train_model,
             "batch": batch,
-            "workers": workers,
+            "workers": max(counts),
+            "worker_counts": sorted(set(counts)),
+            "gpu_decode_threads": GPU_DECODE_THREADS,
             "steps": args.train_steps,
+            "decoders": decoders,
             "rows": rows,
             "complete": complete,
         }
@@ -339,40 +618,62 @@ def train_part(
         sampler = RandomSampler(dataset, num_samples=draws)
         return cls(dataset, batch_size=batch, sampler=sampler, drop_last=True, **kwargs)
 
-    feeds: dict[str, Any] = {
-        "synthetic": None,
-        "stock_imagefolder": lambda: loader(
-            DataLoader, ImageFolder(str(img_dir), transform()), num_workers=workers,
+    # Each feed's loader with ``w`` workers (processes, or the drop-in's threads).
+    feeds: dict[str, Callable[[int], Any]] = {
+        "stock_imagefolder": lambda w: loader(
+            DataLoader, ImageFolder(str(img_dir), transform()), num_workers=w,
             pin_memory=pin, persistent_workers=True),
-        "fused_torch_loader": lambda: loader(
-            DataLoader, packed(), num_workers=workers, pin_memory=pin, persistent_workers=True),
-        "dropin": lambda: loader(DropInLoader, packed(), num_workers=workers, pin_memory=pin),
-        "dropin_device": lambda: loader(DropInLoader, packed(), num_workers=workers,
-                                        device=device),
-        "dropin_decode_device": lambda: loader(
-            DropInLoader, packed(), num_workers=min(4, workers), decode_device=device),
+        "fused_torch_loader": lambda w: loader(
+            DataLoader, packed(), num_workers=w, pin_memory=pin, persistent_workers=True),
+        "dropin": lambda w: loader(DropInLoader, packed(), num_workers=w, pin_memory=pin),
+        "dropin_device": lambda w: loader(DropInLoader, packed(), num_workers=w, device=device),
+        "dropin_decode_device": lambda w: loader(
+            DropInLoader, packed(), num_workers=w, decode_device=device),
+        "dropin_nvimagecodec": lambda w: loader(
+            DropInLoader, packed(), num_workers=w, decode_device=device,
+            jpeg_decoder="nvimagecodec"),
     }  # fmt: skip
-    nvimagecodec = device.type == "cuda" and importlib.util.find_spec("nvidia.nvimgcodec")
-    if nvimagecodec:
-        feeds["dropin_nvimagecodec"] = lambda: loader(
-            DropInLoader, packed(), num_workers=min(4, workers), decode_device=device,
-            jpeg_decoder="nvimagecodec")  # fmt: skip
-    for name, make in feeds.items():  # synthetic first: the others' reference
-        rate = train_rate(make, device, args.train_model, args.train_steps, batch)
-        synthetic = rows["synthetic"]["images_per_s"] if rows else rate
-        rows[name] = {"images_per_s": rate, "fraction_of_synthetic": rate / synthetic}
-        print(f"  train {name:<22} {rate:8.1f} images/s", flush=True)
+    feeds["decode_device_alone"] = feeds["dropin_decode_device"]
+    feeds["nvimagecodec_alone"] = feeds["dropin_nvimagecodec"]
+    for row in plan:  # synthetic first: the others' reference
+        entry: dict[str, Any] = {"feed": row.feed, "workers": row.workers}
+        decoder = GPU_DECODE_FEEDS.get(row.feed)
+        if decoder is not None:
+            if not decoders:  # once, before the first GPU-decode row
+                decoders.update(decoder_backends(img_dir, device, nvimagecodec))
+            found = decoders.get(decoder) or {"decoder": decoder, "backend": "unknown"}
+            entry.update(decoder=found["decoder"], backend=found["backend"])
+        make = None if row.feed == "synthetic" else feeds[row.feed]
+        unit = "thread" if row.feed.startswith(("dropin", "decode", "nvimage")) else "worker"
+        unit += "" if row.workers == 1 else "s"
+        if row.alone:
+            rate = loader_rate(make(row.workers), device, args.train_steps)
+            rows[row.key] = {"images_per_s": rate, **entry}
+            print(f"  {row.key:<28} {rate:8.1f} images/s (alone, {row.workers} {unit})",
+                  flush=True)  # fmt: skip
+        else:
+            feed = None if make is None else _bind(make, row.workers)
+            rate = train_rate(feed, device, args.train_model, args.train_steps, batch)
+            synthetic = rows["synthetic"]["images_per_s"] if rows else rate
+            rows[row.key] = {"images_per_s": rate, "fraction_of_synthetic": rate / synthetic,
+                             **entry}  # fmt: skip
+            print(f"  train {row.key:<28} {rate:8.1f} images/s ({rate / synthetic:.1%}"
+                  + (f", {row.workers} {unit})" if row.workers else ")"), flush=True)  # fmt: skip
         save(part(complete=False))
-    if device.type == "cuda":
-        rate = loader_rate(feeds["dropin_decode_device"](), device, args.train_steps)
-        rows["decode_device_alone"] = {"images_per_s": rate, "workers": min(4, workers)}
-        print(f"  decode on {device} alone     {rate:8.1f} images/s", flush=True)
-        save(part(complete=False))
-    if nvimagecodec:
-        rate = loader_rate(feeds["dropin_nvimagecodec"](), device, args.train_steps)
-        rows["nvimagecodec_alone"] = {"images_per_s": rate, "workers": min(4, workers)}
-        print(f"  nvImageCodec on {device} alone {rate:8.1f} images/s", flush=True)
     return part(complete=True)
+
+
+def _bind(make: Callable[[int], Any], workers: int) -> Callable[[], Any]:
+    """``make`` with its worker count given: the loader ``train_rate`` builds."""
+    return lambda: make(workers)
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` (dotted: its packages too) can be imported here."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def decode_bound(img_dir: Path, limit: int = 300) -> dict[str, float]:
@@ -508,6 +809,40 @@ def scaling_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[s
     }
 
 
+def worker_counts(text: str) -> list[int]:
+    """``--train-workers``: one count or a comma-separated list, sorted (``[]`` for ``0``).
+
+    Raises:
+        argparse.ArgumentTypeError: Not positive whole numbers (or a lone 0).
+    """
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if counts == [0]:
+        return []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a worker count or several, such as 4,8,15 (0: the cores - 1)"
+        )
+    return sorted(set(counts))
+
+
+def feed_names(text: str) -> list[str]:
+    """``--train-feeds``: loader names of :data:`TRAIN_FEEDS`, comma-separated.
+
+    Raises:
+        argparse.ArgumentTypeError: A name not in :data:`TRAIN_FEEDS`, or none.
+    """
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TRAIN_FEEDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected some of {', '.join(TRAIN_FEEDS)} (comma-separated)"
+        )
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked (argparse exits with status 2 on an error)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -525,7 +860,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-model", default="resnet50")
     p.add_argument("--train-batch", type=int, default=256)
     p.add_argument("--train-steps", type=int, default=60)
-    p.add_argument("--train-workers", type=int, default=0, help="default: cores - 1")
+    p.add_argument(
+        "--train-workers",
+        type=worker_counts,
+        default="0",
+        help="loader workers: one count or several (4,8,15), each a row of its own; "
+        "0: the cores - 1",
+    )
+    p.add_argument(
+        "--train-feeds",
+        type=feed_names,
+        default=None,
+        help="only these loaders' training rows, comma-separated (synthetic data always "
+        "runs; default: all)",
+    )
     p.add_argument("--skip-loaders", action="store_true", help="only the training part")
     p.add_argument(
         "--scaling",
