@@ -54,6 +54,9 @@ pub enum DeviceCollective {
 /// How often the watchdog checks a pending bucket.
 pub const WATCH_POLL: Duration = Duration::from_millis(5);
 
+/// How long a shutdown waits for its communicators' `ncclCommAbort`s.
+pub const SHUTDOWN_ABORT_WAIT: Duration = Duration::from_secs(10);
+
 /// One channel: its communicators, its algorithm state and its Top-K
 /// residuals (buffers of type `B`).
 struct Channel<B> {
@@ -672,8 +675,15 @@ impl<B> DeviceChannels<B> {
         kernels.unlocked(move || {
             drop(recorder);
             drop(watchdog);
-            for comm in comms {
+            // Every abort starts before any is waited for (see
+            // `NcclCommunicator::abort`); then a bounded wait, so that the
+            // communicators are gone before a new engine builds its own,
+            // and a stuck one cannot hold up the shutdown for good.
+            for comm in &comms {
                 comm.abort("the tiacc engine was shut down");
+            }
+            for comm in &comms {
+                comm.wait_aborted(SHUTDOWN_ABORT_WAIT);
             }
         });
         self.channels.clear();
