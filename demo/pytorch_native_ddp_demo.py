@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -294,18 +293,16 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- launcher
-def free_port() -> int:
-    """A free TCP port on loopback for torchrun's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, mode: str) -> dict:
-    """Runs the training with torchrun (2 ranks) and returns rank 0's result."""
+    """Runs the training with torchrun (2 ranks) and returns rank 0's result.
+
+    ``--standalone``: torchrun's agent binds its rendezvous store on a port
+    the kernel picks and the ranks join that store, so no port is chosen
+    here (one probed and released could be taken before rank 0 binds it).
+    """
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(args.nproc),
         str(Path(__file__).resolve()), "--worker", "--mode", mode,
         "--workdir", args.workdir, "--epochs", str(args.epochs), "--batch", str(args.batch),
         "--lr", str(args.lr), "--image-size", str(args.image_size),

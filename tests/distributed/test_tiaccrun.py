@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import base_env
+from _launch import base_env, free_port
 
 from tiacc_training.tools import tiaccrun
 
@@ -43,7 +43,8 @@ names = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
          "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
          "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
          "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "JOB_NOTE",
-         "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_FUSION_THRESHOLD"]
+         "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_FUSION_THRESHOLD",
+         "TORCHELASTIC_USE_AGENT_STORE"]
 seen = {n: os.environ.get(n) for n in names}
 seen["cwd"] = os.getcwd()
 print("ENV " + json.dumps(seen), flush=True)
@@ -421,6 +422,8 @@ def test_remote_ranks_over_ssh(tmp_path, fake_ssh):
         # The first host is this one: MASTER_ADDR is the address routing to the other.
         assert seen["MASTER_ADDR"] == tiaccrun.route_address("127.0.0.2")
         assert seen["MASTER_PORT"] == port
+        # Rank 0 is on this machine: tiaccrun hosts the store, every rank joins it.
+        assert seen["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     calls = _ssh_calls(log)
     # The connection check, then rank 2's command; nothing else went over ssh.
     assert [c[-1] for c in calls][0] == "true" and len(calls) == 2
@@ -433,6 +436,25 @@ def test_remote_ranks_over_ssh(tmp_path, fake_ssh):
     for rank in range(3):
         text = (tmp_path / "out" / f"rank.{rank}" / "stdout").read_text()
         assert json.loads(text.split("ENV ", 1)[1])["RANK"] == str(rank)
+
+
+def test_rank_0_on_another_host_hosts_the_store_there(tmp_path, fake_ssh):
+    # tiaccrun cannot host the store on rank 0's host: MASTER_ADDR is that
+    # host and rank 0 hosts the store on MASTER_PORT (the given one here).
+    env, _ = fake_ssh
+    env["MASTER_PORT"] = str(free_port())
+    (tmp_path / "env.py").write_text(ENV_SCRIPT)
+    result = _run(
+        ["-np", "2", "-H", "127.0.0.2:1,localhost:1", sys.executable, str(tmp_path / "env.py")],
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    envs = _envs(result.stdout)
+    assert sorted(envs) == [0, 1]
+    for seen in envs.values():
+        assert seen["MASTER_ADDR"] == "127.0.0.2"
+        assert seen["MASTER_PORT"] == env["MASTER_PORT"]
+        assert seen["TORCHELASTIC_USE_AGENT_STORE"] == "False"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
@@ -483,27 +505,53 @@ def _alive(pid: int) -> bool:
 
 
 def test_start_timeout_bounds_the_rendezvous(tmp_path):
+    # Without MASTER_PORT tiaccrun hosts the store: a rank must join it.
     script = tmp_path / "late.py"
     script.write_text("import time\ntime.sleep(300)\n")
     start = time.monotonic()
     result = _run(["-np", "2", "--start-timeout", "2", sys.executable, str(script)], timeout=120)
     assert result.returncode == 1
-    assert "did not open the rendezvous" in result.stderr
+    assert "no rank joined the rendezvous (the store tiaccrun hosts on port" in result.stderr
     assert "start timeout of 2 s" in result.stderr
     assert time.monotonic() - start < 100
-    # A rank 0 that opens the rendezvous port in time may run past the
-    # timeout: it sleeps the whole timeout after listening, so the job ends
-    # after the deadline whatever the machine's load.
+    # A rank that joins the store in time may run past the timeout: it
+    # sleeps the whole timeout after joining, so the job ends after the
+    # deadline whatever the machine's load.
+    script = tmp_path / "joins.py"
+    script.write_text(
+        "import datetime, os, time\n"
+        "import torch.distributed as dist\n"
+        "assert os.environ['TORCHELASTIC_USE_AGENT_STORE'] == 'True'\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']),\n"
+        "                          is_master=False, timeout=datetime.timedelta(seconds=30))\n"
+        "    store.set('here', '1')\n"
+        "time.sleep(float(os.environ['HOROVOD_START_TIMEOUT']) + 0.5)\n"
+    )
+    result = _run(["-np", "2", "--start-timeout", "4", sys.executable, str(script)], timeout=120)
+    assert result.returncode == 0, result.stderr
+    # With MASTER_PORT rank 0 hosts the store: it must listen on the port.
+    port = str(free_port())
+    env = base_env({"MASTER_PORT": port})
+    script = tmp_path / "late.py"
+    result = _run(
+        ["-np", "2", "--start-timeout", "2", sys.executable, str(script)], env=env, timeout=120
+    )
+    assert result.returncode == 1
+    assert f"rank 0 did not open the rendezvous (port {port})" in result.stderr
     script = tmp_path / "listens.py"
     script.write_text(
         "import os, socket, time\n"
+        "assert os.environ['TORCHELASTIC_USE_AGENT_STORE'] == 'False'\n"
         "if os.environ['RANK'] == '0':\n"
         "    s = socket.socket()\n"
         "    s.bind(('127.0.0.1', int(os.environ['MASTER_PORT'])))\n"
         "    s.listen()\n"
         "time.sleep(float(os.environ['HOROVOD_START_TIMEOUT']) + 0.5)\n"
     )
-    result = _run(["-np", "2", "--start-timeout", "4", sys.executable, str(script)], timeout=120)
+    result = _run(
+        ["-np", "2", "--start-timeout", "4", sys.executable, str(script)], env=env, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 

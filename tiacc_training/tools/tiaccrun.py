@@ -9,11 +9,24 @@ Ranks are placed host by host (the first host's slots first). Ranks on this
 machine start as child processes; ranks on other hosts start over ``ssh``
 (``BatchMode``, the port and identity given), in the same working directory
 and with this process's environment. Every rank gets the rendezvous
-(``MASTER_ADDR``, a free ``MASTER_PORT``), the variables torchrun sets
+(``MASTER_ADDR``, ``MASTER_PORT``), the variables torchrun sets
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...) and Horovod's
 (``HOROVOD_RANK``, ``HOROVOD_SIZE``, ...), so Horovod scripts on
 ``tiacc_training.torch.horovod`` and plain torch scripts with the two lines
 of ``tiacc_training.torch.distributed`` both run under it.
+
+The rendezvous store: without ``MASTER_PORT`` in the environment and with
+rank 0 on this machine, tiaccrun hosts the job's ``TCPStore`` itself, bound
+on port 0 before any rank starts, and hands its port to the ranks with
+``TORCHELASTIC_USE_AGENT_STORE=True``, as torchrun's agent does: every rank
+joins it as a client (torch's ``env://`` and ``tcp://`` rendezvous,
+``init_tiacc_training``'s group and ``hvd.init()`` do), so no other process
+can take the port between its choice and its use. With ``MASTER_PORT``
+set, rank 0 hosts the store on that port, as before. When rank 0 runs on
+another host (``-H`` or ``--hostfile`` whose first host is not this
+machine), rank 0 hosts the store there: set ``MASTER_PORT`` to a port free
+on that host; without it tiaccrun picks one free on this machine, which it
+cannot check on that host.
 
 Each output line of a rank is printed with the prefix ``[rank]<stdout>:``
 or ``[rank]<stderr>:``. A rank that fails ends the job: the other ranks are
@@ -29,6 +42,7 @@ in rounds, see ``_elastic``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import errno
 import fcntl
 import ipaddress
@@ -44,7 +58,9 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Callable
+from typing import IO, Any, Callable
+
+import torch.distributed as dist
 
 from tiacc_training import _engine
 from tiacc_training.tools import _elastic
@@ -54,6 +70,9 @@ DEFAULT_START_TIMEOUT = 30.0
 DEFAULT_ELASTIC_TIMEOUT = 600.0
 # Seconds a rank gets to exit after SIGTERM before it is killed.
 TERMINATE_GRACE = 10.0
+# The variable that tells the ranks' torch whether the store at
+# MASTER_ADDR:MASTER_PORT is hosted for them (torchrun's agent store).
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 # Variables of this process that are not handed to remote ranks: they
 # describe this shell or this machine, not the job.
 _NOT_FORWARDED = re.compile(
@@ -83,6 +102,42 @@ class RankSpec:
     host: str
     local: bool
     env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """A job before it starts: its hosts, its ranks and their rendezvous.
+
+    Attributes:
+        hosts: the hosts, as listed.
+        specs: each rank's host and variables.
+        master_addr: ``MASTER_ADDR``, where the store is.
+        master_port: ``MASTER_PORT``, the store's port.
+        store: the store tiaccrun hosts for the ranks (``TCPStore``);
+            ``None`` where rank 0 hosts it (``MASTER_PORT`` given, or rank 0
+            on another host).
+    """
+
+    hosts: list[Host]
+    specs: list[RankSpec]
+    master_addr: str
+    master_port: int
+    store: Any = None
+
+
+@dataclass
+class RendezvousWatch:
+    """What ``--start-timeout`` bounds beyond the start: the ranks reaching the rendezvous.
+
+    Attributes:
+        reached: whether it has been reached (checked every 0.1 s).
+        missed: what the job's end says when it was not, by the deadline.
+        deadline: its ``time.monotonic()`` deadline.
+    """
+
+    reached: Callable[[], bool]
+    missed: str
+    deadline: float
 
 
 # -- hosts -------------------------------------------------------------------
@@ -270,10 +325,48 @@ def route_address(host: str) -> str:
 
 
 def free_port() -> int:
-    """A TCP port free on this machine."""
+    """A TCP port free on this machine now, for a rank 0 on another host.
+
+    Nothing holds it after this returns, and it says nothing of the other
+    host: used only where rank 0 runs elsewhere and ``MASTER_PORT`` is unset
+    (with rank 0 on this machine, tiaccrun hosts the store: :func:`host_store`).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def host_store(address: str, timeout: float) -> Any:
+    """The job's rendezvous store, hosted by tiaccrun on a port the kernel picks.
+
+    Bound on port 0 and listening before any rank starts, so the port handed
+    to the ranks is never free for another process to take.
+
+    Args:
+        address: the address of this machine the ranks reach it at.
+        timeout: seconds for this process's own requests to the store.
+
+    Raises:
+        UsageError: The store cannot be opened (the message says why).
+    """
+    try:
+        return dist.TCPStore(
+            address,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    except (RuntimeError, OSError) as e:
+        raise UsageError(f"cannot open the rendezvous store on {address}: {e}") from e
+
+
+def store_joined(store: Any) -> bool:
+    """Whether a rank has joined tiaccrun's store (written its first key)."""
+    try:
+        return store.num_keys() > 0
+    except (RuntimeError, OSError):
+        return False
 
 
 def listening(port: int) -> bool:
@@ -611,12 +704,11 @@ class Job:
         except ProcessLookupError:
             pass
 
-    def wait(self, rendezvous: tuple[int, float] | None) -> int:
+    def wait(self, rendezvous: RendezvousWatch | None) -> int:
         """Waits for the ranks; the first failure ends the job.
 
         Args:
-            rendezvous: ``(port, deadline)``: rank 0 must listen on this
-                port of this machine by the deadline (``--start-timeout``).
+            rendezvous: what must happen by its deadline (``--start-timeout``).
 
         Returns:
             The exit status of tiaccrun.
@@ -641,15 +733,14 @@ class Job:
                 self.output.drain(5.0)
                 return 0
             if rendezvous is not None:
-                port, deadline = rendezvous
-                if listening(port):
+                if rendezvous.reached():
                     rendezvous = None
-                elif time.monotonic() > deadline:
+                elif time.monotonic() > rendezvous.deadline:
                     self.terminate()
                     self.output.drain(5.0)
                     self.log(
-                        f"rank 0 did not open the rendezvous (port {port}) within the "
-                        f"start timeout of {self.args.start_timeout:g} s; the job was ended"
+                        f"{rendezvous.missed} within the start timeout of "
+                        f"{self.args.start_timeout:g} s; the job was ended"
                     )
                     return 1
             time.sleep(0.1)
@@ -903,11 +994,18 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(f"--elastic-timeout must be positive, got {args.elastic_timeout:g}")
 
 
-def plan(args: argparse.Namespace) -> tuple[list[Host], list[RankSpec], str, int]:
-    """Hosts, ranks and the rendezvous of the job (no process is started).
+def plan(args: argparse.Namespace) -> Plan:
+    """Hosts, ranks and the rendezvous of the job.
+
+    No process is started. Without ``MASTER_PORT`` and with rank 0 on this
+    machine, the store is opened here (:func:`host_store`) and the ranks
+    are told to join it (``TORCHELASTIC_USE_AGENT_STORE=True``); otherwise
+    rank 0 hosts it (``TORCHELASTIC_USE_AGENT_STORE=False``, whatever this
+    process's environment says).
 
     Raises:
-        UsageError: Bad hosts, too few slots or an unusable interface.
+        UsageError: Bad hosts, too few slots, an unusable interface or a
+            store that cannot be opened.
     """
     if args.hosts:
         hosts = parse_hosts(args.hosts)
@@ -931,18 +1029,23 @@ def plan(args: argparse.Namespace) -> tuple[list[Host], list[RankSpec], str, int
     else:
         master_addr = hosts[first].name
     port_text = os.environ.get("MASTER_PORT")
+    store = None
     if port_text:
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
             raise UsageError(f"MASTER_PORT={port_text!r} is not a TCP port")
         master_port = int(port_text)
+    elif local[first]:
+        store = host_store(master_addr, args.start_timeout or DEFAULT_START_TIMEOUT)
+        master_port = store.port
     else:
         master_port = free_port()
-    envs = rank_environments(hosts, placement, master_addr, master_port, settings_environment(args))
+    extra = {**settings_environment(args), AGENT_STORE: str(store is not None)}
+    envs = rank_environments(hosts, placement, master_addr, master_port, extra)
     specs = [
         RankSpec(rank, hosts[h].name, local[h], env)
         for rank, ((h, _), env) in enumerate(zip(placement, envs))
     ]
-    return hosts, specs, master_addr, master_port
+    return Plan(hosts, specs, master_addr, master_port, store)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -955,10 +1058,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.host_discovery_script:
         return run_elastic(args, log)
     try:
-        hosts, specs, master_addr, master_port = plan(args)
+        job_plan = plan(args)
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    specs, master_port = job_plan.specs, job_plan.master_port
     start_timeout = args.start_timeout or DEFAULT_START_TIMEOUT
     deadline = time.monotonic() + start_timeout
     remote_hosts = sorted({s.host for s in specs if not s.local})
@@ -969,7 +1073,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"rank {spec.rank}: {spec.host} ({kind}), local rank "
                 f"{spec.env['LOCAL_RANK']} of {spec.env['LOCAL_WORLD_SIZE']}"
             )
-        log(f"rendezvous at {master_addr}:{master_port}")
+        host = "tiaccrun" if job_plan.store is not None else "rank 0"
+        log(f"rendezvous at {job_plan.master_addr}:{master_port} (the store hosted by {host})")
     try:
         if remote_hosts:
             check_ssh(args, remote_hosts, deadline)
@@ -994,13 +1099,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UsageError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
             return 1
-        watch = None
-        if args.start_timeout is not None and specs[0].local:
-            watch = (master_port, deadline)
-        return job.wait(watch)
+        return job.wait(_rendezvous_watch(args, job_plan, deadline))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _rendezvous_watch(
+    args: argparse.Namespace, job_plan: Plan, deadline: float
+) -> RendezvousWatch | None:
+    """What ``--start-timeout`` watches once the ranks started, if anything.
+
+    A rank must join the store tiaccrun hosts, or rank 0 (on this machine)
+    must listen on ``MASTER_PORT``; nothing is watched without the flag, or
+    when rank 0 hosts the store on another host.
+    """
+    if args.start_timeout is None:
+        return None
+    port = job_plan.master_port
+    store = job_plan.store
+    if store is not None:
+        missed = f"no rank joined the rendezvous (the store tiaccrun hosts on port {port})"
+        return RendezvousWatch(lambda: store_joined(store), missed, deadline)
+    if job_plan.specs[0].local:
+        missed = f"rank 0 did not open the rendezvous (port {port})"
+        return RendezvousWatch(lambda: listening(port), missed, deadline)
+    return None
 
 
 def run_elastic(args: argparse.Namespace, log: Callable[[str], None]) -> int:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError
@@ -19,6 +19,11 @@ from tiacc_training.errors import CommError, ConfigError
 from ._nccl import local_gpus_shared, nccl_version
 
 DEFAULT_MASTER_PORT = 29500
+
+# The store of the last world of one that named no port (see _own_port):
+# kept until the next one, so that torch's store of the group joins its
+# server instead of binding the port again.
+_held_store: Any = None
 
 
 def launch_env() -> dict[str, Any]:
@@ -62,7 +67,9 @@ def group_arguments(
     """How to create the default group from the launcher's environment.
 
     Sets the usual variables (``RANK``, ``MASTER_ADDR``, ...) where the
-    launcher left them unset, so code that reads them finds them.
+    launcher left them unset, so code that reads them finds them. A world
+    of one without ``MASTER_PORT`` gets a store bound here on a port the
+    kernel picks (:func:`_own_port`), which the group's store then shares.
 
     Returns:
         ``launch`` with the rendezvous address and port filled in, and the
@@ -82,8 +89,9 @@ def group_arguments(
                 "nodes: set it to rank 0's host (with mpirun: -x MASTER_ADDR=<host>)"
             )
     port = launch["master_port"]
+    timeout = datetime.timedelta(seconds=max(config.timeout, 60.0))
     if port is None:
-        port = _free_port() if launch["world_size"] == 1 else DEFAULT_MASTER_PORT
+        port = _own_port(addr, timeout) if launch["world_size"] == 1 else DEFAULT_MASTER_PORT
     launch = {**launch, "master_addr": addr, "master_port": port}
     # Launchers other than torchrun leave these unset; code that reads them
     # after init (user scripts, libraries) then finds the usual names.
@@ -101,12 +109,27 @@ def group_arguments(
         "init_method": f"tcp://{host}:{port}",
         "rank": launch["rank"],
         "world_size": launch["world_size"],
-        "timeout": datetime.timedelta(seconds=max(config.timeout, 60.0)),
+        "timeout": timeout,
     }
     return launch, arguments
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _own_port(addr: str, timeout: datetime.timedelta) -> int:
+    """The port of a store bound here on port 0, for a world of one.
+
+    The store is multi-tenant and kept (``_held_store``) until the next
+    call: torch's ``tcp://`` rendezvous opens its own store multi-tenant
+    too, so in this process it finds this one's server on the port and
+    shares it instead of binding the port again. The port is bound from the
+    kernel's pick on, so no other process can take it between a pick and a
+    bind, as it could a port probed and released.
+
+    Args:
+        addr: the rendezvous address (``MASTER_ADDR``, or 127.0.0.1).
+        timeout: the group's timeout, for the store's own requests.
+    """
+    global _held_store
+    _held_store = dist.TCPStore(
+        addr, 0, 1, True, timeout=timeout, wait_for_workers=False, multi_tenant=True
+    )
+    return int(_held_store.port)
