@@ -21,6 +21,9 @@ use tiacc_core::comm::{DType, Deadline};
 
 use crate::errors::ResultExt;
 
+/// How long `abort` waits for NCCL to free the communicator.
+const ABORT_WAIT: Duration = Duration::from_secs(10);
+
 /// Libraries loaded so far, by how they were searched for (dlopen is
 /// reference-counted, but resolving and version-checking once is enough).
 static LOADED: Mutex<Vec<(NcclSearch, Arc<NcclLibrary>)>> = Mutex::new(Vec::new());
@@ -267,7 +270,8 @@ impl NcclCommunicator {
         .py()
     }
 
-    /// NCCL's asynchronous error as text, or `None` while healthy.
+    /// NCCL's asynchronous error as text, or `None` while healthy (or while
+    /// another call holds the communicator: that call reports it).
     fn async_error(&self, py: Python<'_>) -> PyResult<Option<String>> {
         let comm = self.inner.clone();
         let err = py.detach(move || comm.async_error()).py()?;
@@ -305,12 +309,16 @@ impl NcclCommunicator {
     }
 
     /// Aborts outstanding operations and frees the communicator (never
-    /// waits for peers). Later calls raise `CommError` with `reason`.
+    /// waits for peers; waits up to 10 s for NCCL to free it, which it does
+    /// on a thread of its own). Later calls raise `CommError` with `reason`.
     #[pyo3(signature = (reason="aborted by the caller"))]
     fn abort(&self, py: Python<'_>, reason: &str) {
         let comm = self.inner.clone();
         let reason = reason.to_string();
-        py.detach(move || comm.abort(&reason));
+        py.detach(move || {
+            comm.abort(&reason);
+            comm.wait_aborted(ABORT_WAIT);
+        });
     }
 
     /// Waits for queued work and frees the communicator. Call only when
