@@ -1060,10 +1060,10 @@ fn the_watchdogs_deadline_ends_a_collective_stuck_in_progress_holding_the_lock()
              allreduce for the communicator's lock and never reads its deadline"
         )
     });
-    assert!(
-        took >= limit && took < Duration::from_secs(2),
-        "the watchdog took {took:?}"
-    );
+    // Only an upper bound, against a watchdog that never returns: the
+    // deadline starts before the watchdog's thread does, so its own clock
+    // may read less than the limit.
+    assert!(took < Duration::from_secs(2), "the watchdog took {took:?}");
     let Err(Error::CommTimeout { peer, message }) = outcome else {
         panic!("expected a CommTimeout, got {outcome:?}")
     };
