@@ -12,7 +12,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build wheel demo demo-run gpu-kit gpu-decoders gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv test-torch-smoke bench bench-ddp bench-scaling bench-nccl bench-topk bench-collectives bench-horovod bench-fsdp lint docs-check fmt fuzz fuzz-merge clean
+.PHONY: help setup build wheel demo demo-run gpu-kit gpu-decoders gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv test-torch-smoke bench bench-ddp bench-scaling bench-nccl bench-topk bench-collectives bench-horovod bench-fsdp bench-fsdp-rates lint docs-check fmt fuzz fuzz-merge clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -163,6 +163,13 @@ bench-horovod: setup ## Horovod-style ResNet-50 images/s: hvd.DistributedOptimiz
 
 bench-fsdp: setup ## FSDP2 training step: tiacc (flat, 2D, 2D + bf16 reduce-scatter) vs gloo, 2x2 slow link and 4 ranks on one host (root)
 	$(PY) benches/bench_fsdp.py
+
+FSDP_RATES ?= 200 1000 3000 10000
+bench-fsdp-rates: setup ## FSDP2 on a GPT-2-small-shaped decoder (4 blocks) at each of FSDP_RATES Mbit/s, 2x2 ranks: bench_fsdp_decoder_<rate>.json (root)
+	for rate in $(FSDP_RATES); do \
+	  $(PY) benches/bench_fsdp.py --model decoder --layers 4 --seq 64 --batch 2 --layouts link2x2 \
+	    --rate-mbit $$rate --out benches/results/bench_fsdp_decoder_$$rate.json || exit 1; \
+	done
 
 bench-topk: setup ## Top-K with momentum SGD: held-out loss of native, Top-K, Top-K + momentum correction (4 CPU ranks)
 	$(PY) benches/bench_topk_convergence.py

@@ -1,8 +1,16 @@
 """FSDP2 (``fully_shard``) training step: the engine against gloo, or NCCL on a GPU.
 
-A model of ``--layers`` square ``Linear`` layers (default 8 of 1792: 25.7 M
-parameters, 103 MB of float32), each layer and then the whole model
-sharded with ``fully_shard``, SGD, random inputs. Every step FSDP2
+Two models (``--model``):
+
+- ``mlp`` (default): ``--layers`` square ``Linear`` layers (default 8 of
+  1792: 25.7 M parameters, 103 MB of float32);
+- ``decoder``: a GPT-2-small-shaped decoder stack: ``--layers`` pre-norm
+  transformer blocks of width 768, 12 heads, a 3072-wide GELU MLP and a
+  causal mask, then a final LayerNorm (7.1 M parameters a block), on
+  ``--seq`` random token embeddings per sample (no vocabulary layer).
+
+Each layer (block) and then the whole model is sharded with
+``fully_shard``, SGD, random inputs. Every step FSDP2
 all-gathers every layer's parameters twice (forward, and again in the
 backward pass after resharding) and reduce-scatters every gradient with
 the average: three times the model's bytes in sharded collectives, issued
@@ -37,6 +45,10 @@ in another order than the engine's 2D sums, so there the losses agree
 within rounding rather than bit for bit.
 
     python benches/bench_fsdp.py [--rounds 2] [--layouts link2x2,loopback4] [--device cuda]
+    python benches/bench_fsdp.py --model decoder --layers 4 --rate-mbit 1000 --out FILE
+
+``make bench-fsdp-rates`` runs the decoder at each rate of ``RATES=`` (one
+results file per rate, ``bench_fsdp_decoder_<rate>.json``).
 
 Writes benches/results/bench_fsdp.json (``bench_fsdp_cuda.json`` with
 ``--device cuda``), with the machine, its load average before and after,
@@ -52,6 +64,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -87,14 +102,76 @@ LAYOUTS = {
 EXACT_ROWS = ("tiacc", "tiacc flat", "tiacc 2d")
 
 
+# The decoder's shape: GPT-2 small's width, heads and MLP.
+DECODER_WIDTH, DECODER_HEADS, DECODER_MLP = 768, 12, 3072
+
+
+class CausalStack(torch.nn.Module):
+    """Pre-norm decoder blocks with a causal mask, then a LayerNorm."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(
+                DECODER_WIDTH,
+                DECODER_HEADS,
+                DECODER_MLP,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(layers)
+        )
+        self.norm = torch.nn.LayerNorm(DECODER_WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.norm(x)
+
+
+def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """``--model``'s module and the parts sharded one by one (layers, blocks)."""
+    if args.model == "decoder":
+        model = CausalStack(args.layers)
+        return model, list(model.blocks)
+    layers: list[torch.nn.Module] = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    return model, [x for x in model if isinstance(x, torch.nn.Linear)]
+
+
+def input_shape(args: argparse.Namespace) -> tuple[int, ...]:
+    """One rank's batch: samples x width, or samples x tokens x width."""
+    if args.model == "decoder":
+        return (args.batch, args.seq, DECODER_WIDTH)
+    return (args.batch, args.width)
+
+
+def describe_model(args: argparse.Namespace) -> str:
+    """The model, as the results name it."""
+    if args.model == "decoder":
+        return (
+            f"{args.layers} pre-norm decoder blocks (width {DECODER_WIDTH}, {DECODER_HEADS} "
+            f"heads, MLP {DECODER_MLP}, GELU, causal mask) + LayerNorm on {args.seq} random "
+            "token embeddings a sample, each block and the whole model fully_shard-ed "
+            "(FSDP2), SGD lr 0.01"
+        )
+    return (
+        f"{args.layers} x (Linear({args.width}, {args.width}) + Tanh), "
+        "each Linear and the whole model fully_shard-ed (FSDP2), SGD lr 0.01"
+    )
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank: FSDP2 training steps; rank 0 prints its ``RESULT`` JSON."""
     if args.two_lines:
         import tiacc_training.torch.distributed as tdist
 
         tdist.init_tiacc_training()
-    import torch
-    import torch.distributed as dist
 
     try:
         from torch.distributed.fsdp import fully_shard
@@ -114,14 +191,11 @@ def worker(args: argparse.Namespace) -> None:
     # whichever accelerator the machine has).
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     torch.manual_seed(0)
-    layers = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers).to(device)
+    model, blocks = build_model(args)
+    model = model.to(device)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     times, losses = [], []
@@ -129,7 +203,7 @@ def worker(args: argparse.Namespace) -> None:
         if step == args.warmup:
             dist.barrier()
         g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(args.batch, args.width, generator=g).to(device)
+        x = torch.randn(*input_shape(args), generator=g).to(device)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -172,6 +246,7 @@ def run_row(nodes: list, layout: str, row: str, args: argparse.Namespace) -> dic
         opt_in = {"TIACC_TRAINING_CUDA_COLLECTIVES": "tiacc"} if two_lines else {}
         env = {**cuda_env(), **opt_in, **env}
     worker_args = ["--worker", "--device", args.device]
+    worker_args += ["--model", args.model, "--seq", str(args.seq)]
     worker_args += ["--layers", str(args.layers), "--width", str(args.width)]
     worker_args += ["--batch", str(args.batch), "--steps", str(args.steps)]
     worker_args += ["--warmup", str(args.warmup)] + (["--two-lines"] if two_lines else [])
@@ -242,8 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rows", default="", help="comma-separated rows to run (native always runs); default all"
     )
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1792)
+    parser.add_argument("--model", choices=["mlp", "decoder"], default="mlp")
+    parser.add_argument("--layers", type=int, default=8, help="Linear layers, or decoder blocks")
+    parser.add_argument("--width", type=int, default=1792, help="the mlp's width")
+    parser.add_argument("--seq", type=int, default=128, help="the decoder's tokens a sample")
     parser.add_argument("--batch", type=int, default=8, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per job")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -337,8 +414,8 @@ def write(
     out = {
         "benchmark": "bench_fsdp",
         "setup": {
-            "model": f"{args.layers} x (Linear({args.width}, {args.width}) + Tanh), "
-            "each Linear and the whole model fully_shard-ed (FSDP2), SGD lr 0.01",
+            "model": describe_model(args),
+            "model_kind": args.model,
             "device": "every rank on GPU 0, NCCL" if args.device == "cuda" else "cpu, gloo",
             "batch_per_rank": args.batch,
             "threads_per_rank": 1,
