@@ -6,8 +6,9 @@ Two models (``--model``):
   1792: 25.7 M parameters, 103 MB of float32);
 - ``decoder``: a GPT-2-small-shaped decoder stack: ``--layers`` pre-norm
   transformer blocks of width 768, 12 heads, a 3072-wide GELU MLP and a
-  causal mask, then a final LayerNorm (7.1 M parameters a block), on
-  ``--seq`` random token embeddings per sample (no vocabulary layer).
+  causal mask (7.1 M parameters a block), on ``--seq`` random token
+  embeddings per sample (no vocabulary layer, and no final LayerNorm: the
+  loss, the mean square of the output, would be 1 after one).
 
 Each layer (block) and then the whole model is sharded with
 ``fully_shard``, SGD, random inputs. Every step FSDP2
@@ -107,7 +108,7 @@ DECODER_WIDTH, DECODER_HEADS, DECODER_MLP = 768, 12, 3072
 
 
 class CausalStack(torch.nn.Module):
-    """Pre-norm decoder blocks with a causal mask, then a LayerNorm."""
+    """Pre-norm decoder blocks with a causal mask."""
 
     def __init__(self, layers: int) -> None:
         super().__init__()
@@ -123,13 +124,12 @@ class CausalStack(torch.nn.Module):
             )
             for _ in range(layers)
         )
-        self.norm = torch.nn.LayerNorm(DECODER_WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
         for block in self.blocks:
             x = block(x, src_mask=mask, is_causal=True)
-        return self.norm(x)
+        return x
 
 
 def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
@@ -156,7 +156,7 @@ def describe_model(args: argparse.Namespace) -> str:
     if args.model == "decoder":
         return (
             f"{args.layers} pre-norm decoder blocks (width {DECODER_WIDTH}, {DECODER_HEADS} "
-            f"heads, MLP {DECODER_MLP}, GELU, causal mask) + LayerNorm on {args.seq} random "
+            f"heads, MLP {DECODER_MLP}, GELU, causal mask) on {args.seq} random "
             "token embeddings a sample, each block and the whole model fully_shard-ed "
             "(FSDP2), SGD lr 0.01"
         )
