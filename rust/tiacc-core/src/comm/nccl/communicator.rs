@@ -250,21 +250,7 @@ impl NcclCommunicator {
             }
             return Err(comm_error(format!("{place}: {err}")));
         }
-        let built = NcclCommunicator {
-            lib,
-            comm,
-            rank,
-            size,
-            group,
-            issue: Mutex::new(()),
-            closed: AtomicBool::new(false),
-            inflight: AtomicUsize::new(0),
-            reason: Mutex::new(None),
-            non_blocking: true,
-            wait: deadline.timeout,
-            given: AtomicU64::new(0),
-            aborting: Mutex::new(None),
-        };
+        let built = Self::wrap(lib, comm, rank, size, group, Some(deadline.timeout));
         await_ready(
             || built.readiness("ncclCommInitRankConfig"),
             || built.abort("its initialisation did not complete"),
@@ -322,7 +308,20 @@ impl NcclCommunicator {
                 "{group} communicator, rank {rank} of {size}: {err}"
             )));
         }
-        Ok(NcclCommunicator {
+        Ok(Self::wrap(lib, comm, rank, size, group, None))
+    }
+
+    /// A live handle, blocking (`wait` is `None`) or non-blocking, whose
+    /// calls that return `ncclInProgress` are waited for up to `wait`.
+    fn wrap(
+        lib: Arc<NcclLibrary>,
+        comm: NcclComm,
+        rank: usize,
+        size: usize,
+        group: Group,
+        wait: Option<Duration>,
+    ) -> Self {
+        NcclCommunicator {
             lib,
             comm,
             rank,
@@ -332,11 +331,11 @@ impl NcclCommunicator {
             closed: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
             reason: Mutex::new(None),
-            non_blocking: false,
-            wait: Duration::ZERO,
+            non_blocking: wait.is_some(),
+            wait: wait.unwrap_or(Duration::ZERO),
             given: AtomicU64::new(0),
             aborting: Mutex::new(None),
-        })
+        }
     }
 
     /// A non-blocking communicator around `comm`, a handle that `lib`'s
@@ -352,21 +351,7 @@ impl NcclCommunicator {
         wait: Duration,
     ) -> Self {
         assert!(!comm.is_null(), "a communicator needs a non-null handle");
-        NcclCommunicator {
-            lib,
-            comm,
-            rank,
-            size,
-            group,
-            issue: Mutex::new(()),
-            closed: AtomicBool::new(false),
-            inflight: AtomicUsize::new(0),
-            reason: Mutex::new(None),
-            non_blocking: true,
-            wait,
-            given: AtomicU64::new(0),
-            aborting: Mutex::new(None),
-        }
+        Self::wrap(lib, comm, rank, size, group, Some(wait))
     }
 
     pub fn rank(&self) -> usize {
@@ -759,23 +744,23 @@ impl NcclCommunicator {
         // sets their abort flag. An engine aborts its communicators one
         // after the other (every channel, the 2D groups): run in line, the
         // first abort would wait for kernels only the later ones end.
-        let job = AbortJob {
-            lib: self.lib.clone(),
-            comm: SendComm(self.comm),
-            place: self.place(),
-        };
+        let job = self.abort_job();
         let spawned = std::thread::Builder::new()
             .name("tiacc-nccl-abort".into())
             .spawn(move || job.run());
         match spawned {
             Ok(thread) => *self.aborting.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread),
             // No thread to be had: abort in line rather than not at all.
-            Err(_) => AbortJob {
-                lib: self.lib.clone(),
-                comm: SendComm(self.comm),
-                place: self.place(),
-            }
-            .run(),
+            Err(_) => self.abort_job().run(),
+        }
+    }
+
+    /// The `ncclCommAbort` of this (closed) communicator's handle.
+    fn abort_job(&self) -> AbortJob {
+        AbortJob {
+            lib: self.lib.clone(),
+            comm: SendComm(self.comm),
+            place: self.place(),
         }
     }
 
