@@ -3,6 +3,8 @@
 Two ranks on this host train a few steps with the engine and with it
 switched off (``TIACC_TRAINING_DISABLE=1``, native DDP timed the same way);
 both report every step, a wait of zero or more, and the exit summary says it.
+Under torch's profiler the engine's hook is a span of its own, once a
+bucket (none when the engine is off).
 The wait's arithmetic is unit-tested in ``tests/unit/test_step_waiting.py``.
 """
 
@@ -23,6 +25,10 @@ def test_every_step_reports_its_wait(engine: str) -> None:
     ranks = run_ranks(2, ["--steps", str(STEPS)], env=env, worker=WORKER)
     for result in results_of(ranks):
         assert result["steps"] == STEPS, result
+        if engine == "native":
+            assert result["hook_spans"] == 0, result
+        else:
+            assert result["buckets"] >= 1 and result["hook_spans"] == result["buckets"], result
         assert 0 <= result["exposed_ms_per_step"] <= result["max_step_ms"], result
         assert isinstance(result["link_bytes_per_step"], dict), result
     summary = [line for line in ranks[0].stderr.splitlines() if "summary" in line]

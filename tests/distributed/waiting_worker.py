@@ -1,4 +1,9 @@
-"""One rank of test_ddp_waiting: a few DDP steps, then stats()["waiting"] as RESULT."""
+"""One rank of test_ddp_waiting: a few DDP steps, then stats()["waiting"] as RESULT.
+
+One more step runs under torch's profiler: RESULT's ``hook_spans`` counts
+the engine hook's spans it recorded, ``buckets`` the buckets that step
+handed to the engine.
+"""
 
 import argparse
 import json
@@ -7,6 +12,7 @@ import torch
 from torch import nn
 
 import tiacc_training.torch.distributed as tdist
+from tiacc_training.torch.distributed._hook import PROFILE_HOOK
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=5)
@@ -21,4 +27,12 @@ for _ in range(args.steps):
     opt.zero_grad()
     ddp(torch.randn(16, 64)).square().mean().backward()
     opt.step()
-print("RESULT " + json.dumps(tdist.stats()["waiting"]), flush=True)
+result = dict(tdist.stats()["waiting"])
+carried = sum(tdist.stats()["buckets"].values())
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    opt.zero_grad()
+    ddp(torch.randn(16, 64)).square().mean().backward()
+    opt.step()
+result["hook_spans"] = sum(1 for e in prof.events() if e.name == PROFILE_HOOK)
+result["buckets"] = sum(tdist.stats()["buckets"].values()) - carried
+print("RESULT " + json.dumps(result), flush=True)
