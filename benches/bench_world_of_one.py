@@ -11,7 +11,9 @@ round):
 - ``tiacc``: the same script with the two lines.
 
 A row's figure is the median of every timed step, pooled over the rounds;
-the ratio is tiacc's over native's.
+the ratio is tiacc's over native's. Each row's round medians and their
+spread (slowest over fastest) are kept, the same method as the GPU check's
+world-of-one stage (at least 30 steps a row, interleaved rounds).
 
     python benches/bench_world_of_one.py [--rounds 6] [--steps 150]
 
@@ -111,12 +113,14 @@ def main() -> None:
         return
     load_before = os.getloadavg()
     steps: dict[str, list[float]] = {row: [] for row in ROWS}
+    round_medians: dict[str, list[float]] = {row: [] for row in ROWS}
     buckets: dict = {}
     for round_ in range(args.rounds):
         order = ROWS[round_ % 2 :] + ROWS[: round_ % 2]
         for row in order:
             result = run_row(row, args)
             steps[row] += result["step_s"]
+            round_medians[row].append(statistics.median(result["step_s"]) * 1e3)
             buckets = result.get("buckets", buckets)
             print(
                 f"round {round_}: {row}: {statistics.median(result['step_s']) * 1e3:.2f} ms/step",
@@ -131,6 +135,11 @@ def main() -> None:
         "steps_per_run": args.steps,
         "rounds": args.rounds,
         "median_ms": {row: round(m, 3) for row, m in medians.items()},
+        "round_medians_ms": {row: [round(m, 3) for m in ms] for row, ms in round_medians.items()},
+        # How far apart a row's rounds are: its slowest round median over its fastest.
+        "spread_pct": {
+            row: round((max(ms) / min(ms) - 1) * 100, 2) for row, ms in round_medians.items()
+        },
         "tiacc_over_native": round(ratio, 4),
         "tiacc_buckets": buckets,
         "machine": machine_info(),
