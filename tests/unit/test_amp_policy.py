@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
+import re
 
 import pytest
 import torch
 
 from tiacc_training import _engine
-from tiacc_training.torch import adaptfp16, tiacc_torch_warp
+from tiacc_training.torch import _amp, adaptfp16, tiacc_torch_warp
 from tiacc_training.torch.tiacc_torch_warp import MixedPrecision_TrainingPolicy as Policy
 
 
@@ -496,3 +498,371 @@ def test_cuda_fp16_autocast_with_grad_scaler():
         scaler.update()
     assert math.isfinite(loss.item())
     assert policy.autocast_dtype("cuda") in (torch.bfloat16, torch.float16)
+
+
+# --- stats() and the log lines -------------------------------------------------
+
+AMP_LOGGER = "tiacc_training.torch._amp"
+
+
+def logged(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == AMP_LOGGER]
+
+
+def reasons(policy: Policy) -> list[tuple[int, bool, str]]:
+    return [(e["epoch"], e["autocast"], e["reason"]) for e in policy.stats()["epochs"]]
+
+
+def test_stats_policy0_settings_counts_and_reasons():
+    p = Policy(0, 2, None, 5, cooldown=7)
+    s = p.stats()
+    assert s["epochs_seen"] == 0 and s["last"] is None and s["epochs"] == []
+    decisions(p, range(7))
+    s = p.stats()
+    assert (s["policy"], s["schedule"]) == (0, "time")
+    assert s["settings"] == {"start_time": 2, "end_time": 5, "cooldown": 7}
+    assert s["thresholds"] == {
+        "scale_floor": 1.0,
+        "scale_collapse": 1024.0,
+        "overflow_window": 32,
+        "overflow_limit": 6,
+        "max_backoff": 4,
+    }
+    assert (s["epochs_seen"], s["epochs_on"], s["epochs_off"], s["changes"]) == (7, 3, 4, 2)
+    assert (s["restarts"], s["guard_trips"], s["epochs_dropped"], s["changes_dropped"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert reasons(p) == [
+        (0, False, "before_start"),
+        (1, False, "before_start"),
+        (2, True, "window"),
+        (3, True, "window"),
+        (4, True, "window"),
+        (5, False, "after_end"),
+        (6, False, "after_end"),
+    ]
+    assert s["epochs"][0]["detail"] == "epoch 0 is before start_time 2"
+    assert s["epochs"][3]["detail"] == "epoch 3 is inside start_time 2 <= epoch < end_time 5"
+    assert s["last"] == s["epochs"][-1]
+    assert s["last"]["detail"] == "epoch 6 is at or after end_time 5"
+    assert [(c["epoch"], c["autocast"], c["message"]) for c in s["change_log"]] == [
+        (2, True, "epoch 2: autocast on: epoch 2 is inside start_time 2 <= epoch < end_time 5"),
+        (5, False, "epoch 5: autocast off: epoch 5 is at or after end_time 5"),
+    ]
+    # Without a guard, no guard thresholds; without an end, the open window.
+    p = Policy(0, 3, cooldown=0)
+    p.enable_mixed_precision(4)
+    s = p.stats()
+    assert s["thresholds"] == {} and s["settings"] == {
+        "start_time": 3,
+        "end_time": None,
+        "cooldown": 0,
+    }
+    assert s["last"]["detail"] == "epoch 4 is at or after start_time 3 (no end_time)"
+    assert json.loads(json.dumps(s)) == s
+
+
+def test_stats_policy1_names_the_event_and_its_numbers():
+    p = Policy(1, 0, 3)
+    for i in range(20):
+        p.enable_mixed_precision(i, lr=0.1, loss=1.1 if i % 2 else 0.9)  # mean 1, std 0.1
+    assert not p.enable_mixed_precision(20, lr=0.1, loss=1.5)  # 0.5 from the mean > 0.4
+    assert not p.enable_mixed_precision(22, lr=0.1)
+    assert p.enable_mixed_precision(23, lr=0.1)
+    assert not p.enable_mixed_precision(24, lr=0.08)  # 20 % change
+    assert not p.enable_mixed_precision(27, lr=0.1)  # back up: 20 % of the larger
+    s = p.stats()
+    assert (s["policy"], s["schedule"]) == (1, "time + learning rate")
+    assert s["settings"] == {"start_time": 0, "end_time": None, "hold_time": 3, "cooldown": 100}
+    assert s["thresholds"]["lr_tolerance"] == 0.1
+    assert s["thresholds"]["loss_window"] == 20 and s["thresholds"]["loss_min_samples"] == 5
+    assert s["thresholds"]["loss_sigmas"] == 4.0 and s["thresholds"]["loss_rel_floor"] == 0.02
+    assert (s["epochs_seen"], s["epochs_on"], s["epochs_off"], s["changes"]) == (25, 21, 4, 4)
+    by_epoch = {e["epoch"]: e for e in s["epochs"]}
+    assert by_epoch[20]["reason"] == "hold"
+    assert by_epoch[20]["detail"] == (
+        "loss 1.5 is 0.5 from the mean 1 of the last 20 losses "
+        "(limit 0.4 = max(4 x std 0.1, 2% of the mean)): fp32 hold through epoch 22"
+    )
+    assert by_epoch[22]["detail"].startswith("fp32 hold through epoch 22 (since epoch 20: loss 1.5")
+    assert by_epoch[23]["detail"] == (
+        "the fp32 hold is over; epoch 23 is at or after start_time 0 (no end_time)"
+    )
+    assert by_epoch[24]["detail"] == (
+        "learning rate changed from 0.1 to 0.08 (by 20.0%, more than 10%): "
+        "fp32 hold through epoch 26"
+    )
+    assert by_epoch[27]["detail"] == (
+        "learning rate changed from 0.08 to 0.1 (by 20.0%, more than 10%): "
+        "fp32 hold through epoch 29"
+    )
+    assert [(c["epoch"], c["autocast"], c["reason"]) for c in s["change_log"]] == [
+        (0, True, "window"),
+        (20, False, "hold"),
+        (23, True, "window"),
+        (24, False, "hold"),
+    ]
+
+
+def trend_run(slopes: list[float]) -> Policy:
+    p = Policy(2, interval_time=10, interval_hold_time=4)
+    decisions(p, range(10))
+    for k, slope in enumerate(slopes, start=1):
+        trial(p, 10 * k, slope)
+        decisions(p, range(10 * k + 5, 10 * k + 10))
+    return p
+
+
+def test_stats_policy2_reports_the_trend_and_its_verdict():
+    p = trend_run([0.2, 0.05, -0.05, 0.001])
+    s = p.stats()
+    assert (s["policy"], s["schedule"]) == (2, "loss trend")
+    assert s["settings"] == {"interval_time": 10, "interval_hold_time": 4, "cooldown": 100}
+    assert {k: s["thresholds"][k] for k in ("trend_min_points", "trend_fast", "trend_slow")} == {
+        "trend_min_points": 3,
+        "trend_fast": 0.5,
+        "trend_slow": 0.01,
+    }
+    by_epoch = {e["epoch"]: e for e in s["epochs"]}
+    assert by_epoch[0]["reason"] == "trend_default"
+    assert by_epoch[0]["detail"] == "no loss-trend verdict yet (next trial at epoch 10)"
+    assert by_epoch[10]["detail"] == (
+        "loss-trend trial 1: mixed precision for epochs 10-13 while the losses are measured"
+    )
+    # Losses 0.8, 0.6, 0.4, 0.2: slope -0.2, mean 0.5, r = 0.2 * 4 / 0.5 = 1.6.
+    assert by_epoch[14]["reason"] == "trend_fast"
+    assert by_epoch[14]["detail"] == (
+        "over trial 1 (epochs 10-13, 4 losses) the fitted loss fell 160.0%, "
+        "more than 50%: falling too fast (until the next trial at epoch 20)"
+    )
+    # 0.95 ... 0.8: r = 0.05 * 4 / 0.875.
+    assert by_epoch[24]["reason"] == "trend_ok"
+    assert by_epoch[24]["detail"].startswith("over trial 2 (epochs 20-23, 4 losses) the fitted ")
+    assert "loss fell 22.9%, between 1% and 50%" in by_epoch[24]["detail"]
+    assert by_epoch[34]["reason"] == "trend_slow"
+    assert "loss rose 17.8%, less than a 1% fall: too slow" in by_epoch[34]["detail"]
+    assert "loss fell 0.4%, less than a 1% fall" in by_epoch[44]["detail"]
+    assert [(c["epoch"], c["autocast"], c["reason"]) for c in s["change_log"]] == [
+        (0, True, "trend_default"),
+        (14, False, "trend_fast"),
+        (20, True, "trial"),
+        (34, False, "trend_slow"),
+        (40, True, "trial"),
+        (44, False, "trend_slow"),
+    ]
+    assert s["changes"] == 6 and s["epochs_seen"] == 50 and s["epochs_on"] == 32
+
+    # A trial with too few losses keeps the verdict and says so.
+    p = trend_run([0.0])
+    decisions(p, [20])
+    p.enable_mixed_precision(21, loss=1.0)
+    p.enable_mixed_precision(22, loss=0.5)
+    assert not p.enable_mixed_precision(24)
+    assert p.stats()["last"]["detail"] == (
+        "trial 2 (epochs 20-23) gave 2 usable losses, fewer than 3: no new verdict; "
+        "over trial 1 (epochs 10-13, 4 losses) the fitted loss stayed flat (0.0%), "
+        "less than a 1% fall: too slow (until the next trial at epoch 30)"
+    )
+
+
+def test_stats_scaler_guard_trips_with_their_numbers():
+    p = Policy(0, 0, cooldown=10)
+    scaler = FakeScaler(65536.0)
+    p.enable_mixed_precision(0, scaler=scaler)
+    scaler.scale = 32.0
+    assert not p.enable_mixed_precision(1, scaler=scaler)
+    assert not p.enable_mixed_precision(5, scaler=scaler)
+    assert p.enable_mixed_precision(11, scaler=scaler)
+    s = p.stats()
+    assert s["guard_trips"] == 1
+    detail = [e["detail"] for e in s["epochs"]]
+    assert detail[1] == (
+        "scaler guard tripped: the loss scale 32 is 2048x below its peak 65536 "
+        "(limit 1024x): fp32 for a cool-down of 10 epochs, through epoch 10"
+    )
+    assert s["epochs"][1]["reason"] == "cooldown"
+    assert detail[2] == (
+        "the scaler guard's cool-down runs through epoch 10 (tripped at epoch 1: "
+        "the loss scale 32 is 2048x below its peak 65536 (limit 1024x))"
+    )
+    assert detail[3] == (
+        "the scaler guard's cool-down is over (it ran through epoch 10) and the guard "
+        "re-armed; epoch 11 is at or after start_time 0 (no end_time)"
+    )
+
+    # A second trip soon after: the cool-down doubles, and the line says why.
+    assert not p.enable_mixed_precision(12, loss=math.inf)
+    assert p.stats()["last"]["detail"] == (
+        "scaler guard tripped: the loss is inf: fp32 for a cool-down of 20 epochs "
+        "(2 x cooldown 10: less than 10 epochs after the previous cool-down, which ran "
+        "through epoch 10), through epoch 31"
+    )
+    assert p.enable_mixed_precision(32)
+    assert not p.enable_mixed_precision(45, loss=math.nan)
+    assert p.stats()["last"]["detail"] == (
+        "scaler guard tripped: the loss is nan: fp32 for a cool-down of 40 epochs "
+        "(4 x cooldown 10: less than 20 epochs after the previous cool-down, which ran "
+        "through epoch 31), through epoch 84"
+    )
+
+    p = Policy(0, 0, cooldown=5)
+    assert not p.enable_mixed_precision(0, scaler=FakeScaler(0.5))
+    assert "the loss scale 0.5 is below 1" in p.stats()["last"]["detail"]
+    p = Policy(0, 0, cooldown=5)
+    assert not p.enable_mixed_precision(0, scaler=FakeScaler(math.inf))
+    assert "the loss scale is inf" in p.stats()["last"]["detail"]
+    p = Policy(0, 0, cooldown=5)
+    scaler = FakeScaler(65536.0)
+    for step in range(7):
+        p.enable_mixed_precision(step, scaler=scaler)
+        scaler.scale /= 2
+    assert p.last_trip == "overflow"
+    assert p.stats()["last"]["detail"].startswith(
+        "scaler guard tripped: the loss scale fell on 6 of the last 7 calls "
+        "(overflowed steps; limit 6): fp32 for a cool-down of 5 epochs"
+    )
+
+
+def test_a_log_line_per_change_and_none_while_unchanged(caplog):
+    caplog.set_level(logging.INFO, logger="tiacc_training")
+    p = Policy(1, 2, 3, 30, cooldown=4)
+    decisions(p, [0, 1], lr=0.1)
+    assert logged(caplog) == []  # off before the first call, off now: no change
+    decisions(p, range(2, 8), lr=0.1)
+    assert logged(caplog) == [
+        "epoch 2: autocast on: epoch 2 is inside start_time 2 <= epoch < end_time 30"
+    ]
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == AMP_LOGGER)
+    caplog.clear()
+    decisions(p, range(8, 12), lr=0.05)  # the first call fires a hold through 10
+    p.enable_mixed_precision(12, lr=0.05, loss=math.nan)  # a trip: off through 15
+    decisions(p, range(13, 20), lr=0.05)
+    assert logged(caplog) == [
+        "epoch 8: autocast off: learning rate changed from 0.1 to 0.05 (by 50.0%, more "
+        "than 10%): fp32 hold through epoch 10",
+        "epoch 11: autocast on: the fp32 hold is over; epoch 11 is inside start_time 2 <= "
+        "epoch < end_time 30",
+        "epoch 12: autocast off: scaler guard tripped: the loss is nan: fp32 for a cool-down "
+        "of 4 epochs, through epoch 15",
+        "epoch 16: autocast on: the scaler guard's cool-down is over (it ran through epoch 15) "
+        "and the guard re-armed; epoch 16 is inside start_time 2 <= epoch < end_time 30",
+    ]
+    assert [c["message"] for c in p.stats()["change_log"]][1:] == logged(caplog)
+    caplog.clear()
+    decisions(p, range(20, 30), lr=0.05)
+    decisions(p, [29, 29])  # a repeated counter, unchanged
+    assert logged(caplog) == []
+    assert p.stats()["changes"] == 5
+
+
+def test_restart_resume_and_history_limit(caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="tiacc_training")
+    p = Policy(0, 2, None, 5)
+    decisions(p, range(5))
+    assert p.enable_mixed_precision(4)
+    caplog.clear()
+    assert not p.enable_mixed_precision(1)
+    assert logged(caplog) == [
+        "epoch 1: autocast off: the counter went back from 4 to 1: the policy restarted; "
+        "epoch 1 is before start_time 2"
+    ]
+    s = p.stats()
+    assert (s["restarts"], s["changes"], s["epochs_seen"]) == (1, 2, 7)
+    # A restart that trips the guard at once: counted and explained.
+    p = Policy(0, 0, cooldown=3)
+    decisions(p, [0, 1], loss=math.nan)
+    decisions(p, [5, 6])
+    assert not p.enable_mixed_precision(2, loss=math.nan)
+    s = p.stats()
+    assert (s["restarts"], s["guard_trips"]) == (1, 2)
+    assert s["last"]["detail"] == (
+        "the counter went back from 6 to 2: the policy restarted; scaler guard tripped: "
+        "the loss is nan: fp32 for a cool-down of 3 epochs, through epoch 4"
+    )
+
+    # A resumed policy compares with the saved answer: on stays on, silently.
+    p = Policy(0, 2, None, 5)
+    decisions(p, range(4))
+    q = Policy(0, 2, None, 5)
+    q.load_state_dict(p.state_dict())
+    caplog.clear()
+    assert q.enable_mixed_precision(4)
+    assert logged(caplog) == [] and q.stats()["changes"] == 0
+    assert not q.enable_mixed_precision(5)
+    assert logged(caplog) == ["epoch 5: autocast off: epoch 5 is at or after end_time 5"]
+
+    # Loading a state forgets what the explanations knew of the old one.
+    p = Policy(1, 0, 5)
+    decisions(p, [0, 1], lr=0.1)
+    p.enable_mixed_precision(2, lr=0.01)  # a hold through 6, explained
+    other = Policy(1, 0, 5)
+    decisions(other, [0, 1], lr=0.1)
+    other.enable_mixed_precision(3, lr=0.5)  # a hold through 7
+    p.load_state_dict(other.state_dict())
+    assert not p.enable_mixed_precision(4, lr=0.5)
+    assert p.stats()["last"]["detail"] == (
+        "fp32 hold through epoch 7 after a learning-rate change or an abnormal loss"
+    )
+
+    # The lists keep the newest entries; the counts cover every call.
+    monkeypatch.setattr(_amp, "_HISTORY_LIMIT", 1)
+    p = Policy(0, 2, None, 5)
+    decisions(p, range(10))
+    s = p.stats()
+    assert [e["epoch"] for e in s["epochs"]] == [9]
+    assert [c["epoch"] for c in s["change_log"]] == [5]
+    assert (s["epochs_seen"], s["epochs_dropped"], s["changes"], s["changes_dropped"]) == (
+        10,
+        9,
+        2,
+        1,
+    )
+
+
+FALLBACKS = (
+    "after a learning-rate change or an abnormal loss",
+    "the last loss-trend verdict was",
+    "cool-down runs through epoch \\d+ after",
+)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Policy(0, 10, None, 150, cooldown=7),
+        lambda: Policy(1, 10, 5, 150, cooldown=7),
+        lambda: Policy(2, test_interval=20, test_step=6, cooldown=7),
+    ],
+)
+def test_stats_explain_each_engine_decision(make):
+    p = make()
+    answers, events, trips = [], [], []
+    state = p.state_dict()["state"]
+    for i in range(200):
+        call = scripted(i)
+        if i in (90, 91):
+            call["loss"] = torch.tensor(10.0 * (i - 89))  # loss spikes
+        answers.append(p.enable_mixed_precision(i, **call))
+        previous, state = state, p.state_dict()["state"]
+        if state["hold_until"] is not None and state["hold_until"] != previous["hold_until"]:
+            events.append(i)
+        if state["trips"] > previous["trips"]:
+            trips.append(i)
+    s = p.stats()
+    assert [(e["epoch"], e["autocast"]) for e in s["epochs"]] == list(enumerate(answers))
+    flips = [i for i, on in enumerate(answers) if on != (answers[i - 1] if i else False)]
+    assert [c["epoch"] for c in s["change_log"]] == flips and s["changes"] == len(flips)
+    assert s["epochs_on"] == sum(answers)
+    assert trips and s["guard_trips"] == len(trips)
+    for e in s["epochs"]:
+        assert not any(re.search(f, e["detail"]) for f in FALLBACKS), e
+        named = re.search(r"(changed from|from the mean).*\): fp32 hold through", e["detail"])
+        assert bool(named) is (e["epoch"] in events), e
+        assert ("scaler guard tripped" in e["detail"]) is (e["epoch"] in trips), e
+    if s["policy"] == 1:
+        assert 60 in events and 90 in events and 91 in events
+    if s["policy"] == 2:
+        assert any("the fitted loss" in e["detail"] for e in s["epochs"])

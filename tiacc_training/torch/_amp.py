@@ -1,14 +1,18 @@
 """The adaptive mixed-precision policy (``MixedPrecision_TrainingPolicy``).
 
 The decisions are made by a state machine in the Rust engine; this module
-checks the arguments, reads the GradScaler and converts values.
+checks the arguments, reads the GradScaler, converts values and explains
+each decision (``stats()`` and a log line per change), reading the engine's
+state before and after the call.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import operator
+from collections import deque
 from typing import Any, Optional, Union
 
 import torch
@@ -18,6 +22,27 @@ from tiacc_training import _engine
 __all__ = ["MixedPrecision_TrainingPolicy"]
 
 _STATE_VERSION = 1
+
+_log = logging.getLogger(__name__)
+
+# The engine's fixed thresholds, quoted in the explanations.
+_CONST: dict[str, Any] = dict(_engine.amp_constants())
+
+# What the engine remembers before its first call (and after a restart).
+_FRESH_STATE: dict[str, Any] = dict(_engine.AmpPolicy(0, 0, None, None, 1000, 100, 0).state())
+
+# Most per-call records and change records ``stats()`` keeps (the newest).
+_HISTORY_LIMIT = 10_000
+
+_SCHEDULES = {0: "time", 1: "time + learning rate", 2: "loss trend"}
+
+_TRIPS = {
+    "nonfinite_loss": "a non-finite loss",
+    "nonfinite_scale": "a non-finite loss scale",
+    "scale_floor": "a loss scale below its floor",
+    "scale_collapse": "a collapsed loss scale",
+    "overflow": "repeated overflowed steps",
+}
 
 
 class _Unset:
@@ -69,6 +94,70 @@ def _scalar(name: str, value: Any) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     return float(value)
+
+
+def _pct(fraction: float) -> str:
+    """A fixed threshold as a percentage: 0.1 -> ``10%``."""
+    return f"{fraction * 100:g}%"
+
+
+def _events_text(
+    pre: dict[str, Any], after: dict[str, Any], rate: Optional[float], loss: Optional[float]
+) -> Optional[str]:
+    """What fired policy 1's hold on this call, with its numbers, or None.
+
+    A learning-rate change, an abnormal loss or both: the engine's checks,
+    repeated on the state it held before the call.
+    """
+    found = []
+    ref = pre["ref_lr"]
+    if ref is not None and rate is not None and after["ref_lr"] != ref:
+        change = abs(rate - ref) / max(abs(rate), abs(ref))
+        found.append(
+            f"learning rate changed from {ref:g} to {rate:g} "
+            f"(by {change:.1%}, more than {_pct(_CONST['LR_TOLERANCE'])})"
+        )
+    window = pre["losses"]
+    if loss is not None and math.isfinite(loss) and len(window) >= _CONST["LOSS_MIN_SAMPLES"]:
+        mean = sum(window) / len(window)
+        std = math.sqrt(sum((v - mean) * (v - mean) for v in window) / len(window))
+        limit = max(_CONST["LOSS_SIGMAS"] * std, _CONST["LOSS_REL_FLOOR"] * abs(mean))
+        if abs(loss - mean) > limit:
+            found.append(
+                f"loss {loss:.4g} is {abs(loss - mean):.4g} from the mean {mean:.4g} of the "
+                f"last {len(window)} losses (limit {limit:.4g} = max({_CONST['LOSS_SIGMAS']:g}"
+                f" x std {std:.4g}, {_pct(_CONST['LOSS_REL_FLOOR'])} of the mean))"
+            )
+    return " and ".join(found) if found else None
+
+
+def _trip_text(
+    pre: dict[str, Any], after: dict[str, Any], counter: int, loss: Optional[float], scale: Any
+) -> str:
+    """What tripped the scaler guard on this call, with its numbers."""
+    kind = after["last_trip"]
+    rearmed = pre["cool_until"] is not None and counter >= pre["cool_until"]
+    if kind == "nonfinite_loss":
+        return f"the loss is {loss}"
+    if kind == "nonfinite_scale":
+        return f"the loss scale is {scale}"
+    if kind == "scale_floor":
+        return f"the loss scale {scale:g} is below {_CONST['SCALE_FLOOR']:g}"
+    if kind == "scale_collapse":
+        peak = scale if rearmed or pre["peak_scale"] is None else max(pre["peak_scale"], scale)
+        return (
+            f"the loss scale {scale:g} is {peak / scale:g}x below its peak {peak:g} "
+            f"(limit {_CONST['SCALE_COLLAPSE']:g}x)"
+        )
+    if kind == "overflow":
+        flags = [] if rearmed else list(pre["overflows"])
+        flags.append(pre["last_scale"] is not None and scale < pre["last_scale"])
+        flags = flags[-_CONST["OVERFLOW_WINDOW"] :]
+        return (
+            f"the loss scale fell on {sum(flags)} of the last {len(flags)} calls "
+            f"(overflowed steps; limit {_CONST['OVERFLOW_LIMIT']})"
+        )
+    return _TRIPS.get(kind, str(kind))
 
 
 class MixedPrecision_TrainingPolicy:
@@ -130,9 +219,18 @@ class MixedPrecision_TrainingPolicy:
     the overflow history is cleared). ``cooldown=0`` disables the guard.
     A disabled scaler (``is_enabled()`` false) or none is not watched.
 
+    **Explanations.** :meth:`stats` says what was decided on each call and
+    why (the rule and its numbers); every change of the answer (autocast
+    turned on or off; before the first call it counts as off) is logged at
+    INFO level on the ``tiacc_training.torch._amp`` logger (a child of
+    ``tiacc_training``), e.g. ``epoch 12: autocast off: learning rate
+    changed from 0.1 to 0.01 (by 90.0%, more than 10%): fp32 hold through
+    epoch 31``. No line is logged while the answer stays the same.
+
     Cost: one ``scaler.get_scale()`` per call (on CUDA that reads the scale
     tensor, one device-to-host copy) and ``float(loss)`` when the loss is a
-    tensor (a synchronisation if it lives on a GPU); no other GPU work.
+    tensor (a synchronisation if it lives on a GPU); no other GPU work. The
+    explanations add about 10 microseconds of CPU work per call.
 
     Args:
         policy: 0 (time), 1 (time + learning rate) or 2 (loss trend).
@@ -246,6 +344,17 @@ class MixedPrecision_TrainingPolicy:
             interval_hold if interval_hold is not None else 100,
             cooldown_units,
         )
+        # The explanation: counts, the newest records, and what the last
+        # hold, guard trip and trend verdict were about.
+        self._config: dict[str, Any] = dict(self._engine.config())
+        self._calls = 0
+        self._calls_on = 0
+        self._changes = 0
+        self._restarts = 0
+        self._trips = 0
+        self._epochs: deque[tuple[int, bool, str, str]] = deque(maxlen=_HISTORY_LIMIT)
+        self._change_log: deque[tuple[int, bool, str, str]] = deque(maxlen=_HISTORY_LIMIT)
+        self._forget()
 
     def enable_mixed_precision(
         self,
@@ -287,7 +396,285 @@ class MixedPrecision_TrainingPolicy:
                 )
             if scaler.is_enabled():
                 scale = float(scaler.get_scale())
-        return bool(self._engine.decide(counter, rate, loss_value, scale))
+        before = dict(self._engine.state())
+        enabled = bool(self._engine.decide(counter, rate, loss_value, scale))
+        self._explain(counter, rate, loss_value, scale, before, enabled)
+        return enabled
+
+    def _forget(self) -> None:
+        """Drops what the explanations remember about the engine's state."""
+        self._last_event: Optional[tuple[int, str]] = None
+        self._last_trip: Optional[tuple[int, str]] = None
+        self._last_trend: Optional[dict[str, Any]] = None
+        self._previous_level = 0
+
+    def _explain(
+        self,
+        counter: int,
+        rate: Optional[float],
+        loss: Optional[float],
+        scale: Optional[float],
+        before: dict[str, Any],
+        enabled: bool,
+    ) -> None:
+        """Records one decision and logs it when autocast turned on or off.
+
+        Args:
+            counter: The call's counter.
+            rate: The learning rate passed, as a float.
+            loss: The loss passed, as a float.
+            scale: The scale read from an enabled scaler, or None.
+            before: The engine's state before the call.
+            enabled: The decision.
+        """
+        after = dict(self._engine.state())
+        config = self._config
+        reason = str(after["last_reason"])
+        notes = []
+        pre = before
+        if before["last_counter"] is not None and counter < before["last_counter"]:
+            pre = _FRESH_STATE
+            self._restarts += 1
+            self._forget()
+            notes.append(
+                f"the counter went back from {before['last_counter']} to {counter}: "
+                "the policy restarted"
+            )
+        if config["policy"] == 1 and after["hold_until"] == counter + config["hold"]:
+            event = _events_text(pre, after, rate, loss)
+            if event is not None:
+                self._last_event = (counter, event)
+                if reason != "hold":
+                    notes.append(f"{event}: fp32 hold through epoch {after['hold_until'] - 1}")
+        kept = self._watch_trend(config, pre, counter, loss) if config["policy"] == 2 else None
+        if after["trips"] > pre["trips"]:
+            self._trips += 1
+            self._last_trip = (counter, _trip_text(pre, after, counter, loss, scale))
+            self._previous_level = int(pre["cool_level"])
+        if reason != "cooldown":
+            if pre["cool_until"] is not None and counter >= pre["cool_until"]:
+                notes.append(
+                    f"the scaler guard's cool-down is over (it ran through epoch "
+                    f"{pre['cool_until'] - 1}) and the guard re-armed"
+                )
+            if pre["last_reason"] == "hold" and reason != "hold":
+                notes.append("the fp32 hold is over")
+        if kept is not None:
+            notes.append(kept)
+        notes.append(self._reason_text(config, after, reason, counter))
+        detail = "; ".join(notes)
+
+        self._calls += 1
+        self._calls_on += enabled
+        self._epochs.append((counter, enabled, reason, detail))
+        if enabled != bool(before["last_enabled"]):
+            self._changes += 1
+            self._change_log.append((counter, enabled, reason, detail))
+            _log.info("epoch %d: autocast %s: %s", counter, "on" if enabled else "off", detail)
+
+    def _watch_trend(
+        self, config: dict[str, Any], pre: dict[str, Any], counter: int, loss: Optional[float]
+    ) -> Optional[str]:
+        """Repeats policy 2's verdict on the trial that ends at this call.
+
+        Remembers the measured drop for the explanations; returns a note when
+        the trial had too few losses for a verdict, else None.
+        """
+        trial = pre["trend_window"]
+        if trial is None:
+            return None
+        length = config["interval_hold"]
+        start = trial * config["interval"]
+        n, sx, sy, sxx, sxy = (
+            pre["trend_n"],
+            pre["trend_sum_x"],
+            pre["trend_sum_y"],
+            pre["trend_sum_xx"],
+            pre["trend_sum_xy"],
+        )
+        if start < counter <= start + length and loss is not None and math.isfinite(loss):
+            x = float(counter - start)
+            n, sx, sy, sxx, sxy = n + 1, sx + x, sy + loss, sxx + x * x, sxy + x * loss
+        if counter < start + length:
+            return None
+        if n >= _CONST["TREND_MIN_POINTS"]:
+            spread = sxx - sx * sx / n
+            slope = (sxy - sx * sy / n) / spread if spread > 0 else math.nan
+            drop = -slope * length / max(abs(sy / n), 1e-12)
+            if math.isfinite(drop):
+                self._last_trend = {
+                    "trial": trial,
+                    "first": start,
+                    "last": start + length - 1,
+                    "losses": n,
+                    "drop": drop,
+                }
+                return None
+        return (
+            f"trial {trial} (epochs {start}-{start + length - 1}) gave {n} usable losses, "
+            f"fewer than {_CONST['TREND_MIN_POINTS']}: no new verdict"
+        )
+
+    def _reason_text(
+        self, config: dict[str, Any], after: dict[str, Any], reason: str, counter: int
+    ) -> str:
+        """The rule behind ``reason`` at ``counter``, with its numbers."""
+        start, end = config["start"], config["end"]
+        if reason == "before_start":
+            return f"epoch {counter} is before start_time {start}"
+        if reason == "window":
+            if end is None:
+                return f"epoch {counter} is at or after start_time {start} (no end_time)"
+            return f"epoch {counter} is inside start_time {start} <= epoch < end_time {end}"
+        if reason == "after_end":
+            return f"epoch {counter} is at or after end_time {end}"
+        if reason == "hold":
+            through = after["hold_until"] - 1
+            if self._last_event is None:
+                return (
+                    f"fp32 hold through epoch {through} after a learning-rate change "
+                    "or an abnormal loss"
+                )
+            at, event = self._last_event
+            if at == counter:
+                return f"{event}: fp32 hold through epoch {through}"
+            return f"fp32 hold through epoch {through} (since epoch {at}: {event})"
+        if reason == "cooldown":
+            through = after["cool_until"] - 1
+            if self._last_trip is None:
+                what = _TRIPS.get(after["last_trip"], "a guard trip")
+                return f"the scaler guard's cool-down runs through epoch {through} after {what}"
+            at, what = self._last_trip
+            if at != counter:
+                return (
+                    f"the scaler guard's cool-down runs through epoch {through} "
+                    f"(tripped at epoch {at}: {what})"
+                )
+            length = after["cool_until"] - counter
+            text = f"scaler guard tripped: {what}: fp32 for a cool-down of {length} epochs"
+            if after["cool_level"] > 0:
+                text += (
+                    f" ({2 ** after['cool_level']} x cooldown {config['cooldown']}: less than "
+                    f"{config['cooldown'] * 2**self._previous_level} epochs after the previous "
+                    f"cool-down, which ran through epoch {after['last_cool_end'] - 1})"
+                )
+            return text + f", through epoch {through}"
+        interval, length = config["interval"], config["interval_hold"]
+        if reason == "trial":
+            trial = counter // interval
+            first = trial * interval
+            return (
+                f"loss-trend trial {trial}: mixed precision for epochs "
+                f"{first}-{first + length - 1} while the losses are measured"
+            )
+        next_trial = (counter // interval + 1) * interval
+        if reason == "trend_default":
+            return f"no loss-trend verdict yet (next trial at epoch {next_trial})"
+        verdict = reason.removeprefix("trend_")
+        if self._last_trend is None:
+            return f"the last loss-trend verdict was {verdict!r} (until epoch {next_trial})"
+        t = self._last_trend
+        drop = t["drop"]
+        size = f"{abs(drop):.1%}"
+        if size == f"{0:.1%}":
+            moved = f"stayed flat ({size})"
+        else:
+            moved = f"fell {size}" if drop > 0 else f"rose {size}"
+        fast, slow = _pct(_CONST["TREND_FAST"]), _pct(_CONST["TREND_SLOW"])
+        judged = {
+            "fast": f"more than {fast}: falling too fast",
+            "slow": f"less than a {slow} fall: too slow",
+            "ok": f"between {slow} and {fast}",
+        }[verdict]
+        return (
+            f"over trial {t['trial']} (epochs {t['first']}-{t['last']}, {t['losses']} losses) "
+            f"the fitted loss {moved}, {judged} (until the next trial at epoch {next_trial})"
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """What the policy decided and why, as plain values (to log or print).
+
+        Covers the calls this object answered (``load_state_dict`` does not
+        bring a saved run's history; a restart is counted, not cleared).
+
+        Returns:
+            A dict with:
+
+            * ``policy`` (0, 1 or 2) and ``schedule`` (``"time"``,
+              ``"time + learning rate"`` or ``"loss trend"``);
+            * ``settings``: the parameters that schedule and the scaler
+              guard use, by the documents' table names;
+            * ``thresholds``: the fixed numbers of those rules;
+            * ``epochs_seen``, ``epochs_on``, ``epochs_off``: calls answered,
+              and how many of them turned autocast on or off (a repeated
+              counter counts once per call);
+            * ``changes``: how many answers differed from the one before
+              (before the first call autocast counts as off);
+            * ``restarts`` (the counter went backwards) and ``guard_trips``;
+            * ``last``: the newest entry of ``epochs``, or None;
+            * ``epochs``: one dict per call, oldest first: ``epoch``,
+              ``autocast``, ``reason`` (as :attr:`last_reason`) and
+              ``detail`` (the rule and its numbers);
+            * ``change_log``: one such dict per change, with ``message``,
+              the line that was logged;
+            * ``epochs_dropped``, ``changes_dropped``: the oldest entries
+              not kept (each list keeps the newest 10000).
+        """
+        c = self._engine.config()
+        number = int(c["policy"])
+        if number == 2:
+            settings: dict[str, Any] = {
+                "interval_time": c["interval"],
+                "interval_hold_time": c["interval_hold"],
+            }
+        else:
+            settings = {"start_time": c["start"], "end_time": c["end"]}
+            if number == 1:
+                settings["hold_time"] = c["hold"]
+        settings["cooldown"] = c["cooldown"]
+        names = {
+            1: ["LR_TOLERANCE", "LOSS_WINDOW", "LOSS_MIN_SAMPLES", "LOSS_SIGMAS", "LOSS_REL_FLOOR"],
+            2: ["TREND_MIN_POINTS", "TREND_FAST", "TREND_SLOW"],
+        }.get(number, [])
+        if c["cooldown"] > 0:
+            names += [
+                "SCALE_FLOOR",
+                "SCALE_COLLAPSE",
+                "OVERFLOW_WINDOW",
+                "OVERFLOW_LIMIT",
+                "MAX_BACKOFF",
+            ]
+        epochs = [
+            {"epoch": e, "autocast": on, "reason": why, "detail": detail}
+            for e, on, why, detail in self._epochs
+        ]
+        changes = [
+            {
+                "epoch": e,
+                "autocast": on,
+                "reason": why,
+                "detail": detail,
+                "message": f"epoch {e}: autocast {'on' if on else 'off'}: {detail}",
+            }
+            for e, on, why, detail in self._change_log
+        ]
+        return {
+            "policy": number,
+            "schedule": _SCHEDULES[number],
+            "settings": settings,
+            "thresholds": {name.lower(): _CONST[name] for name in names},
+            "epochs_seen": self._calls,
+            "epochs_on": self._calls_on,
+            "epochs_off": self._calls - self._calls_on,
+            "changes": self._changes,
+            "restarts": self._restarts,
+            "guard_trips": self._trips,
+            "last": epochs[-1] if epochs else None,
+            "epochs": epochs,
+            "change_log": changes,
+            "epochs_dropped": self._calls - len(epochs),
+            "changes_dropped": self._changes - len(changes),
+        }
 
     @staticmethod
     def autocast_dtype(device_type: str = "cuda") -> torch.dtype:
@@ -385,6 +772,7 @@ class MixedPrecision_TrainingPolicy:
                 + ", ".join(f"{k}={config.get(k)!r} (here {mine.get(k)!r})" for k in diff)
             )
         self._engine.load_state(state)
+        self._forget()
 
     def __repr__(self) -> str:
         c = self._engine.config()
