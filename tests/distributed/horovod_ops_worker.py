@@ -5,7 +5,11 @@ only, or none (alone). ``--suite full`` checks every op, dtype, reduction,
 async handles, grouped and sparse ops, objects, join, autograd, Adasum and
 bad input (with 4 ranks also process sets, one given to ``init``);
 ``--suite basics`` the layout, an allreduce, ``shutdown`` and ``init``
-again. ``--preinit``: the script makes the default group (the two lines,
+again; ``--suite duplicate-names`` Horovod's duplicate-name rule for every
+operation that takes a name (also in the order Horovod's own suite calls
+it, which must leave the job in step); ``--suite step-warning`` the
+warning of ``step()`` after an explicit ``synchronize()``.
+``--preinit``: the script makes the default group (the two lines,
 then its own ``init_process_group``) before ``hvd.init()``.
 ``--peer-exit``: at the end rank 1 leaves and rank 0 expects
 ``HorovodInternalError``. Each check compares the result with a reference
@@ -16,10 +20,12 @@ last line is ``RESULT {json}``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -558,6 +564,176 @@ def check_errors(n: int, me: int) -> None:
     raises(TypeError, "torch.Tensor", lambda: hvd.allreduce([1.0]), "not a tensor")
 
 
+# Every operation that takes a name: a call that submits it asynchronously.
+NAMED_ASYNC: dict[str, Callable[[torch.Tensor, str], Any]] = {
+    "allreduce": lambda t, name: hvd.allreduce_async(t, name=name),
+    "grouped_allreduce": lambda t, name: hvd.grouped_allreduce_async([t, t + 1], name=name),
+    "allgather": lambda t, name: hvd.allgather_async(t, name=name),
+    "grouped_allgather": lambda t, name: hvd.grouped_allgather_async([t, t], name=name),
+    "broadcast": lambda t, name: hvd.broadcast_async(t, root_rank=0, name=name),
+    "reducescatter": lambda t, name: hvd.reducescatter_async(t, name=name),
+    "grouped_reducescatter": lambda t, name: hvd.grouped_reducescatter_async([t, t], name=name),
+    "alltoall": lambda t, name: hvd.alltoall_async(t, name=name),
+}
+
+
+def in_step(n: int, what: str) -> None:
+    """An allreduce every rank issues gives the right sum: the job is in step."""
+    got = hvd.allreduce(torch.ones(3), op=hvd.Sum, name=f"in_step.{what}")
+    expect(got, torch.full((3,), float(n)), f"in step after {what}")
+
+
+def outcome(call: Callable[[], Any]) -> str:
+    """``call()``'s outcome: ``ok``, or the class and message of what it raised."""
+    try:
+        call()
+    except (ValueError, hvd.HorovodInternalError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+def duplicate_everywhere(me: int, kind: str, submit: Callable[[str], Any]) -> None:
+    """Every rank submits twice (Horovod's suite, before it turned asymmetric).
+
+    The second call raises on every rank, naming the operation, the name
+    and the rank; the first one completes, and the name is free again once
+    it is synchronized.
+    """
+    name = f"dup.{kind}"
+    first = submit(name)
+    for _ in range(3):
+        raises(
+            ValueError,
+            f"{kind} {name!r} on rank {me}: an operation of this kind with this name "
+            "is still in flight",
+            lambda: submit(name),
+            f"{kind}: a second call while the first is in flight",
+        )
+    hvd.synchronize(first)
+    hvd.synchronize(submit(name))
+
+
+def duplicate_on_rank_0(me: int, kind: str, submit: Callable[[str], Any]) -> None:
+    """Only rank 0 still holds its first handle when every rank calls again.
+
+    Rank 0 raises ValueError, the other ranks HorovodInternalError naming
+    rank 0 (for an allreduce agreed before, from ``synchronize``).
+    """
+    name = f"dup.{kind}"
+    first = submit(name)
+    if me != 0:
+        hvd.synchronize(first)
+        raises(
+            hvd.HorovodInternalError,
+            "rank(s) [0] refused",
+            lambda: hvd.synchronize(submit(name)),
+            f"{kind}: the other ranks learn of rank 0's duplicate",
+        )
+        return
+    raises(ValueError, f"{kind} {name!r} on rank 0:", lambda: submit(name), f"{kind} on rank 0")
+    hvd.synchronize(first)
+
+
+def check_duplicate_names(n: int, me: int) -> None:
+    """A second operation with a name still in flight raises ValueError (Horovod's rule)."""
+    t = torch.ones(2 * n, 3)
+    for kind, submit in NAMED_ASYNC.items():
+        duplicate_everywhere(me, kind, functools.partial(submit, t))
+        duplicate_on_rank_0(me, kind, functools.partial(submit, t))
+        in_step(n, f"{kind}'s duplicate on rank 0")
+    # The same name for another kind of operation is no duplicate.
+    handles = [hvd.allreduce_async(t, name="dup.shared"), hvd.allgather_async(t, name="dup.shared")]
+    for handle in handles:
+        hvd.synchronize(handle)
+    checks.append("one name for two kinds of operation")
+
+
+def horovod_order(me: int, submit: Callable[[str], Any], name: str) -> list[str]:
+    """Rank 0 submits twice before a barrier, the others after it; every call's outcome."""
+    seen: list[str] = []
+    handles: list[int] = []
+
+    def twice() -> None:
+        for _ in range(2):
+            seen.append(outcome(lambda: handles.append(submit(name))))
+
+    if me == 0:
+        twice()
+    seen.append(outcome(hvd.barrier))
+    if me != 0:
+        twice()
+    seen.append(outcome(hvd.barrier))
+    # What was left in flight either completes or fails on every rank.
+    for handle in handles:
+        outcome(functools.partial(hvd.synchronize, handle))
+    return seen
+
+
+def check_duplicate_names_horovod_order(n: int, me: int) -> None:
+    """Horovod's suite's order: rank 0 submits twice before a barrier, the others after it.
+
+    Operations are matched in the order each rank issues them (see
+    docs/horovod.md), so here rank 0's operation meets the others' barrier:
+    calls fail with ValueError (a duplicate) or HorovodInternalError, none
+    waits for ever, and afterwards the job is in step, also for an
+    allreduce whose name was agreed before (which does not wait for the
+    other ranks' description of their call).
+    """
+    t = torch.ones(2 * n, 3)
+    for kind, submit in NAMED_ASYNC.items():
+        for agreed_before in (False, True):
+            name = f"horovod_order.{kind}.{agreed_before}"
+            if agreed_before:
+                hvd.synchronize(submit(t, name))
+            seen = horovod_order(me, functools.partial(submit, t), name)
+            for line in seen:
+                if line.startswith("ValueError") and f"on rank {me}:" not in line:
+                    raise AssertionError(f"{kind}: a duplicate's error without the rank: {line}")
+            if all(line == "ok" for line in seen):
+                raise AssertionError(f"{kind}: nothing raised: {seen}")
+            in_step(n, f"Horovod's order for {kind} (agreed before: {agreed_before})")
+
+
+def check_step_warning(n: int, me: int) -> None:
+    """``step()`` after ``synchronize()`` outside ``skip_synchronize()`` warns once."""
+    model = torch.nn.Linear(1, 1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+
+    def backward() -> None:
+        optimizer.zero_grad()
+        x = torch.zeros(1, 1, requires_grad=True)
+        torch.nn.functional.mse_loss(model(x), torch.ones(1, 1)).backward()
+
+    # Horovod's test_synchronize_step_warning: one warning, with these words.
+    backward()
+    optimizer.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    expect(len(caught), 1, f"one warning from step() after synchronize(): {caught}")
+    warning = caught[0]
+    expect(warning.category, UserWarning, "a UserWarning")
+    text = "optimizer.step() called without optimizer.skip_synchronize()"
+    expect(text in str(warning.message), True, f"Horovod's words: {warning.message}")
+    expect(Path(warning.filename).name, Path(__file__).name, "the warning points at the caller")
+    # No warning inside skip_synchronize(), nor for step() alone.
+    for explicit in (True, False):
+        backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if explicit:
+                optimizer.synchronize()
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            else:
+                optimizer.step()
+        expect([str(w.message) for w in caught], [], f"no warning (synchronize: {explicit})")
+
+
 def check_process_sets(n: int, me: int) -> dict[str, Any]:
     even = hvd.ProcessSet([0, 2])
     odd_three = hvd.add_process_set([0, 1, 3])
@@ -641,7 +817,11 @@ def served() -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", default="full", choices=["full", "basics"])
+    parser.add_argument(
+        "--suite",
+        default="full",
+        choices=["full", "basics", "duplicate-names", "step-warning"],
+    )
     # The script makes the default group (with the two lines) before hvd.init().
     parser.add_argument("--preinit", action="store_true")
     # After the suite, rank 1 leaves and rank 0 expects HorovodInternalError.
@@ -701,6 +881,11 @@ def main() -> None:
             check_errors(n, me)
             if n == 4:
                 check_process_sets(n, me)
+        elif args.suite == "duplicate-names":
+            check_duplicate_names(n, me)
+            check_duplicate_names_horovod_order(n, me)
+        elif args.suite == "step-warning":
+            check_step_warning(n, me)
         else:
             x = data(me, torch.float32, (3,), 1)
             expect(

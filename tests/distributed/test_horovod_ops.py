@@ -68,6 +68,29 @@ def test_every_operation(world: int) -> None:
             assert result["group_kept"] is True, result  # shutdown leaves the script's group
 
 
+def test_duplicate_name_in_flight() -> None:
+    """A name still in flight: ValueError on the rank that reuses it, in step after.
+
+    Every operation that takes a name (the grouped forms and alltoall too),
+    in Horovod's duplicate-name tests' two orders: every rank submitting
+    twice, and rank 0 twice before a barrier, the others after it (which
+    fails here, operations being matched in order, but must leave the job
+    in step); and a duplicate on rank 0 only.
+    """
+    args = ["--suite", "duplicate-names"]
+    env = {"TIACC_TRAINING_TIMEOUT": "20"}  # out of step: an error, not a hang
+    results = results_of(run_ranks(2, args, worker=WORKER, timeout=120.0, env=env))
+    for result in results:
+        assert result["checks"] > 40, result
+
+
+def test_synchronize_step_warning() -> None:
+    """Horovod's test_synchronize_step_warning: step() after synchronize() warns once."""
+    results = results_of(run_ranks(2, ["--suite", "step-warning"], worker=WORKER, timeout=120.0))
+    for result in results:
+        assert result["checks"] >= 5, result
+
+
 def launch_env_only(world: int, variables: dict[int, dict[str, str]], args: list[str]) -> list:
     """Starts ``world`` workers with only ``variables[rank]`` describing the job."""
     procs = []

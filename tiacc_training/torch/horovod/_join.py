@@ -19,8 +19,8 @@ from ._handles import complete, mark, name_of, submit
 from ._negotiation import (
     NAME,
     Call,
-    agreed,
     agreed_key,
+    deferred_row,
     gather_ints,
     is_served,
     joined_row,
@@ -92,14 +92,15 @@ def join(device: int = -1) -> int:
             break
         served = is_served(every)
         if served is not None:
-            agreed_as = agreed_key(0, served) if served[NAME] else None
-            known = agreed(agreed_as) if agreed_as is not None else None
-            if known is not None and known != tuple(served):
-                # The working ranks issue the allreduce agreed before first.
-                serve_zeros(list(known), f"{name}.allreduce", global_process_set)
             serve_zeros(served, f"{name}.allreduce", global_process_set)
-            if agreed_as is not None:
-                remember(agreed_as, served)
+            if served[NAME]:
+                remember(agreed_key(0, served), served)
+        else:
+            # The working ranks' calls differ (they all raise), but those
+            # whose allreduce matched the one agreed before issued it.
+            went_ahead = deferred_row(every, 0)
+            if went_ahead is not None:
+                serve_zeros(went_ahead, f"{name}.allreduce", global_process_set)
     try:
         last = int(store.get(f"{key}/last"))
     except RuntimeError as error:

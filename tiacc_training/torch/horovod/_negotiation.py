@@ -23,7 +23,10 @@ and reaches the same verdict:
 Either way every rank issued the same exchanges, so the next operation
 starts in step. A named allreduce whose header was agreed before queues the
 header exchange ahead of its data without waiting for it and judges it
-before its result is handed out.
+before its result is handed out; a rank whose call does not match that
+header (changed, refused, another operation, inside ``join()``) waits for
+the exchange, sees that a rank went ahead, and takes part in its allreduce
+with zeros before it raises.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch.distributed as dist
 
 from tiacc_training.errors import CommError
 
-from . import _handles
+from . import _basics, _handles
 from ._common import DESCRIPTION, describe, show, small_device
 from ._exceptions import HorovodInternalError, wait
 from ._process_sets import ProcessSet
@@ -127,14 +130,29 @@ def agreed_key(set_id: int, row: Sequence[int]) -> tuple[int, int, int]:
     return (set_id, row[KIND], row[NAME])
 
 
-def agreed(key: tuple[int, int, int]) -> tuple[int, ...] | None:
-    """The header agreed on under ``key`` (``None``: none yet)."""
-    return _agreed.get(key)
-
-
 def remember(key: tuple[int, int, int], row: Sequence[int]) -> None:
     """Keeps ``row`` as the header agreed on under ``key``."""
     _agreed[key] = tuple(row)
+
+
+def duplicate_name(call: Call) -> ValueError:
+    """The error of a named call whose name is still in flight on this rank.
+
+    Every operation with a name comes through :func:`header`, so this is
+    the one place Horovod's duplicate-name rule is enforced, for every kind
+    of operation and their grouped forms. The rank that finds the duplicate
+    raises this error; the set's other ranks learn of it in the exchange and
+    raise :class:`HorovodInternalError` naming that rank.
+    """
+    where = ""
+    if call.process_set.process_set_id not in (None, 0):
+        where = f" on process set {call.process_set.process_set_id}"
+    return ValueError(
+        f"{call.kind} {call.name!r} on rank {_basics.rank()}: an operation of this kind with "
+        f"this name is still in flight{where} (submitted and not yet synchronized); names "
+        "must be unique among concurrent operations: synchronize the first handle or use "
+        "another name"
+    )
 
 
 def header(call: Call, flag: int = ACTIVE) -> list[int]:
@@ -152,10 +170,7 @@ def header(call: Call, flag: int = ACTIVE) -> list[int]:
         except (TypeError, ValueError) as error:
             call.refusal = error
     if call.refusal is None and call.named and _handles.in_flight(key_of(call)):
-        call.refusal = ValueError(
-            f"{call.kind} {call.name!r}: an operation with this name is still in flight "
-            "(synchronize its handle first); names must be unique among concurrent operations"
-        )
+        call.refusal = duplicate_name(call)
     if call.refusal is not None:
         row = [flag, _REFUSED, KINDS[call.kind]]
         return row + [0] * (WIDTH - len(row))
@@ -226,21 +241,40 @@ def negotiate(call: Call, defer: bool = False) -> Agreement:
     known = _agreed.get(key) if defer and call.named else None
     if known is not None and known == tuple(mine):
         return Agreement([list(call.payload)], _queue(mine, call, like))
-    if known is not None and zeros is not None:
-        # The other ranks may not wait for this exchange (their header is
-        # the one agreed before): issue what they issue, the exchange and
-        # the agreed allreduce (of zeros here), then judge.
-        later = _queue(mine, call, like)
-        zeros(list(known), f"{call.name}.changed", process_set)
-        later()
-    else:
-        judge(call, gather_ints(mine, process_set, like))
+    every = gather_ints(mine, process_set, like)
+    went_ahead = deferred_row(every, set_id)
+    if went_ahead is not None and zeros is not None:
+        # Some ranks' calls matched an allreduce agreed before and issued
+        # it without waiting for this exchange: take part with zeros.
+        zeros(went_ahead, f"{call.name}.changed", process_set)
+    judge(call, every)
     if call.named:
         _agreed[key] = tuple(mine)
     payloads = [list(call.payload)]
     if call.payload:
         payloads = gather_ints(call.payload, process_set, like)
     return Agreement(payloads)
+
+
+def deferred_row(every: list[list[int]], set_id: int) -> list[int] | None:
+    """The header of the ranks that issued an agreed allreduce without waiting.
+
+    A rank whose named allreduce matches the header the ranks agreed on
+    before under its name queues the exchange and the allreduce itself
+    (:func:`negotiate`); its row is that agreed header. Every other rank of
+    the exchange (a changed or refused call, another operation, a rank
+    inside ``join()``) must then take part in that allreduce with zeros,
+    and only then, so that whatever each rank called, every rank issued the
+    same collectives and the next operation starts in step.
+
+    Returns:
+        The first such row, or ``None`` when no rank went ahead.
+    """
+    for row in every:
+        if row[FLAG] == ACTIVE and row[STATUS] == _OK and row[KIND] == ALLREDUCE_KIND:
+            if _agreed.get(agreed_key(set_id, row)) == tuple(row):
+                return row
+    return None
 
 
 def _queue(mine: list[int], call: Call, like: torch.Tensor | None) -> Callable[[], None]:

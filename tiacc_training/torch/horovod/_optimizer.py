@@ -351,11 +351,15 @@ class _DistributedMixin:
         """Synchronizes the gradients (unless skipped), then the wrapped step."""
         if self._hvd_should_synchronize:
             if self._hvd_synchronized:
+                # Horovod's scripts and tests look for this message's opening words.
                 warnings.warn(
-                    "optimizer.step() called after optimizer.synchronize() outside an "
-                    "optimizer.skip_synchronize() block: the gradients are synchronized a "
-                    "second time, which costs time; wrap step() in skip_synchronize()",
-                    stacklevel=2,
+                    "optimizer.step() called without optimizer.skip_synchronize() after "
+                    "optimizer.synchronize(): step() reduces the gradients a second time, "
+                    "which costs a round of communication per step; call step() inside "
+                    "`with optimizer.skip_synchronize():` after an explicit synchronize()",
+                    UserWarning,
+                    # torch wraps step() (its profiling hook): point past the wrapper.
+                    stacklevel=3 if getattr(type(self).step, "hooked", False) else 2,
                 )
             self.synchronize()
         self._hvd_synchronized = False
