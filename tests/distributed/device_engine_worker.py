@@ -44,7 +44,7 @@ import torch.distributed as dist
 from tests._cases import Findings, run_cases
 from tests._launch import exit_failed
 from tiacc_training import _engine
-from tiacc_training.torch.distributed import _config, _launch, _rendezvous, _runtime
+from tiacc_training.torch.distributed import _config, _engines, _launch, _rendezvous, _runtime
 from tiacc_training.torch.distributed._cuda import NcclChannels
 from tiacc_training.torch.distributed._kernels import TorchKernels
 from tiacc_training.torch.distributed._state import state
@@ -359,7 +359,7 @@ def check_case(
     try:
         if args.device == "cuda":
             gpu = torch.device("cuda", torch.cuda.current_device())
-            device = _runtime._nccl_engine(config, gpu, rank, world)
+            device = _engines.nccl_engine(config, gpu, rank, world)
         else:
             gpu = torch.device("cpu")
             prefix = f"tiacc_training/device-check/{tag}"

@@ -42,10 +42,8 @@ across steps in checkpoints: :func:`state_dict`, :func:`load_state_dict`).
 from __future__ import annotations
 
 import atexit
-import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from tiacc_training import _engine
@@ -58,14 +56,13 @@ from . import (
     _device_collectives,
     _hook,
     _launch,
-    _perf,
     _runtime,
+    _startup,
     _waiting,
 )
 from ._engine_state import load_state_dict, state_dict
 from ._hook import patch_ddp
 from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
-from ._rendezvous import check_same_config, default_store
 from ._state import add_counters, engine_counters_of, logger, state
 
 __all__ = [
@@ -198,7 +195,7 @@ def init_tiacc_training(
         state.backend_arg = backend
         if dist.is_initialized():
             launch = state.launch if state.finished else _runtime.user_launch()
-            _finish(launch, device_given=False, check_round=True)
+            _startup.finish(launch, device_given=False)
         else:
             # The script (or Lightning, Accelerate, mp.spawn's children)
             # creates the group later; a bad launcher variable or a transport
@@ -207,59 +204,9 @@ def init_tiacc_training(
             state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
             state.launch = launch
             state.create_on_use = not state.finished
-        _runtime.install(_group_created)
+        _runtime.install()
         patch_ddp()
         state.initialized = True
-
-
-def _group_created(launch: dict[str, Any], device_given: bool) -> None:
-    """Finishes the set-up once the default group exists (``_runtime`` calls it)."""
-    _finish(launch, device_given, check_round=True)
-
-
-def _finish(launch: dict[str, Any], device_given: bool, check_round: bool) -> None:
-    """The set-up that needs the group: agreement, device, report.
-
-    Args:
-        launch: how the job was launched (``launch_env``'s dict, or the
-            script's own call's view).
-        device_given: the script chose the CUDA device (``device_id=``).
-        check_round: compare the settings every rank must share.
-    """
-    config = state.config
-    state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
-    state.launch = launch
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world > 1 and check_round:
-        # Every rank takes part in every call, so the rounds pair up.
-        state.config_round += 1
-        prefix = f"tiacc_training/config{state.config_round}"
-        check_same_config(config, default_store(), prefix, rank, world)
-    _perf.start(config, rank, world)
-    local_rank = launch.get("local_rank")
-    if torch.cuda.is_available() and local_rank is not None and not device_given:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    state.finished = True
-    _runtime.give_warnings(rank)
-    if not state.logged and rank == 0:
-        state.logged = True
-        version = None
-        if state.cuda_transport == "nccl":
-            version = nccl_version(config.nccl_library)
-        _config.log_startup(
-            config,
-            world,
-            launch,
-            state.cuda_transport,
-            state.cuda_reason,
-            version,
-        )
-        logger.info("  %s", _backend.describe_cpu_collectives(config))
-        cuda = _backend.describe_cuda_collectives()
-        if cuda:
-            logger.info("  %s", cuda)
-        if _attempt_text():
-            logger.info("  %s", _attempt_text())
 
 
 def cuda_transport() -> str:
@@ -413,7 +360,7 @@ def _summary() -> None:
         f"; the engine counted: {counted}" if counted else "",
         _describe_collectives(served, forwarded),
         f"; {waited}" if waited else "",
-        f"; {_attempt_text()}" if _attempt_text() else "",
+        f"; {_startup.attempt_text()}" if _startup.attempt_text() else "",
     )
     if cuda:
         logger.info("  %s", _describe_cuda_collectives())
@@ -453,26 +400,6 @@ def _describe_cuda_collectives() -> str:
     counted = _describe_counters(_collectives.counters_in_process("cuda"))
     if counted:
         text += f"; their engines counted: {counted}"
-    return text
-
-
-def _attempt_text() -> str | None:
-    """Which attempt of a restarting job this process is, for the log lines.
-
-    ``torchrun attempt 2 of at most 3 (its keys: generation 5)`` under
-    torchrun (from ``TORCHELASTIC_RESTART_COUNT``, and the generation the
-    attempt's ranks agreed on where they share the agent's store); ``None``
-    outside torchrun.
-    """
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if count is None or not count.isdigit():
-        return None
-    text = f"torchrun attempt {int(count) + 1}"
-    most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
-    if most.isdigit():
-        text += f" of at most {int(most) + 1}"
-    if state.attempt is not None:
-        text += f" (its keys: generation {state.attempt})"
     return text
 
 

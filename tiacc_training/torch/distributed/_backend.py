@@ -37,12 +37,14 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from tiacc_training import _engine
 
 from . import _collectives
 from ._collectives import NOT_IN_ENGINE, CpuCollectives, GroupCollectives
 from ._device_collectives import DeviceCollectives
+from ._state import state
 
 # The backend's name, as ``init_process_group`` takes it.
 NAME = "tiacc"
@@ -209,8 +211,6 @@ def _route_monitored_barrier() -> None:
     torch sends it to the group's CPU backend's own implementation, which
     only gloo has; a Python backend cannot provide it.
     """
-    from torch.distributed import distributed_c10d
-
     original = distributed_c10d.monitored_barrier
 
     @functools.wraps(original)
@@ -506,8 +506,6 @@ def cuda_collectives_of(group: Any = None) -> Any:
 
 def _create(options: Any, backend_options: Any = None) -> Any:
     """The factory torch calls (extended API): one backend per group, in this torch's form."""
-    from ._state import state
-
     config = state.config if state.config is not None else _engine.CommConfig.from_env()
     # An explicit "tiacc" is kept even under TIACC_TRAINING_COLLECTIVES=gloo.
     form = _form_for(config.collectives)

@@ -37,6 +37,10 @@ import torch.distributed as dist
 
 from tiacc_training import _engine
 
+from ._config import current
+from ._engines import group_engine
+from ._state import add_counters
+
 try:  # torch builds without distributed support lack them
     from torch._C._distributed_c10d import Work as _C10dWork
     from torch._C._distributed_c10d import _create_work_from_future as _C10dWorkFromFuture
@@ -378,9 +382,6 @@ class CpuCollectives(GroupCollectives):
         form: str,
         synchronous: bool = False,
     ) -> None:
-        from ._config import current
-        from ._runtime import group_engine
-
         self.rank, self.size, self.form = rank, size, form
         self.synchronous = synchronous
         self._init_counts(
@@ -405,8 +406,6 @@ class CpuCollectives(GroupCollectives):
 
     def shutdown(self) -> None:
         """Stops the engine's channel and the gloo backend underneath."""
-        from ._state import add_counters
-
         self._engine.shutdown()
         if self in _live:
             _live.discard(self)
@@ -457,8 +456,6 @@ def counters_in_process(device_type: str = "cpu") -> dict[tuple[str, str], dict[
     compressed reduce-scatter) or ``"collective-2d"`` (reduce-scatters and
     all-gathers over the 2D groups), summed over live and stopped groups.
     """
-    from ._state import add_counters
-
     total: dict[tuple[str, str], dict[str, Any]] = {}
     add_counters(total, _retired[device_type])
     for collectives in list(_live):

@@ -46,6 +46,9 @@ from ._collectives import (
     _retired,
     _value,
 )
+from ._config import current
+from ._engines import group_engine
+from ._state import add_counters
 
 # Collectives the device engines served in this process, by op.
 served_in_process: collections.Counter[str] = collections.Counter()
@@ -115,9 +118,6 @@ class DeviceCollectives(GroupCollectives):
             ValueError: a later collective's tensor is on another device.
         """
         if self._engine is None:
-            from ._config import current
-            from ._runtime import group_engine
-
             config = current() or _engine.CommConfig.from_env()
             key = f"{self._group_name}/{self.device_type}"
             _generations[key] += 1
@@ -221,8 +221,6 @@ class DeviceCollectives(GroupCollectives):
 
     def shutdown(self) -> None:
         """Aborts the engine's communicators and stops the backend underneath."""
-        from ._state import add_counters
-
         if self._engine is not None:
             self._engine.shutdown()
         if self in _live:

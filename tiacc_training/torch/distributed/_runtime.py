@@ -37,8 +37,7 @@ import functools
 import inspect
 import os
 import urllib.parse
-import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,19 +48,11 @@ from tiacc_training.errors import ConfigError
 
 from . import _backend, _engine_state, _launch
 from ._cuda import HostStaging, NcclChannels
-from ._kernels import TorchKernels
-from ._nccl import check_gpu_placement, nccl_search_dirs
-from ._rendezvous import (
-    FailureBoard,
-    attempt_prefix,
-    board_store,
-    connect_tcp,
-    default_store,
-    elastic_agent_store,
-    exchange,
-    nccl_ids,
-    node_intra_size,
-)
+from ._engines import advertised_host, engine_arguments, nccl_engine, next_prefix
+from ._engines import job_launch as job_launch  # the Horovod package reads it here
+from ._nccl import check_gpu_placement
+from ._rendezvous import attempt_prefix, connect_tcp, default_store, elastic_agent_store
+from ._startup import finish, later_warn
 from ._state import logger, state
 
 # -- the default group ---------------------------------------------------------
@@ -71,15 +62,14 @@ _original_destroy = distributed_c10d.destroy_process_group
 _original_default_group = distributed_c10d._get_default_group
 _init_signature = inspect.signature(_original_init)
 
-# Set up the group once it exists: ``finish(launch, device_id_given)``,
-# provided by the package's ``__init__`` (it owns the start-up sequence).
-_finish: Callable[[dict[str, Any], bool], None] | None = None
 
+def install() -> None:
+    """Wraps the three functions (once per process).
 
-def install(finish: Callable[[dict[str, Any], bool], None]) -> None:
-    """Wraps the three functions (once per process)."""
-    global _finish
-    _finish = finish
+    Called by ``init_tiacc_training`` once its configuration is in
+    ``state``: from then on, the group's appearance finishes the set-up
+    (``_startup.finish``).
+    """
     if state.group_patched:
         return
     for module in (dist, distributed_c10d):
@@ -97,10 +87,10 @@ def ensure_group() -> None:
     script's business, as in stock PyTorch.
     """
     if distributed_c10d.is_initialized():
-        if not state.finished and state.config is not None and _finish is not None:
+        if not state.finished and state.config is not None:
             # Created through a reference to torch's own function taken
             # before the wrap (``from torch.distributed import ...``).
-            _finish(user_launch(), False)
+            finish(user_launch(), device_given=False)
         return
     if state.create_on_use:
         create_group()
@@ -149,7 +139,7 @@ def _default_group() -> Any:
 
 @functools.wraps(_original_init)
 def _init_process_group(*args: Any, **kwargs: Any) -> None:
-    if state.config is None or _finish is None:  # init_tiacc_training has not run
+    if state.config is None:  # init_tiacc_training has not run
         _original_init(*args, **kwargs)
         return
     bound = _init_signature.bind(*args, **kwargs)
@@ -163,7 +153,7 @@ def _init_process_group(*args: Any, **kwargs: Any) -> None:
     requested = arguments.get("backend")
     if not ours and state.backend_arg is not None and requested is not None:
         if str(requested) != state.backend_arg:
-            _later_warn(
+            later_warn(
                 f"init_process_group(backend={str(requested)!r}) and "
                 f"init_tiacc_training(backend={state.backend_arg!r}) differ: the script's "
                 f"{str(requested)!r} is used"
@@ -175,7 +165,7 @@ def _init_process_group(*args: Any, **kwargs: Any) -> None:
         _adopt_timeout(arguments.get("timeout"))
     _own_attempt_store(arguments)
     _original_init(*bound.args, **bound.kwargs)
-    _finish(launch, arguments.get("device_id") is not None)
+    finish(launch, device_given=arguments.get("device_id") is not None)
 
 
 def _own_attempt_store(arguments: dict[str, Any]) -> None:
@@ -264,11 +254,6 @@ def _destroy_process_group(group: Any = None) -> None:
     _original_destroy(group)
 
 
-def job_launch() -> dict[str, Any]:
-    """How the job of the current group was launched (empty before the set-up)."""
-    return state.launch or {}
-
-
 def user_launch() -> dict[str, Any]:
     """The launcher's view of a group the script created before our call."""
     return _script_launch({})
@@ -293,7 +278,7 @@ def _script_launch(arguments: dict[str, Any]) -> dict[str, Any]:
     for name in ("rank", "world_size"):
         mine = arguments.get(name, -1)
         if mine is not None and int(mine) != -1 and int(mine) != env[name]:
-            _later_warn(
+            later_warn(
                 f"init_process_group({name}={mine}) and the {env['launcher']} launcher's "
                 f"{name} {env[name]} differ: the script's {name}={mine} is used, and the "
                 "launcher's local rank and size are ignored"
@@ -314,36 +299,14 @@ def _adopt_timeout(timeout: Any) -> None:
     seconds = timeout.total_seconds()
     variable = os.environ.get("TIACC_TRAINING_TIMEOUT")
     if variable is not None and abs(state.config.timeout - seconds) > 1e-6:
-        _later_warn(
+        later_warn(
             f"init_process_group(timeout={seconds:g} s) and TIACC_TRAINING_TIMEOUT={variable} "
             f"differ: the engine's collectives wait {seconds:g} s, the script's value"
         )
     state.config = state.config.with_overrides({"timeout": seconds})
 
 
-def _later_warn(message: str) -> None:
-    """Queues a warning for rank 0 to give once the group exists."""
-    if message not in state.conflicts:
-        state.conflicts.append(message)
-
-
-def give_warnings(rank: int) -> None:
-    """Rank 0 warns once per job about each conflict the script's call met."""
-    messages, state.conflicts = state.conflicts, []
-    if rank != 0:
-        return
-    for message in messages:
-        if message not in state.warned:
-            state.warned.add(message)
-            warnings.warn(f"tiacc_training: {message}", RuntimeWarning, stacklevel=2)
-
-
 # -- the engines ---------------------------------------------------------------
-
-
-def _next_prefix(kind: str) -> str:
-    state.generation += 1
-    return f"tiacc_training/{kind}{state.generation}"
 
 
 def world_engine(config: Any) -> Any:
@@ -354,9 +317,9 @@ def world_engine(config: Any) -> Any:
     if engine is not None:
         engine.shutdown()
     rank, world = dist.get_rank(), dist.get_world_size()
-    store, prefix = default_store(), _next_prefix("engine")
+    store, prefix = default_store(), next_prefix("engine")
     host = advertised_host(config)
-    shared = _engine_arguments(config, store, prefix, rank, world)
+    shared = engine_arguments(config, store, prefix, rank, world)
     engine = _engine.CommEngine(config, rank, world, host, **shared)
     connect_tcp(engine, store, prefix, rank, world, config.timeout)
     if rank == 0:
@@ -392,153 +355,11 @@ def cuda_path(config: Any, device: torch.device) -> Any:
         existing.close()
         state.set_cuda(None)
     if nccl:
-        state.set_cuda(NcclChannels(_nccl_engine(config, device, rank, world), device))
+        state.set_cuda(NcclChannels(nccl_engine(config, device, rank, world), device))
         _engine_state.apply_held("cuda", state.cuda)
     else:
         state.set_cuda(HostStaging(engine, device))
     return state.cuda
-
-
-def _nccl_engine(
-    config: Any,
-    device: torch.device,
-    rank: int,
-    world: int,
-    store: Any = None,
-    prefix: str | None = None,
-    shared: dict[str, Any] | None = None,
-) -> Any:
-    """A device engine over NCCL for ``device``.
-
-    The unique ids go through the store (by default the default group's),
-    then every communicator is joined on ``device``. Under
-    ``TIACC_TRAINING_ALGORITHM=auto`` on whole nodes of several ranks the
-    2D communicators are joined too, and the engine keeps whichever of
-    flat and 2D its start-up probe measured faster (rank 0 logs the line).
-
-    Args:
-        config: the engine configuration.
-        device: the CUDA device its communicators live on.
-        rank: this rank in the group.
-        world: the group's size.
-        store: where its rendezvous goes (default: the default group's
-            store, under a new prefix).
-        prefix: the key prefix of that rendezvous.
-        shared: what :func:`_engine_arguments` gave for that rendezvous.
-    """
-    if store is None or prefix is None:
-        store, prefix = default_store(), _next_prefix("nccl")
-    if shared is None:
-        shared = _engine_arguments(config, store, prefix, rank, world)
-    engine = _engine.DeviceEngine(config, rank, world, TorchKernels(device), "nccl", **shared)
-    dirs = nccl_search_dirs()
-
-    def new_id() -> bytes:
-        return _engine.nccl_unique_id(dirs, config.nccl_library)
-
-    ids = nccl_ids(engine, store, prefix, rank, config.timeout, new_id)
-    with torch.cuda.device(device):
-        engine.connect_nccl(*ids, search_dirs=dirs, library=config.nccl_library)
-    if rank == 0 and engine.auto_choice is not None:
-        logger.info("%s (CUDA buckets, over NCCL)", engine.auto_choice)
-    return engine
-
-
-def group_engine(
-    config: Any, store: Any, prefix: str, rank: int, size: int, device: Any = None
-) -> Any:
-    """The engine of one group on the "tiacc" backend, connected over its store.
-
-    One channel for CPU tensors, so collectives run in the order they are
-    issued (as gloo runs them); the 2D groups when the group's ranks form
-    whole nodes and the configuration goes 2D (its reduce-scatters and
-    all-gathers then cross nodes once per block), flat otherwise.
-
-    Args:
-        config: the engine configuration.
-        store: the store torch handed the backend (the group's own).
-        prefix: the key prefix of this engine's board and exchanges.
-        rank: this rank in the group.
-        size: the group's size.
-        device: ``None``: the CPU engine (shared memory or TCP). A device:
-            the device engine on it, over NCCL for a CUDA device, over TCP
-            for the CPU (how the tests run the CUDA side's code).
-    """
-    # The 2D groups only when every rank of the group asks for them: a rank
-    # alone asking would wait for peers that never join. Settings that
-    # differ are init_tiacc_training's ConfigError, after the group exists.
-    launch = job_launch()
-    mine = "1" if config.two_d_groups(size, launch.get("local_size")) else "0"
-    wanted = exchange(store, f"{prefix}/two-d", rank, size, mine, config.timeout)
-    shared = _engine_arguments(
-        config, store, prefix, rank, size, group=True, two_d=all(w == "1" for w in wanted)
-    )
-    if device is not None and torch.device(device).type == "cuda":
-        return _nccl_engine(config, torch.device(device), rank, size, store, prefix, shared)
-    host = advertised_host(config, store)
-    if device is None:
-        engine = _engine.CommEngine(config, rank, size, host, channels=1, **shared)
-    else:
-        kernels = TorchKernels(torch.device(device))
-        engine = _engine.DeviceEngine(config, rank, size, kernels, "tcp", host=host, **shared)
-    connect_tcp(engine, store, "tiacc", rank, size, max(config.timeout, 60.0))
-    return engine
-
-
-def _engine_arguments(
-    config: Any,
-    store: Any,
-    prefix: str,
-    rank: int,
-    world: int,
-    group: bool = False,
-    two_d: bool = True,
-) -> dict[str, Any]:
-    """What every engine is built with, besides its own.
-
-    Its failure board (a store client under ``prefix``), the launcher's
-    local size and the ranks per node (a store exchange under ``prefix``,
-    so every rank calls this in the same order). A backend's ``group``
-    whose ranks do not form whole nodes (a subgroup across hosts) runs
-    flat, where the default group's engines raise: every member reaches
-    the same verdict from the same hosts, and rank 0 says why.
-    """
-    client, address = board_store(store)
-    launch = job_launch()
-    try:
-        intra_size = node_intra_size(config, launch, store, prefix, rank, world) if two_d else None
-    except ConfigError as err:
-        if not group:
-            raise
-        if rank == 0:
-            logger.info("  a group of %d ranks runs its collectives flat: %s", world, err)
-        intra_size = None
-    return {
-        "board": FailureBoard(client, prefix, address),
-        "local_size": launch.get("local_size"),
-        "intra_size": intra_size,
-    }
-
-
-def advertised_host(config: Any, store: Any = None) -> str:
-    """The IP peers reach this rank on.
-
-    The configured one, else the local address that routes to the
-    rendezvous host (the launcher's, or that of ``store``: by default the
-    default group's).
-    """
-    if config.socket_addr:
-        return config.socket_addr
-    launch = job_launch()
-    host, port = launch.get("master_addr"), launch.get("master_port")
-    if host is None:
-        store = default_store() if store is None else store
-        while hasattr(store, "underlying_store"):
-            store = store.underlying_store
-        host, port = getattr(store, "host", None), getattr(store, "port", None)
-    if host is None:
-        return "127.0.0.1"
-    return _engine.local_addr_towards(host, int(port or _launch.DEFAULT_MASTER_PORT))
 
 
 def close_all() -> None:
