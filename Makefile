@@ -177,11 +177,12 @@ bench-fsdp-rates: setup ## FSDP2 on a GPT-2-small-shaped decoder (4 blocks) at e
 bench-topk: setup ## Top-K with momentum SGD: held-out loss of native, Top-K, Top-K + momentum correction (4 CPU ranks)
 	$(PY) benches/bench_topk_convergence.py
 
-lint: setup ## rustfmt, clippy -D warnings, ruff
+lint: setup ## rustfmt, clippy -D warnings, ruff, the extension's stub against the bindings
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) tools/gen_stub.py --check
 
 docs-check: ## every figure in README.md and docs/performance.md against its benches/results file
 	$(or $(wildcard $(PY)),python3) tools/docs_numbers.py --check

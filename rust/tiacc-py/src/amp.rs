@@ -19,7 +19,11 @@ pub struct AmpPolicy {
 #[pymethods]
 impl AmpPolicy {
     #[new]
-    #[pyo3(signature = (policy, start, end, hold, interval, interval_hold, cooldown))]
+    #[pyo3(
+        signature = (policy, start, end, hold, interval, interval_hold, cooldown),
+        text_signature = "(policy: int, start: int, end: Optional[int], hold: Optional[int], \
+            interval: int, interval_hold: int, cooldown: int)"
+    )]
     fn new(
         policy: i64,
         start: u64,
@@ -44,7 +48,11 @@ impl AmpPolicy {
     }
 
     /// One decision: true = run the next step under autocast.
-    #[pyo3(signature = (counter, lr=None, loss=None, scale=None))]
+    #[pyo3(
+        signature = (counter, lr=None, loss=None, scale=None),
+        text_signature = "(self, counter: int, lr: Optional[float] = None, \
+            loss: Optional[float] = None, scale: Optional[float] = None) -> bool"
+    )]
     fn decide(
         &mut self,
         counter: u64,
@@ -60,25 +68,26 @@ impl AmpPolicy {
         })
     }
 
-    /// Why the last decision was what it was.
+    /// str: Why the last decision was what it was.
     #[getter]
     fn last_reason(&self) -> &'static str {
         self.inner.last_reason().as_str()
     }
 
-    /// What last tripped the scaler guard, or None.
+    /// Optional[str]: What last tripped the scaler guard, or None.
     #[getter]
     fn last_trip(&self) -> Option<&'static str> {
         self.inner.last_trip().map(|t| t.as_str())
     }
 
-    /// True while a guard cool-down runs.
+    /// bool: True while a guard cool-down runs.
     #[getter]
     fn cooling(&self) -> bool {
         self.inner.cooling()
     }
 
     /// The parameters as a dict.
+    #[pyo3(text_signature = "(self) -> dict[str, Optional[int]]")]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.inner.config();
         let d = PyDict::new(py);
@@ -94,6 +103,7 @@ impl AmpPolicy {
 
     /// The state as a flat dict of numbers, lists of numbers or booleans,
     /// strings and None (JSON-serialisable, storable by `torch.save`).
+    #[pyo3(text_signature = "(self) -> dict[str, Any]")]
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.state();
         let d = PyDict::new(py);
@@ -123,6 +133,7 @@ impl AmpPolicy {
     }
 
     /// Replaces the state with one from `state()` (same parameters).
+    #[pyo3(text_signature = "(self, state: dict[str, Any]) -> None")]
     fn load_state(&mut self, state: &Bound<'_, PyDict>) -> PyResult<()> {
         macro_rules! field {
             ($key:literal, $ty:ty) => {{
@@ -171,6 +182,7 @@ impl AmpPolicy {
 
 /// The fixed thresholds of the policy, by name.
 #[pyfunction]
+#[pyo3(text_signature = "() -> dict[str, Union[int, float]]")]
 pub fn amp_constants(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("LR_TOLERANCE", amp::LR_TOLERANCE)?;

@@ -32,6 +32,7 @@ use crate::errors::{to_pyerr, ResultExt};
 /// mpirun, SLURM, horovodrun, MPICH, PMIx) as a dict, or
 /// `None` when no launcher set it up. Raises `ConfigError` on bad values.
 #[pyfunction]
+#[pyo3(text_signature = "() -> Optional[dict[str, Any]]")]
 pub fn launch_env(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
     let Some(l) = config::launch_env().py()? else {
         return Ok(None);
@@ -49,6 +50,7 @@ pub fn launch_env(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
 
 /// A fresh random job token.
 #[pyfunction]
+#[pyo3(text_signature = "() -> bytes")]
 pub fn random_token(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
     let token = tcp::random_token().py()?;
     Ok(PyBytes::new(py, &token))
@@ -56,6 +58,7 @@ pub fn random_token(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
 
 /// The local IP address that routes to `host` (for advertising).
 #[pyfunction]
+#[pyo3(text_signature = "(host: str, port: int) -> str")]
 pub fn local_addr_towards(host: &str, port: u16) -> String {
     tcp::local_addr_towards(host, port).to_string()
 }
@@ -67,7 +70,11 @@ pub fn local_addr_towards(host: &str, port: u16) -> String {
 /// `ConfigError` naming `LIGHT_INTRA_SIZE` when the ranks do not form whole
 /// nodes in order.
 #[pyfunction]
-#[pyo3(signature = (rank, world, intra_size, hosts=None))]
+#[pyo3(
+    signature = (rank, world, intra_size, hosts=None),
+    text_signature = "(rank: int, world: int, intra_size: int, \
+        hosts: Optional[list[tuple[str, Optional[int]]]] = None) -> tuple[list[int], list[int]]"
+)]
 pub fn node_layout(
     rank: usize,
     world: usize,
@@ -92,6 +99,10 @@ pub fn node_layout(
 /// rank's `(rank, host, gpu or None, steps, compute seconds, communication
 /// seconds)`; see `tiacc_core::comm::progress::slow_ranks` for the rule.
 #[pyfunction]
+#[pyo3(
+    text_signature = "(samples: list[tuple[int, str, Optional[str], int, float, float]]) \
+        -> list[str]"
+)]
 pub fn slow_ranks(samples: Vec<(usize, String, Option<String>, u64, f64, f64)>) -> Vec<String> {
     let ranks: Vec<RankTimes> = samples
         .into_iter()
@@ -113,6 +124,7 @@ pub fn slow_ranks(samples: Vec<(usize, String, Option<String>, u64, f64, f64)>) 
 /// (`"float32"`, `"int64"`, `"bool"`, ...): torch.distributed's CPU
 /// collectives of other types are forwarded to gloo.
 #[pyfunction]
+#[pyo3(text_signature = "() -> list[str]")]
 pub fn collective_dtypes() -> Vec<&'static str> {
     DType::ALL.iter().map(|d| d.name()).collect()
 }
@@ -121,6 +133,7 @@ pub fn collective_dtypes() -> Vec<&'static str> {
 /// `"min"`, `"max"`, and `"avg"`: the sum divided by the world size, the
 /// quotient rounded toward zero for integers; not for bool).
 #[pyfunction]
+#[pyo3(text_signature = "() -> list[str]")]
 pub fn collective_ops() -> Vec<&'static str> {
     let mut ops: Vec<&'static str> = ReduceOp::ALL.iter().map(|op| op.name()).collect();
     ops.push("avg");
@@ -390,75 +403,80 @@ macro_rules! engine_getters {
     ($engine:ty) => {
         #[pymethods]
         impl $engine {
-            /// The configuration this engine was built from.
+            /// CommConfig: The configuration this engine was built from.
             #[getter]
             fn config(&self, py: Python<'_>) -> Py<PyCommConfig> {
                 self.info.config.clone_ref(py)
             }
 
+            /// int: This rank.
             #[getter]
             fn rank(&self) -> usize {
                 self.info.rank
             }
 
+            /// int: The number of ranks.
             #[getter]
             fn size(&self) -> usize {
                 self.info.size
             }
 
+            /// int: The number of channels.
             #[getter]
             fn num_channels(&self) -> usize {
                 self.info.num_channels
             }
 
+            /// float: The per-collective timeout in seconds.
             #[getter]
             fn timeout(&self) -> f64 {
                 self.info.timeout.as_secs_f64()
             }
 
-            /// The wire compression of whole buckets (`none`, `fp16`, `bf16`).
+            /// str: The wire compression of whole buckets (`none`, `fp16`, `bf16`).
             #[getter]
             fn compression(&self) -> &'static str {
                 self.info.settings.compression.name()
             }
 
-            /// Whether buckets are checked for NaN/infinity before sending.
+            /// bool: Whether buckets are checked for NaN/infinity before sending.
             #[getter]
             fn nan_check(&self) -> bool {
                 self.info.settings.nan_check
             }
 
-            /// Whether buckets take the 2D allreduce (up to the hierarchical
+            /// bool: Whether buckets take the 2D allreduce (up to the hierarchical
             /// threshold), as forced or as `auto` chose.
             #[getter]
             fn two_d(&self) -> bool {
                 self.info.settings.hierarchical_threshold.is_some()
             }
 
-            /// The line explaining what `TIACC_TRAINING_ALGORITHM=auto`
-            /// measured and chose when the engine connected, or `None` when
-            /// it did not run (a forced choice, or no whole nodes of several
-            /// ranks).
+            /// Optional[str]: The line explaining what
+            /// `TIACC_TRAINING_ALGORITHM=auto` measured and chose when the engine
+            /// connected, or `None` when it did not run (a forced choice, or no whole
+            /// nodes of several ranks).
             #[getter]
             fn auto_choice(&self) -> Option<String> {
                 self.info.auto_choice.clone()
             }
 
-            /// World ranks of this rank's node and of its inter-node group,
-            /// when the 2D groups are connected.
+            /// Optional[tuple[list[int], list[int]]]: World ranks of this rank's
+            /// node and of its inter-node group, when the 2D groups are connected.
             #[getter]
             fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
                 self.info.two_d_members()
             }
 
-            /// `ip:port` this rank listens on (TCP rings, before connecting).
+            /// Optional[str]: `ip:port` this rank listens on (TCP rings, before connecting).
             #[getter]
             fn address(&self) -> Option<String> {
                 self.tcp_setup().and_then(TcpSetup::address)
             }
 
-            /// `ip:port` of this rank's intra-node and inter-node listeners,
-            /// when the 2D groups are on (TCP rings, before connecting).
+            /// Optional[tuple[str, str]]: `ip:port` of this rank's intra-node and
+            /// inter-node listeners, when the 2D groups are on (TCP rings, before
+            /// connecting).
             #[getter]
             fn two_d_addresses(&self) -> Option<(String, String)> {
                 self.tcp_setup().and_then(TcpSetup::two_d_addresses)
@@ -484,13 +502,13 @@ pub struct SharedResult {
 
 #[pymethods]
 impl SharedResult {
-    /// Address of the first byte.
+    /// int: Address of the first byte.
     #[getter]
     fn ptr(&self) -> usize {
         self.bytes.as_ptr() as usize
     }
 
-    /// Length in bytes.
+    /// int: Length in bytes.
     #[getter]
     fn nbytes(&self) -> usize {
         self.bytes.len()
@@ -518,7 +536,12 @@ impl CommEngine {
     /// `channels` overrides the configuration's number of channels (the
     /// torch.distributed backend runs its collectives in order on one).
     #[new]
-    #[pyo3(signature = (config, rank, size, host, board=None, local_size=None, intra_size=None, channels=None))]
+    #[pyo3(
+        signature = (config, rank, size, host, board=None, local_size=None, intra_size=None, channels=None),
+        text_signature = "(config: CommConfig, rank: int, size: int, host: str, board: Any = None, \
+            local_size: Optional[int] = None, intra_size: Optional[int] = None, \
+            channels: Optional[int] = None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         config: Bound<'_, PyCommConfig>,
@@ -547,20 +570,21 @@ impl CommEngine {
         })
     }
 
-    /// Whether `connect` has completed and `shutdown` has not run.
+    /// bool: Whether `connect` has completed and `shutdown` has not run.
     #[getter]
     fn connected(&self) -> bool {
         self.engine.is_some()
     }
 
     /// The channel bucket `bucket` runs on.
+    #[pyo3(text_signature = "(self, bucket: int) -> int")]
     fn channel_of(&self, bucket: u64) -> usize {
         channel_of(bucket, self.info.num_channels)
     }
 
-    /// What carries each group's bytes, once connected: `"world"` (and with
-    /// the 2D groups `"intra-node"` and `"inter-node"`) to `"tcp"` or
-    /// `"shared memory"`. Ranks of one host use shared memory unless
+    /// dict[str, str]: What carries each group's bytes, once connected:
+    /// `"world"` (and with the 2D groups `"intra-node"` and `"inter-node"`)
+    /// to `"tcp"` or `"shared memory"`. Ranks of one host use shared memory unless
     /// `TIACC_TRAINING_SHM=0`, or it could not be set up (said once on
     /// stderr, except for groups that span nodes).
     #[getter]
@@ -574,7 +598,12 @@ impl CommEngine {
     ///
     /// With the 2D allreduce on, `intra_addresses` and `inter_addresses` are
     /// the members' `two_d_addresses` (in `two_d_members` order).
-    #[pyo3(signature = (addresses, token, intra_addresses=None, inter_addresses=None))]
+    #[pyo3(
+        signature = (addresses, token, intra_addresses=None, inter_addresses=None),
+        text_signature = "(self, addresses: list[str], token: bytes, \
+            intra_addresses: Optional[list[str]] = None, \
+            inter_addresses: Optional[list[str]] = None) -> None"
+    )]
     fn connect(
         &mut self,
         py: Python<'_>,
@@ -626,7 +655,11 @@ impl CommEngine {
     /// tensor's bytes are scratch. Its bytes stay the result until the next
     /// `share` allreduce of the same bucket and size starts (DDP reads a
     /// bucket's result before the next backward pass).
-    #[pyo3(signature = (tensor, ptr, nbytes, dtype, bucket, average, future, share=false))]
+    #[pyo3(
+        signature = (tensor, ptr, nbytes, dtype, bucket, average, future, share=false),
+        text_signature = "(self, tensor: Any, ptr: int, nbytes: int, dtype: str, bucket: int, \
+            average: bool, future: Any, share: bool = False) -> None"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn allreduce_async(
         &self,
@@ -672,7 +705,11 @@ impl CommEngine {
     /// rank's equal shard to every rank), `"alltoall"` (equal blocks),
     /// `"broadcast"` (from `root`) or `"barrier"` (no buffer). Collectives
     /// run in submission order on the channel of `bucket`.
-    #[pyo3(signature = (collective, tensor, ptr, nbytes, dtype, future, reduce="sum", root=0, bucket=0))]
+    #[pyo3(
+        signature = (collective, tensor, ptr, nbytes, dtype, future, reduce="sum", root=0, bucket=0),
+        text_signature = "(self, collective: str, tensor: Any, ptr: int, nbytes: int, dtype: str, \
+            future: Any, reduce: str = 'sum', root: int = 0, bucket: int = 0) -> None"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn collective_async(
         &self,
@@ -749,7 +786,11 @@ impl CommEngine {
     }
 
     /// Allreduces `nbytes` bytes at `ptr` in place and waits (GIL released).
-    #[pyo3(signature = (ptr, nbytes, dtype, bucket=0, average=false))]
+    #[pyo3(
+        signature = (ptr, nbytes, dtype, bucket=0, average=false),
+        text_signature = "(self, ptr: int, nbytes: int, dtype: str, bucket: int = 0, \
+            average: bool = False) -> None"
+    )]
     fn allreduce(
         &self,
         py: Python<'_>,
@@ -771,7 +812,10 @@ impl CommEngine {
     }
 
     /// Copies `root`'s `nbytes` bytes at `ptr` to every rank and waits.
-    #[pyo3(signature = (ptr, nbytes, root, bucket=0))]
+    #[pyo3(
+        signature = (ptr, nbytes, root, bucket=0),
+        text_signature = "(self, ptr: int, nbytes: int, root: int, bucket: int = 0) -> None"
+    )]
     fn broadcast(
         &self,
         py: Python<'_>,
@@ -798,6 +842,7 @@ impl CommEngine {
     }
 
     /// Waits until every rank has entered the barrier.
+    #[pyo3(text_signature = "(self) -> None")]
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         self.run_blocking(py, Collective::Barrier, 0, 0, None, 0)
     }
@@ -805,6 +850,7 @@ impl CommEngine {
     /// `(steps, compute seconds, communication seconds)` since the last call
     /// (see `tiacc_core::comm::progress`); call it just before a step's
     /// first bucket. Zeros before `connect`.
+    #[pyo3(text_signature = "(self) -> tuple[int, float, float]")]
     fn step_times(&self) -> (u64, f64, f64) {
         self.engine.as_ref().map_or((0, 0.0, 0.0), |e| {
             let t = e.progress().take_times();
@@ -814,6 +860,7 @@ impl CommEngine {
 
     /// What the engine carried so far (see `counters_dict`); empty before
     /// `connect`, kept after `shutdown`.
+    #[pyo3(text_signature = "(self) -> dict[tuple[str, str], EngineCounters]")]
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         counters_dict(py, self.counters.as_deref())
     }
@@ -823,6 +870,7 @@ impl CommEngine {
     /// `tiacc_training.torch.distributed._engine_state`), read once the
     /// collectives queued before this call are done; waits without the GIL.
     /// Raises `CommError` once the engine failed or was shut down.
+    #[pyo3(text_signature = "(self) -> dict[str, Any]")]
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.engine()?;
         let state = py.detach(|| engine.export_state()).py()?;
@@ -835,6 +883,7 @@ impl CommEngine {
     /// `ValueError` naming the key when `state` is malformed or does not
     /// fit this engine (another rank, world size or setting, a bucket of
     /// another size); nothing is imported then.
+    #[pyo3(text_signature = "(self, state: dict[str, Any]) -> None")]
     fn load_state(&self, py: Python<'_>, state: &Bound<'_, PyDict>) -> PyResult<()> {
         let state = crate::state::from_dict(state)?;
         let engine = self.engine()?;
@@ -843,6 +892,7 @@ impl CommEngine {
 
     /// Finishes queued collectives and stops the channel threads. Safe to
     /// call twice.
+    #[pyo3(text_signature = "(self) -> None")]
     fn shutdown(&mut self, py: Python<'_>) {
         self.tcp.close();
         if let Some(mut engine) = self.engine.take() {

@@ -61,6 +61,7 @@ impl PyCommConfig {
     /// The configuration from the environment (defaults where unset). Raises
     /// `ConfigError` naming the variable when a value does not parse.
     #[staticmethod]
+    #[pyo3(text_signature = "() -> CommConfig")]
     fn from_env() -> PyResult<Self> {
         Ok(PyCommConfig {
             inner: CommConfig::from_env().py()?,
@@ -71,6 +72,7 @@ impl PyCommConfig {
     /// (`None` values are skipped). A value of the wrong type raises
     /// `TypeError`; one the variable's parser refuses raises `ValueError`
     /// naming the argument.
+    #[pyo3(text_signature = "(self, overrides: dict[str, Any]) -> CommConfig")]
     fn with_overrides(&self, overrides: &Bound<'_, PyDict>) -> PyResult<Self> {
         let mut pairs = Vec::new();
         for (key, value) in overrides.iter() {
@@ -95,11 +97,13 @@ impl PyCommConfig {
     }
 
     /// Whether `other` makes the same engine (whatever set the values).
+    #[pyo3(text_signature = "(self, other: CommConfig) -> bool")]
     fn same_settings(&self, other: &PyCommConfig) -> bool {
         self.inner.same_settings(&other.inner)
     }
 
     /// Every setting as a dict (names as the attributes).
+    #[pyo3(text_signature = "(self) -> dict[str, Any]")]
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner;
         let d = PyDict::new(py);
@@ -140,14 +144,14 @@ impl PyCommConfig {
         Ok(d)
     }
 
-    /// `TIACC_TRAINING_STRICT=1`: unknown names and gradient buckets that
+    /// bool: `TIACC_TRAINING_STRICT=1`: unknown names and gradient buckets that
     /// would leave the engine are errors.
     #[getter]
     fn strict(&self) -> bool {
         self.inner.strict
     }
 
-    /// Backward passes per communication of the DDP hook (1: every pass;
+    /// int: Backward passes per communication of the DDP hook (1: every pass;
     /// `TIACC_TRAINING_ACCUMULATE_N_STEPS`, AIACC's
     /// `PERSEUS_ACCUMULATE_N_STEPS`).
     #[getter]
@@ -158,32 +162,33 @@ impl PyCommConfig {
     /// The DDP bucket cap in bytes for a model with `gradient_bytes` bytes
     /// of gradients (AIACC's `PERSEUS_ALLREDUCE_FUSION` is a fraction of
     /// them; otherwise the fusion threshold).
+    #[pyo3(text_signature = "(self, gradient_bytes: int) -> int")]
     fn bucket_bytes(&self, gradient_bytes: u64) -> u64 {
         self.inner.bucket_bytes(gradient_bytes)
     }
 
-    /// The value NCCL is to find in `NCCL_SOCKET_IFNAME` where that is
+    /// Optional[str]: The value NCCL is to find in `NCCL_SOCKET_IFNAME` where that is
     /// unset (from AIACC's `PERSEUS_NCCL_NETWORK_INTERFACE`), else `None`.
     #[getter]
     fn nccl_socket_ifname(&self) -> Option<String> {
         self.inner.nccl_socket_ifname.clone()
     }
 
-    /// What serves torch.distributed's CPU collectives: `"tiacc"`, `"tiacc-process-group"` or
+    /// str: What serves torch.distributed's CPU collectives: `"tiacc"`, `"tiacc-process-group"` or
     /// `"gloo"` (`TIACC_TRAINING_COLLECTIVES`).
     #[getter]
     fn collectives(&self) -> &'static str {
         self.inner.collectives.name()
     }
 
-    /// What serves torch.distributed's CUDA collectives: `"nccl"` or `"tiacc"`
+    /// str: What serves torch.distributed's CUDA collectives: `"nccl"` or `"tiacc"`
     /// (`TIACC_TRAINING_CUDA_COLLECTIVES`).
     #[getter]
     fn cuda_collectives(&self) -> &'static str {
         self.inner.cuda_collectives.name()
     }
 
-    /// Steps between two slow-rank checks (0: off).
+    /// int: Steps between two slow-rank checks (0: off).
     #[getter]
     fn perf_check_n_steps(&self) -> u64 {
         self.inner.perf_check_n_steps
@@ -191,40 +196,48 @@ impl PyCommConfig {
 
     /// The settings every rank must share, as text to exchange between
     /// ranks (see `check_same_config`).
+    #[pyo3(text_signature = "(self) -> str")]
     fn shared_fingerprint(&self) -> String {
         self.inner.shared_fingerprint()
     }
 
+    /// bool: Whether DDP uses the engine at all.
     #[getter]
     fn enabled(&self) -> bool {
         self.inner.enabled
     }
 
+    /// int: The bucket cap in bytes.
     #[getter]
     fn fusion_threshold(&self) -> u64 {
         self.inner.fusion_threshold
     }
 
+    /// int: The number of channels.
     #[getter]
     fn num_streams(&self) -> usize {
         self.inner.num_streams
     }
 
+    /// float: The per-collective timeout in seconds.
     #[getter]
     fn timeout(&self) -> f64 {
         self.inner.timeout.as_secs_f64()
     }
 
+    /// Optional[str]: The address to listen on and advertise (an IP literal), if set.
     #[getter]
     fn socket_addr(&self) -> Option<String> {
         self.inner.socket_addr.map(|ip| ip.to_string())
     }
 
+    /// str: The transport of CUDA gradients (CPU gradients always use TCP).
     #[getter]
     fn transport(&self) -> &'static str {
         self.inner.transport.name()
     }
 
+    /// Optional[str]: The NCCL library to load instead of searching, if set.
     #[getter]
     fn nccl_library(&self) -> Option<String> {
         self.inner
@@ -233,7 +246,7 @@ impl PyCommConfig {
             .map(|p| p.to_string_lossy().into_owned())
     }
 
-    /// `auto`, `flat` or `2d`.
+    /// str: `auto`, `flat` or `2d`.
     #[getter]
     fn algorithm(&self) -> &'static str {
         self.inner.algorithm.name()
@@ -241,18 +254,21 @@ impl PyCommConfig {
 
     /// Whether an engine of a `world`-rank job with `local_size` ranks per
     /// node connects the 2D groups (forced, or for `auto` to measure).
+    #[pyo3(text_signature = "(self, world: int, local_size: Optional[int]) -> bool")]
     fn two_d_groups(&self, world: usize, local_size: Option<usize>) -> bool {
         self.inner.two_d_groups(world, local_size)
     }
 
     /// Ranks per node for the 2D allreduce: `LIGHT_INTRA_SIZE`, else the
     /// launcher's `local_size`; `ConfigError` when neither says.
+    #[pyo3(text_signature = "(self, local_size: Optional[int]) -> int")]
     fn intra_size_for(&self, local_size: Option<usize>) -> PyResult<usize> {
         self.inner.intra_size_for(local_size).py()
     }
 
     /// Whether Top-K sparsifies a bucket of `dtype` (`"torch.float32"`,
     /// ...) and `nbytes` bytes under these settings; the others go dense.
+    #[pyo3(text_signature = "(self, dtype: str, nbytes: int) -> bool")]
     fn topk_applies(&self, dtype: &str, nbytes: usize) -> PyResult<bool> {
         let dtype = DType::parse(dtype).py()?;
         Ok(TopKOptions::from_config(&self.inner).is_some_and(|t| t.applies(dtype, nbytes)))
@@ -260,6 +276,7 @@ impl PyCommConfig {
 
     /// Whether NCCL `version` runs several ranks on one GPU here
     /// (`NCCL_MULTI_RANK_GPU_ENABLE` and NCCL 2.30 or later).
+    #[pyo3(text_signature = "(self, version: tuple[int, int, int]) -> bool")]
     fn nccl_allows_shared_gpu(&self, version: (u32, u32, u32)) -> bool {
         config::nccl_allows_shared_gpu(version, self.inner.nccl_multi_rank_gpu)
     }
@@ -268,7 +285,12 @@ impl PyCommConfig {
     ///
     /// `cuda` is `None` without a CUDA device, else `(transport,
     /// nccl_version or None, reason or None)` for CUDA buckets.
-    #[pyo3(signature = (world, launcher, local_size=None, cuda=None))]
+    #[pyo3(
+        signature = (world, launcher, local_size=None, cuda=None),
+        text_signature = "(self, world: int, launcher: str, local_size: Optional[int] = None, \
+            cuda: Optional[tuple[str, Optional[tuple[int, int, int]], Optional[str]]] = None) \
+            -> tuple[list[str], list[tuple[str, str]]]"
+    )]
     #[allow(clippy::type_complexity)]
     fn startup(
         &self,
@@ -308,6 +330,7 @@ impl PyCommConfig {
 /// between ranks (both values, and which ranks have which);
 /// `fingerprints[r]` is rank `r`'s `CommConfig.shared_fingerprint()`.
 #[pyfunction]
+#[pyo3(text_signature = "(rank: int, fingerprints: list[str]) -> None")]
 pub fn check_same_config(rank: usize, fingerprints: Vec<String>) -> PyResult<()> {
     config::check_same_on_every_rank(rank, &fingerprints).py()
 }
@@ -315,6 +338,7 @@ pub fn check_same_config(rank: usize, fingerprints: Vec<String>) -> PyResult<()>
 /// The configuration from the environment, as a dict. Raises `ConfigError`
 /// naming the variable when a value does not parse.
 #[pyfunction]
+#[pyo3(text_signature = "() -> dict[str, Any]")]
 pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     PyCommConfig::from_env()?.to_dict(py)
 }
@@ -323,7 +347,10 @@ pub fn comm_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// `NCCL_MULTI_RANK_GPU_ENABLE` is on (`enabled`): the core's rule, for
 /// code that sets that variable for ranks it starts.
 #[pyfunction]
-#[pyo3(signature = (version, enabled=true))]
+#[pyo3(
+    signature = (version, enabled=true),
+    text_signature = "(version: tuple[int, int, int], enabled: bool = True) -> bool"
+)]
 pub fn nccl_allows_shared_gpu(version: (u32, u32, u32), enabled: bool) -> bool {
     config::nccl_allows_shared_gpu(version, enabled)
 }

@@ -41,6 +41,7 @@ fn released<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
 /// inside `load_batch` takes the GIL back for its draws: about one in five
 /// thousand, counted as released.)
 #[pyfunction]
+#[pyo3(text_signature = "() -> float")]
 pub fn data_gil_released_seconds() -> f64 {
     RELEASED_NS.load(Ordering::Relaxed) as f64 * 1e-9
 }
@@ -64,19 +65,20 @@ impl EncodedImages {
         self.inner.indices().len()
     }
 
-    /// `(width, height)` of each image, from its header.
+    /// list[tuple[int, int]]: `(width, height)` of each image, from its header.
     #[getter]
     fn sizes(&self) -> Vec<(u32, u32)> {
         self.inner.sizes().to_vec()
     }
 
-    /// The record numbers, in order.
+    /// list[int]: The record numbers, in order.
     #[getter]
     fn indices(&self) -> Vec<usize> {
         self.inner.indices().to_vec()
     }
 
     /// The encoded bytes of the image at `position`.
+    #[pyo3(text_signature = "(self, position: int) -> bytes")]
     fn encoded<'py>(&self, py: Python<'py>, position: usize) -> PyResult<Bound<'py, PyBytes>> {
         let data = self.inner.data().get(position).ok_or_else(|| {
             PyValueError::new_err(format!(
@@ -91,6 +93,7 @@ impl EncodedImages {
     /// released), the offsets where each starts (and the end: one more
     /// than the images), and whether each is a JPEG: what a device decoder
     /// takes as slices, without a copy per image.
+    #[pyo3(text_signature = "(self) -> tuple[Any, list[int], list[bool]]")]
     fn packed<'py>(&self, py: Python<'py>) -> (Bound<'py, PyArray1<u8>>, Vec<usize>, Vec<bool>) {
         let data = self.inner.data();
         let (bytes, offsets) = released(py, || {
@@ -111,6 +114,7 @@ impl EncodedImages {
     }
 
     /// The images at `positions`, in that order (the bytes are shared).
+    #[pyo3(text_signature = "(self, positions: list[int]) -> EncodedImages")]
     fn select(&self, positions: Vec<usize>) -> PyResult<EncodedImages> {
         Ok(EncodedImages {
             inner: self.inner.select(&positions).py()?,
@@ -129,6 +133,7 @@ fn to_array<'py>(py: Python<'py>, img: RgbImage) -> PyResult<Bound<'py, PyArray3
 #[pymethods]
 impl IndexedDataset {
     #[new]
+    #[pyo3(text_signature = "(root: _Path, index: _Path)")]
     fn new(py: Python<'_>, root: PathBuf, index: PathBuf) -> PyResult<Self> {
         let inner = released(py, || CoreDataset::open(&root, &index)).py()?;
         Ok(IndexedDataset { inner })
@@ -139,24 +144,30 @@ impl IndexedDataset {
     }
 
     /// Labels of all records as an int64 array.
+    #[pyo3(text_signature = "(self) -> Any")]
     fn labels<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
         PyArray1::from_slice(py, self.inner.labels())
     }
 
     /// `(shard_path, offset)` of record `index`.
+    #[pyo3(text_signature = "(self, index: int) -> tuple[str, int]")]
     fn location(&self, index: usize) -> PyResult<(PathBuf, u64)> {
         let (path, offset) = self.inner.location(index).py()?;
         Ok((path.to_path_buf(), offset))
     }
 
     /// The encoded image bytes of record `index`.
+    #[pyo3(text_signature = "(self, index: int) -> bytes")]
     fn image_bytes<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyBytes>> {
         let data = released(py, || self.inner.image_bytes(index)).py()?;
         Ok(PyBytes::new(py, &data))
     }
 
     /// The encoded images of `indices`, read in parallel.
-    #[pyo3(signature = (indices, threads = 0))]
+    #[pyo3(
+        signature = (indices, threads = 0),
+        text_signature = "(self, indices: list[int], threads: int = 0) -> list[bytes]"
+    )]
     fn image_bytes_batch<'py>(
         &self,
         py: Python<'py>,
@@ -168,6 +179,7 @@ impl IndexedDataset {
     }
 
     /// Record `index` decoded to an `(H, W, 3)` uint8 RGB array.
+    #[pyo3(text_signature = "(self, index: int) -> Any")]
     fn decode<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyArray3<u8>>> {
         let img = released(py, || self.inner.decode(index)).py()?;
         to_array(py, img)
@@ -175,7 +187,10 @@ impl IndexedDataset {
 
     /// `indices` read and decoded in parallel with the GIL released; a list
     /// of `(H, W, 3)` uint8 RGB arrays.
-    #[pyo3(signature = (indices, threads = 0))]
+    #[pyo3(
+        signature = (indices, threads = 0),
+        text_signature = "(self, indices: list[int], threads: int = 0) -> list[Any]"
+    )]
     fn decode_batch<'py>(
         &self,
         py: Python<'py>,
@@ -187,7 +202,10 @@ impl IndexedDataset {
     }
 
     /// `(width, height)` of the images of `indices`, from their headers.
-    #[pyo3(signature = (indices, threads = 0))]
+    #[pyo3(
+        signature = (indices, threads = 0),
+        text_signature = "(self, indices: list[int], threads: int = 0) -> list[tuple[int, int]]"
+    )]
     fn image_sizes(
         &self,
         py: Python<'_>,
@@ -199,7 +217,10 @@ impl IndexedDataset {
 
     /// Reads the images of `indices` and their sizes in parallel with the
     /// GIL released, for `render_images`.
-    #[pyo3(signature = (indices, threads = 0))]
+    #[pyo3(
+        signature = (indices, threads = 0),
+        text_signature = "(self, indices: list[int], threads: int = 0) -> EncodedImages"
+    )]
     fn read_images(
         &self,
         py: Python<'_>,
@@ -215,7 +236,13 @@ impl IndexedDataset {
     /// `(N, 3, H, W)` float32 array (normalised with `mean`/`std`) or uint8
     /// array. Each geometry is `((left, top, width, height) crop,
     /// (width, height) resize, (left, top, width, height) window, flip)`.
-    #[pyo3(signature = (indices, geometries, out, mean = None, std = None, downscale = true, threads = 0))]
+    #[pyo3(
+        signature = (indices, geometries, out, mean = None, std = None, downscale = true, threads = 0),
+        text_signature = "(self, indices: list[int], geometries: list[Any], out: Any, \
+        mean: Optional[tuple[float, float, float]] = None, \
+        std: Optional[tuple[float, float, float]] = None, downscale: bool = True, \
+        threads: int = 0) -> None"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn render_batch(
         &self,
@@ -235,7 +262,13 @@ impl IndexedDataset {
     }
 
     /// `render_batch` of images read by `read_images` (from this dataset).
-    #[pyo3(signature = (images, geometries, out, mean = None, std = None, downscale = true, threads = 0))]
+    #[pyo3(
+        signature = (images, geometries, out, mean = None, std = None, downscale = true, threads = 0),
+        text_signature = "(self, images: EncodedImages, geometries: list[Any], out: Any, \
+        mean: Optional[tuple[float, float, float]] = None, \
+        std: Optional[tuple[float, float, float]] = None, downscale: bool = True, \
+        threads: int = 0) -> None"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn render_images(
         &self,
@@ -268,7 +301,14 @@ impl IndexedDataset {
     /// reproduction cannot decide (drawn by `draws` from `generator`).
     /// `state` is then the state torch's own draws would have left, for the
     /// caller's `generator.set_state()`.
-    #[pyo3(signature = (indices, sampler, state, generator, draws, fused_multiply_add, out, mean = None, std = None, downscale = true, threads = 0))]
+    #[pyo3(
+        signature = (indices, sampler, state, generator, draws, fused_multiply_add, out, mean = None, std = None, downscale = true, threads = 0),
+        text_signature = "(self, indices: list[int], sampler: Sampler, state: Any, generator: Any, \
+        draws: Any, fused_multiply_add: bool, out: Any, \
+        mean: Optional[tuple[float, float, float]] = None, \
+        std: Optional[tuple[float, float, float]] = None, downscale: bool = True, \
+        threads: int = 0) -> None"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn load_batch(
         &self,
@@ -505,7 +545,15 @@ impl Sampler {
     /// following `CenterCrop`) or `"center"` (`center`); `flip_p` is
     /// `RandomHorizontalFlip`'s `p`.
     #[new]
-    #[pyo3(signature = (kind, *, output = None, scale = None, log_ratio = None, ratio = None, size = None, max_size = None, center = None, flip_p = None))]
+    #[pyo3(
+        signature = (kind, *, output = None, scale = None, log_ratio = None, ratio = None, size = None, max_size = None, center = None, flip_p = None),
+        text_signature = "(kind: str, *, output: Optional[tuple[int, int]] = None, \
+            scale: Optional[tuple[float, float]] = None, \
+            log_ratio: Optional[tuple[float, float]] = None, \
+            ratio: Optional[tuple[float, float]] = None, size: Optional[list[int]] = None, \
+            max_size: Optional[int] = None, center: Optional[tuple[int, int]] = None, \
+            flip_p: Optional[float] = None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         kind: &str,
@@ -598,13 +646,13 @@ impl Sampler {
         Ok((PyTuple::new(py, [kind])?, kwargs))
     }
 
-    /// `(height, width)` of every output, or None when it varies.
+    /// Optional[tuple[int, int]]: `(height, width)` of every output, or None when it varies.
     #[getter]
     fn output_size(&self) -> Option<(u32, u32)> {
         self.inner.output_size()
     }
 
-    /// Whether every random range is ordered (torch refuses the others;
+    /// bool: Whether every random range is ordered (torch refuses the others;
     /// such a chain must draw from torch to raise torch's error).
     #[getter]
     fn ranges_ordered(&self) -> bool {
@@ -615,6 +663,10 @@ impl Sampler {
     /// from a reproduction of the torch CPU `generator` (its state read,
     /// and set to where torch's own draws would have left it); an image
     /// the reproduction cannot decide is drawn with `draws` (torch's calls).
+    #[pyo3(
+        text_signature = "(self, sizes: list[tuple[int, int]], generator: Any, draws: Any, \
+        fused_multiply_add: bool) -> list[Any]"
+    )]
     fn sample(
         &self,
         py: Python<'_>,
@@ -640,6 +692,7 @@ impl Sampler {
     /// The geometries of images of `sizes`, drawing from `draws` (an
     /// object with `uniform`, `exp_uniform`, `randint` and `flip`, each one
     /// torch call).
+    #[pyo3(text_signature = "(self, sizes: list[tuple[int, int]], draws: Any) -> list[Any]")]
     fn sample_with(
         &self,
         sizes: Vec<(u32, u32)>,
@@ -655,7 +708,11 @@ impl Sampler {
 /// generator whose `get_state()` is `state`: how the caller checks the
 /// reproduction against the running torch.
 #[pyfunction]
-#[pyo3(signature = (state, fused_multiply_add, low, high, count, exp = false))]
+#[pyo3(
+    signature = (state, fused_multiply_add, low, high, count, exp = false),
+    text_signature = "(state: Any, fused_multiply_add: bool, low: float, high: float, count: int, \
+        exp: bool = False) -> list[float]"
+)]
 pub fn torch_cpu_uniform(
     state: PyReadonlyArray1<'_, u8>,
     fused_multiply_add: bool,

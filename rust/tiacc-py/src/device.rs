@@ -72,10 +72,15 @@ impl DeviceEngine {
     /// `intra_size` turns the 2D groups on when the configuration asks for
     /// them.
     #[new]
-    #[pyo3(signature = (
-        config, rank, size, kernels, transport="nccl", board=None,
-        local_size=None, intra_size=None, host=None
-    ))]
+    #[pyo3(
+        signature = (
+            config, rank, size, kernels, transport="nccl", board=None,
+            local_size=None, intra_size=None, host=None
+        ),
+        text_signature = "(config: CommConfig, rank: int, size: int, kernels: Any, \
+            transport: str = 'nccl', board: Any = None, local_size: Optional[int] = None, \
+            intra_size: Optional[int] = None, host: Optional[str] = None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         config: Bound<'_, PyCommConfig>,
@@ -129,7 +134,7 @@ impl DeviceEngine {
         })
     }
 
-    /// `nccl` or `tcp`.
+    /// str: `nccl` or `tcp`.
     #[getter]
     fn transport(&self) -> &'static str {
         match self.transport {
@@ -138,7 +143,7 @@ impl DeviceEngine {
         }
     }
 
-    /// Whether a `connect_*` call has completed and `shutdown` has not run.
+    /// bool: Whether a `connect_*` call has completed and `shutdown` has not run.
     #[getter]
     fn connected(&self) -> bool {
         self.core.connected()
@@ -149,7 +154,12 @@ impl DeviceEngine {
     /// inter-node ones from `intra_ids[c]` and `inter_ids[c]`. Blocks
     /// (GIL released) until every member joined; the calling thread's
     /// current CUDA device is the communicators' device.
-    #[pyo3(signature = (world_ids, intra_ids=None, inter_ids=None, search_dirs=Vec::new(), library=None))]
+    #[pyo3(
+        signature = (world_ids, intra_ids=None, inter_ids=None, search_dirs=Vec::new(), library=None),
+        text_signature = "(self, world_ids: list[bytes], intra_ids: Optional[list[bytes]] = None, \
+            inter_ids: Optional[list[bytes]] = None, search_dirs: list[str] = ..., \
+            library: Optional[str] = None) -> None"
+    )]
     fn connect_nccl(
         &mut self,
         py: Python<'_>,
@@ -200,7 +210,12 @@ impl DeviceEngine {
 
     /// Forms the TCP rings (transport `tcp`): every rank's `addresses`, the
     /// job `token`, and with the 2D allreduce the members' addresses.
-    #[pyo3(signature = (addresses, token, intra_addresses=None, inter_addresses=None))]
+    #[pyo3(
+        signature = (addresses, token, intra_addresses=None, inter_addresses=None),
+        text_signature = "(self, addresses: list[str], token: bytes, \
+            intra_addresses: Optional[list[str]] = None, \
+            inter_addresses: Optional[list[str]] = None) -> None"
+    )]
     fn connect(
         &mut self,
         py: Python<'_>,
@@ -230,6 +245,7 @@ impl DeviceEngine {
     }
 
     /// The channel (and so the CUDA stream) bucket `bucket` runs on.
+    #[pyo3(text_signature = "(self, bucket: int) -> int")]
     fn channel_of(&self, bucket: u64) -> usize {
         tiacc_core::comm::engine::channel_of(bucket, self.info.num_channels)
     }
@@ -239,7 +255,11 @@ impl DeviceEngine {
     /// `stream` (the channel's; the caller runs this inside that stream's
     /// context so the kernels are ordered with it) and this returns at once;
     /// with TCP it returns when done. Raises the engine's failure, if any.
-    #[pyo3(signature = (buf, dtype, bucket, average=true, stream=0))]
+    #[pyo3(
+        signature = (buf, dtype, bucket, average=true, stream=0),
+        text_signature = "(self, buf: Any, dtype: str, bucket: int, average: bool = True, \
+            stream: int = 0) -> None"
+    )]
     fn allreduce(
         &self,
         py: Python<'_>,
@@ -272,7 +292,11 @@ impl DeviceEngine {
     /// reduce-scatter compressed where the configuration asks. `reduce` is
     /// `"sum"` or `"avg"` (floating-point types). Enqueued on `stream` like
     /// a bucket (NCCL), or done when it returns (TCP).
-    #[pyo3(signature = (collective, buf, dtype, bucket, reduce="sum", stream=0))]
+    #[pyo3(
+        signature = (collective, buf, dtype, bucket, reduce="sum", stream=0),
+        text_signature = "(self, collective: str, buf: Any, dtype: str, bucket: int, \
+            reduce: str = 'sum', stream: int = 0) -> None"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn collective(
         &self,
@@ -328,6 +352,7 @@ impl DeviceEngine {
     /// Hands the watchdog the completion test of the work just enqueued on
     /// `channel` (a CUDA event's `query`); it bounds the wait by the
     /// timeout. Nothing to do on TCP, whose calls return when done.
+    #[pyo3(text_signature = "(self, channel: int, is_done: Callable[[], bool]) -> None")]
     fn watch(&self, py: Python<'_>, channel: usize, is_done: Py<PyAny>) -> PyResult<()> {
         let ops = TorchOps {
             py,
@@ -346,6 +371,7 @@ impl DeviceEngine {
     /// What the engine carried so far, per path and codec (the same form
     /// as `CommEngine.counters()`; NCCL's wire bytes are the buffers handed
     /// to its calls).
+    #[pyo3(text_signature = "(self) -> dict[tuple[str, str], EngineCounters]")]
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         counters_dict(py, Some(self.core.counters()))
     }
@@ -353,6 +379,7 @@ impl DeviceEngine {
     /// `(steps, compute seconds, communication seconds)` since the last call
     /// (see `tiacc_core::comm::progress`); call it just before a step's
     /// first bucket.
+    #[pyo3(text_signature = "(self) -> tuple[int, float, float]")]
     fn step_times(&self) -> (u64, f64, f64) {
         let t = self.core.progress().take_times();
         (t.steps, t.compute, t.comm)
@@ -363,6 +390,7 @@ impl DeviceEngine {
     /// form of `CommEngine.state()`), once the device finished the work
     /// enqueued so far. Raises `CommError` once the engine failed or was
     /// shut down.
+    #[pyo3(text_signature = "(self) -> dict[str, Any]")]
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let ops = TorchOps {
             py,
@@ -378,7 +406,10 @@ impl DeviceEngine {
     /// (the caller runs this inside that channel's stream context, once per
     /// channel). Raises `ValueError` naming the key when `state` is
     /// malformed or does not fit this engine; nothing is imported then.
-    #[pyo3(signature = (state, channel=None))]
+    #[pyo3(
+        signature = (state, channel=None),
+        text_signature = "(self, state: dict[str, Any], channel: Optional[int] = None) -> None"
+    )]
     fn load_state(
         &self,
         py: Python<'_>,
@@ -397,12 +428,14 @@ impl DeviceEngine {
 
     /// Raises the engine's failure (a timeout, an NCCL error, a failure on
     /// another rank), if there was one, or a `CommError` once shut down.
+    #[pyo3(text_signature = "(self) -> None")]
     fn check(&self) -> PyResult<()> {
         self.core.check().map_err(to_pyerr)
     }
 
     /// Stops the watchdog and aborts the communicators (never waits on
     /// peers). Safe to call twice.
+    #[pyo3(text_signature = "(self) -> None")]
     fn shutdown(&mut self, py: Python<'_>) {
         let ops = TorchOps {
             py,

@@ -41,19 +41,22 @@ pyo3::create_exception!(
     tiacc_training.errors,
     ConfigError,
     TiaccError,
-    "A configuration value (argument or environment variable) is invalid."
+    "A configuration value (argument or environment variable) is invalid.\n\n\
+     Attributes:\n    variable (str): The variable or argument whose value is invalid."
 );
 pyo3::create_exception!(
     tiacc_training.errors,
     CommError,
     TiaccError,
-    "A collective communication failed."
+    "A collective communication failed.\n\n\
+     Attributes:\n    peer (Optional[int]): The rank whose connection or data failed, if one did."
 );
 pyo3::create_exception!(
     tiacc_training.errors,
     CommTimeoutError,
     CommError,
-    "A peer did not answer within the communication timeout."
+    "A peer did not answer within the communication timeout.\n\n\
+     Attributes:\n    peer (int): The rank that did not answer."
 );
 pyo3::create_exception!(
     tiacc_training.errors,
@@ -65,13 +68,15 @@ pyo3::create_exception!(
     tiacc_training.errors,
     CorruptRecordError,
     DataError,
-    "A TFRecord's framing or checksum is wrong; `path` and `offset` locate it."
+    "A TFRecord's framing or checksum is wrong; `path` and `offset` locate it.\n\n\
+     Attributes:\n    path (str): The file.\n    offset (int): Where the record starts."
 );
 pyo3::create_exception!(
     tiacc_training.errors,
     DecodeError,
     TiaccError,
-    "A file is not a readable image."
+    "A file is not a readable image.\n\n\
+     Attributes:\n    path (str): The file."
 );
 
 /// `DataFileNotFoundError(DataError, FileNotFoundError)`, made by [`register`].
@@ -120,7 +125,13 @@ fn record_decode_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
             namespace.set_item("__module__", "tiacc_training.errors")?;
             namespace.set_item(
                 "__doc__",
-                "A record whose image cannot be decoded; `path`, `offset` and `index` locate it.",
+                concat!(
+                    "A record whose image cannot be decoded; `path`, `offset` and `index` ",
+                    "locate it.\n\nAttributes:\n",
+                    "    path (str): The shard.\n",
+                    "    offset (int): Where the record starts.\n",
+                    "    index (int): The record's position in the dataset.",
+                ),
             )?;
             let class = py
                 .get_type::<PyType>()
@@ -147,7 +158,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
             py,
             "DataFileNotFoundError",
             py.get_type::<PyFileNotFoundError>(),
-            "A shard, index or list does not exist (a DataError and a FileNotFoundError).",
+            "A shard, index or list does not exist (a DataError and a FileNotFoundError).\n\n\
+             Attributes:\n    path (str): The file, or the index naming a missing shard.",
         )
     })?;
     m.add("DataFileNotFoundError", not_found.bind(py))?;
@@ -156,7 +168,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
             py,
             "DataPermissionError",
             py.get_type::<PyPermissionError>(),
-            "A shard, index or list may not be read or written (a DataError and a PermissionError).",
+            "A shard, index or list may not be read or written (a DataError and a PermissionError).\n\n\
+             Attributes:\n    path (str): The file, or the index naming a forbidden shard.",
         )
     })?;
     m.add("DataPermissionError", permission.bind(py))?;

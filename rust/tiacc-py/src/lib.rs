@@ -17,6 +17,13 @@ mod pack;
 mod records;
 mod state;
 
+/// The compiled part of tiacc-training: the bindings of `rust/tiacc-py`.
+///
+/// Type aliases:
+///     _Path = Union[str, PathLike[str]]: A file or folder, as text or an `os.PathLike`.
+///     EngineCounters = dict[str, Any]: What an engine carried on one `(path, codec)`
+///         (`tiacc_core::comm::counters`): `buckets`, `bytes_in` and `wire_bytes`
+///         (ints), and `wire`, the bytes sent per group (`world`, `intra`, `inter`).
 #[pymodule]
 fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

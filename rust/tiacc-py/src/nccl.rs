@@ -50,7 +50,11 @@ pub(crate) fn load(
 /// then `search_dirs`, then the loader's search. Raises `CommError` naming
 /// what was tried when NCCL cannot be loaded.
 #[pyfunction]
-#[pyo3(signature = (search_dirs=Vec::new(), library=None))]
+#[pyo3(
+    signature = (search_dirs=Vec::new(), library=None),
+    text_signature = "(search_dirs: list[str] = ..., library: Optional[str] = None) \
+        -> tuple[int, int, int]"
+)]
 pub fn nccl_version(
     py: Python<'_>,
     search_dirs: Vec<String>,
@@ -62,7 +66,10 @@ pub fn nccl_version(
 
 /// The file NCCL was loaded from (same search as `nccl_version`).
 #[pyfunction]
-#[pyo3(signature = (search_dirs=Vec::new(), library=None))]
+#[pyo3(
+    signature = (search_dirs=Vec::new(), library=None),
+    text_signature = "(search_dirs: list[str] = ..., library: Optional[str] = None) -> str"
+)]
 pub fn nccl_library_path(
     py: Python<'_>,
     search_dirs: Vec<String>,
@@ -75,7 +82,10 @@ pub fn nccl_library_path(
 /// A fresh 128-byte `ncclUniqueId` (rank 0 makes one per communicator and
 /// publishes it through the c10d store).
 #[pyfunction]
-#[pyo3(signature = (search_dirs=Vec::new(), library=None))]
+#[pyo3(
+    signature = (search_dirs=Vec::new(), library=None),
+    text_signature = "(search_dirs: list[str] = ..., library: Optional[str] = None) -> bytes"
+)]
 pub fn nccl_unique_id<'py>(
     py: Python<'py>,
     search_dirs: Vec<String>,
@@ -99,7 +109,11 @@ pub struct NcclCommunicator {
 #[pymethods]
 impl NcclCommunicator {
     #[new]
-    #[pyo3(signature = (unique_id, rank, size, search_dirs=Vec::new(), library=None, group="world", timeout=None))]
+    #[pyo3(
+        signature = (unique_id, rank, size, search_dirs=Vec::new(), library=None, group="world", timeout=None),
+        text_signature = "(unique_id: bytes, rank: int, size: int, search_dirs: list[str] = ..., \
+            library: Optional[str] = None, group: str = 'world', timeout: Optional[float] = None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -140,28 +154,31 @@ impl NcclCommunicator {
         })
     }
 
+    /// int: This rank in the group.
     #[getter]
     fn rank(&self) -> usize {
         self.inner.rank()
     }
 
+    /// int: The group's number of ranks.
     #[getter]
     fn size(&self) -> usize {
         self.inner.size()
     }
 
+    /// str: The group: `world`, `intra` or `inter`.
     #[getter]
     fn group(&self) -> &'static str {
         self.inner.group().name()
     }
 
-    /// NCCL's version as (major, minor, patch).
+    /// tuple[int, int, int]: NCCL's version as (major, minor, patch).
     #[getter]
     fn version(&self) -> (u32, u32, u32) {
         self.inner.library().version()
     }
 
-    /// Whether `abort` or `destroy` has run.
+    /// bool: Whether `abort` or `destroy` has run.
     #[getter]
     fn closed(&self) -> bool {
         self.inner.is_closed()
@@ -171,7 +188,11 @@ impl NcclCommunicator {
     /// into `recv` (may be equal) on CUDA stream `stream`; `op` is `sum` or
     /// `avg`. Returns once enqueued. The caller keeps both buffers alive
     /// until the stream has passed the collective.
-    #[pyo3(signature = (send, recv, count, dtype, stream, op="sum"))]
+    #[pyo3(
+        signature = (send, recv, count, dtype, stream, op="sum"),
+        text_signature = "(self, send: int, recv: int, count: int, dtype: str, stream: int, \
+            op: str = 'sum') -> None"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn allreduce(
         &self,
@@ -198,7 +219,11 @@ impl NcclCommunicator {
 
     /// Enqueues a reduce-scatter: `send` holds `recv_count * size`
     /// elements, this rank's reduced block (`recv_count`) lands in `recv`.
-    #[pyo3(signature = (send, recv, recv_count, dtype, stream, op="sum"))]
+    #[pyo3(
+        signature = (send, recv, recv_count, dtype, stream, op="sum"),
+        text_signature = "(self, send: int, recv: int, recv_count: int, dtype: str, stream: int, \
+            op: str = 'sum') -> None"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
@@ -225,7 +250,11 @@ impl NcclCommunicator {
 
     /// Enqueues an allgather: each rank's `send_count` elements at `send`
     /// land, in rank order, in `recv` (`send_count * size` elements).
-    #[pyo3(signature = (send, recv, send_count, dtype, stream))]
+    #[pyo3(
+        signature = (send, recv, send_count, dtype, stream),
+        text_signature = "(self, send: int, recv: int, send_count: int, dtype: str, \
+            stream: int) -> None"
+    )]
     fn allgather(
         &self,
         py: Python<'_>,
@@ -248,7 +277,11 @@ impl NcclCommunicator {
 
     /// Enqueues a broadcast of `count` elements from `root`'s `send` to
     /// every rank's `recv`.
-    #[pyo3(signature = (send, recv, count, dtype, root, stream))]
+    #[pyo3(
+        signature = (send, recv, count, dtype, root, stream),
+        text_signature = "(self, send: int, recv: int, count: int, dtype: str, root: int, \
+            stream: int) -> None"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn broadcast(
         &self,
@@ -272,6 +305,7 @@ impl NcclCommunicator {
 
     /// NCCL's asynchronous error as text, or `None` while healthy (or while
     /// another call holds the communicator: that call reports it).
+    #[pyo3(text_signature = "(self) -> Optional[str]")]
     fn async_error(&self, py: Python<'_>) -> PyResult<Option<String>> {
         let comm = self.inner.clone();
         let err = py.detach(move || comm.async_error()).py()?;
@@ -283,7 +317,11 @@ impl NcclCommunicator {
     /// error every `poll_interval` seconds. After `timeout` seconds the
     /// communicator is aborted and `CommTimeoutError` raised, naming the
     /// group and this rank; an NCCL error aborts it and raises `CommError`.
-    #[pyo3(signature = (is_done, timeout, poll_interval=0.001))]
+    #[pyo3(
+        signature = (is_done, timeout, poll_interval=0.001),
+        text_signature = "(self, is_done: Callable[[], bool], timeout: float, \
+            poll_interval: float = 0.001) -> None"
+    )]
     fn watch(
         &self,
         py: Python<'_>,
@@ -311,7 +349,10 @@ impl NcclCommunicator {
     /// Aborts outstanding operations and frees the communicator (never
     /// waits for peers; waits up to 10 s for NCCL to free it, which it does
     /// on a thread of its own). Later calls raise `CommError` with `reason`.
-    #[pyo3(signature = (reason="aborted by the caller"))]
+    #[pyo3(
+        signature = (reason="aborted by the caller"),
+        text_signature = "(self, reason: str = 'aborted by the caller') -> None"
+    )]
     fn abort(&self, py: Python<'_>, reason: &str) {
         let comm = self.inner.clone();
         let reason = reason.to_string();
@@ -323,6 +364,7 @@ impl NcclCommunicator {
 
     /// Waits for queued work and frees the communicator. Call only when
     /// every peer is healthy; `abort` is the way out otherwise.
+    #[pyo3(text_signature = "(self) -> None")]
     fn destroy(&self, py: Python<'_>) -> PyResult<()> {
         let comm = self.inner.clone();
         py.detach(move || comm.destroy()).py()

@@ -30,7 +30,11 @@ type PyItem<'py> = (
 #[pymethods]
 impl ImagePacker {
     #[new]
-    #[pyo3(signature = (out_dir, name, records_per_shard, workers = 0, lowercase_format = false))]
+    #[pyo3(
+        signature = (out_dir, name, records_per_shard, workers = 0, lowercase_format = false),
+        text_signature = "(out_dir: _Path, name: str, records_per_shard: int, workers: int = 0, \
+            lowercase_format: bool = False)"
+    )]
     fn new(
         py: Python<'_>,
         out_dir: PathBuf,
@@ -58,6 +62,8 @@ impl ImagePacker {
     /// where `expect_size` is `(width, height)` or None and `features` a dict
     /// of extra features or None. Returns the failed items as
     /// `(position, kind, message)` with kind "missing", "io" or "image".
+    #[pyo3(text_signature = "(self, items: list[tuple[_Path, str, int, \
+        Optional[tuple[int, int]], Optional[dict[str, Any]]]]) -> list[tuple[int, str, str]]")]
     fn add(
         &mut self,
         py: Python<'_>,
@@ -101,6 +107,7 @@ impl ImagePacker {
     }
 
     /// Publishes the dataset; returns a summary dict (plus `image_bytes`).
+    #[pyo3(text_signature = "(self) -> dict[str, Any]")]
     fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let summary = py.detach(|| self.inner.finish()).py()?;
         let d = summary_dict(py, &summary)?;
@@ -109,11 +116,12 @@ impl ImagePacker {
     }
 
     /// Discards everything written; the output directory is untouched.
+    #[pyo3(text_signature = "(self) -> None")]
     fn abort(&mut self) {
         self.inner.abort();
     }
 
-    /// Records written so far.
+    /// int: Records written so far.
     #[getter]
     fn records(&self) -> u64 {
         self.inner.records()

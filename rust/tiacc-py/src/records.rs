@@ -17,24 +17,28 @@ use crate::features::{example_to_dict, features_from_dict};
 
 /// CRC32C (Castagnoli) of `data`.
 #[pyfunction]
+#[pyo3(text_signature = "(data: bytes) -> int")]
 pub fn crc32c(data: &[u8]) -> u32 {
     tiacc_core::tfrecord::crc::crc32c(data)
 }
 
 /// TensorFlow's masked CRC32C of `data`, as stored in TFRecord files.
 #[pyfunction]
+#[pyo3(text_signature = "(data: bytes) -> int")]
 pub fn masked_crc32c(data: &[u8]) -> u32 {
     tiacc_core::tfrecord::crc::masked_crc32c(data)
 }
 
 /// The complete framed TFRecord for `payload`.
 #[pyfunction]
+#[pyo3(text_signature = "(payload: bytes) -> bytes")]
 pub fn frame_record<'py>(py: Python<'py>, payload: &[u8]) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &record::frame(payload))
 }
 
 /// Serializes a feature dict as a `tf.train.Example`.
 #[pyfunction]
+#[pyo3(text_signature = "(features: dict[str, Any]) -> bytes")]
 pub fn encode_example<'py>(
     py: Python<'py>,
     features: &Bound<'py, PyAny>,
@@ -46,6 +50,7 @@ pub fn encode_example<'py>(
 
 /// Parses a serialized `tf.train.Example` into `{name: list}`.
 #[pyfunction]
+#[pyo3(text_signature = "(payload: bytes) -> dict[str, list[Any]]")]
 pub fn decode_example<'py>(py: Python<'py>, payload: &[u8]) -> PyResult<Bound<'py, PyDict>> {
     let example = Example::parse(payload.to_vec(), "").py()?;
     example_to_dict(py, &example)
@@ -60,19 +65,24 @@ pub struct RecordReader {
 #[pymethods]
 impl RecordReader {
     #[new]
-    #[pyo3(signature = (path, verify = true))]
+    #[pyo3(
+        signature = (path, verify = true),
+        text_signature = "(path: _Path, verify: bool = True)"
+    )]
     fn new(py: Python<'_>, path: PathBuf, verify: bool) -> PyResult<Self> {
         let inner = py.detach(|| CoreReader::open(path, verify)).py()?;
         Ok(RecordReader { inner })
     }
 
     /// The payload of the record whose header starts at `offset`.
+    #[pyo3(text_signature = "(self, offset: int) -> bytes")]
     fn read<'py>(&self, py: Python<'py>, offset: u64) -> PyResult<Bound<'py, PyBytes>> {
         let payload = py.detach(|| self.inner.read_at(offset)).py()?;
         Ok(PyBytes::new(py, &payload))
     }
 
     /// The record at `offset` decoded as a `tf.train.Example` dict.
+    #[pyo3(text_signature = "(self, offset: int) -> dict[str, list[Any]]")]
     fn read_example<'py>(&self, py: Python<'py>, offset: u64) -> PyResult<Bound<'py, PyDict>> {
         let example = py
             .detach(|| {
@@ -85,7 +95,7 @@ impl RecordReader {
     }
 
     /// Iterates `(offset, payload)` from `start`.
-    #[pyo3(signature = (start = 0))]
+    #[pyo3(signature = (start = 0), text_signature = "(self, start: int = 0) -> RecordIterator")]
     fn scan(slf: Py<Self>, start: u64) -> RecordIterator {
         RecordIterator {
             reader: slf,
@@ -93,13 +103,13 @@ impl RecordReader {
         }
     }
 
-    /// File size in bytes.
+    /// int: File size in bytes.
     #[getter]
     fn size(&self) -> u64 {
         self.inner.size()
     }
 
-    /// The file path.
+    /// str: The file path.
     #[getter]
     fn path(&self) -> PathBuf {
         self.inner.path().to_path_buf()
@@ -107,6 +117,9 @@ impl RecordReader {
 }
 
 /// Iterator returned by `RecordReader.scan()`.
+///
+/// Yields:
+///     tuple[int, bytes]: Each record's `(offset, payload)`.
 #[pyclass(module = "tiacc_training._engine", frozen)]
 pub struct RecordIterator {
     reader: Py<RecordReader>,
@@ -156,6 +169,7 @@ pub struct RecordWriter {
 #[pymethods]
 impl RecordWriter {
     #[new]
+    #[pyo3(text_signature = "(path: _Path)")]
     fn new(path: PathBuf) -> PyResult<Self> {
         Ok(RecordWriter {
             inner: RecordFileWriter::create(path).py()?,
@@ -163,11 +177,13 @@ impl RecordWriter {
     }
 
     /// Appends a raw payload; returns its offset.
+    #[pyo3(text_signature = "(self, payload: bytes) -> int")]
     fn write(&mut self, py: Python<'_>, payload: &[u8]) -> PyResult<u64> {
         py.detach(|| self.inner.write(payload)).py()
     }
 
     /// Appends a feature dict as a `tf.train.Example`; returns its offset.
+    #[pyo3(text_signature = "(self, features: dict[str, Any]) -> int")]
     fn write_example(&mut self, py: Python<'_>, features: &Bound<'_, PyAny>) -> PyResult<u64> {
         use prost::Message;
         let payload = Example::from_features(features_from_dict(features)?).encode_to_vec();
@@ -175,16 +191,18 @@ impl RecordWriter {
     }
 
     /// Fsyncs and renames into place; returns `[(offset, size)]`.
+    #[pyo3(text_signature = "(self) -> list[tuple[int, int]]")]
     fn close(&mut self, py: Python<'_>) -> PyResult<Vec<(u64, u64)>> {
         py.detach(|| self.inner.finish()).py()
     }
 
     /// Discards the file.
+    #[pyo3(text_signature = "(self) -> None")]
     fn abort(&mut self) {
         self.inner.abort();
     }
 
-    /// Whether the writer is still open.
+    /// bool: Whether the writer is still open.
     #[getter]
     fn is_open(&self) -> bool {
         self.inner.is_open()
@@ -210,6 +228,7 @@ pub struct ShardedWriter {
 #[pymethods]
 impl ShardedWriter {
     #[new]
+    #[pyo3(text_signature = "(out_dir: _Path, name: str, records_per_shard: int)")]
     fn new(py: Python<'_>, out_dir: PathBuf, name: &str, records_per_shard: u64) -> PyResult<Self> {
         let inner = py
             .detach(|| CoreShardedWriter::create(out_dir, name, records_per_shard))
@@ -218,24 +237,29 @@ impl ShardedWriter {
     }
 
     /// Appends a payload with its index label; returns `(shard, offset)`.
-    #[pyo3(signature = (payload, label = -1))]
+    #[pyo3(
+        signature = (payload, label = -1),
+        text_signature = "(self, payload: bytes, label: int = -1) -> tuple[int, int]"
+    )]
     fn write(&mut self, py: Python<'_>, payload: &[u8], label: i64) -> PyResult<(u32, u64)> {
         let loc = py.detach(|| self.inner.write(payload, label)).py()?;
         Ok((loc.shard, loc.offset))
     }
 
     /// Publishes the dataset; returns a summary dict.
+    #[pyo3(text_signature = "(self) -> dict[str, Any]")]
     fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let summary = py.detach(|| self.inner.finish()).py()?;
         summary_dict(py, &summary)
     }
 
     /// Discards everything written.
+    #[pyo3(text_signature = "(self) -> None")]
     fn abort(&mut self) {
         self.inner.abort();
     }
 
-    /// Records written so far.
+    /// int: Records written so far.
     #[getter]
     fn records(&self) -> u64 {
         self.inner.records()
@@ -244,7 +268,10 @@ impl ShardedWriter {
 
 /// Verifies every record of a shard; returns `(records, bytes)`.
 #[pyfunction]
-#[pyo3(signature = (path, check_examples = true))]
+#[pyo3(
+    signature = (path, check_examples = true),
+    text_signature = "(path: _Path, check_examples: bool = True) -> tuple[int, int]"
+)]
 pub fn verify_shard(py: Python<'_>, path: PathBuf, check_examples: bool) -> PyResult<(u64, u64)> {
     let r = py
         .detach(|| verify::verify_shard(&path, check_examples))
@@ -258,7 +285,11 @@ pub fn verify_shard(py: Python<'_>, path: PathBuf, check_examples: bool) -> PyRe
 /// (from the worker threads, holding the GIL). The first exception it raises
 /// stops further calls and is raised once the verification ends.
 #[pyfunction]
-#[pyo3(signature = (path, check_examples = true, progress = None))]
+#[pyo3(
+    signature = (path, check_examples = true, progress = None),
+    text_signature = "(path: _Path, check_examples: bool = True, \
+        progress: Optional[Callable[[int], Any]] = None) -> dict[str, int]"
+)]
 pub fn verify_index<'py>(
     py: Python<'py>,
     path: PathBuf,
@@ -291,6 +322,7 @@ pub fn verify_index<'py>(
 
 /// Reads a dataset index: a list of `(shard_file, shard_idx, offset, label)`.
 #[pyfunction]
+#[pyo3(text_signature = "(path: _Path) -> list[tuple[str, int, int, int]]")]
 pub fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<Vec<(String, u32, u64, i64)>> {
     let entries = py.detach(|| index::read_index(&path)).py()?;
     Ok(entries
@@ -302,7 +334,11 @@ pub fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<Vec<(String, u32, u
 /// Indexes shards written by other tools: `(index_text, unlabelled)`, where
 /// the text has one `shard_file\tshard_idx\toffset\tlabel` line per record.
 #[pyfunction]
-#[pyo3(signature = (shards, index_dir, label_key = "image/class/label"))]
+#[pyo3(
+    signature = (shards, index_dir, label_key = "image/class/label"),
+    text_signature = "(shards: list[_Path], index_dir: _Path, \
+        label_key: str = 'image/class/label') -> tuple[str, int]"
+)]
 pub fn build_index(
     py: Python<'_>,
     shards: Vec<PathBuf>,
