@@ -759,7 +759,7 @@ def engine_threads(index: Path, threads: int) -> float:
 
 def scaling_part(args: argparse.Namespace, img_dir: Path, index: Path) -> dict[str, Any]:
     """Images/s against the worker count, stock and ours, and the GIL time per image."""
-    from tiacc_training.torch import _random_params
+    from tiacc_training.torch.data import _random_params
 
     cores = os.cpu_count() or 1
     counts = sweep_workers(cores)

@@ -18,9 +18,9 @@ from torchvision.transforms import v2
 from tests.conftest import pack_folder
 from tests.unit.test_fused_path import MEAN, STD, mean_abs_01, pair, photo_like, same_seed_items
 from tiacc_training import _engine
-from tiacc_training.torch import _fused
-from tiacc_training.torch._fused import FusedPlan
-from tiacc_training.torch._random_params import sample
+from tiacc_training.torch.data import _fused
+from tiacc_training.torch.data._fused import FusedPlan
+from tiacc_training.torch.data._random_params import sample
 from tiacc_training.torch.tiacc_torch_warp import IndexTFRDataset
 
 # transforms.v2 left beta, with tv_tensors, in torchvision 0.16 (torch 2.1).

@@ -11,8 +11,8 @@ import torch
 import torchvision.transforms as T
 
 from tiacc_training import _engine
-from tiacc_training.torch import _random_params
-from tiacc_training.torch._random_params import TorchDraws, crop_sampler, reproduction, sample
+from tiacc_training.torch.data import _random_params
+from tiacc_training.torch.data._random_params import TorchDraws, crop_sampler, reproduction, sample
 
 SIZES = [(500, 375), (375, 500), (90, 70), (1, 1), (3000, 20), (20, 3000), (224, 224)]
 CASES = [

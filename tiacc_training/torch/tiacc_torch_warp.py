@@ -12,10 +12,10 @@ them when it first needs them, and the mixed-precision policy never does.
 from __future__ import annotations
 
 from tiacc_training.torch._amp import MixedPrecision_TrainingPolicy
-from tiacc_training.torch._dataset import IndexedDataset
+from tiacc_training.torch.data._dataset import IndexedDataset
 
 IndexTFRDataset = IndexedDataset
-"""The TI-ACC name of :class:`~tiacc_training.torch._dataset.IndexedDataset`."""
+"""The TI-ACC name of :class:`~tiacc_training.torch.data._dataset.IndexedDataset`."""
 
 IndexTfrDataset = IndexedDataset
 """PEP 8 spelling of :class:`IndexTFRDataset`."""

@@ -40,7 +40,8 @@ class DeviceDecoder:
     """
 
     def __init__(self, dataset: Any, device: torch.device, decoder: str = "torchvision") -> None:
-        from torchvision.ops import roi_align  # noqa: F401  (fails early without it)
+        # Optional dependency, imported when used; here to fail early without it.
+        from torchvision.ops import roi_align  # noqa: F401
 
         self.dataset = dataset
         self.device = torch.device(device)
@@ -109,7 +110,7 @@ def _resample(
     images: list[torch.Tensor], geometries: list[Any], size: tuple[int, int]
 ) -> torch.Tensor:
     """Every image's crop resized to ``size`` and flipped: float 0..255, NCHW."""
-    from torchvision.ops import roi_align
+    from torchvision.ops import roi_align  # optional dependency, imported when used
 
     device = images[0].device
     height, width = size

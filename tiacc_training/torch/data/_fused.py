@@ -33,56 +33,82 @@ consumes PyTorch's random stream exactly as the PIL path does: with the same
 seed both produce the same crops and flips. Only exact classes qualify (a
 subclass may change behaviour); anything else runs the ordinary PIL path, and
 :meth:`FusedPlan.explain` says which step prevented fusing.
+
+torchvision is optional: it is imported when the first transform is planned,
+not with this module, and without it nothing fuses (no transform can be one
+of its ``Compose``).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Optional, Union
 
 import torch
-import torchvision.transforms as T
-from torchvision.transforms import InterpolationMode
 
 from tiacc_training import _engine
-from tiacc_training.torch import _random_params
 
-try:
-    import torchvision.transforms.v2 as T2
-except ImportError:  # torchvision < 0.15 has no v2 API
-    T2 = None
+from . import _random_params
 
 Geometry = _random_params.Geometry
 
 
-def _classes(*names: str) -> tuple[type, ...]:
-    """The classes called ``names`` in the v1 and, where present, the v2 API."""
-    found = []
-    for module in (T, T2):
-        for name in names:
-            cls = getattr(module, name, None) if module is not None else None
-            if isinstance(cls, type):
-                found.append(cls)
-    return tuple(found)
+class _Classes:
+    """The transform classes the parser knows: torchvision's v1 and, where present, v2.
+
+    Args:
+        v1: ``torchvision.transforms``.
+        v2: ``torchvision.transforms.v2``, or None (torchvision < 0.15).
+    """
+
+    def __init__(self, v1: ModuleType, v2: Optional[ModuleType]) -> None:
+        def classes(*names: str) -> tuple[type, ...]:
+            found = []
+            for module in (v1, v2):
+                for name in names:
+                    cls = getattr(module, name, None) if module is not None else None
+                    if isinstance(cls, type):
+                        found.append(cls)
+            return tuple(found)
+
+        self.compose = classes("Compose")
+        self.resized_crop = classes("RandomResizedCrop")
+        self.resize = classes("Resize")
+        self.center_crop = classes("CenterCrop")
+        self.hflip = classes("RandomHorizontalFlip")
+        self.geometry = self.resized_crop + self.resize + self.center_crop
+        self.to_float = classes("ToTensor")  # v2's ToTensor calls v1's to_tensor
+        self.to_uint8 = classes("PILToTensor", "ToImage")
+        self.convert_dtype = classes("ConvertImageDtype")
+        self.to_dtype = classes("ToDtype")
+        self.normalize = classes("Normalize")
+        self.known = (
+            self.compose + self.geometry + self.hflip + self.to_float + self.to_uint8
+            + self.convert_dtype + self.to_dtype + self.normalize
+        )  # fmt: skip
+        self.interpolation_mode: type = v1.InterpolationMode
+        self.bilinear = (v1.InterpolationMode.BILINEAR, "bilinear", 2)
+        """The spellings of bilinear: the enum, v2's string default, Pillow's constant."""
 
 
-_COMPOSE = _classes("Compose")
-_RESIZED_CROP = _classes("RandomResizedCrop")
-_RESIZE = _classes("Resize")
-_CENTER_CROP = _classes("CenterCrop")
-_HFLIP = _classes("RandomHorizontalFlip")
-_GEOMETRY = _RESIZED_CROP + _RESIZE + _CENTER_CROP
-_TO_FLOAT = _classes("ToTensor")  # v2's ToTensor calls v1's to_tensor
-_TO_UINT8 = _classes("PILToTensor", "ToImage")
-_CONVERT_DTYPE = _classes("ConvertImageDtype")
-_TO_DTYPE = _classes("ToDtype")
-_NORMALIZE = _classes("Normalize")
-_KNOWN = _COMPOSE + _GEOMETRY + _HFLIP + _TO_FLOAT + _TO_UINT8 + _CONVERT_DTYPE
-_KNOWN += _TO_DTYPE + _NORMALIZE
+@functools.cache
+def _torchvision() -> Optional[_Classes]:
+    """The classes of torchvision's transforms, imported on first use; None without it."""
+    try:
+        import torchvision.transforms as v1  # optional dependency: imported on first use
+    except ImportError:
+        return None
+    try:
+        import torchvision.transforms.v2 as v2
+    except ImportError:  # torchvision < 0.15 has no v2 API
+        v2 = None
+    return _Classes(v1, v2)
 
 
 def _pair(size: Union[int, Sequence[int]]) -> tuple[int, int]:
@@ -93,13 +119,9 @@ def _pair(size: Union[int, Sequence[int]]) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
-_BILINEAR = (InterpolationMode.BILINEAR, "bilinear", 2)
-"""The spellings of bilinear: the enum, v2's string default, Pillow's constant."""
-
-
-def _bilinear(t: Any) -> bool:
+def _bilinear(tv: _Classes, t: Any) -> bool:
     mode = t.interpolation
-    return isinstance(mode, (InterpolationMode, str, int)) and mode in _BILINEAR
+    return isinstance(mode, (tv.interpolation_mode, str, int)) and mode in tv.bilinear
 
 
 def _resize_error(step: Any) -> Optional[str]:
@@ -124,16 +146,16 @@ def _channel_triple(values: Any) -> Optional[tuple[float, float, float]]:
     return tuple(float(x) for x in v.expand(3))  # type: ignore[return-value]
 
 
-def _describe(step: Any, limit: int = 200) -> str:
+def _describe(tv: _Classes, step: Any, limit: int = 200) -> str:
     """``repr(step)`` on one line, shortened to about ``limit`` characters."""
-    if type(step) in _TO_DTYPE:  # its repr leaves the dtype out
+    if type(step) in tv.to_dtype:  # its repr leaves the dtype out
         text = f"ToDtype(dtype={step.dtype!r}, scale={step.scale!r})"
     else:
         text = " ".join(repr(step).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _flatten(compose: Any, prefix: str = "") -> list[tuple[str, Any]]:
+def _flatten(tv: _Classes, compose: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """The steps of ``compose`` as ``(label, step)``, nested ``Compose`` steps inlined.
 
     Labels count from 1; a step of a nested ``Compose`` at step 2 is ``"2.1"``.
@@ -141,8 +163,8 @@ def _flatten(compose: Any, prefix: str = "") -> list[tuple[str, Any]]:
     steps: list[tuple[str, Any]] = []
     for k, step in enumerate(compose.transforms, 1):
         label = f"{prefix}{k}"
-        if type(step) in _COMPOSE:
-            steps.extend(_flatten(step, label + "."))
+        if type(step) in tv.compose:
+            steps.extend(_flatten(tv, step, label + "."))
         else:
             steps.append((label, step))
     return steps
@@ -151,7 +173,8 @@ def _flatten(compose: Any, prefix: str = "") -> list[tuple[str, Any]]:
 class _Steps:
     """A cursor over the flattened steps of a ``Compose``, for the parser."""
 
-    def __init__(self, steps: list[tuple[str, Any]]) -> None:
+    def __init__(self, tv: _Classes, steps: list[tuple[str, Any]]) -> None:
+        self.tv = tv
         self.steps = steps
         self.pos = 0
 
@@ -168,18 +191,18 @@ class _Steps:
     def where(self, pos: Optional[int] = None) -> str:
         """``"Resize(...) (step 2 of Compose)"`` for the step at ``pos`` (default: next)."""
         label, step = self.steps[self.pos if pos is None else pos]
-        return f"{_describe(step)} (step {label} of Compose)"
+        return f"{_describe(self.tv, step)} (step {label} of Compose)"
 
     def cannot(self, why: str = "", pos: Optional[int] = None) -> str:
         """The reason the step at ``pos`` (default: the next) stops fusing."""
         step = self.steps[self.pos if pos is None else pos][1]
-        why = why or _hint(step)
+        why = why or _hint(self.tv, step)
         return self.where(pos) + (f": {why}" if why else "")
 
 
-def _hint(step: Any) -> str:
+def _hint(tv: _Classes, step: Any) -> str:
     """Why an unexpected step cannot fuse, where something more can be said."""
-    for known in _KNOWN:
+    for known in tv.known:
         if isinstance(step, known) and type(step) is not known:
             return (
                 f"a subclass of {known.__module__}.{known.__name__} "
@@ -228,33 +251,36 @@ class FusedPlan:
 
         Returns:
             ``(plan, None)`` when ``transform`` qualifies, ``(None, None)`` when
-            it is None (nothing to fuse, nothing wrong), else ``(None, reason)``
+            it is None or torchvision is not installed (nothing to fuse, nothing
+            wrong), else ``(None, reason)``
             where ``reason`` names the step that prevented fusing, e.g.
             ``"GaussianBlur(...) (step 3 of Compose)"``.
         """
-        if transform is None:
+        tv = None if transform is None else _torchvision()
+        if tv is None:
             return None, None
-        if type(transform) not in _COMPOSE:
-            why = _hint(transform) or "it is not a torchvision Compose"
-            return None, f"{_describe(transform)}: {why}"
-        steps = _Steps(_flatten(transform))
+        if type(transform) not in tv.compose:
+            why = _hint(tv, transform) or "it is not a torchvision Compose"
+            return None, f"{_describe(tv, transform)}: {why}"
+        steps = _Steps(tv, _flatten(tv, transform))
         if not steps.steps:
-            return None, f"{_describe(transform)}: the Compose has no steps"
+            return None, f"{_describe(tv, transform)}: the Compose has no steps"
         return cls._parse(steps)
 
     @classmethod
     def _parse(cls, steps: _Steps) -> tuple[Optional[FusedPlan], Optional[str]]:
+        tv = steps.tv
         first = steps.peek()
         first_pos = steps.pos
         kind = type(first)
         center = None
         out: Optional[tuple[int, int]] = None
-        if (kind in _RESIZED_CROP or kind in _RESIZE) and not _bilinear(first):
+        if (kind in tv.resized_crop or kind in tv.resize) and not _bilinear(tv, first):
             return None, steps.cannot("only bilinear interpolation is fused")
-        if kind in _RESIZED_CROP:
+        if kind in tv.resized_crop:
             steps.take()
             crop_kind, out = "rrc", _pair(first.size)
-        elif kind in _RESIZE:
+        elif kind in tv.resize:
             error = _resize_error(first)
             if error is not None:
                 return None, steps.cannot(error)
@@ -262,28 +288,28 @@ class FusedPlan:
             crop_kind = "resize"
             if isinstance(first.size, (list, tuple)) and len(first.size) == 2:
                 out = _pair(first.size)
-            if type(steps.peek()) in _CENTER_CROP:
+            if type(steps.peek()) in tv.center_crop:
                 center = _pair(steps.take().size)
                 out = center
             if out is None:
                 why = "its output size differs per image (add a CenterCrop to batch it)"
                 return None, steps.cannot(why, pos=first_pos)
-        elif kind in _CENTER_CROP:
+        elif kind in tv.center_crop:
             steps.take()
             crop_kind, center = "center", _pair(first.size)
             out = center
         else:
-            if kind in _TO_FLOAT or kind in _TO_UINT8:
+            if kind in tv.to_float or kind in tv.to_uint8:
                 for pos in range(steps.pos + 1, len(steps.steps)):
-                    if type(steps.steps[pos][1]) in _GEOMETRY:
+                    if type(steps.steps[pos][1]) in tv.geometry:
                         return None, steps.cannot(_AFTER_CONVERSION, pos=pos)
-            why = _hint(first) or (
+            why = _hint(tv, first) or (
                 "the fused path starts with RandomResizedCrop, Resize or CenterCrop "
                 "on the PIL image"
             )
             return None, steps.cannot(why)
         flip_p = None
-        if type(steps.peek()) in _HFLIP:
+        if type(steps.peek()) in tv.hflip:
             flip_p = float(steps.take().p)
         if steps.peek() is None:
             why = "the Compose ends here, with a PIL image (no tensor conversion to fuse)"
@@ -292,7 +318,7 @@ class FusedPlan:
         if reason is not None:
             return None, reason
         mean = std = None
-        if type(steps.peek()) in _NORMALIZE:
+        if type(steps.peek()) in tv.normalize:
             norm = steps.peek()
             if not to_float:
                 return None, steps.cannot("it needs a float tensor, the conversion gives uint8")
@@ -301,7 +327,7 @@ class FusedPlan:
                 return None, steps.cannot("its mean and std must have 1 or 3 values")
             steps.take()
         rest = type(steps.peek())
-        if rest in _GEOMETRY or rest in _HFLIP:
+        if rest in tv.geometry or rest in tv.hflip:
             return None, steps.cannot(_AFTER_CONVERSION)
         if steps.peek() is not None:
             return None, steps.cannot()
@@ -335,32 +361,33 @@ class FusedPlan:
 
 def _conversion(steps: _Steps) -> tuple[bool, Optional[str]]:
     """Consumes the tensor conversion: ``(to_float, None)``, or ``(False, reason)``."""
+    tv = steps.tv
     conv = steps.peek()
     kind = type(conv)
-    if kind in _TO_FLOAT:
+    if kind in tv.to_float:
         steps.take()
         return True, None
-    if kind not in _TO_UINT8:
+    if kind not in tv.to_uint8:
         why = ""
-        if kind in _GEOMETRY or kind in _HFLIP:
+        if kind in tv.geometry or kind in tv.hflip:
             why = "only one crop or resize, then at most one RandomHorizontalFlip, are fused"
-        elif kind in _CONVERT_DTYPE or kind in _TO_DTYPE or kind in _NORMALIZE:
+        elif kind in tv.convert_dtype or kind in tv.to_dtype or kind in tv.normalize:
             why = "it needs a tensor, and the image is still a PIL image here"
         return False, steps.cannot(why)
     steps.take()
     nxt = steps.peek()
     kind = type(nxt)
-    if kind in _CONVERT_DTYPE:
+    if kind in tv.convert_dtype:
         if nxt.dtype != torch.float32:
             return False, steps.cannot("only ConvertImageDtype(torch.float32) is fused")
         steps.take()
         return True, None
-    if kind in _TO_DTYPE:
+    if kind in tv.to_dtype:
         if not (isinstance(nxt.dtype, torch.dtype) and nxt.dtype == torch.float32 and nxt.scale):
             return False, steps.cannot("only ToDtype(torch.float32, scale=True) is fused")
         steps.take()
         return True, None
-    if kind in _GEOMETRY or kind in _HFLIP:
+    if kind in tv.geometry or kind in tv.hflip:
         return False, steps.cannot(_AFTER_CONVERSION)
     return False, None
 

@@ -46,13 +46,14 @@ class TorchvisionJpeg:
     _lock = threading.Lock()
 
     def __init__(self, device: torch.device) -> None:
-        import torchvision.io  # noqa: F401  (fails early when torchvision lacks it)
+        # Optional dependency, imported when used; here to fail early without it.
+        import torchvision.io  # noqa: F401
 
         self.device = device
 
     def decode(self, inputs: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         """CHW uint8 RGB images on the device (``None`` where one failed)."""
-        from torchvision.io import ImageReadMode, decode_jpeg
+        from torchvision.io import ImageReadMode, decode_jpeg  # optional dependency
 
         if not inputs:
             return []
@@ -82,7 +83,7 @@ class NvImageCodecJpeg:
 
     def __init__(self, device: torch.device) -> None:
         try:
-            from nvidia import nvimgcodec
+            from nvidia import nvimgcodec  # optional dependency, installed by the user
         except ImportError as exc:
             raise ImportError(
                 "jpeg_decoder='nvimagecodec' needs NVIDIA's nvImageCodec: pip install "

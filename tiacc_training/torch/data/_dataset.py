@@ -23,23 +23,12 @@ import torch.utils.data
 
 from tiacc_training import _engine
 from tiacc_training.errors import missing_file
-from tiacc_training.torch._random_params import TorchDraws, reproducible
+
+from ._fused import FusedPlan
+from ._random_params import TorchDraws, reproducible
 
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
-
-    from tiacc_training.torch._fused import FusedPlan
-
-
-def _plan(transform: Any, warn: bool) -> Optional[FusedPlan]:
-    """The fused plan of ``transform``, or None (always None without torchvision)."""
-    if transform is None:
-        return None
-    try:
-        from tiacc_training.torch._fused import FusedPlan
-    except ImportError:  # no torchvision: the transform cannot be one of its Compose
-        return None
-    return FusedPlan.from_transform(transform, warn=warn)
 
 
 def _resolve_index(root: str, index_file: str) -> str:
@@ -163,7 +152,7 @@ class IndexedDataset(torch.utils.data.Dataset):
 
     @transform.setter
     def transform(self, transform: Optional[Callable[[PILImage], Any]]) -> None:
-        plan = _plan(transform, warn=self.output is None) if self.fused else None
+        plan = FusedPlan.from_transform(transform, warn=self.output is None) if self.fused else None
         if self.output == "uint8":
             if plan is None:
                 raise ValueError(
@@ -190,7 +179,7 @@ class IndexedDataset(torch.utils.data.Dataset):
         return i + n if i < 0 else i
 
     def _item(self, pixels: Any, index: int) -> tuple[Any, Any]:
-        from PIL import Image  # only the PIL path needs PIL
+        from PIL import Image  # optional dependency: only the PIL path needs PIL
 
         image = Image.fromarray(pixels)  # (H, W, 3) uint8: mode RGB
         if self.transform is not None:
