@@ -486,12 +486,6 @@ macro_rules! engine_getters {
 }
 pub(crate) use engine_getters;
 
-/// One process's communication engine for CPU buckets over TCP.
-///
-/// Created from the configuration, the rank and world size, the address to
-/// listen on and (with the 2D allreduce) the ranks per node; it listens at
-/// once (`address`). After every rank's address and the job token have been
-/// exchanged, `connect` forms the rings and starts the channel threads.
 /// An allreduce's result left in memory the ranks of one host share
 /// (`CommEngine.allreduce_async(..., share=True)`): `ptr` and `nbytes`
 /// describe it, and the memory stays mapped while this object lives.
@@ -519,6 +513,12 @@ impl SharedResult {
     }
 }
 
+/// One process's communication engine for CPU buckets over TCP.
+///
+/// Created from the configuration, the rank and world size, the address to
+/// listen on and (with the 2D allreduce) the ranks per node; it listens at
+/// once (`address`). After every rank's address and the job token have been
+/// exchanged, `connect` forms the rings and starts the channel threads.
 #[pyclass(module = "tiacc_training._engine")]
 pub struct CommEngine {
     info: EngineInfo,
