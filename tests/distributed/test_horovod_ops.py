@@ -201,7 +201,7 @@ def test_under_mpirun() -> None:
 def test_launcher_variables_become_torchrun_ones(
     monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], expected: tuple
 ) -> None:
-    from tiacc_training.torch.horovod import _basics
+    from tiacc_training.torch.horovod import _init
 
     for name in (
         *TORCHRUN_VARIABLES,
@@ -214,7 +214,7 @@ def test_launcher_variables_become_torchrun_ones(
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    launcher = _basics.export_launcher_env()
+    launcher = _init.export_launcher_env()
     got = (
         launcher,
         *(os.environ.get(n) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")),
@@ -223,7 +223,7 @@ def test_launcher_variables_become_torchrun_ones(
 
 
 def test_launcher_variables_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiacc_training.torch.horovod import _basics
+    from tiacc_training.torch.horovod import _init
 
     for name in (
         *TORCHRUN_VARIABLES,
@@ -236,7 +236,7 @@ def test_launcher_variables_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOROVOD_RANK", "4")
     monkeypatch.setenv("HOROVOD_SIZE", "4")
     with pytest.raises(ConfigError, match="HOROVOD_RANK.*a rank below the world size 4"):
-        _basics.export_launcher_env()
+        _init.export_launcher_env()
     monkeypatch.delenv("HOROVOD_SIZE")
     with pytest.raises(ConfigError, match="HOROVOD_SIZE.*since HOROVOD_RANK=4 is set"):
-        _basics.export_launcher_env()
+        _init.export_launcher_env()

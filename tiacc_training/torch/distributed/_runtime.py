@@ -49,7 +49,6 @@ from tiacc_training.errors import ConfigError
 from . import _backend, _engine_state, _launch
 from ._cuda import HostStaging, NcclChannels
 from ._engines import advertised_host, engine_arguments, nccl_engine, next_prefix
-from ._engines import job_launch as job_launch  # the Horovod package reads it here
 from ._nccl import check_gpu_placement
 from ._rendezvous import attempt_prefix, connect_tcp, default_store, elastic_agent_store
 from ._startup import finish, later_warn

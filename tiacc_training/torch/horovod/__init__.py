@@ -12,8 +12,9 @@ gradient buckets to the same engine as the DDP hook, with its settings
 
 from __future__ import annotations
 
-# -- basics, collectives and process sets (_basics.py, _ops.py gathering the
-#    collectives' modules, _process_sets.py) --
+# -- init and shutdown (_init.py); what init() found and the build (_basics.py);
+#    collectives (_ops.py gathering the collectives' modules) and process sets
+#    (_process_sets.py) --
 from ._basics import (  # noqa: F401
     ccl_built,
     cross_rank,
@@ -22,7 +23,6 @@ from ._basics import (  # noqa: F401
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -33,10 +33,10 @@ from ._basics import (  # noqa: F401
     nccl_built,
     rank,
     rocm_built,
-    shutdown,
     size,
 )
 from ._exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
+from ._init import init, shutdown  # noqa: F401
 from ._ops import (  # noqa: F401
     Adasum,
     Average,
@@ -81,18 +81,16 @@ from ._process_sets import (  # noqa: F401
     remove_process_set,
 )
 
-# -- training: DistributedOptimizer and friends (_optimizer.py, _compression.py,
-#    _sync_batch_norm.py); after the collectives, which they import --
+# -- training: DistributedOptimizer and friends (_optimizer.py, _broadcast_state.py,
+#    _compression.py, _sync_batch_norm.py) --
 # isort: split
+from ._broadcast_state import broadcast_optimizer_state, broadcast_parameters  # noqa: F401
 from ._compression import Compression  # noqa: F401
-from ._optimizer import (  # noqa: F401
-    DistributedOptimizer,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
+from ._optimizer import DistributedOptimizer  # noqa: F401
 from ._sync_batch_norm import SyncBatchNorm  # noqa: F401
 
 # -- timeline (_timeline.py) --
+# isort: split
 from ._timeline import start_timeline, stop_timeline  # noqa: F401
 
 # -- elastic training: hvd.elastic (elastic.py, over the driver's rounds in _rounds.py) --

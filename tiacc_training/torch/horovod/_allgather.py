@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from . import _basics
-from ._common import Average, Sum, check_list, check_tensor, op_of, small_device
+from ._allreduce import allreduce_async, grouped_allreduce_async
+from ._common import Average, Sum, check_list, check_tensor, op_of
 from ._handles import Pending, SparseHandle, complete, mark, name_of, register, submit, synchronize
 from ._negotiation import Call, attempt, negotiate, refuse
-from ._process_sets import ProcessSet, global_process_set, resolve
+from ._process_sets import ProcessSet, global_process_set, resolve, small_device
 
 __all__ = [
     "allgather",
@@ -129,8 +130,6 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
-        from ._allreduce import allreduce_async
-
         offset, count, scalar = ctx.rows
         averaged = synchronize(
             allreduce_async(grad.contiguous(), None, None, Average, 1.0, 1.0, ctx.process_set)
@@ -160,8 +159,6 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
-        from ._allreduce import grouped_allreduce_async
-
         averaged = synchronize(
             grouped_allreduce_async(
                 [g.contiguous() for g in grads], None, None, Average, 1.0, 1.0, ctx.process_set

@@ -7,7 +7,7 @@ after. The average of integer tensors is the sum divided by the set's size,
 rounded toward zero (with a postscale factor, ``sum * postscale / size``
 rounded toward zero), and integer tensors are scaled in float64 and rounded
 toward zero. Tensors of one dtype and device are fused into one buffer and
-one collective.
+one collective (:mod:`._reduce`).
 """
 
 from __future__ import annotations
@@ -16,26 +16,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from . import _adasum, _basics, _negotiation
+from . import _reduce
 from ._common import (
     DTYPE_CODE,
-    DTYPES,
-    OPS,
-    TORCH_OPS,
     Adasum,
-    Average,
     ReduceOp,
     check_list,
     check_scales,
     check_tensor,
-    native_average,
     op_of,
-    scale_,
 )
-from ._handles import Pending, complete, mark, name_of, register, submit, synchronize
-from ._negotiation import BUFFERS, OP, Call, attempt, guard, negotiate, refuse
+from ._handles import Pending, mark, name_of, register, synchronize
+from ._negotiation import Call, attempt, guard, negotiate, refuse
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = [
@@ -60,12 +53,10 @@ def start(
     name: str,
     named: bool,
     kind: str,
-    serving: bool = False,
 ) -> Pending:
-    """Reduces ``tensors`` into ``outputs`` (which may be the same tensors).
+    """Agrees on the call with the set's other ranks, then reduces ``tensors`` into ``outputs``.
 
-    ``serving``: a rank inside ``join()`` taking part with zeros (the
-    header exchange already ran).
+    ``outputs`` may be the same tensors. The data path is :mod:`._reduce`'s.
     """
     mark(name, "ALLREDUCE", "negotiate")
     call = Call(kind, name, named, process_set, tensors, op=int(op))
@@ -76,9 +67,7 @@ def start(
         bad = [t.dtype for t in tensors if not t.is_floating_point()]
         if bad:
             call.refusal = ValueError(f"Adasum reduces floating-point tensors only, not {bad[0]}")
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.dtype, t.device), []).append(i)
+    groups = _reduce.fuse(tensors)
     call.buffers = [
         [
             DTYPE_CODE.get(dtype, -1),
@@ -88,85 +77,13 @@ def start(
         ]
         for (dtype, device), members in groups.items()
     ]
-    deferred = None
-    if not serving:
-        deferred = negotiate(call, defer=True).later
-    n = len(process_set.ranks)
-    group = process_set.group
-    plans: list[tuple[torch.Tensor, list[int], float]] = []
-
-    def issue() -> list[Any]:
-        works = []
-        for members in groups.values():
-            if len(members) == 1 and outputs[members[0]].is_contiguous():
-                buffer = outputs[members[0]]
-                if buffer is not tensors[members[0]]:
-                    buffer.copy_(tensors[members[0]])
-                buffer = buffer.view(-1)
-            else:
-                buffer = torch.cat([tensors[i].reshape(-1) for i in members])
-            scale_(buffer, prescale_factor)
-            post = postscale_factor
-            if op == Adasum:
-                _adasum.adasum_(
-                    buffer,
-                    [tensors[i].numel() for i in members],
-                    process_set.ranks,
-                    process_set.ranks.index(_basics.rank()),
-                    group,
-                )
-                work = None
-            elif op == Average:
-                if (buffer.is_floating_point() or post == 1.0) and native_average(buffer, group):
-                    work = dist.all_reduce(buffer, dist.ReduceOp.AVG, group=group, async_op=True)
-                else:
-                    post = post / n
-                    work = dist.all_reduce(buffer, dist.ReduceOp.SUM, group=group, async_op=True)
-            else:
-                work = dist.all_reduce(buffer, TORCH_OPS[int(op)], group=group, async_op=True)
-            works.append(work)
-            plans.append((buffer, members, post))
-        return works
-
-    def finish() -> list[torch.Tensor]:
-        if deferred is not None:
-            deferred()
-        for buffer, members, post in plans:
-            scale_(buffer, post)
-            offset = 0
-            for i in members:
-                out = outputs[i]
-                count = out.numel()
-                if buffer.data_ptr() != out.data_ptr() or not out.is_contiguous():
-                    out.copy_(buffer[offset : offset + count].view(out.shape))
-                offset += count
-        return outputs
-
-    pending = submit(name, "ALLREDUCE", issue, finish)
+    deferred = negotiate(call, defer=True).later
+    pending = _reduce.start(
+        tensors, outputs, op, prescale_factor, postscale_factor, process_set, name, groups, deferred
+    )
     if named:
         pending.key = (int(process_set.process_set_id or 0), kind, name)
     return pending
-
-
-def serve_zeros(row: list[int], name: str, process_set: ProcessSet) -> None:
-    """Takes part with zeros in the allreduce a header describes (its fused buffers)."""
-    tensors: list[torch.Tensor] = []
-    for b in range(row[BUFFERS]):
-        first = BUFFERS + 1 + 4 * b
-        code, numel, count, cuda = row[first : first + 4]
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        dtype = DTYPES[code]
-        # The same fused length and number of tensors (Adasum's dot products are per tensor).
-        tensors.append(torch.zeros(numel, dtype=dtype, device=device))
-        tensors.extend(torch.zeros(0, dtype=dtype, device=device) for _ in range(count - 1))
-    pre, post = _negotiation.prescale_of(row), _negotiation.postscale_of(row)
-    pending = start(
-        tensors, tensors, OPS[row[OP]], pre, post, process_set, name, False, "allreduce", True
-    )
-    complete(pending)
-
-
-_negotiation.zeros = serve_zeros
 
 
 def _single(

@@ -14,10 +14,11 @@ import torch.distributed as dist
 
 from . import _basics
 from ._allgather import object_bytes
-from ._common import Average, check_root, check_tensor, small_device
+from ._allreduce import allreduce_async
+from ._common import Average, check_root, check_tensor
 from ._handles import Pending, complete, mark, name_of, register, submit, synchronize
 from ._negotiation import Call, attempt, negotiate, refuse
-from ._process_sets import ProcessSet, global_process_set, resolve
+from ._process_sets import ProcessSet, global_process_set, resolve, small_device
 
 __all__ = ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object"]
 
@@ -107,8 +108,6 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
-        from ._allreduce import allreduce_async
-
         reduced = synchronize(
             allreduce_async(grad.contiguous(), None, None, Average, 1.0, 1.0, ctx.process_set)
         )

@@ -11,16 +11,12 @@ from typing import Any
 
 import torch
 
-from . import global_process_set
+from . import _basics
+from ._broadcast import broadcast_async_, broadcast_object
+from ._handles import synchronize
+from ._process_sets import global_process_set
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
-
-
-def _hvd() -> Any:
-    """The package's namespace (its collectives), imported on first use."""
-    from tiacc_training.torch import horovod
-
-    return horovod
 
 
 def broadcast_parameters(
@@ -37,7 +33,6 @@ def broadcast_parameters(
     Raises:
         ValueError: ``params`` is of another type, or holds a non-tensor.
     """
-    hvd = _hvd()
     if isinstance(params, dict):
         items = sorted(params.items()) if all(isinstance(k, str) for k in params) else None
         items = items if items is not None else list(params.items())
@@ -61,7 +56,7 @@ def broadcast_parameters(
                 "hvd.broadcast_object for other values"
             )
         handles.append(
-            hvd.broadcast_async_(
+            broadcast_async_(
                 value.detach(),
                 root_rank,
                 name=f"broadcast_parameters.{name}",
@@ -69,7 +64,7 @@ def broadcast_parameters(
             )
         )
     for handle in handles:
-        hvd.synchronize(handle)
+        synchronize(handle)
 
 
 def broadcast_optimizer_state(
@@ -100,7 +95,6 @@ def broadcast_optimizer_state(
             parameter groups differ in length.
     """
     del model
-    hvd = _hvd()
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
             f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
@@ -117,12 +111,12 @@ def broadcast_optimizer_state(
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
     layout = None
-    if hvd.rank() == root_rank:
+    if _basics.rank() == root_rank:
         layout = {
             "state": {k: _layout(v) for k, v in mine["state"].items()},
             "param_groups": mine["param_groups"],
         }
-    layout = hvd.broadcast_object(
+    layout = broadcast_object(
         layout,
         root_rank=root_rank,
         name="broadcast_optimizer_state.layout",
@@ -131,7 +125,7 @@ def broadcast_optimizer_state(
     sizes = [len(g["params"]) for g in layout["param_groups"]]
     if sizes != [len(g["params"]) for g in mine["param_groups"]]:
         raise ValueError(
-            f"rank {hvd.rank()}: the optimizer's parameter groups hold "
+            f"rank {_basics.rank()}: the optimizer's parameter groups hold "
             f"{[len(g['params']) for g in mine['param_groups']]} parameters, rank "
             f"{root_rank}'s hold {sizes}"
         )
@@ -161,13 +155,13 @@ def broadcast_optimizer_state(
                 entry[name] = spec
         state[key] = entry
     handles = [
-        hvd.broadcast_async_(
+        broadcast_async_(
             t, root_rank, name=f"broadcast_optimizer_state.{n}", process_set=process_set
         )
         for n, t in tensors
     ]
     for handle in handles:
-        hvd.synchronize(handle)
+        synchronize(handle)
     optimizer.load_state_dict({"state": state, "param_groups": layout["param_groups"]})
 
 

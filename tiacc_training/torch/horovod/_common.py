@@ -203,17 +203,3 @@ def native_average(tensor: torch.Tensor, group: Any) -> bool:
     if _backend.cpu_backend_of(group) is None:
         return False
     return str(tensor.dtype).removeprefix("torch.") in _engine.collective_dtypes()
-
-
-def small_device(process_set: ProcessSet, like: torch.Tensor | None = None) -> torch.device:
-    """Where small control tensors of this set go: the CPU unless the group has none."""
-    try:
-        backend = str(dist.get_backend(process_set.group))
-    except Exception:
-        return torch.device("cpu")
-    text = backend.strip().lower()
-    if text != "nccl" and (":" not in text or "cpu:" in text):  # a group with a CPU backend
-        return torch.device("cpu")
-    if like is not None and like.is_cuda:
-        return like.device
-    return torch.device("cuda", torch.cuda.current_device())

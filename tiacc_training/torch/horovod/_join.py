@@ -13,7 +13,6 @@ import itertools
 import torch.distributed as dist
 
 from . import _basics
-from ._allreduce import serve_zeros
 from ._exceptions import HorovodInternalError
 from ._handles import complete, mark, name_of, submit
 from ._negotiation import (
@@ -21,13 +20,13 @@ from ._negotiation import (
     Call,
     agreed_key,
     deferred_row,
-    gather_ints,
     is_served,
     joined_row,
     negotiate,
     remember,
+    serve_zeros,
 )
-from ._process_sets import ProcessSet, global_process_set, resolve
+from ._process_sets import ProcessSet, gather_ints, global_process_set, resolve
 
 __all__ = ["barrier", "join"]
 

@@ -42,10 +42,10 @@ import torch.distributed as dist
 
 from tiacc_training.errors import CommError
 
-from . import _basics, _handles
-from ._common import DESCRIPTION, describe, show, small_device
+from . import _basics, _handles, _reduce
+from ._common import DESCRIPTION, DTYPES, OPS, describe, show
 from ._exceptions import HorovodInternalError, wait
-from ._process_sets import ProcessSet
+from ._process_sets import ProcessSet, gather_ints, small_device
 
 ACTIVE, JOINED = 0, 1
 _OK, _REFUSED = 0, 1
@@ -72,9 +72,6 @@ WIDTH = BUFFERS + 1 + 4 * MAX_BUFFERS
 
 # (process set id, kind code, name digest) -> the header the ranks agreed on.
 _agreed: dict[tuple[int, int, int], tuple[int, ...]] = {}
-# Runs an allreduce of zeros shaped as a header describes, on a set (set by
-# the allreduce module, which this one cannot import).
-zeros: Callable[[list[int], str, ProcessSet], None] | None = None
 
 
 def forget() -> None:
@@ -191,26 +188,6 @@ def joined_row() -> list[int]:
     return [JOINED] + [0] * (WIDTH - 1)
 
 
-def gather_ints(
-    values: list[int], process_set: ProcessSet, like: torch.Tensor | None = None
-) -> list[list[int]]:
-    """Every rank's ``values`` (the same length everywhere), in set order.
-
-    Raises:
-        HorovodInternalError: the exchange failed (a peer left or timed out).
-    """
-    n = len(process_set.ranks)
-    if n == 1:
-        return [list(values)]
-    mine = torch.tensor(values, dtype=torch.int64, device=small_device(process_set, like))
-    out = torch.empty(n * len(values), dtype=torch.int64, device=mine.device)
-    wait(
-        lambda: dist.all_gather_into_tensor(out, mine, group=process_set.group, async_op=True),
-        "exchanging tensor shapes",
-    )
-    return out.view(n, len(values)).tolist()
-
-
 def negotiate(call: Call, defer: bool = False) -> Agreement:
     """Exchanges ``call``'s header (and payload) with the set's other ranks.
 
@@ -243,10 +220,10 @@ def negotiate(call: Call, defer: bool = False) -> Agreement:
         return Agreement([list(call.payload)], _queue(mine, call, like))
     every = gather_ints(mine, process_set, like)
     went_ahead = deferred_row(every, set_id)
-    if went_ahead is not None and zeros is not None:
+    if went_ahead is not None:
         # Some ranks' calls matched an allreduce agreed before and issued
         # it without waiting for this exchange: take part with zeros.
-        zeros(went_ahead, f"{call.name}.changed", process_set)
+        serve_zeros(went_ahead, f"{call.name}.changed", process_set)
     judge(call, every)
     if call.named:
         _agreed[key] = tuple(mine)
@@ -275,6 +252,36 @@ def deferred_row(every: list[list[int]], set_id: int) -> list[int] | None:
             if _agreed.get(agreed_key(set_id, row)) == tuple(row):
                 return row
     return None
+
+
+def serve_zeros(row: list[int], name: str, process_set: ProcessSet) -> None:
+    """Takes part with zeros in the allreduce a header describes (its fused buffers).
+
+    A rank inside ``join()``, or one whose call did not match an allreduce
+    other ranks issued without waiting (:func:`deferred_row`), reduces
+    zeros of the same fused lengths; the header exchange already ran.
+    """
+    tensors: list[torch.Tensor] = []
+    for b in range(row[BUFFERS]):
+        first = BUFFERS + 1 + 4 * b
+        code, numel, count, cuda = row[first : first + 4]
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dtype = DTYPES[code]
+        # The same fused length and number of tensors (Adasum's dot products are per tensor).
+        tensors.append(torch.zeros(numel, dtype=dtype, device=device))
+        tensors.extend(torch.zeros(0, dtype=dtype, device=device) for _ in range(count - 1))
+    _handles.mark(name, "ALLREDUCE", "negotiate")
+    pending = _reduce.start(
+        tensors,
+        tensors,
+        OPS[row[OP]],
+        prescale_of(row),
+        postscale_of(row),
+        process_set,
+        name,
+        _reduce.fuse(tensors),
+    )
+    _handles.complete(pending)
 
 
 def _queue(mine: list[int], call: Call, like: torch.Tensor | None) -> Callable[[], None]:

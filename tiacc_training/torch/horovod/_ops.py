@@ -11,7 +11,9 @@ part lives:
   and :func:`poll`, the duplicate-name rule, the timeline's marks;
 * :mod:`._negotiation`: the header exchange every operation starts with,
   so that a mismatch raises the same error on every rank and the job stays
-  in step;
+  in step (and the zeros a rank reduces in an allreduce others issued);
+* :mod:`._reduce`: an allreduce's data path, its fused buffers reduced and
+  scaled (under both :mod:`._allreduce` and those zeros);
 * :mod:`._allreduce`, :mod:`._allgather` (with the sparse allreduce and
   ``allgather_object``), :mod:`._broadcast` (with ``broadcast_object``),
   :mod:`._alltoall`, :mod:`._reducescatter`: the families of operations

@@ -29,11 +29,17 @@ import torch.distributed as dist
 from tiacc_training.errors import CommError
 from tiacc_training.torch.distributed import _config, _hook, _perf, _runtime
 
-from . import Adasum, Average, Sum, _basics, _timeline, global_process_set
+from . import _basics, _init, _timeline
+from ._allgather import allgather
+from ._allreduce import allreduce, grouped_allreduce_async_
+from ._broadcast import broadcast_object
 from ._broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from ._buckets import Bucket, cut, first_plan, fusion_bytes, named_parameters_of
+from ._common import Adasum, Average, Sum
 from ._compression import Compression
 from ._exceptions import HorovodInternalError
+from ._handles import synchronize
+from ._process_sets import global_process_set
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
 
@@ -46,13 +52,6 @@ _BUCKET_BASE = 1 << 20
 _INDICES_PER_OPTIMIZER = 1 << 16
 _optimizers_built = 0
 _ENGINE_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
-
-
-def _hvd() -> Any:
-    """The package's namespace (its collectives), imported on first use."""
-    from tiacc_training.torch import horovod
-
-    return horovod
 
 
 class _DistributedMixin:
@@ -73,7 +72,6 @@ class _DistributedMixin:
         sparse_as_dense: bool,
         process_set: Any,
     ) -> None:
-        hvd = _hvd()
         self._hvd_names = {p: name for name, p in named_parameters}
         # Horovod's attribute for the same map (scripts and tests read it).
         self._parameter_names = self._hvd_names
@@ -107,10 +105,10 @@ class _DistributedMixin:
         self._hvd_plan = first_plan(self._hvd_params, groups, self._hvd_threshold)
         # The world (hvd.init()) the buckets were planned in.
         self._hvd_world_seen = _basics.job.worlds
-        self._hvd_engine_reason = _engine_reason(op, process_set, hvd)
+        self._hvd_engine_reason = _engine_reason(op, process_set)
         # In an elastic job the world can grow later: hooks from the start,
         # as Horovod's optimizer has them there.
-        elastic = _basics.elastic_membership() is not None
+        elastic = _init.elastic_membership() is not None
         if (world > 1 or elastic) and process_set.included():
             self._hvd_register_hooks()
 
@@ -141,7 +139,7 @@ class _DistributedMixin:
         self._hvd_rebuilt = self._hvd_groups is not None
         self._hvd_ready_order = []
         self._hvd_synchronized = False
-        self._hvd_engine_reason = _engine_reason(self._hvd_op, self._hvd_process_set, _hvd())
+        self._hvd_engine_reason = _engine_reason(self._hvd_op, self._hvd_process_set)
         self._hvd_clear()
 
     def _hvd_hook(self, p: torch.nn.Parameter) -> None:
@@ -325,7 +323,7 @@ class _DistributedMixin:
         order = list(self._hvd_ready_order)
         seen = set(order)
         order += [i for i in reversed(range(len(self._hvd_params))) if i not in seen]
-        order = _hvd().broadcast_object(
+        order = broadcast_object(
             order,
             root_rank=self._hvd_process_set.ranks[0],
             name="DistributedOptimizer.ready_order",
@@ -414,11 +412,11 @@ def _set_size(process_set: Any) -> int:
     return int(process_set.size())
 
 
-def _engine_reason(op: Any, process_set: Any, hvd: Any) -> str | None:
+def _engine_reason(op: Any, process_set: Any) -> str | None:
     """Why the fused buckets cannot go through the engine, or None."""
     if op is not Average and op is not Sum:
         return f"op={op!r}"
-    if process_set is not global_process_set and process_set.size() != hvd.size():
+    if process_set is not global_process_set and process_set.size() != _basics.size():
         return "a process set that is not the whole world"
     if not dist.is_initialized():
         return "no default process group"
@@ -427,12 +425,12 @@ def _engine_reason(op: Any, process_set: Any, hvd: Any) -> str | None:
 
 def _grouped_allreduce_async(tensors: list[torch.Tensor], **kwargs: Any) -> Any:
     """One grouped allreduce of the collectives part (in place)."""
-    return _hvd().grouped_allreduce_async_(tensors, **kwargs)
+    return grouped_allreduce_async_(tensors, **kwargs)
 
 
 def _synchronize(handle: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The outputs of a grouped allreduce."""
-    out = _hvd().synchronize(handle)
+    out = synchronize(handle)
     if out is None:
         return tensors
     return list(out)
@@ -444,17 +442,16 @@ def _sparse_allreduce(grad: torch.Tensor, op: Any, process_set: Any) -> torch.Te
     Every rank's entries, summed (averaged for ``Average``), as a coalesced
     sparse tensor.
     """
-    hvd = _hvd()
     if not grad.is_sparse:  # a dense gradient in the same bucket as a sparse one
-        return hvd.allreduce(grad, op=op, process_set=process_set)
+        return allreduce(grad, op=op, process_set=process_set)
     if op is not Average and op is not Sum:
         raise ValueError(
             f"op={op!r}: sparse gradients are reduced with Average or "
             "Sum only; pass sparse_as_dense=True"
         )
     grad = grad.coalesce()
-    indices = hvd.allgather(grad.indices().t().contiguous(), process_set=process_set)
-    values = hvd.allgather(grad.values().contiguous(), process_set=process_set)
+    indices = allgather(grad.indices().t().contiguous(), process_set=process_set)
+    values = allgather(grad.values().contiguous(), process_set=process_set)
     if op is Average:
         values = values / process_set.size()
     return torch.sparse_coo_tensor(indices.t(), values, grad.shape).coalesce()

@@ -22,6 +22,11 @@ Root ranks (``broadcast(root_rank=...)``) are global ranks, as in Horovod;
 :meth:`ProcessSet.rank` is the rank within the set. ``hvd.join()`` concerns
 the global set: ranks inside it serve the global set's allreduces only, so
 an operation on another set must not include a rank that has joined.
+
+The small exchange of integers among a set's ranks (:func:`gather_ints`,
+on the device :func:`small_device` picks) lives here too: registering a
+set uses it, as does every operation's header exchange
+(:mod:`._negotiation`).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from . import _basics
+from ._exceptions import wait
 
 __all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]
 
@@ -181,8 +188,6 @@ def _refusal(process_set: ProcessSet, world: int) -> ValueError | None:
 
 def _agree(process_set: ProcessSet, world: int, refusal: ValueError | None) -> None:
     """Raises on every rank unless every rank can add the same set."""
-    from ._negotiation import gather_ints
-
     row = [int(refusal is not None), len(process_set.ranks)]
     row += (process_set.ranks + [-1] * world)[:world]
     every = gather_ints(row, global_process_set)
@@ -267,3 +272,37 @@ def resolve(process_set: ProcessSet | None) -> ProcessSet:
             f"(id {process_set.process_set_id}): only its ranks may run its collectives"
         )
     return process_set
+
+
+def small_device(process_set: ProcessSet, like: torch.Tensor | None = None) -> torch.device:
+    """Where small control tensors of this set go: the CPU unless the group has none."""
+    try:
+        backend = str(dist.get_backend(process_set.group))
+    except Exception:
+        return torch.device("cpu")
+    text = backend.strip().lower()
+    if text != "nccl" and (":" not in text or "cpu:" in text):  # a group with a CPU backend
+        return torch.device("cpu")
+    if like is not None and like.is_cuda:
+        return like.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def gather_ints(
+    values: list[int], process_set: ProcessSet, like: torch.Tensor | None = None
+) -> list[list[int]]:
+    """Every rank's ``values`` (the same length everywhere), in set order.
+
+    Raises:
+        HorovodInternalError: the exchange failed (a peer left or timed out).
+    """
+    n = len(process_set.ranks)
+    if n == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64, device=small_device(process_set, like))
+    out = torch.empty(n * len(values), dtype=torch.int64, device=mine.device)
+    wait(
+        lambda: dist.all_gather_into_tensor(out, mine, group=process_set.group, async_op=True),
+        "exchanging tensor shapes",
+    )
+    return out.view(n, len(values)).tolist()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _basics
+from ._allgather import allgather_async, grouped_allgather_async
 from ._common import (
     TORCH_OPS,
     Average,
@@ -208,8 +209,6 @@ class _ReducescatterFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
-        from ._allgather import allgather_async
-
         gathered = synchronize(
             allgather_async(grad.contiguous() * ctx.scale, None, ctx.process_set)
         )
@@ -237,8 +236,6 @@ class _GroupedReducescatterFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
-        from ._allgather import grouped_allgather_async
-
         scaled = [g.contiguous() * ctx.scale for g in grads]
         gathered = synchronize(grouped_allgather_async(scaled, None, ctx.process_set))
         return (None, None, None, None, None, *gathered)

@@ -18,15 +18,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import Sum, global_process_set
+from ._allgather import allgather
+from ._allreduce import allreduce
+from ._common import Sum
+from ._process_sets import global_process_set
 
 __all__ = ["SyncBatchNorm"]
-
-
-def _hvd() -> Any:
-    from tiacc_training.torch import horovod
-
-    return horovod
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -122,7 +119,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         process_set: Any,
     ) -> torch.Tensor:
-        hvd = _hvd()
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
         count = x.numel() // channels
@@ -130,7 +126,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         mean = work.mean(dims) if count else work.new_zeros(channels)
         var = work.var(dims, unbiased=False) if count else work.new_zeros(channels)
         mine = torch.cat([mean, var, mean.new_full((1,), float(count))]).unsqueeze(0)
-        every = hvd.allgather(mine, name="SyncBatchNorm.stats", process_set=process_set)
+        every = allgather(mine, name="SyncBatchNorm.stats", process_set=process_set)
         counts = every[:, -1:]
         total = float(counts.sum())
         if total == 0:
@@ -160,7 +156,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        hvd = _hvd()
         xhat, weight, invstd = ctx.saved_tensors
         dim = xhat.dim()
         dims = [0, *range(2, dim)]
@@ -173,7 +168,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         )
         grad_input = None
         if ctx.needs_input_grad[0]:
-            both = hvd.allreduce(
+            both = allreduce(
                 torch.cat([sum_g, sum_g_xhat]),
                 op=Sum,
                 name="SyncBatchNorm.grad",

@@ -29,6 +29,11 @@ import time
 from collections import deque
 from typing import IO, Any, Callable
 
+try:
+    from . import _basics
+except ImportError:  # this file loaded alone, outside the package (a unit test does)
+    _basics = None  # type: ignore[assignment]
+
 __all__ = ["mark", "start_from_env", "start_timeline", "stop_timeline"]
 
 OPS = frozenset(
@@ -52,9 +57,7 @@ _atexit_registered = False
 
 def _horovod_state() -> tuple[bool, int]:
     """Whether ``hvd.init()`` has run, and this process's rank."""
-    from . import _basics
-
-    if not _basics.is_initialized():
+    if _basics is None or not _basics.is_initialized():
         return False, 0
     return True, _basics.rank()
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import _basics, _rounds
+from . import _basics, _init, _rounds
 from ._allgather import allgather_object
 from ._broadcast import broadcast_object
 from ._broadcast_state import broadcast_optimizer_state, broadcast_parameters
@@ -89,7 +89,7 @@ class State:
         ``skip_sync`` is true when the new round only removed workers: each
         remaining worker holds the committed state already.
         """
-        membership = _basics.elastic_membership()
+        membership = _init.elastic_membership()
         if membership is None:
             return
         update = None
@@ -304,8 +304,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 skip_sync = False
             except HostsUpdatedInterrupt as update:
                 skip_sync = update.skip_sync
-            _basics.shutdown()
-            _basics.init()
+            _init.shutdown()
+            _init.init()
             state.on_reset()
 
     return wrapper
