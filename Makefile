@@ -12,7 +12,7 @@ PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruf
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: help setup build wheel demo demo-run gpu-kit gpu-decoders gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv test-torch-smoke bench bench-ddp bench-scaling bench-step-profile bench-nccl bench-topk bench-collectives bench-horovod bench-fsdp bench-fsdp-rates lint docs-check fmt fuzz fuzz-merge clean
+.PHONY: help setup build wheel demo demo-run gpu-kit gpu-decoders gpu-check test test-rust test-python test-compat test-torch-leg torch-leg-venv test-torch-smoke bench bench-ddp bench-scaling bench-step-profile bench-amp bench-nccl bench-topk bench-collectives bench-horovod bench-fsdp bench-fsdp-rates lint docs-check fmt fuzz fuzz-merge clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -154,6 +154,10 @@ bench-scaling: setup ## ResNet-18 trained end to end on 2x2 ranks across link ra
 
 bench-step-profile: setup ## where a DDP step's time goes, native vs tiacc, 2 ranks on this host (torch profiler)
 	$(PY) benches/bench_step_profile.py
+
+bench-amp: setup ## adaptive mixed precision: ResNet-18 fp32 vs AMP vs the policy (3 schedules), accuracy + images/s, fp16 stress case
+	$(PY) benches/bench_amp.py --stress
+	$(PY) benches/plot_amp.py
 
 bench-nccl: setup ## DDP on CUDA: world-of-one overhead, GPU codecs, 2-node cluster on one GPU (root, NCCL >= 2.30)
 	$(PY) benches/bench_nccl.py
