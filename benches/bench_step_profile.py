@@ -37,6 +37,11 @@ The engine's own threads are not in the profile (torch's profiler records
 the threads torch starts); their cost shows where it lands on the step's
 thread: in the exposed wait, and in compute slowed by sharing the cores.
 
+Before the jobs, the engine hook's own Python cost is measured alone
+(``hook_alone``): ``--hook-calls`` buckets through the hook over a
+stand-in engine that returns at once, and the completion of each bucket's
+future (with its chained callbacks) timed apart.
+
 Rounds interleave the rows (``--rounds``, the first row turning each
 round); each row's figures are medians of its steps pooled over the
 rounds, with the spread of its round medians. The profiled steps are
@@ -236,6 +241,7 @@ def worker(args: argparse.Namespace) -> None:
     timed = [step() for _ in range(args.steps)]
     result: dict[str, Any] = {
         "rank": rank,
+        "load_average_after_timed_steps": os.getloadavg(),
         "step_ms": [round(sum(t) * 1000, 3) for t in timed],
         "phase_ms": {
             phase: [round(t[i] * 1000, 3) for t in timed] for i, phase in enumerate(PHASES)
@@ -269,6 +275,79 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+class _StandInEngine:
+    """An engine that takes a bucket and completes nothing (the caller does)."""
+
+    nan_check = False
+
+    def __init__(self) -> None:
+        self.pending: tuple[Any, Any] | None = None
+
+    def allreduce_async(self, tensor: Any, *args: Any) -> None:
+        self.pending = (args[5], tensor)
+
+
+class _Group:
+    def size(self) -> int:
+        return WORLD
+
+
+class _Bucket:
+    """What the hook reads of DDP's ``GradBucket``."""
+
+    def __init__(self, buffer: Any, index: int, last: bool) -> None:
+        self._buffer, self._index, self._last = buffer, index, last
+
+    def buffer(self) -> Any:
+        return self._buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def hook_cost(calls: int) -> dict[str, Any]:
+    """The engine hook's own Python cost a bucket, with the engine taken out.
+
+    The hook runs as in training (counters, the step clock, the future
+    chain) over a stand-in engine that returns at once; completing the
+    future (what the engine's thread does when the bucket is reduced, the
+    chained callbacks included) is timed apart. One thread, nothing else
+    in the process: what is left is ours alone.
+    """
+    # Imported here, as in the worker: this file is also the native rows'
+    # worker, which must not load the package.
+    import torch
+
+    from tiacc_training.torch.distributed import _hook
+
+    engine = _StandInEngine()
+    state = _hook.HookState(engine, _Group())
+    buffer = torch.zeros(1 << 20)
+    buckets = [_Bucket(buffer, 0, False), _Bucket(buffer, 1, True)]
+    hooked, completed = [], []
+    for i in range(calls):
+        start = time.perf_counter()
+        future = _hook._tiacc_comm_hook(state, buckets[i % 2])
+        middle = time.perf_counter()
+        assert engine.pending is not None
+        engine_future, tensor = engine.pending
+        engine_future.set_result(tensor)
+        future.wait()
+        end = time.perf_counter()
+        hooked.append((middle - start) * 1e6)
+        completed.append((end - middle) * 1e6)
+    return {
+        "calls": calls,
+        "hook_us_median": round(statistics.median(hooked), 2),
+        "completion_us_median": round(statistics.median(completed), 2),
+        "hook_us_p90": round(sorted(hooked)[int(calls * 0.9)], 2),
+        "completion_us_p90": round(sorted(completed)[int(calls * 0.9)], 2),
+    }
+
+
 def run_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
     """One 2-rank job of ``row``; rank 0's result."""
     mode, env = ROWS[row]
@@ -298,8 +377,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "round_medians_ms": [round(m, 3) for m in round_medians],
         "spread_pct": round((max(round_medians) / min(round_medians) - 1) * 100, 2),
         "phase_median_ms": {
-            phase: _median([v for run in runs for v in run["phase_ms"][phase]])
-            for phase in PHASES
+            phase: _median([v for run in runs for v in run["phase_ms"][phase]]) for phase in PHASES
         },
     }
     profiles = [p for run in runs for p in run.get("profile", [])]
@@ -326,6 +404,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps a run (30)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     parser.add_argument("--profiled", type=int, default=5, help="profiled steps a run (5)")
+    parser.add_argument(
+        "--hook-calls", type=int, default=20000, help="buckets through the hook alone (20000)"
+    )
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run (900)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -335,6 +416,12 @@ def main() -> None:
         return
     started = time.monotonic()
     load_before = os.getloadavg()
+    hook = hook_cost(args.hook_calls)
+    print(
+        f"the hook's own cost: {hook['hook_us_median']:.1f} us a bucket, its completion "
+        f"{hook['completion_us_median']:.1f} us",
+        flush=True,
+    )
     runs: dict[str, list[dict[str, Any]]] = {row: [] for row in args.rows}
     for round_ in range(args.rounds):
         turn = round_ % len(args.rows)
@@ -345,12 +432,12 @@ def main() -> None:
                 f"round {round_}: {row}: {statistics.median(result['step_ms']):.1f} ms a step",
                 flush=True,
             )
-    rows = {row: summarize(runs[row]) for row in args.rows}
-    if NATIVE in rows:
-        for row in rows.values():
-            row["over_native"] = round(row["median_ms"] / rows[NATIVE]["median_ms"], 4)
-    for name, row in rows.items():
-        print(f"{name}: {row['median_ms']:.1f} ms (spread {row['spread_pct']:.1f}%)")
+    rows = [{"pipeline": row, **summarize(runs[row])} for row in args.rows]
+    native = next((r for r in rows if r["pipeline"] == NATIVE), None)
+    for row in rows:
+        if native is not None:
+            row["over_native"] = round(row["median_ms"] / native["median_ms"], 4)
+        print(f"{row['pipeline']}: {row['median_ms']:.1f} ms (spread {row['spread_pct']:.1f}%)")
         for key, value in row.get("profile_median_ms", {}).items():
             print(f"    {key}: {value:.1f} ms")
     out = {
@@ -367,6 +454,7 @@ def main() -> None:
             "profiled_steps": args.profiled,
             "categories": list(CATEGORIES),
         },
+        "hook_alone": hook,
         "rows": rows,
         "runs": runs,
         "seconds": round(time.monotonic() - started),
