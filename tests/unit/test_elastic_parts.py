@@ -270,6 +270,18 @@ def test_driver_asked_for_a_round_and_the_reset_limit(tmp_path: Path) -> None:
         _tick(driver)
 
 
+def test_a_round_asked_for_leaves_out_a_worker_that_dies_just_after(tmp_path: Path) -> None:
+    driver, listed, spawned, lines = _driver(tmp_path, "a:1\nb:1\n")
+    driver._start()
+    assert driver.members == ["a:0", "b:0"]
+    # b:0 was killed: a's collective failed and a asks for a new round
+    # before b's exit shows.
+    threading.Timer(0.3, lambda: setattr(spawned["b:0"], "code", -9)).start()
+    driver.store.add("tiacc_training/elastic/request.0", 1)
+    assert _tick(driver) is None
+    assert driver.round == 1 and driver.members == ["a:0"] and "b" in driver.blacklist
+
+
 def test_driver_fails_after_too_few_slots_for_the_timeout(tmp_path: Path) -> None:
     driver, listed, spawned, lines = _driver(tmp_path, "a:2\n", min_np=2)
     driver._start()

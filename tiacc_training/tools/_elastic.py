@@ -40,6 +40,10 @@ from tiacc_training.torch.horovod import _rounds
 DISCOVERY_INTERVAL = 1.0
 DISCOVERY_TIMEOUT = 30.0
 _TICK = 0.1
+# How long a worker's request for a new round waits for a worker's exit: the
+# peer that broke the failed collective is often a worker that is dying, and
+# the request can come before its exit does.
+DEATH_GRACE = 1.0
 
 
 class ElasticError(Exception):
@@ -197,7 +201,13 @@ class ElasticDriver:
         if target != self.members:
             changed = changed or "hosts " + self._listed()
         if not changed and _rounds.requested(self.store, self.round):
-            changed = "a worker asked for a new round after a failed collective"
+            # A round formed now would take in a worker that is still dying
+            # and fail again at once: look for exits a moment first.
+            changed = self._reap_within(DEATH_GRACE)
+            if self.finishing:
+                return None
+            changed = changed or "a worker asked for a new round after a failed collective"
+            target = self._target()
         if not changed:
             self.short_since = None
             return None
@@ -257,6 +267,15 @@ class ElasticDriver:
         worker = _Worker(host, slot, self.labels, proc)
         self.labels += 1
         self.workers[worker.key] = worker
+
+    def _reap_within(self, seconds: float) -> str | None:
+        """:meth:`_reap` until a member's exit changes the job, for at most ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            changed = self._reap()
+            if changed or self.finishing or time.monotonic() >= deadline:
+                return changed
+            time.sleep(min(_TICK / 2, max(0.0, deadline - time.monotonic())))
 
     def _reap(self) -> str | None:
         """Collects exited workers; what changed the job, if anything did."""
