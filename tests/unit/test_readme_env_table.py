@@ -1,8 +1,8 @@
 """The environment-variable table (docs/communication.md) matches the config module.
 
-`rust/tiacc-core/src/config/mod.rs` is the only code that reads the
-environment; every variable it names must be in the table, and the table
-must not list variables the engine does not read.
+`rust/tiacc-core/src/config/` is the only code that reads the environment
+(the names are in its `variables.rs`); every variable it names must be in
+the table, and the table must not list variables the engine does not read.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ PREFIXES = r"(?:TIACC_TRAINING|LIGHT|PERSEUS|NCCL)_[A-Z0-9_]+"
 
 
 def config_variables() -> set[str]:
-    source = (REPO / "rust/tiacc-core/src/config/mod.rs").read_text()
-    # Only the constants' string literals, not the tests' uses of them.
-    body = source.split("#[cfg(test)]", 1)[0]
-    return set(re.findall(rf'"({PREFIXES})"', body))
+    names: set[str] = set()
+    for path in sorted((REPO / "rust/tiacc-core/src/config").glob("*.rs")):
+        # Only the constants' string literals, not the tests' uses of them.
+        body = path.read_text().split("#[cfg(test)]", 1)[0]
+        names.update(re.findall(rf'"({PREFIXES})"', body))
+    return names
 
 
 TABLE_PAGE = REPO / "docs" / "communication.md"
