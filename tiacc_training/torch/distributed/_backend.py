@@ -22,18 +22,19 @@ even where the first works; ``=gloo`` keeps gloo and constructs nothing.
 
 ``register()`` registers the name once per process (importing
 ``tiacc_training.torch.distributed`` calls it); ``cpu_backend()`` turns the
-backend string a script asks for into the one to create, and
-``describe_cpu_collectives()`` says which serves the CPU collectives.
+backend string a script asks for into the one to create (the strings
+themselves are ``_backend_strings``'), and ``describe_cpu_collectives()``
+says which serves the CPU collectives. ``_backend_methods`` maps torch's
+method names of both forms onto the collectives.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-import inspect
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,13 +42,13 @@ from torch.distributed import distributed_c10d
 
 from tiacc_training import _engine
 
-from . import _collectives
-from ._collectives import NOT_IN_ENGINE, CpuCollectives, GroupCollectives
+from . import _backend_methods as _methods
+from . import _backend_strings, _collectives
+from ._backend_strings import NAME, takes_device_strings
+from ._collectives import CpuCollectives, GroupCollectives
 from ._device_collectives import DeviceCollectives
 from ._state import state
 
-# The backend's name, as ``init_process_group`` takes it.
-NAME = "tiacc"
 # The forms, newest first.
 BACKEND, PROCESS_GROUP, GLOO = "backend", "process-group", "gloo"
 
@@ -271,20 +272,11 @@ def cpu_backend(requested: str | None, config: Any) -> str | None:
         For example ``"cpu:tiacc,cuda:nccl"`` for ``None`` on a CUDA
         machine, ``"cpu:tiacc"`` for ``"gloo"`` without CUDA, ``"nccl"`` for
         ``"nccl"``; on a torch that takes one backend name only (2.0.0),
-        ``"tiacc"`` for the first two (see :func:`_spelled`). Under
+        ``"tiacc"`` for the first two (see :func:`_backend_strings.spelled`). Under
         ``TIACC_TRAINING_CUDA_COLLECTIVES=tiacc`` NCCL's place goes to
         "tiacc" (``"cpu:tiacc,cuda:tiacc"``, ``"cuda:tiacc"``).
     """
-    chosen = _cpu_backend(requested, config)
-    if chosen is None or not _serves_cuda(config):
-        return chosen
-    if ":" not in chosen:
-        return _spelled({"cuda": NAME}) if chosen.strip().lower() == "nccl" else chosen
-    devices = _device_map(chosen, chosen)
-    if devices.get("cuda", "").lower() != "nccl":
-        return chosen
-    devices["cuda"] = NAME
-    return _spelled(devices)
+    return _backend_strings.choose(requested, serves(config), lambda: _serves_cuda(config))
 
 
 def _serves_cuda(config: Any) -> bool:
@@ -297,94 +289,6 @@ def _serves_cuda(config: Any) -> bool:
         and takes_device_strings()
         and register()
     )
-
-
-def _cpu_backend(requested: str | None, config: Any) -> str | None:
-    """:func:`cpu_backend` before the CUDA choice."""
-    if requested is not None and not isinstance(requested, str):
-        requested = str(requested)  # a ``dist.Backend`` value
-    use = serves(config)
-    if requested is None or requested.strip() == "" or requested.strip().lower() == "undefined":
-        devices = {"cpu": NAME if use else "gloo"}
-        if torch.cuda.is_available():
-            devices["cuda"] = "nccl"
-        return _spelled(devices) if use else ("gloo" if len(devices) == 1 else _spelled(devices))
-    text = requested.strip()
-    if ":" not in text:
-        name = text.lower()
-        if name == "gloo" and use:
-            # gloo also serves CUDA tensors: keep it there.
-            devices = {"cpu": NAME}
-            if torch.cuda.is_available():
-                devices["cuda"] = "gloo"
-            return _spelled(devices)
-        return requested
-    devices = _device_map(text, requested)
-    if use and devices.get("cpu", "").lower() == "gloo":
-        devices["cpu"] = NAME
-        return _spelled(devices)
-    return requested
-
-
-def takes_device_strings() -> bool:
-    """Whether this torch parses backend strings per device (``"cpu:gloo,cuda:nccl"``).
-
-    torch 2.0.0 takes one backend name for every device only. Probed once,
-    by parsing one.
-    """
-    global _device_strings
-    if _device_strings is None:
-        try:
-            dist.distributed_c10d.BackendConfig("cpu:gloo,cuda:nccl")
-        except Exception:
-            _device_strings = False
-        else:
-            _device_strings = True
-    return _device_strings
-
-
-_device_strings: bool | None = None
-# On a torch that takes one backend name only: the backends a group created
-# under the name "tiacc" serves its other devices' tensors with.
-_single_name_devices: dict[str, str] = {}
-
-
-def _spelled(devices: dict[str, str]) -> str | None:
-    """``devices`` as the backend string this torch takes (``None``: torch's default).
-
-    Where torch parses strings per device, ``"cpu:tiacc,cuda:nccl"``.
-    Where it takes one name only: that name when every device has the same
-    backend, ``"tiacc"`` for a CPU on "tiacc" (the other devices' backends
-    are kept for the group it creates, which then serves those devices
-    too), and ``None`` for torch's own default (gloo for CPU tensors, NCCL
-    for CUDA tensors).
-    """
-    global _single_name_devices
-    if takes_device_strings():
-        return _join(devices)
-    if devices.get("cpu") == NAME:
-        _single_name_devices = {d: b for d, b in devices.items() if d != "cpu"}
-        return NAME
-    if len(set(devices.values())) == 1:
-        return next(iter(devices.values()))
-    return None
-
-
-def _device_map(text: str, requested: str) -> dict[str, str]:
-    """``"cpu:gloo,cuda:nccl"`` as ``{"cpu": "gloo", "cuda": "nccl"}``."""
-    devices = {}
-    for part in text.split(","):
-        device, sep, backend = part.partition(":")
-        if not sep or not device.strip() or not backend.strip():
-            raise ValueError(
-                f"init_process_group(backend={requested!r}): {part!r} is not 'device:backend'"
-            )
-        devices[device.strip().lower()] = backend.strip()
-    return devices
-
-
-def _join(devices: dict[str, str]) -> str:
-    return ",".join(f"{device}:{backend}" for device, backend in devices.items())
 
 
 def cpu_backend_of(group: Any = None) -> CpuCollectives | None:
@@ -523,7 +427,7 @@ def _create(options: Any, backend_options: Any = None) -> Any:
         served = devices if len(set(devices.values())) == 1 else {device: NAME}
         return TiaccBackend(*args, devices=list(served) or ["cpu"])
     if form == PROCESS_GROUP:
-        return TiaccProcessGroup(*args, devices=_other_devices(devices))
+        return TiaccProcessGroup(*args, devices=_backend_strings.other_devices(devices))
     raise RuntimeError(f"the {NAME} backend cannot be constructed: {_reason}")
 
 
@@ -545,137 +449,10 @@ def _creating() -> tuple[str, dict[str, str]]:
     return str(frame.f_locals.get("device", "cpu")), found or {"cpu": NAME}
 
 
-def _other_devices(devices: dict[str, str]) -> dict[str, str]:
-    """The backends the group being created asked for on devices other than the CPU.
-
-    torch builds a group's backends device by device and, once one of
-    them is a ``ProcessGroup``, uses it as the whole group: the
-    ``ProcessGroup`` form must serve the other devices itself. One name
-    for every device ("tiacc" on a torch that takes one name only) means
-    the backends the script's call asked for there.
-    """
-    found = {d: b for d, b in devices.items() if d != "cpu"}
-    if _single_name_devices and set(found.values()) <= {NAME}:
-        return {d: _single_name_devices[d] for d in found if _single_name_devices.get(d)}
-    return found
-
-
 # -- the two forms ----------------------------------------------------------
 #
-# torch calls a backend's collectives by its own method names, which differ
-# between its Backend and its ProcessGroup classes for some of them. Both
-# forms take every name to the group's CpuCollectives: the ones the engine
-# serves to its method of that name, the others to gloo (counted).
-
-# Names the engine serves, the same in both classes.
-_SERVED = {name: name for name in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
-# Names the engine serves, as the Backend class spells them.
-_SERVED_BACKEND = {
-    **_SERVED,
-    "all_gather_single": "allgather_into_tensor",
-    "reduce_scatter_single": "reduce_scatter_tensor",
-    "all_to_all_single": "all_to_all_single",
-    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
-    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
-}
-# Names the engine serves, as the ProcessGroup class spells them: the older
-# names, and the newer ones a newer torch's ProcessGroup looks up first.
-# Every name must reach Python: torch's trampoline calls the C++ default of a
-# name the subclass lacks while holding the GIL, and gloo's worker thread,
-# freeing an earlier work's tensors, waits for that GIL while holding the
-# lock the call needs (a 2 x 2 job hung so in all_gather_into_tensor).
-_SERVED_GROUP = {
-    **_SERVED_BACKEND,
-    "_allgather_base": "allgather_into_tensor",
-    "_reduce_scatter_base": "reduce_scatter_tensor",
-    "alltoall_base": "all_to_all_single",
-    "allgather_into_tensor_coalesced": "allgather_into_tensor_coalesced",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
-}
-# Names gloo serves: torch's name -> (the op as counted, gloo's method).
-_GLOO = {
-    "allreduce_coalesced": ("allreduce_coalesced", "allreduce_coalesced"),
-    "reduce": ("reduce", "reduce"),
-    "allgather_coalesced": ("allgather_coalesced", "allgather_coalesced"),
-    "gather": ("gather", "gather"),
-    "scatter": ("scatter", "scatter"),
-    "alltoall": ("alltoall", "alltoall"),
-    "send": ("send", "send"),
-    "recv": ("recv", "recv"),
-    "recv_anysource": ("recv", "recv_anysource"),
-}
-_GLOO_BACKEND = {**_GLOO, "allreduce_sparse": ("allreduce", "allreduce")}
-_GLOO_GROUP = {**_GLOO, "recvAnysource": ("recv", "recv_anysource")}
-
-
-# The options each collective takes, for torch's own Python calls that leave
-# them out (torch 2.0's all_gather calls ``allgather(outputs, inputs)``; on
-# a ProcessGroup subclass that call reaches our method, not the binding
-# whose default fills them in).
-_OPTIONS = {
-    "allreduce": "AllreduceOptions",
-    "broadcast": "BroadcastOptions",
-    "allgather": "AllgatherOptions",
-    "allgather_into_tensor": "AllgatherOptions",
-    "allgather_into_tensor_coalesced": "AllgatherOptions",
-    "reduce_scatter": "ReduceScatterOptions",
-    "reduce_scatter_tensor": "ReduceScatterOptions",
-    "reduce_scatter_tensor_coalesced": "ReduceScatterOptions",
-    "all_to_all_single": "AllToAllOptions",
-}
-
-
-def _served(name: str, ours: str) -> Callable[..., Any]:
-    wanted = len(inspect.signature(getattr(CpuCollectives, ours)).parameters) - 1
-    options = getattr(_c10d, _OPTIONS[ours], None)
-
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == wanted - 1 and "opts" not in kwargs and options is not None:
-            args = (*args, options())
-        return getattr(self.collectives_for(args), ours)(*args, **kwargs)
-
-    method.__name__ = name
-    method.__doc__ = f"torch's ``{name}``: the engine's ``{ours}``, or gloo's."
-    return method
-
-
-def _forwarded(name: str, op: str, gloo_method: str) -> Callable[..., Any]:
-    def method(self: Any, *args: Any) -> Any:
-        collectives = self.collectives_for(args)
-        underneath = getattr(collectives.fallback, gloo_method)
-        return collectives.forward(op, NOT_IN_ENGINE, underneath, *args)
-
-    method.__name__ = name
-    method.__doc__ = f"torch's ``{name}``: forwarded to gloo, or NCCL (counted)."
-    return method
-
-
-def _by_device(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` for the tensors "tiacc" serves; the device's own backend for the others."""
-
-    def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        device = _device_of(args)
-        if device is not None and device != "cpu":
-            backend = self.device_backend(device)
-            if not isinstance(backend, GroupCollectives):
-                return getattr(backend, name)(*args, **kwargs)
-        return method(self, *args, **kwargs)
-
-    dispatch.__name__ = name
-    dispatch.__doc__ = method.__doc__
-    return dispatch
-
-
-def _device_of(args: Any) -> str | None:
-    """The device type of the first tensor in a call's arguments."""
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            return arg.device.type
-        if isinstance(arg, (list, tuple)):
-            found = _device_of(arg)
-            if found is not None:
-                return found
-    return None
+# Both take torch's method names to the collectives of the call's device
+# (``_backend_methods``).
 
 
 class _Form:
@@ -708,7 +485,7 @@ class _Form:
 
     def collectives_for(self, args: Any) -> GroupCollectives:
         """The collectives serving a call's tensors (the CPU's when it has none)."""
-        device = _device_of(args)
+        device = _methods.device_of(args)
         if device is None or device == "cpu":
             if self.collectives is None:
                 raise RuntimeError(
@@ -797,10 +574,10 @@ class TiaccBackend(_Form, _C10dBackend):  # type: ignore[misc,valid-type]
             collectives.shutdown()
 
 
-for _name, _ours in _SERVED_BACKEND.items():
-    setattr(TiaccBackend, _name, _served(_name, _ours))
-for _name, (_op, _gloo) in _GLOO_BACKEND.items():
-    setattr(TiaccBackend, _name, _forwarded(_name, _op, _gloo))
+for _name, _ours in _methods.SERVED_BACKEND.items():
+    setattr(TiaccBackend, _name, _methods.served(_name, _ours, _c10d))
+for _name, (_op, _gloo) in _methods.GLOO_BACKEND.items():
+    setattr(TiaccBackend, _name, _methods.forwarded(_name, _op, _gloo))
 
 
 class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-type]
@@ -882,10 +659,14 @@ class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-ty
                 stop()
 
 
-for _name, _ours in _SERVED_GROUP.items():
-    setattr(TiaccProcessGroup, _name, _by_device(_name, _served(_name, _ours)))
-for _name, (_op, _gloo) in _GLOO_GROUP.items():
-    setattr(TiaccProcessGroup, _name, _by_device(_name, _forwarded(_name, _op, _gloo)))
+for _name, _ours in _methods.SERVED_GROUP.items():
+    setattr(
+        TiaccProcessGroup, _name, _methods.by_device(_name, _methods.served(_name, _ours, _c10d))
+    )
+for _name, (_op, _gloo) in _methods.GLOO_GROUP.items():
+    setattr(
+        TiaccProcessGroup, _name, _methods.by_device(_name, _methods.forwarded(_name, _op, _gloo))
+    )
 
 
 def _nccl(store: Any, rank: int, size: int, timeout: datetime.timedelta, group_name: str) -> Any:
