@@ -200,7 +200,7 @@ impl CommConfig {
 
     /// Reads the configuration from `vars` (an environment's name-value
     /// pairs), resolving interface names through `interfaces`, and scans
-    /// the names for the prefixes we own ([`ScanPrefixes`]): each one we do
+    /// the names for the prefixes we own ([`SCAN_PREFIXES`]): each one we do
     /// not know, and each ignored alias ([`IGNORED`]), becomes one notice
     /// (an unknown one naming the closest known name). With
     /// `TIACC_TRAINING_STRICT=1` an unknown name is a `Error::Config`
