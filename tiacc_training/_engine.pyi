@@ -256,7 +256,9 @@ class CommConfig:
     def with_overrides(self, overrides: dict[str, Any]) -> CommConfig: ...
 
 # rust/tiacc-py/src/comm.rs: The CPU engine's Python face: launch detection, rendezvous helpers,
-# the TCP setup and what every engine is built from (shared with `device.rs`), and `CommEngine`.
+# the failure board over the c10d store and the getters both engines share (with `device.rs`), and
+# `CommEngine`, which converts for the core's [`setup::CommEngine`] (where the engine is set up,
+# connected and its algorithm decided).
 def launch_env() -> Optional[dict[str, Any]]: ...
 def random_token() -> bytes: ...
 def local_addr_towards(host: str, port: int) -> str: ...
@@ -357,7 +359,8 @@ class SharedResult:
 
 # rust/tiacc-py/src/device.rs: `DeviceEngine`: buckets held in torch tensors (CUDA buckets),
 # reduced by the same algorithms as CPU buckets through the core's device engine
-# ([`tiacc_core::comm::device`]: its channels, NCCL communicators or TCP rings, watchdog, `auto`
+# ([`tiacc_core::comm::setup::DeviceEngine`]: its set-up, connection and algorithm decision;
+# [`tiacc_core::comm::device`]: its channels, NCCL communicators or TCP rings, watchdog, `auto`
 # probe and failure rule).
 class DeviceEngine:
     def __init__(

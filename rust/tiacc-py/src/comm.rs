@@ -1,29 +1,29 @@
 //! The CPU engine's Python face: launch detection, rendezvous helpers, the
-//! TCP setup and what every engine is built from (shared with
-//! `device.rs`), and `CommEngine`.
+//! failure board over the c10d store and the getters both engines share
+//! (with `device.rs`), and `CommEngine`, which converts for the core's
+//! [`setup::CommEngine`] (where the engine is set up, connected and its
+//! algorithm decided).
 //!
 //! The Python shim (`tiacc_training/torch/distributed/`) owns the torch
 //! objects: it exchanges addresses and the job token through the c10d
 //! store and passes tensors here as (object, data pointer, byte length,
 //! dtype). The object is kept alive until the collective completes.
 
-use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use tiacc_core::comm::auto;
 use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
-use tiacc_core::comm::tcp::{self, GroupListeners, TOKEN_LEN};
+use tiacc_core::comm::setup::{self, EngineSetup, TcpPeers, TcpSetup};
+use tiacc_core::comm::tcp;
 use tiacc_core::comm::{
-    AlgoSettings, Collective, Completion, Counters, DType, Deadline, Engine, FailureBoard, Job,
-    Layout, RawBuf, ReduceOp, SharedBytes,
+    Collective, Completion, Counters, DType, Engine, FailureBoard, Job, Layout, RawBuf, ReduceOp,
+    SharedBytes,
 };
-use tiacc_core::config::{self, AlgorithmChoice};
+use tiacc_core::config;
 
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
@@ -200,97 +200,6 @@ impl PyBoard {
     }
 }
 
-/// Listeners for a rank's TCP groups, before `connect`.
-pub(crate) struct TcpSetup {
-    rank: usize,
-    size: usize,
-    listeners: Option<GroupListeners>,
-}
-
-impl TcpSetup {
-    /// Listens on `host` for the world ring (and the 2D rings with `layout`).
-    pub(crate) fn bind(
-        rank: usize,
-        size: usize,
-        host: &str,
-        layout: Option<Layout>,
-    ) -> PyResult<Self> {
-        let ip: IpAddr = host.parse().map_err(|_| {
-            PyValueError::new_err(format!("host must be an IP address, got {host:?}"))
-        })?;
-        Ok(TcpSetup {
-            rank,
-            size,
-            listeners: Some(GroupListeners::bind(ip, layout).py()?),
-        })
-    }
-
-    /// Stops listening (connections not yet formed are refused).
-    pub(crate) fn close(&mut self) {
-        self.listeners = None;
-    }
-
-    pub(crate) fn address(&self) -> Option<String> {
-        self.listeners.as_ref().map(|l| l.addresses().world)
-    }
-
-    pub(crate) fn two_d_addresses(&self) -> Option<(String, String)> {
-        self.listeners.as_ref().and_then(|l| l.addresses().two_d)
-    }
-
-    /// Forms the rings of `channels` channels (GIL released until every
-    /// connection is up or `timeout` passes).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn connect(
-        &mut self,
-        py: Python<'_>,
-        addresses: Vec<String>,
-        token: &[u8],
-        intra_addresses: Option<Vec<String>>,
-        inter_addresses: Option<Vec<String>>,
-        channels: usize,
-        shared_memory: bool,
-        timeout: Duration,
-    ) -> PyResult<Vec<tiacc_core::comm::host::Groups>> {
-        if addresses.len() != self.size {
-            return Err(PyValueError::new_err(format!(
-                "expected {} addresses (one per rank), got {}",
-                self.size,
-                addresses.len()
-            )));
-        }
-        let token: [u8; TOKEN_LEN] = token.try_into().map_err(|_| {
-            PyValueError::new_err(format!(
-                "the job token must be {TOKEN_LEN} bytes, got {}",
-                token.len()
-            ))
-        })?;
-        let world = parse_addresses(&addresses)?;
-        let two_d = match (intra_addresses, inter_addresses) {
-            (Some(a), Some(e)) => Some((parse_addresses(&a)?, parse_addresses(&e)?)),
-            _ => None,
-        };
-        let listeners = self
-            .listeners
-            .take()
-            .ok_or_else(|| PyValueError::new_err("connect() was already called on this engine"))?;
-        let rank = self.rank;
-        py.detach(move || {
-            let two_d = two_d.as_ref().map(|(a, e)| (a.as_slice(), e.as_slice()));
-            listeners.connect(
-                rank,
-                &world,
-                two_d,
-                &token,
-                channels,
-                shared_memory,
-                Deadline::after(timeout),
-            )
-        })
-        .py()
-    }
-}
-
 /// An engine's counters as Python sees them (both engines' `counters()`):
 /// `{(path, codec): {"buckets", "bytes_in", "wire_bytes", "wire": {"world",
 /// "intra", "inter"}}}` for every path and codec that carried a bucket
@@ -316,89 +225,11 @@ pub(crate) fn counters_dict<'py>(
     Ok(out)
 }
 
-/// What every engine is built from: this rank's place in the job, the
-/// configuration, and the algorithm settings derived from them.
-pub(crate) struct EngineInfo {
-    pub(crate) rank: usize,
-    pub(crate) size: usize,
-    pub(crate) timeout: Duration,
-    pub(crate) num_channels: usize,
-    pub(crate) config: Py<PyCommConfig>,
-    pub(crate) settings: AlgoSettings,
-    /// The 2D layout, when `intra_size` was given.
-    pub(crate) layout: Option<Layout>,
-    /// Whether the job spans nodes (unknown counts as yes).
-    pub(crate) spans_nodes: bool,
-    /// Ranks per node, when the launcher said.
-    pub(crate) local_size: Option<usize>,
-    /// What `TIACC_TRAINING_ALGORITHM=auto` measured and chose, once it ran.
-    pub(crate) auto_choice: Option<String>,
-}
-
-impl EngineInfo {
-    /// Checks the rank and derives the settings (`intra_size` turns the 2D
-    /// groups on; `local_size` is the launcher's ranks per node).
-    pub(crate) fn new(
-        config: Bound<'_, PyCommConfig>,
-        rank: usize,
-        size: usize,
-        local_size: Option<usize>,
-        intra_size: Option<usize>,
-    ) -> PyResult<Self> {
-        if size == 0 || rank >= size {
-            return Err(PyValueError::new_err(format!(
-                "rank {rank} is not a rank of a group of {size}"
-            )));
-        }
-        let c = &config.get().inner;
-        let layout = intra_size
-            .map(|n| Layout::new(rank, size, n))
-            .transpose()
-            .py()?;
-        Ok(EngineInfo {
-            rank,
-            size,
-            timeout: c.timeout,
-            num_channels: c.num_streams,
-            settings: AlgoSettings::from_config(c, size, local_size, layout.is_some()),
-            layout,
-            spans_nodes: config::spans_nodes(size, local_size),
-            local_size,
-            auto_choice: None,
-            config: config.unbind(),
-        })
-    }
-
-    pub(crate) fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
-        self.layout.map(|l| (l.intra_members(), l.inter_members()))
-    }
-
-    /// The probe `TIACC_TRAINING_ALGORITHM=auto` runs once the 2D groups
-    /// are connected (its length in bytes), or `None` when nothing is to be
-    /// measured (2D or flat forced, or no 2D groups).
-    pub(crate) fn auto_probe_bytes(&self) -> Option<usize> {
-        let config = &self.config.get().inner;
-        (config.algorithm == AlgorithmChoice::Auto && self.layout.is_some())
-            .then(|| auto::probe_bytes(config.fusion_threshold.min(usize::MAX as u64) as usize))
-    }
-
-    /// Takes `auto`'s choice from `probe`: the settings every channel is
-    /// then built with, and the line that explains it (`turns`: the
-    /// channels take turns on the link between nodes). Returns whether 2D
-    /// was chosen.
-    pub(crate) fn adopt(&mut self, probe: &auto::Probe, turns: bool) -> bool {
-        let decision = probe.decide(self.num_channels, turns);
-        let config = &self.config.get().inner;
-        self.settings =
-            AlgoSettings::from_config(config, self.size, self.local_size, decision.two_d);
-        self.auto_choice = Some(decision.line);
-        decision.two_d
-    }
-}
-
-/// The getters both engines (`CommEngine`, `DeviceEngine`) share: what
-/// their [`EngineInfo`] (field `info`) holds, and their listeners' addresses
-/// (from an inherent `fn tcp_setup(&self) -> Option<&TcpSetup>`).
+/// The getters both engines (`CommEngine`, `DeviceEngine`) share: the
+/// configuration object they were built from (field `config`), what their
+/// core engine's [`EngineSetup`] holds and their listeners' addresses (from
+/// inherent `fn setup(&self) -> &EngineSetup` and `fn tcp_setup(&self) ->
+/// Option<&TcpSetup>`).
 macro_rules! engine_getters {
     ($engine:ty) => {
         #[pymethods]
@@ -406,50 +237,50 @@ macro_rules! engine_getters {
             /// CommConfig: The configuration this engine was built from.
             #[getter]
             fn config(&self, py: Python<'_>) -> Py<PyCommConfig> {
-                self.info.config.clone_ref(py)
+                self.config.clone_ref(py)
             }
 
             /// int: This rank.
             #[getter]
             fn rank(&self) -> usize {
-                self.info.rank
+                self.setup().rank()
             }
 
             /// int: The number of ranks.
             #[getter]
             fn size(&self) -> usize {
-                self.info.size
+                self.setup().size()
             }
 
             /// int: The number of channels.
             #[getter]
             fn num_channels(&self) -> usize {
-                self.info.num_channels
+                self.setup().num_channels()
             }
 
             /// float: The per-collective timeout in seconds.
             #[getter]
             fn timeout(&self) -> f64 {
-                self.info.timeout.as_secs_f64()
+                self.setup().timeout().as_secs_f64()
             }
 
             /// str: The wire compression of whole buckets (`none`, `fp16`, `bf16`).
             #[getter]
             fn compression(&self) -> &'static str {
-                self.info.settings.compression.name()
+                self.setup().settings().compression.name()
             }
 
             /// bool: Whether buckets are checked for NaN/infinity before sending.
             #[getter]
             fn nan_check(&self) -> bool {
-                self.info.settings.nan_check
+                self.setup().settings().nan_check
             }
 
             /// bool: Whether buckets take the 2D allreduce (up to the hierarchical
             /// threshold), as forced or as `auto` chose.
             #[getter]
             fn two_d(&self) -> bool {
-                self.info.settings.hierarchical_threshold.is_some()
+                self.setup().two_d()
             }
 
             /// Optional[str]: The line explaining what
@@ -458,14 +289,14 @@ macro_rules! engine_getters {
             /// nodes of several ranks).
             #[getter]
             fn auto_choice(&self) -> Option<String> {
-                self.info.auto_choice.clone()
+                self.setup().auto_choice().map(str::to_string)
             }
 
             /// Optional[tuple[list[int], list[int]]]: World ranks of this rank's
             /// node and of its inter-node group, when the 2D groups are connected.
             #[getter]
             fn two_d_members(&self) -> Option<(Vec<usize>, Vec<usize>)> {
-                self.info.two_d_members()
+                self.setup().two_d_members()
             }
 
             /// Optional[str]: `ip:port` this rank listens on (TCP rings, before connecting).
@@ -521,14 +352,9 @@ impl SharedResult {
 /// exchanged, `connect` forms the rings and starts the channel threads.
 #[pyclass(module = "tiacc_training._engine")]
 pub struct CommEngine {
-    info: EngineInfo,
-    tcp: TcpSetup,
-    board: Option<Arc<dyn FailureBoard>>,
-    engine: Option<Engine>,
-    /// What carries each group's bytes on the first channel, once connected.
-    media: Vec<(&'static str, &'static str)>,
-    /// The engine's counters, kept past `shutdown` (for the summary at exit).
-    counters: Option<Arc<Counters>>,
+    /// The configuration object it was built from (the `config` getter).
+    config: Py<PyCommConfig>,
+    core: setup::CommEngine,
 }
 
 #[pymethods]
@@ -553,33 +379,28 @@ impl CommEngine {
         intra_size: Option<usize>,
         channels: Option<usize>,
     ) -> PyResult<Self> {
-        let mut info = EngineInfo::new(config, rank, size, local_size, intra_size)?;
+        let mut engine_setup =
+            EngineSetup::new(&config.get().inner, rank, size, local_size, intra_size).py()?;
         if let Some(n) = channels {
-            if n == 0 {
-                return Err(PyValueError::new_err("channels must be at least 1"));
-            }
-            info.num_channels = n;
+            engine_setup = engine_setup.with_channels(n).py()?;
         }
+        let core = setup::CommEngine::new(engine_setup, host, PyBoard::wrap(board)).py()?;
         Ok(CommEngine {
-            tcp: TcpSetup::bind(rank, size, host, info.layout)?,
-            info,
-            board: PyBoard::wrap(board),
-            engine: None,
-            media: Vec::new(),
-            counters: None,
+            config: config.unbind(),
+            core,
         })
     }
 
     /// bool: Whether `connect` has completed and `shutdown` has not run.
     #[getter]
     fn connected(&self) -> bool {
-        self.engine.is_some()
+        self.core.connected()
     }
 
     /// The channel bucket `bucket` runs on.
     #[pyo3(text_signature = "(self, bucket: int) -> int")]
     fn channel_of(&self, bucket: u64) -> usize {
-        channel_of(bucket, self.info.num_channels)
+        channel_of(bucket, self.core.setup().num_channels())
     }
 
     /// dict[str, str]: What carries each group's bytes, once connected:
@@ -589,7 +410,7 @@ impl CommEngine {
     /// stderr, except for groups that span nodes).
     #[getter]
     fn transports(&self) -> std::collections::BTreeMap<&'static str, &'static str> {
-        self.media.iter().copied().collect()
+        self.core.media().iter().copied().collect()
     }
 
     /// Forms the rings with every rank's `addresses` (indexed by rank) and
@@ -612,37 +433,14 @@ impl CommEngine {
         intra_addresses: Option<Vec<String>>,
         inter_addresses: Option<Vec<String>>,
     ) -> PyResult<()> {
-        let groups = self.tcp.connect(
-            py,
-            addresses,
+        let peers = TcpPeers {
+            addresses: &addresses,
             token,
-            intra_addresses,
-            inter_addresses,
-            self.info.num_channels,
-            self.info.config.get().inner.shared_memory,
-            self.info.timeout,
-        )?;
-        let mut groups = groups;
-        if let Some(bytes) = self.info.auto_probe_bytes().filter(|_| !groups.is_empty()) {
-            let first = groups.remove(0);
-            let deadline = Deadline::after(self.info.timeout);
-            let (first, probe) = py.detach(move || auto::measure(first, bytes, deadline));
-            groups.insert(0, first);
-            let turns = self.info.spans_nodes;
-            self.info.adopt(&probe.py()?, turns);
-        }
-        self.media = groups.first().map(|g| g.media()).unwrap_or_default();
-        let settings = self.info.settings;
-        let spec = groups.into_iter().map(|g| (g, settings)).collect();
-        let board = self.board.clone();
-        let timeout = self.info.timeout;
-        let turns = self.info.spans_nodes;
-        let engine = py
-            .detach(move || Engine::with_channels(spec, timeout, board, turns))
-            .py()?;
-        self.counters = Some(Arc::clone(engine.counters()));
-        self.engine = Some(engine);
-        Ok(())
+            intra_addresses: intra_addresses.as_deref(),
+            inter_addresses: inter_addresses.as_deref(),
+        };
+        let core = &mut self.core;
+        py.detach(move || core.connect(&peers)).py()
     }
 
     /// Queues an allreduce of a tensor's `nbytes` bytes at `ptr` and returns
@@ -729,7 +527,7 @@ impl CommEngine {
             "avg" | "mean" | "average" => (ReduceOp::Sum, true),
             other => (ReduceOp::parse(other).py()?, false),
         };
-        let size = self.info.size;
+        let size = self.core.setup().size();
         let op = match collective {
             "allreduce" => Collective::AllreduceOp { op, mean },
             "reduce_scatter" => Collective::ReduceScatter { op, mean },
@@ -824,10 +622,10 @@ impl CommEngine {
         root: usize,
         bucket: u64,
     ) -> PyResult<()> {
-        if root >= self.info.size {
+        let size = self.core.setup().size();
+        if root >= size {
             return Err(PyValueError::new_err(format!(
-                "root {root} is not a rank of a group of {}",
-                self.info.size
+                "root {root} is not a rank of a group of {size}"
             )));
         }
         // Bytes travel as-is; the dtype is not used.
@@ -852,7 +650,7 @@ impl CommEngine {
     /// first bucket. Zeros before `connect`.
     #[pyo3(text_signature = "(self) -> tuple[int, float, float]")]
     fn step_times(&self) -> (u64, f64, f64) {
-        self.engine.as_ref().map_or((0, 0.0, 0.0), |e| {
+        self.core.engine().ok().map_or((0, 0.0, 0.0), |e| {
             let t = e.progress().take_times();
             (t.steps, t.compute, t.comm)
         })
@@ -862,7 +660,7 @@ impl CommEngine {
     /// `connect`, kept after `shutdown`.
     #[pyo3(text_signature = "(self) -> dict[tuple[str, str], EngineCounters]")]
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        counters_dict(py, self.counters.as_deref())
+        counters_dict(py, self.core.counters())
     }
 
     /// The engine's state across steps (Top-K's residuals, the momentum
@@ -894,30 +692,24 @@ impl CommEngine {
     /// call twice.
     #[pyo3(text_signature = "(self) -> None")]
     fn shutdown(&mut self, py: Python<'_>) {
-        self.tcp.close();
-        if let Some(mut engine) = self.engine.take() {
-            py.detach(move || engine.shutdown());
-        }
+        let core = &mut self.core;
+        py.detach(move || core.shutdown());
     }
 }
 
 engine_getters!(CommEngine);
 
 impl CommEngine {
+    fn setup(&self) -> &EngineSetup {
+        self.core.setup()
+    }
+
     fn tcp_setup(&self) -> Option<&TcpSetup> {
-        Some(&self.tcp)
+        Some(self.core.tcp())
     }
 
     fn engine(&self) -> PyResult<&Engine> {
-        self.engine.as_ref().ok_or_else(|| {
-            to_pyerr(tiacc_core::Error::Comm {
-                peer: None,
-                message: format!(
-                    "rank {}: the communication engine is not connected (call connect() first) or was shut down",
-                    self.info.rank
-                ),
-            })
-        })
+        self.core.engine().py()
     }
 
     fn run_blocking(
@@ -970,17 +762,6 @@ fn completion(tensor: Py<PyAny>, future: Py<PyAny>) -> Completion {
             }
         });
     })
-}
-
-fn parse_addresses(addresses: &[String]) -> PyResult<Vec<SocketAddr>> {
-    addresses
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            a.parse::<SocketAddr>()
-                .map_err(|_| PyValueError::new_err(format!("address #{i} {a:?} is not ip:port")))
-        })
-        .collect()
 }
 
 fn check_buffer(ptr: usize, nbytes: usize, dtype: Option<DType>) -> PyResult<()> {

@@ -1,7 +1,9 @@
 //! `DeviceEngine`: buckets held in torch tensors (CUDA buckets), reduced by
 //! the same algorithms as CPU buckets through the core's device engine
-//! ([`tiacc_core::comm::device`]: its channels, NCCL communicators or TCP
-//! rings, watchdog, `auto` probe and failure rule). This module converts:
+//! ([`tiacc_core::comm::setup::DeviceEngine`]: its set-up, connection and
+//! algorithm decision; [`tiacc_core::comm::device`]: its channels, NCCL
+//! communicators or TCP rings, watchdog, `auto` probe and failure rule).
+//! This module converts:
 //! Python's arguments in, the core's errors out, and [`TorchOps`], the
 //! core's [`Kernels`] as the methods of a Python object of torch
 //! operations (`tiacc_training.torch.distributed._kernels.TorchKernels`)
@@ -13,35 +15,26 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use tiacc_core::comm::backend::{Mem, TopKBlock};
-use tiacc_core::comm::device::{
-    Comms, DeviceChannels, DeviceCollective, KernelError, KernelResult, Kernels, NcclIds, Slot,
-    Span,
+use tiacc_core::comm::device::{DeviceCollective, KernelError, KernelResult, Kernels, Slot, Span};
+use tiacc_core::comm::setup::{
+    self, DeviceTransport, EngineSetup, NcclIdBytes, TcpPeers, TcpSetup,
 };
-use tiacc_core::comm::nccl::NcclUniqueId;
 use tiacc_core::comm::DType;
 use tiacc_core::Error;
 
-use crate::comm::{counters_dict, engine_getters, EngineInfo, PyBoard, TcpSetup};
+use crate::comm::{counters_dict, engine_getters, PyBoard};
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
-use crate::nccl::{load, unique_id_from};
-
-/// Which collectives a [`DeviceEngine`] runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Collectives {
-    Nccl,
-    Tcp,
-}
+use crate::nccl::load;
 
 /// The device engine of one process (see the module docs): the core's
-/// [`DeviceChannels`] over torch tensors, and the torch kernels.
+/// [`setup::DeviceEngine`] over torch tensors, and the torch kernels.
 #[pyclass(module = "tiacc_training._engine")]
 pub struct DeviceEngine {
-    info: EngineInfo,
+    /// The configuration object it was built from (the `config` getter).
+    config: Py<PyCommConfig>,
     kernels: Py<PyAny>,
-    transport: Collectives,
-    tcp: Option<TcpSetup>,
-    core: DeviceChannels<Py<PyAny>>,
+    core: setup::DeviceEngine<Py<PyAny>>,
 }
 
 /// A flat uint8 tensor's memory, checked.
@@ -94,42 +87,25 @@ impl DeviceEngine {
         host: Option<&str>,
     ) -> PyResult<Self> {
         let py = config.py();
-        let info = EngineInfo::new(config, rank, size, local_size, intra_size)?;
-        let (transport, tcp) = match (transport, host) {
-            ("nccl", _) => (Collectives::Nccl, None),
-            ("tcp", Some(host)) => {
-                // TCP collectives read and write the tensors' memory from
-                // the host: only CPU tensors qualify.
-                let device = kernels.bind(py).getattr("device")?;
-                let kind: String = device.getattr("type")?.extract()?;
-                if kind != "cpu" {
-                    return Err(PyValueError::new_err(format!(
-                        "transport 'tcp' runs on CPU tensors, but the kernels are on {kind}; \
-                         CUDA tensors go over TCP through host staging"
-                    )));
-                }
-                (
-                    Collectives::Tcp,
-                    Some(TcpSetup::bind(rank, size, host, info.layout)?),
-                )
-            }
-            ("tcp", None) => {
-                return Err(PyValueError::new_err(
-                    "transport 'tcp' needs the host address to listen on",
-                ))
-            }
-            (other, _) => {
+        let engine_setup =
+            EngineSetup::new(&config.get().inner, rank, size, local_size, intra_size).py()?;
+        let transport = DeviceTransport::parse(transport, host).py()?;
+        if let DeviceTransport::Tcp { .. } = transport {
+            // TCP collectives read and write the tensors' memory from the
+            // host: only CPU tensors qualify.
+            let device = kernels.bind(py).getattr("device")?;
+            let kind: String = device.getattr("type")?.extract()?;
+            if kind != "cpu" {
                 return Err(PyValueError::new_err(format!(
-                    "transport must be 'nccl' or 'tcp', got {other:?}"
-                )))
+                    "transport 'tcp' runs on CPU tensors, but the kernels are on {kind}; \
+                     CUDA tensors go over TCP through host staging"
+                )));
             }
-        };
-        let core = DeviceChannels::new(rank, size, info.timeout, PyBoard::wrap(board)).py()?;
+        }
+        let core = setup::DeviceEngine::new(engine_setup, transport, PyBoard::wrap(board)).py()?;
         Ok(DeviceEngine {
-            info,
+            config: config.unbind(),
             kernels,
-            transport,
-            tcp,
             core,
         })
     }
@@ -137,16 +113,13 @@ impl DeviceEngine {
     /// str: `nccl` or `tcp`.
     #[getter]
     fn transport(&self) -> &'static str {
-        match self.transport {
-            Collectives::Nccl => "nccl",
-            Collectives::Tcp => "tcp",
-        }
+        self.core.transport()
     }
 
     /// bool: Whether a `connect_*` call has completed and `shutdown` has not run.
     #[getter]
     fn connected(&self) -> bool {
-        self.core.connected()
+        self.core.channels().connected()
     }
 
     /// Joins the NCCL communicators: per channel, the world one from
@@ -169,43 +142,19 @@ impl DeviceEngine {
         search_dirs: Vec<String>,
         library: Option<String>,
     ) -> PyResult<()> {
-        if self.transport != Collectives::Nccl || self.core.opened() {
-            return Err(PyValueError::new_err(
-                "connect_nccl() needs an unconnected engine with transport 'nccl'",
-            ));
-        }
-        let ids = |list: &[Vec<u8>], what: &str| -> PyResult<Vec<NcclUniqueId>> {
-            if list.len() != self.info.num_channels {
-                return Err(PyValueError::new_err(format!(
-                    "expected {} {what} NCCL ids (one per channel), got {}",
-                    self.info.num_channels,
-                    list.len()
-                )));
-            }
-            list.iter().map(|b| unique_id_from(b)).collect()
+        let ops = TorchOps {
+            py,
+            kernels: self.kernels.bind(py),
         };
-        let two_d = match (self.info.layout, intra_ids, inter_ids) {
-            (None, _, _) => None,
-            (Some(layout), Some(a), Some(e)) => {
-                Some((layout, ids(&a, "intra")?, ids(&e, "inter")?))
-            }
-            (Some(_), _, _) => {
-                return Err(PyValueError::new_err(
-                    "the 2D allreduce is on: connect_nccl() needs intra_ids and inter_ids",
-                ))
-            }
+        let stream = probe_stream(&ops, &self.core)?;
+        let ids = NcclIdBytes {
+            world: &world_ids,
+            intra: intra_ids.as_deref(),
+            inter: inter_ids.as_deref(),
         };
-        let ids = NcclIds {
-            world: ids(&world_ids, "world")?,
-            two_d,
-        };
-        let core = &self.core;
-        let groups = py
-            .detach(|| load(search_dirs, library).and_then(|lib| core.join_nccl(lib, &ids)))
-            .py()?;
-        self.core.watch_nccl(&groups).py()?;
-        let comms = groups.into_iter().map(Comms::Nccl).collect();
-        self.open(py, comms)
+        self.core
+            .connect_nccl(&ops, &ids, move || load(search_dirs, library), stream)
+            .py()
     }
 
     /// Forms the TCP rings (transport `tcp`): every rank's `addresses`, the
@@ -224,30 +173,24 @@ impl DeviceEngine {
         intra_addresses: Option<Vec<String>>,
         inter_addresses: Option<Vec<String>>,
     ) -> PyResult<()> {
-        let Some(tcp) = self.tcp.as_mut().filter(|_| !self.core.opened()) else {
-            return Err(PyValueError::new_err(
-                "connect() needs an unconnected engine with transport 'tcp'",
-            ));
-        };
-        let groups = tcp.connect(
+        let ops = TorchOps {
             py,
-            addresses,
+            kernels: self.kernels.bind(py),
+        };
+        let stream = probe_stream(&ops, &self.core)?;
+        let peers = TcpPeers {
+            addresses: &addresses,
             token,
-            intra_addresses,
-            inter_addresses,
-            self.info.num_channels,
-            self.info.config.get().inner.shared_memory,
-            self.info.timeout,
-        )?;
-        self.core.watch_tcp(&groups);
-        let comms = groups.into_iter().map(Comms::Tcp).collect();
-        self.open(py, comms)
+            intra_addresses: intra_addresses.as_deref(),
+            inter_addresses: inter_addresses.as_deref(),
+        };
+        self.core.connect_tcp(&ops, &peers, stream).py()
     }
 
     /// The channel (and so the CUDA stream) bucket `bucket` runs on.
     #[pyo3(text_signature = "(self, bucket: int) -> int")]
     fn channel_of(&self, bucket: u64) -> usize {
-        tiacc_core::comm::engine::channel_of(bucket, self.info.num_channels)
+        tiacc_core::comm::engine::channel_of(bucket, self.core.setup().num_channels())
     }
 
     /// Runs the allreduce of a bucket: `buf` is its bytes (a flat uint8
@@ -280,6 +223,7 @@ impl DeviceEngine {
             mem,
         };
         self.core
+            .channels()
             .allreduce(&ops, slot, dtype, bucket, average, stream)
             .map_err(to_pyerr)
     }
@@ -329,7 +273,7 @@ impl DeviceEngine {
             }
         };
         let mem = tensor_mem(&buf)?;
-        let size = self.info.size;
+        let size = self.core.setup().size();
         if op != (DeviceCollective::Allreduce { mean }) && (mem.bytes / dtype.size()) % size != 0 {
             return Err(PyValueError::new_err(format!(
                 "{collective}: {} elements do not split into {size} equal blocks",
@@ -345,6 +289,7 @@ impl DeviceEngine {
             mem,
         };
         self.core
+            .channels()
             .collective(&ops, op, slot, dtype, bucket, stream)
             .map_err(to_pyerr)
     }
@@ -364,7 +309,7 @@ impl DeviceEngine {
                 message: format!("the completion test of a bucket failed: {e}"),
             })
         });
-        self.core.watch(&ops, channel, is_done);
+        self.core.channels().watch(&ops, channel, is_done);
         Ok(())
     }
 
@@ -373,7 +318,7 @@ impl DeviceEngine {
     /// to its calls).
     #[pyo3(text_signature = "(self) -> dict[tuple[str, str], EngineCounters]")]
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        counters_dict(py, Some(self.core.counters()))
+        counters_dict(py, Some(self.core.channels().counters()))
     }
 
     /// `(steps, compute seconds, communication seconds)` since the last call
@@ -381,7 +326,7 @@ impl DeviceEngine {
     /// first bucket.
     #[pyo3(text_signature = "(self) -> tuple[int, float, float]")]
     fn step_times(&self) -> (u64, f64, f64) {
-        let t = self.core.progress().take_times();
+        let t = self.core.channels().progress().take_times();
         (t.steps, t.compute, t.comm)
     }
 
@@ -396,7 +341,7 @@ impl DeviceEngine {
             py,
             kernels: self.kernels.bind(py),
         };
-        let state = self.core.export_state(&ops).map_err(to_pyerr)?;
+        let state = self.core.channels().export_state(&ops).map_err(to_pyerr)?;
         crate::state::to_dict(py, &state)
     }
 
@@ -422,6 +367,7 @@ impl DeviceEngine {
             kernels: self.kernels.bind(py),
         };
         self.core
+            .channels()
             .import_state(&ops, &state, channel)
             .map_err(to_pyerr)
     }
@@ -430,7 +376,7 @@ impl DeviceEngine {
     /// another rank), if there was one, or a `CommError` once shut down.
     #[pyo3(text_signature = "(self) -> None")]
     fn check(&self) -> PyResult<()> {
-        self.core.check().map_err(to_pyerr)
+        self.core.channels().check().map_err(to_pyerr)
     }
 
     /// Stops the watchdog and aborts the communicators (never waits on
@@ -442,43 +388,31 @@ impl DeviceEngine {
             kernels: self.kernels.bind(py),
         };
         self.core.shutdown(&ops);
-        if let Some(tcp) = self.tcp.as_mut() {
-            tcp.close();
-        }
     }
 }
 
 engine_getters!(DeviceEngine);
 
 impl DeviceEngine {
-    fn tcp_setup(&self) -> Option<&TcpSetup> {
-        self.tcp.as_ref()
+    fn setup(&self) -> &EngineSetup {
+        self.core.setup()
     }
 
-    /// Opens the channels over `comms`. Under `TIACC_TRAINING_ALGORITHM=auto`
-    /// with the 2D groups connected, first times flat against 2D on the
-    /// first channel's groups, keeps the faster in the settings the
-    /// channels are built with and says why in `auto_choice`; when flat
-    /// wins, the 2D communicators are closed.
-    fn open(&mut self, py: Python<'_>, mut comms: Vec<Comms>) -> PyResult<()> {
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
-        if let (Some(bytes), Some(first)) = (self.info.auto_probe_bytes(), comms.first_mut()) {
-            let stream: usize = ops.kernels.call_method0("current_stream")?.extract()?;
-            let probe = self
-                .core
-                .probe(&ops, first, bytes, stream)
-                .map_err(to_pyerr)?;
-            // The device engine's channels do not take turns on the link.
-            if !self.info.adopt(&probe, false) {
-                self.core.drop_two_d(&ops, &mut comms);
-            }
-        }
-        self.core.open(comms, self.info.settings);
-        Ok(())
+    fn tcp_setup(&self) -> Option<&TcpSetup> {
+        self.core.tcp()
     }
+}
+
+/// The stream the caller runs on, when connecting runs `auto`'s probe
+/// (asked of the kernels only then).
+fn probe_stream(
+    ops: &TorchOps<'_, '_>,
+    core: &setup::DeviceEngine<Py<PyAny>>,
+) -> PyResult<Option<usize>> {
+    if !core.probes() {
+        return Ok(None);
+    }
+    Ok(Some(ops.kernels.call_method0("current_stream")?.extract()?))
 }
 
 /// [`Kernels`] as torch operations: the methods of a

@@ -15,7 +15,7 @@ use pyo3::types::PyBytes;
 
 use tiacc_core::comm::nccl::{
     self, DevicePtr, Group, NcclCommunicator as CoreCommunicator, NcclLibrary, NcclSearch,
-    NcclUniqueId, ReduceOp, UNIQUE_ID_BYTES,
+    NcclUniqueId, ReduceOp,
 };
 use tiacc_core::comm::{DType, Deadline};
 
@@ -372,14 +372,8 @@ impl NcclCommunicator {
 }
 
 /// An NCCL unique id from the bytes another rank published.
-pub(crate) fn unique_id_from(bytes: &[u8]) -> PyResult<NcclUniqueId> {
-    let bytes: &[u8; UNIQUE_ID_BYTES] = bytes.try_into().map_err(|_| {
-        PyValueError::new_err(format!(
-            "an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {}",
-            bytes.len()
-        ))
-    })?;
-    Ok(NcclUniqueId::from_bytes(bytes))
+fn unique_id_from(bytes: &[u8]) -> PyResult<NcclUniqueId> {
+    NcclUniqueId::from_slice(bytes).py()
 }
 
 fn parse_op(op: &str) -> PyResult<ReduceOp> {

@@ -2,6 +2,8 @@
 //! transport, the allreduce algorithms and the multi-channel engine.
 //!
 //! ```text
+//! set-up (both): setup::CommEngine / setup::DeviceEngine listen, connect, run the
+//!                   auto probe and decide the algorithm (EngineSetup), then:
 //! CPU buckets:  Engine::submit(job) --bucket % channels--> channel thread (FIFO)
 //!                   Algorithm::allreduce over a HostBackend (TCP transports, Rust kernels)
 //! CUDA buckets: the bindings' device engine, on the hook's thread
@@ -22,6 +24,7 @@ pub mod host;
 pub mod mapping;
 pub mod nccl;
 pub mod progress;
+pub mod setup;
 pub mod sharded;
 pub mod shm;
 pub mod sparse;

@@ -9,6 +9,7 @@
 use std::ffi::{c_char, c_int, c_void};
 
 use crate::comm::DType;
+use crate::error::{Error, Result};
 
 /// `ncclResult_t`.
 pub type NcclResult = c_int;
@@ -44,6 +45,18 @@ impl NcclUniqueId {
         NcclUniqueId {
             internal: bytes.map(|b| b as c_char),
         }
+    }
+
+    /// An id from bytes of any length: [`Error::InvalidArgument`] unless
+    /// there are exactly [`UNIQUE_ID_BYTES`].
+    pub fn from_slice(bytes: &[u8]) -> Result<Self> {
+        let bytes: &[u8; UNIQUE_ID_BYTES] = bytes.try_into().map_err(|_| {
+            Error::InvalidArgument(format!(
+                "an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {}",
+                bytes.len()
+            ))
+        })?;
+        Ok(NcclUniqueId::from_bytes(bytes))
     }
 }
 
