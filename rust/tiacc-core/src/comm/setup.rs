@@ -495,6 +495,7 @@ impl<B> DeviceEngine<B> {
                 "connect_nccl() needs an unconnected engine with transport 'nccl'".into(),
             ));
         }
+        self.check_stream(stream)?;
         let ids = self.nccl_ids(ids)?;
         let channels = &self.channels;
         let groups =
@@ -519,6 +520,9 @@ impl<B> DeviceEngine<B> {
                 "connect() needs an unconnected engine with transport 'tcp'".into(),
             ));
         };
+        if self.setup.auto_probe_bytes().is_some() && stream.is_none() {
+            return Err(no_stream());
+        }
         let setup = &self.setup;
         let (channels, shared_memory, timeout) = (
             setup.num_channels,
@@ -537,6 +541,15 @@ impl<B> DeviceEngine<B> {
         self.channels.shutdown(kernels);
         if let Some(tcp) = self.tcp.as_mut() {
             tcp.close();
+        }
+    }
+
+    /// [`DeviceEngine::probes`] without a `stream` is refused before
+    /// anything connects.
+    fn check_stream(&self, stream: Option<usize>) -> Result<()> {
+        match (self.probes(), stream) {
+            (true, None) => Err(no_stream()),
+            _ => Ok(()),
         }
     }
 
@@ -582,11 +595,7 @@ impl<B> DeviceEngine<B> {
         stream: Option<usize>,
     ) -> Result<()> {
         if let (Some(bytes), Some(first)) = (self.setup.auto_probe_bytes(), comms.first_mut()) {
-            let stream = stream.ok_or_else(|| {
-                Error::InvalidArgument(
-                    "the algorithm probe needs the stream the caller runs on".into(),
-                )
-            })?;
+            let stream = stream.ok_or_else(no_stream)?;
             let probe = self.channels.probe(kernels, first, bytes, stream)?;
             // The device engine's channels do not take turns on the link.
             if !self.setup.adopt(&probe, false) {
@@ -596,6 +605,10 @@ impl<B> DeviceEngine<B> {
         self.channels.open(comms, self.setup.settings);
         Ok(())
     }
+}
+
+fn no_stream() -> Error {
+    Error::InvalidArgument("the algorithm probe needs the stream the caller runs on".into())
 }
 
 #[cfg(test)]

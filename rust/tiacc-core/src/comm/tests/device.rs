@@ -544,3 +544,99 @@ fn device_channels_run_torch_s_collectives_over_the_2d_groups() {
         );
     }
 }
+
+#[test]
+fn a_device_engine_over_tcp_connects_probes_and_adopts_the_same_choice_on_every_rank() {
+    use crate::comm::setup::{DeviceEngine, DeviceTransport, EngineSetup, TcpPeers};
+    use crate::comm::tcp::random_token;
+    use crate::config::{AlgorithmChoice, CommConfig};
+    let config = CommConfig {
+        algorithm: AlgorithmChoice::Auto,
+        num_streams: 1,
+        shared_memory: false,
+        timeout: Duration::from_secs(20),
+        fusion_threshold: 1,
+        ..CommConfig::default()
+    };
+    let engines: Vec<DeviceEngine<Shared>> = (0..4)
+        .map(|rank| {
+            let setup = EngineSetup::new(&config, rank, 4, Some(2), Some(2)).unwrap();
+            let tcp = DeviceTransport::parse("tcp", Some("127.0.0.1")).unwrap();
+            DeviceEngine::new(setup, tcp, None).unwrap()
+        })
+        .collect();
+    let addresses: Vec<String> = engines
+        .iter()
+        .map(|e| e.tcp().unwrap().address().unwrap())
+        .collect();
+    let two_d: Vec<(String, String)> = engines
+        .iter()
+        .map(|e| e.tcp().unwrap().two_d_addresses().unwrap())
+        .collect();
+    let token = random_token().unwrap();
+    let len = 1000;
+    let handles: Vec<_> = engines
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut engine)| {
+            let (addresses, two_d) = (addresses.clone(), two_d.clone());
+            std::thread::spawn(move || {
+                assert_eq!(engine.transport(), "tcp");
+                assert!(engine.probes());
+                let (intra, inter) = engine.setup().two_d_members().unwrap();
+                let intra: Vec<String> = intra.iter().map(|&r| two_d[r].0.clone()).collect();
+                let inter: Vec<String> = inter.iter().map(|&r| two_d[r].1.clone()).collect();
+                let peers = TcpPeers {
+                    addresses: &addresses,
+                    token: &token,
+                    intra_addresses: Some(&intra),
+                    inter_addresses: Some(&inter),
+                };
+                // Without the stream the probe needs, nothing connects.
+                let err = engine.connect_tcp(&HostKernels, &peers, None).unwrap_err();
+                assert!(err.to_string().contains("stream"), "{err}");
+                assert!(engine.tcp().unwrap().address().is_some());
+                engine.connect_tcp(&HostKernels, &peers, Some(0)).unwrap();
+                assert!(engine.channels().connected());
+                let again = engine.connect_tcp(&HostKernels, &peers, Some(0));
+                assert!(again.is_err());
+                let values: Vec<f64> = (0..len).map(|i| two_d_value(rank, i)).collect();
+                let bytes = encode(DType::F32, &values);
+                let (buffer, mem) = HostKernels.empty(bytes.len()).unwrap();
+                let span = Span {
+                    buffer: &buffer,
+                    offset: 0,
+                    bytes: mem.bytes,
+                };
+                HostKernels.load(span, &bytes).unwrap();
+                let slot = Slot {
+                    buffer: buffer.clone(),
+                    mem,
+                };
+                engine
+                    .channels()
+                    .allreduce(&HostKernels, slot, DType::F32, 0, false, 0)
+                    .unwrap();
+                let got = decode(DType::F32, &HostKernels.fetch(span).unwrap());
+                let line = engine.setup().auto_choice().map(str::to_string);
+                let two_d = engine.setup().two_d();
+                engine.shutdown(&HostKernels);
+                assert!(!engine.channels().connected());
+                (line, two_d, got)
+            })
+        })
+        .collect();
+    let outcomes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let line = outcomes[0].0.clone().expect("auto ran");
+    // The device engine's channels do not take turns on the link.
+    assert!(line.contains("channels=1; compression"), "{line}");
+    assert_eq!(outcomes[0].1, line.starts_with("auto: chose 2d"));
+    for (rank, (l, two_d, got)) in outcomes.iter().enumerate() {
+        assert_eq!(l.as_deref(), Some(line.as_str()), "rank {rank}");
+        assert_eq!(*two_d, outcomes[0].1, "rank {rank}");
+        for (i, &v) in got.iter().enumerate() {
+            let sum: f64 = (0..4).map(|r| two_d_value(r, i)).sum();
+            assert_eq!(v, sum, "rank {rank} element {i}");
+        }
+    }
+}
