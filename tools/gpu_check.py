@@ -26,7 +26,11 @@ a short window on a GPU node (``--budget``, 420 s of stages):
   150 s, run where the budget leaves it time;
 - ``fsdp``: FSDP2 over NCCL on the same cluster (``benches/bench_fsdp.py
   --device cuda``), native against the engine's 2D rows; at most 180 s,
-  run where a larger budget leaves it time.
+  run where a larger budget leaves it time;
+- ``amp``: the adaptive mixed-precision bench on CUDA
+  (``benches/bench_amp.py --device cuda``: fp32, plain fp16 and bf16 AMP and
+  the policy's schedules, one seed, 3 epochs); at most 90 s, run where a
+  larger budget leaves it time.
 
 Before each stage the plan checks the budget left: a stage that would
 start with less than it needs is dropped, and ``stages.json`` and the
@@ -78,9 +82,11 @@ from typing import Any, Callable
 from _process_tree import POLL, exited, stage_processes, stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("gpu-tests", "one", "input", "cluster", "scaling", "fsdp", "tests", "demo", "nccl")
+STAGES = (
+    "gpu-tests", "one", "input", "cluster", "scaling", "fsdp", "amp", "tests", "demo", "nccl"
+)  # fmt: skip
 # The default: one short window on a GPU node.
-PLAN = ("gpu-tests", "one", "input", "cluster", "scaling", "fsdp")
+PLAN = ("gpu-tests", "one", "input", "cluster", "scaling", "fsdp", "amp")
 # The long check (``--stage all``).
 LONG = ("tests", "demo", "nccl", "input", "fsdp")
 # Per stage: its limit and the least time worth starting it with (seconds).
@@ -91,6 +97,7 @@ LIMITS = {
     "input": (75.0, 45.0),
     "scaling": (150.0, 90.0),
     "fsdp": (180.0, 100.0),
+    "amp": (90.0, 60.0),
     "tests": (600.0, 120.0),
     "demo": (300.0, 60.0),
     "nccl": (600.0, 120.0),
@@ -358,6 +365,11 @@ def stage_commands(stage: str, python: str, out: Path, workers: int) -> list[lis
             [python, "benches/bench_fsdp.py", "--device", "cuda", "--layouts", "link2x2",
              "--rows", FSDP_ROWS, "--rounds", "1", "--steps", "3", "--warmup", "1",
              "--out", str(out / "bench_fsdp_cuda.json")],
+        ]  # fmt: skip
+    if stage == "amp":
+        return [
+            [python, "benches/bench_amp.py", "--device", "cuda", "--seeds", "1", "--epochs", "3",
+             "--out", str(out / "bench_amp_cuda.json")],
         ]  # fmt: skip
     raise ValueError(f"unknown stage {stage!r}")
 

@@ -233,7 +233,7 @@ def test_missing_measurements_say_why(tmp_path: Path) -> None:
 
 def test_stage_selection_and_commands(tmp_path: Path) -> None:
     assert gpu_check.parse_args([]).stage == [
-        "gpu-tests", "one", "input", "cluster", "scaling", "fsdp"
+        "gpu-tests", "one", "input", "cluster", "scaling", "fsdp", "amp"
     ]  # fmt: skip
     assert gpu_check.parse_args(["--stage", "all"]).stage == [
         "tests", "demo", "nccl", "input", "fsdp"
@@ -243,16 +243,20 @@ def test_stage_selection_and_commands(tmp_path: Path) -> None:
     # order, each stage's least start time below its limit.
     # The stages before the cluster fit with the cluster's least time (its
     # rows are written as they finish); the scaling sweep and FSDP2 over
-    # NCCL, last, run where a larger budget leaves them time.
+    # NCCL and the mixed-precision bench, last, run where a larger budget
+    # leaves them time.
     plan, limits = gpu_check.PLAN, gpu_check.LIMITS
-    assert plan[-3:] == ("cluster", "scaling", "fsdp")
-    fixed = sum(limits[s][0] for s in plan[:-3]) + limits["cluster"][1]
+    assert plan[-4:] == ("cluster", "scaling", "fsdp", "amp")
+    fixed = sum(limits[s][0] for s in plan[:-4]) + limits["cluster"][1]
     assert fixed <= gpu_check.parse_args([]).budget
     assert all(least < limit for limit, least in gpu_check.LIMITS.values())
     gpu = gpu_check.stage_commands("gpu-tests", "py", tmp_path, 16)[0]
     assert gpu[:6] == ["py", "-m", "pytest", "tests", "-m", "gpu"] and "8" in gpu
     cluster = gpu_check.stage_commands("cluster", "py", tmp_path, 16)[0]
     assert "--only" in cluster and str(tmp_path / "bench_nccl.json") in cluster
+    amp = gpu_check.stage_commands("amp", "py", tmp_path, 16)[0]
+    assert amp[1] == "benches/bench_amp.py" and amp[amp.index("--device") + 1] == "cuda"
+    assert str(tmp_path / "bench_amp_cuda.json") in amp and limits["amp"][0] <= 90
     assert gpu_check.stage_env("tests", {}, tmp_path) == {
         "TIACC_TEST_OUTCOMES": str(tmp_path / "outcomes-tests.jsonl"),
         "TIACC_TEST_FIRST": gpu_check.GPU_FIRST,
@@ -579,7 +583,7 @@ def test_every_benchmark_stage_command_is_accepted_by_its_script(tmp_path: Path)
             except SystemExit as e:
                 pytest.fail(f"{stage}: {script} refuses {command[2:]} (exit {e.code})")
             checked.add(stage)
-    assert checked == {"one", "cluster", "nccl", "input", "scaling", "fsdp"}
+    assert checked == {"one", "cluster", "nccl", "input", "scaling", "fsdp", "amp"}
 
 
 def test_a_cut_off_stage_names_the_error_lines_of_a_failure(tmp_path: Path) -> None:
