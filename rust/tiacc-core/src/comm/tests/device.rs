@@ -258,6 +258,24 @@ fn on_device_grid(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// Loads `values` as float32 into a fresh host buffer, hands its slot to
+/// `op` (a collective over it) and reads the buffer back once `op` returns.
+fn through_host_slot(values: &[f64], op: impl FnOnce(Slot<Shared>)) -> Vec<f64> {
+    let bytes = encode(DType::F32, values);
+    let (buffer, mem) = HostKernels.empty(bytes.len()).unwrap();
+    let span = Span {
+        buffer: &buffer,
+        offset: 0,
+        bytes: mem.bytes,
+    };
+    HostKernels.load(span, &bytes).unwrap();
+    op(Slot {
+        buffer: buffer.clone(),
+        mem,
+    });
+    decode(DType::F32, &HostKernels.fetch(span).unwrap())
+}
+
 fn tag(bytes: usize) -> OpTag {
     OpTag {
         op: 0,
@@ -403,22 +421,11 @@ fn device_channels_probe_open_and_reduce_buckets_without_a_framework() {
                     let values: Vec<f64> = (0..len)
                         .map(|i| two_d_value(rank, i + bucket as usize))
                         .collect();
-                    let bytes = encode(DType::F32, &values);
-                    let (buffer, mem) = HostKernels.empty(bytes.len()).unwrap();
-                    let span = Span {
-                        buffer: &buffer,
-                        offset: 0,
-                        bytes: mem.bytes,
-                    };
-                    HostKernels.load(span, &bytes).unwrap();
-                    let slot = Slot {
-                        buffer: buffer.clone(),
-                        mem,
-                    };
-                    engine
-                        .allreduce(&HostKernels, slot, DType::F32, bucket, false, 0)
-                        .unwrap_or_else(|e| panic!("rank {rank} bucket {bucket}: {e}"));
-                    let got = decode(DType::F32, &HostKernels.fetch(span).unwrap());
+                    let got = through_host_slot(&values, |slot| {
+                        engine
+                            .allreduce(&HostKernels, slot, DType::F32, bucket, false, 0)
+                            .unwrap_or_else(|e| panic!("rank {rank} bucket {bucket}: {e}"));
+                    });
                     results.push(got);
                 }
                 engine.shutdown(&HostKernels);
@@ -459,22 +466,11 @@ fn device_channels_run_torch_s_collectives_over_the_2d_groups() {
                 };
                 engine.open(vec![Comms::Tcp(groups)], settings);
                 let run = |op: DeviceCollective, values: Vec<f64>, bucket: u64| {
-                    let bytes = encode(DType::F32, &values);
-                    let (buffer, mem) = HostKernels.empty(bytes.len()).unwrap();
-                    let span = Span {
-                        buffer: &buffer,
-                        offset: 0,
-                        bytes: mem.bytes,
-                    };
-                    HostKernels.load(span, &bytes).unwrap();
-                    let slot = Slot {
-                        buffer: buffer.clone(),
-                        mem,
-                    };
-                    engine
-                        .collective(&HostKernels, op, slot, DType::F32, bucket, 0)
-                        .unwrap_or_else(|e| panic!("rank {rank} {op:?}: {e}"));
-                    decode(DType::F32, &HostKernels.fetch(span).unwrap())
+                    through_host_slot(&values, |slot| {
+                        engine
+                            .collective(&HostKernels, op, slot, DType::F32, bucket, 0)
+                            .unwrap_or_else(|e| panic!("rank {rank} {op:?}: {e}"));
+                    })
                 };
                 let input: Vec<f64> = (0..4 * BLOCK).map(|i| two_d_value(rank, i)).collect();
                 let scattered = run(
@@ -601,23 +597,12 @@ fn a_device_engine_over_tcp_connects_probes_and_adopts_the_same_choice_on_every_
                 let again = engine.connect_tcp(&HostKernels, &peers, Some(0));
                 assert!(again.is_err());
                 let values: Vec<f64> = (0..len).map(|i| two_d_value(rank, i)).collect();
-                let bytes = encode(DType::F32, &values);
-                let (buffer, mem) = HostKernels.empty(bytes.len()).unwrap();
-                let span = Span {
-                    buffer: &buffer,
-                    offset: 0,
-                    bytes: mem.bytes,
-                };
-                HostKernels.load(span, &bytes).unwrap();
-                let slot = Slot {
-                    buffer: buffer.clone(),
-                    mem,
-                };
-                engine
-                    .channels()
-                    .allreduce(&HostKernels, slot, DType::F32, 0, false, 0)
-                    .unwrap();
-                let got = decode(DType::F32, &HostKernels.fetch(span).unwrap());
+                let got = through_host_slot(&values, |slot| {
+                    engine
+                        .channels()
+                        .allreduce(&HostKernels, slot, DType::F32, 0, false, 0)
+                        .unwrap();
+                });
                 let line = engine.setup().auto_choice().map(str::to_string);
                 let two_d = engine.setup().two_d();
                 engine.shutdown(&HostKernels);
