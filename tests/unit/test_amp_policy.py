@@ -866,3 +866,286 @@ def test_stats_explain_each_engine_decision(make):
         assert 60 in events and 90 in events and 91 in events
     if s["policy"] == 2:
         assert any("the fitted loss" in e["detail"] for e in s["epochs"])
+
+
+# --- buffer protection (model=, repair_buffers) ---------------------------------
+
+
+class WithStats(torch.nn.Module):
+    """Linear -> BatchNorm1d -> Linear, plus a float buffer of its own and an int one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 2)
+        self.register_buffer("ema", torch.zeros(8))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.fc(x))
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * h.detach().float().mean(dim=0))
+                self.seen += 1
+        return self.head(torch.relu(h))
+
+
+# named_buffers(): the module's own first
+FLOAT_BUFFERS = ["ema", "bn.running_mean", "bn.running_var"]
+
+
+def buffer_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def warnings_logged(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == AMP_LOGGER and r.levelno == logging.WARNING
+    ]
+
+
+def test_nonfinite_buffers_are_restored_from_the_last_finite_copy(caplog):
+    caplog.set_level(logging.INFO, logger="tiacc_training")
+    torch.manual_seed(0)
+    model = WithStats()
+    p = Policy(0, 0, None, None, cooldown=5)
+    for step in range(4):
+        assert p.enable_mixed_precision(step, 0.1, 1.0, model=model) is True
+        model(torch.randn(16, 4))
+    copy = buffer_values(model)  # what the call at step 4 copies
+    assert p.enable_mixed_precision(4, 0.1, 1.0, model=model) is True
+    model(torch.randn(16, 4))  # moves every buffer on
+    model.bn.running_var[3] = math.inf
+    model.ema[0] = math.nan
+    storage = {name: (b.data_ptr(), b.device) for name, b in model.named_buffers()}
+    seen = int(model.seen)
+    assert warnings_logged(caplog) == []
+
+    assert p.enable_mixed_precision(5, 0.1, 1.0, model=model) is False
+    for name, b in model.named_buffers():
+        assert (b.data_ptr(), b.device) == storage[name]  # in place
+        if name in FLOAT_BUFFERS:
+            assert torch.equal(b, copy[name]), name  # every float buffer, exactly
+    assert int(model.seen) == seen  # integer buffers are left alone
+    s = p.stats()
+    assert s["buffer_restores"] == 1 and s["guard_trips"] == 1
+    assert s["buffer_checks"] == 6 and s["buffers_watched"] == 3
+    assert s["buffer_log"] == [
+        {
+            "epoch": 5,
+            "via": "enable_mixed_precision",
+            "buffers": ["ema", "bn.running_var"],
+            "watched": 3,
+            "restored": True,
+            "copy_epoch": 4,
+            "copy_via": "enable_mixed_precision",
+        }
+    ]
+    assert p.cooling and p.last_reason == "cooldown" and p.last_trip == "nonfinite_buffers"
+    # the engine records it as a non-finite loss; the loss passed was finite
+    assert p.state_dict()["state"]["last_trip"] == "nonfinite_loss"
+    restore = (
+        "2 non-finite model buffers (ema, bn.running_var): restored all 3 floating-point "
+        "buffers from the copy taken at epoch 4"
+    )
+    assert warnings_logged(caplog) == [f"epoch 5: {restore} (buffer_restores=1)"]
+    assert s["last"]["detail"] == (
+        f"scaler guard tripped: {restore}: fp32 for a cool-down of 5 epochs, through epoch 9"
+    )
+    assert logged(caplog)[-1] == f"epoch 5: autocast off: {s['last']['detail']}"
+
+    # Finite again: nothing is restored, the copy follows the buffers.
+    caplog.clear()
+    model(torch.randn(16, 4))
+    later = buffer_values(model)
+    assert p.enable_mixed_precision(6, 0.1, 1.0, model=model) is False  # cooling down
+    model.bn.running_mean.fill_(math.nan)
+    assert p.enable_mixed_precision(7, 0.1, 1.0, model=model) is False
+    assert all(torch.equal(b, later[n]) for n, b in model.named_buffers() if n in FLOAT_BUFFERS)
+    s = p.stats()
+    assert s["buffer_restores"] == 2 and s["guard_trips"] == 1  # no new trip while cooling
+    assert "(no new trip)" in s["last"]["detail"]
+    assert len(warnings_logged(caplog)) == 1
+
+
+def test_buffers_and_a_nonfinite_loss_trip_as_a_nonfinite_loss():
+    model = WithStats()
+    p = Policy(0, 0, None, None, cooldown=3)
+    p.enable_mixed_precision(0, model=model)
+    model.bn.running_mean[0] = math.nan
+    assert p.enable_mixed_precision(1, loss=math.inf, model=model) is False
+    assert p.last_trip == "nonfinite_loss"
+    detail = p.stats()["last"]["detail"]
+    assert detail.startswith("scaler guard tripped: the loss is inf and 1 non-finite model buffer")
+
+
+def test_model_argument_checks():
+    p = Policy(0, 0, None, None)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        p.enable_mixed_precision(0, model="resnet")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got OrderedDict"):
+        p.enable_mixed_precision(0, model=WithStats().state_dict())
+    with pytest.raises(TypeError, match="got NoneType|got None"):
+        p.repair_buffers(None)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got list"):
+        p.repair_buffers([torch.zeros(2)])
+    with pytest.raises(TypeError):  # keyword only: the reference's positions are unchanged
+        p.enable_mixed_precision(0, 0.1, 1.0, None, WithStats())
+    assert p.stats()["epochs_seen"] == 0  # a refused call decides nothing
+    # an empty container is a model too (and has nothing to protect)
+    assert p.enable_mixed_precision(0, model=torch.nn.Sequential()) is True
+    assert p.stats()["buffer_checks"] == 0
+
+
+def test_repair_buffers_before_an_epoch_end_evaluation(caplog):
+    caplog.set_level(logging.WARNING, logger="tiacc_training")
+    torch.manual_seed(0)
+    model = WithStats()
+    p = Policy(0, 0, None, None, cooldown=2)
+    assert p.repair_buffers(model) == []  # a check before the first call copies too
+    assert p.enable_mixed_precision(0, 0.1, None, model=model) is True
+    model(torch.randn(16, 4))
+    assert p.repair_buffers(model) == []  # end of epoch 0: finite, copied
+    epoch0 = buffer_values(model)
+    assert p.enable_mixed_precision(1, 0.1, 1.0, model=model) is True
+    model(torch.randn(16, 4))
+    model.bn.running_var.fill_(math.inf)  # epoch 1 overflowed
+    assert p.repair_buffers(model) == ["bn.running_var"]
+    assert all(torch.equal(b, epoch0[n]) for n, b in model.named_buffers() if n in FLOAT_BUFFERS)
+    assert not p.cooling  # the trip comes with the next decision
+    assert warnings_logged(caplog) == [
+        "repair_buffers() after epoch 1: 1 non-finite model buffer (bn.running_var): restored "
+        "all 3 floating-point buffers from the copy taken at epoch 1 (buffer_restores=1)"
+    ]
+    assert p.enable_mixed_precision(2, 0.1, 1.0, model=model) is False
+    assert p.cooling and p.last_trip == "nonfinite_buffers"
+    s = p.stats()
+    assert s["guard_trips"] == 1 and s["buffer_restores"] == 1
+    assert s["buffer_log"][0]["via"] == "repair_buffers" and s["buffer_log"][0]["epoch"] == 1
+    assert "(found by repair_buffers() after epoch 1)" in s["last"]["detail"]
+    # The restore is reported once: the next call neither restores nor trips again.
+    assert p.enable_mixed_precision(3, 0.1, 1.0, model=model) is False
+    assert p.enable_mixed_precision(4, 0.1, 1.0, model=model) is True
+    assert p.stats()["guard_trips"] == 1 and len(warnings_logged(caplog)) == 1
+
+
+def test_no_finite_copy_nothing_restored_but_the_guard_trips(caplog):
+    caplog.set_level(logging.WARNING, logger="tiacc_training")
+    model = WithStats()
+    model.ema[2] = -math.inf  # bad before the first check
+    p = Policy(2, cooldown=4)
+    assert p.enable_mixed_precision(0, model=model) is False
+    assert torch.isinf(model.ema[2])
+    s = p.stats()
+    assert s["buffer_restores"] == 0 and s["guard_trips"] == 1
+    assert s["buffer_log"][0]["restored"] is False and s["buffer_log"][0]["copy_epoch"] is None
+    assert warnings_logged(caplog) == [
+        "epoch 0: 1 non-finite model buffer (ema): no finite copy of these buffers to restore "
+        "(buffer_restores=0)"
+    ]
+    # A copy of other buffers (another model) is not used either.
+    p2 = Policy(0, 0, None, None)
+    p2.enable_mixed_precision(0, model=torch.nn.BatchNorm1d(3))
+    assert p2.repair_buffers(model) == ["ema"] and p2.stats()["buffer_restores"] == 0
+
+
+def test_load_state_dict_drops_the_copy_and_state_dict_is_unchanged():
+    model = WithStats()
+    p = Policy(0, 0, None, None, cooldown=3)
+    p.enable_mixed_precision(0, model=model)
+    saved = p.state_dict()
+    assert saved == Policy(0, 0, None, None, cooldown=3).state_dict() | {"state": saved["state"]}
+    q = Policy(0, 0, None, None, cooldown=3)
+    q.enable_mixed_precision(0)
+    assert saved == q.state_dict()  # model= adds nothing to the state
+    json.dumps(saved)
+    p.load_state_dict(saved)
+    model.bn.running_mean[0] = math.nan
+    assert p.repair_buffers(model) == ["bn.running_mean"]
+    assert p.stats()["buffer_log"][-1]["restored"] is False  # the copy went with the load
+
+
+def test_cooldown_zero_restores_without_a_trip():
+    model = WithStats()
+    p = Policy(0, 0, None, None, cooldown=0)
+    copy = buffer_values(model)
+    p.enable_mixed_precision(0, model=model)
+    model.bn.running_var[0] = math.nan
+    assert p.enable_mixed_precision(1, model=model) is True
+    assert torch.equal(model.bn.running_var, copy["bn.running_var"])
+    s = p.stats()
+    assert s["buffer_restores"] == 1 and s["guard_trips"] == 0 and p.last_trip is None
+    assert "(the guard is off: cooldown=0)" in s["last"]["detail"]
+
+
+def test_per_step_training_without_trouble_never_restores(caplog):
+    caplog.set_level(logging.WARNING, logger="tiacc_training")
+    answers = {}
+    for protect in (False, True):
+        torch.manual_seed(0)
+        model = WithStats()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        policy = Policy(1, 3, 4, 40, cooldown=5)
+        x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
+        loss, on = None, []
+        for step in range(30):
+            lr = 0.05 if step < 15 else 0.005
+            extra = {"model": model} if protect else {}
+            on.append(policy.enable_mixed_precision(step, lr, loss, **extra))
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on[-1]):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            opt.step()
+        answers[protect] = on
+        s = policy.stats()
+        assert s["buffer_restores"] == 0 and s["buffer_log"] == [] and s["guard_trips"] == 0
+        assert s["buffer_checks"] == (30 if protect else 0)
+    assert answers[True] == answers[False]  # the decisions are untouched
+    assert warnings_logged(caplog) == []
+
+
+def _fp16_autocast_on_cpu() -> bool:
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = torch.nn.functional.linear(torch.ones(2, 2), torch.ones(2, 2))
+    except (RuntimeError, ValueError):
+        return False
+    return out.dtype == torch.float16 and hasattr(torch.amp, "GradScaler")
+
+
+@pytest.mark.skipif(not _fp16_autocast_on_cpu(), reason="no fp16 autocast and GradScaler on CPU")
+def test_fp16_overflow_leaves_batchnorm_finite_only_with_model():
+    """The stress case in small: inputs that overflow fp16 in the first layer."""
+    x = torch.randn(64, 4) * 3e4
+    y = (x[:, 0] > 0).long()
+    finals = {}
+    for protect in (False, True):
+        torch.manual_seed(0)
+        model = WithStats()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        policy = Policy(0, 0, None, None, cooldown=8)
+        loss = None
+        for step in range(20):
+            extra = {"model": model} if protect else {}
+            on = policy.enable_mixed_precision(step, 0.01, loss, scaler=scaler, **extra)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=on):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        if protect:
+            policy.repair_buffers(model)  # the last step may have overflowed
+        model.eval()
+        with torch.no_grad():
+            finals[protect] = model(x)
+        s = policy.stats()
+        assert s["guard_trips"] >= 1  # the overflow was met
+        assert (s["buffer_restores"] >= 1) is protect
+    assert not torch.isfinite(finals[False]).all()  # NaN running statistics
+    assert torch.isfinite(finals[True]).all()

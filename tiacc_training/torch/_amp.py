@@ -3,7 +3,10 @@
 The decisions are made by a state machine in the Rust engine; this module
 checks the arguments, reads the GradScaler, converts values and explains
 each decision (``stats()`` and a log line per change), reading the engine's
-state before and after the call.
+state before and after the call. It also keeps, when asked, the last finite
+copy of a model's floating-point buffers and puts it back when an
+overflowed forward pass has written NaN or inf into them (torch work, not a
+decision: the engine only hears of it as a guard trip).
 """
 
 from __future__ import annotations
@@ -160,6 +163,75 @@ def _trip_text(
     return _TRIPS.get(kind, str(kind))
 
 
+def _float_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's floating-point buffers with their names (BatchNorm's running statistics...)."""
+    return [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
+
+
+def _nonfinite_flags(buffers: list[tuple[str, torch.Tensor]]) -> list[bool]:
+    """Per buffer, whether it holds a NaN or an infinity.
+
+    One flag per buffer is computed on the buffer's device and the flags of
+    a device are read back together: one device-to-host read per device the
+    buffers live on (one for an ordinary model).
+    """
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, b) in enumerate(buffers):
+        by_device.setdefault(b.device, []).append(i)
+    bad = [False] * len(buffers)
+    with torch.no_grad():
+        for index in by_device.values():
+            flags = torch.stack([torch.isfinite(buffers[i][1]).all() for i in index])
+            for i, finite in zip(index, flags.tolist()):
+                bad[i] = not finite
+    return bad
+
+
+def _check_model(model: Any) -> None:
+    """Raises TypeError unless ``model`` is None or a ``torch.nn.Module``."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _names_text(names: list[str], shown: int = 3) -> str:
+    """``a, b, c and 4 more``."""
+    text = ", ".join(names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _when(epoch: Optional[int], via: str) -> str:
+    """``at epoch 4``, ``by repair_buffers() after epoch 4``, ``before the first call``."""
+    if epoch is None:
+        return "before the first call"
+    return (
+        f"at epoch {epoch}"
+        if via == "enable_mixed_precision"
+        else f"by repair_buffers() after epoch {epoch}"
+    )
+
+
+def _buffer_text(record: dict[str, Any], where: bool = True) -> str:
+    """What a buffer check found and did, for ``stats()`` and the log lines.
+
+    Args:
+        record: The check's ``buffer_log`` entry.
+        where: Whether to say that :meth:`repair_buffers` found them.
+    """
+    names = record["buffers"]
+    found = f"{len(names)} non-finite model buffer{'s' if len(names) > 1 else ''}"
+    found += f" ({_names_text(names)})"
+    if where and record["via"] == "repair_buffers":
+        found += f" (found {_when(record['epoch'], record['via'])})"
+    if record["restored"]:
+        taken = _when(record["copy_epoch"], record["copy_via"])
+        done = (
+            f"restored all {record['watched']} floating-point buffers from the copy taken {taken}"
+        )
+    else:
+        done = "no finite copy of these buffers to restore"
+    return f"{found}: {done}"
+
+
 class MixedPrecision_TrainingPolicy:
     """Decides, step by step or epoch by epoch, whether to train in mixed precision.
 
@@ -219,6 +291,44 @@ class MixedPrecision_TrainingPolicy:
     the overflow history is cleared). ``cooldown=0`` disables the guard.
     A disabled scaler (``is_enabled()`` false) or none is not watched.
 
+    **Buffer protection (opt-in, with ``model=``).** The guard acts after
+    the fact: the GradScaler skips an overflowed step's optimizer update,
+    but the forward pass has already updated the model's buffers, and one
+    overflowed batch leaves BatchNorm's running statistics NaN or inf for
+    good (training goes on, evaluation is at chance). Pass the model as
+    ``enable_mixed_precision(..., model=model)`` and the policy checks its
+    floating-point buffers (every ``named_buffers()`` entry with a floating
+    dtype: running means and variances, any other float buffer) at each
+    call. While all are finite it keeps a copy of them (on their device);
+    when one is not, it copies every floating-point buffer back from the
+    last finite copy in place (same tensors, same device, no allocation;
+    all of them, so a BatchNorm's mean and variance come from the same
+    moment), logs one WARNING naming the non-finite buffers and the restore
+    count, counts it in :meth:`stats` (``buffer_restores``,
+    ``buffer_log``) and trips the scaler guard: the engine sees the call as
+    a non-finite loss (policies 1 and 2 skip that loss as they skip any
+    non-finite one), so autocast is off for the cool-down and
+    :attr:`last_trip` reads ``nonfinite_buffers``. Non-finite buffers with
+    no finite copy to restore (already bad at the first check, or the
+    model's buffers changed name, shape, dtype or device since the copy)
+    are logged and trip the guard, nothing is copied. During a cool-down,
+    or with ``cooldown=0``, the buffers are still restored, with no new
+    trip. The copy belongs to the policy, one model per policy; it is not
+    in :meth:`state_dict` and :meth:`load_state_dict` drops it (the next
+    check takes a new one).
+
+    Called once per *epoch* and evaluated at the end of the epoch, the next
+    call's check comes too late for that evaluation: call
+    :meth:`repair_buffers` before evaluating (it checks, restores and
+    copies the same way, and a restore it made trips the guard at the next
+    call); its answer (the non-finite buffers' names, empty when all were
+    finite) says the epoch overflowed, so evaluate that epoch in fp32.
+    Called per step, ``model=`` alone restores the buffers before the next
+    step; only evaluation reads the running statistics (a training-mode
+    forward pass normalises with its batch's), so a per-step caller needs
+    :meth:`repair_buffers` only before an evaluation that follows a step
+    without a call in between.
+
     **Explanations.** :meth:`stats` says what was decided on each call and
     why (the rule and its numbers); every change of the answer (autocast
     turned on or off; before the first call it counts as off) is logged at
@@ -230,7 +340,14 @@ class MixedPrecision_TrainingPolicy:
     Cost: one ``scaler.get_scale()`` per call (on CUDA that reads the scale
     tensor, one device-to-host copy) and ``float(loss)`` when the loss is a
     tensor (a synchronisation if it lives on a GPU); no other GPU work. The
-    explanations add about 10 microseconds of CPU work per call.
+    explanations add about 10 microseconds of CPU work per call. With
+    ``model=`` (or per :meth:`repair_buffers` call): two small kernels per
+    floating-point buffer (``isfinite().all()``), one read of their flags
+    (one synchronisation on CUDA: one per device the buffers live on), and
+    a device-to-device copy of those buffers into the policy's copy, which
+    holds as much memory again as the buffers (BatchNorm's statistics:
+    two floats per channel, 1 MiB for 131072 channels). A model without
+    floating-point buffers costs nothing.
 
     Args:
         policy: 0 (time), 1 (time + learning rate) or 2 (loss trend).
@@ -262,7 +379,7 @@ class MixedPrecision_TrainingPolicy:
         >>> loss = None
         >>> for step, (x, y) in enumerate(loader):
         ...     lr = optimizer.param_groups[0]["lr"]
-        ...     on = policy.enable_mixed_precision(step, lr, loss, scaler=scaler)
+        ...     on = policy.enable_mixed_precision(step, lr, loss, scaler=scaler, model=model)
         ...     with torch.autocast("cuda", dtype=policy.autocast_dtype("cuda"), enabled=on):
         ...         loss = criterion(model(x), y)
         ...     scaler.scale(loss).backward()
@@ -354,6 +471,21 @@ class MixedPrecision_TrainingPolicy:
         self._trips = 0
         self._epochs: deque[tuple[int, bool, str, str]] = deque(maxlen=_HISTORY_LIMIT)
         self._change_log: deque[tuple[int, bool, str, str]] = deque(maxlen=_HISTORY_LIMIT)
+        # Buffer protection: the last finite copy of the model's
+        # floating-point buffers, what it is a copy of (name, shape, dtype,
+        # device per buffer) and the call it was taken at; the counts; what
+        # each check that found non-finite buffers did; a restore made by
+        # repair_buffers() that the next call turns into a guard trip.
+        self._copies: list[torch.Tensor] = []
+        self._copy_key: Optional[tuple[Any, ...]] = None
+        self._copy_epoch: Optional[int] = None
+        self._copy_via: Optional[str] = None
+        self._buffer_checks = 0
+        self._buffers_watched = 0
+        self._buffer_restores = 0
+        self._buffer_log: deque[dict[str, Any]] = deque(maxlen=_HISTORY_LIMIT)
+        self._buffer_findings = 0
+        self._pending_buffers: Optional[dict[str, Any]] = None
         self._forget()
 
     def enable_mixed_precision(
@@ -362,6 +494,8 @@ class MixedPrecision_TrainingPolicy:
         lr: Optional[float] = None,
         loss: Any = None,
         scaler: Any = None,
+        *,
+        model: Optional[torch.nn.Module] = None,
     ) -> bool:
         """Whether the coming step (or epoch) should run under autocast.
 
@@ -372,12 +506,18 @@ class MixedPrecision_TrainingPolicy:
                 (policies 1 and 2 and the guard read it).
             scaler: The ``torch.amp.GradScaler`` in use, or None; anything
                 with ``get_scale()`` and ``is_enabled()`` works.
+            model: The model being trained, to protect its floating-point
+                buffers (see the class docs: checked, copied while finite,
+                restored from the last finite copy and a guard trip when
+                not); None (default) leaves them alone. Keyword only, like
+                ``scaler`` it is read at the call and not kept.
 
         Returns:
             True to train the step in mixed precision, False for fp32.
 
         Raises:
-            TypeError: An argument of the wrong type.
+            TypeError: An argument of the wrong type (``model`` not a
+                ``torch.nn.Module``).
             ValueError: A negative counter or a non-finite learning rate.
         """
         counter = _count("epoch", epoch)
@@ -396,13 +536,117 @@ class MixedPrecision_TrainingPolicy:
                 )
             if scaler.is_enabled():
                 scale = float(scaler.get_scale())
+        _check_model(model)
+        found = None
+        if model is not None:
+            found = self._check_buffers(model, counter, "enable_mixed_precision")
+        found = found or self._pending_buffers
+        self._pending_buffers = None
+        # Non-finite buffers prove an overflow: the engine hears of them as a
+        # non-finite loss, its guard's first trip kind.
+        heard = loss_value
+        if found is not None and (loss_value is None or math.isfinite(loss_value)):
+            heard = math.nan
         before = dict(self._engine.state())
-        enabled = bool(self._engine.decide(counter, rate, loss_value, scale))
-        self._explain(counter, rate, loss_value, scale, before, enabled)
+        enabled = bool(self._engine.decide(counter, rate, heard, scale))
+        self._explain(counter, rate, heard, scale, before, enabled, found, loss_value)
         return enabled
+
+    def repair_buffers(self, model: torch.nn.Module) -> list[str]:
+        """Checks ``model``'s floating-point buffers now, restoring them if need be.
+
+        What ``enable_mixed_precision(..., model=model)`` does to the
+        buffers, between calls: for a caller that asks the policy once per
+        epoch and evaluates at the end of the epoch, before the next call
+        (see the class docs). When all are finite the policy's copy is
+        refreshed; when one is not, every floating-point buffer is restored
+        from the last finite copy (WARNING log line, ``buffer_restores``),
+        and the next :meth:`enable_mixed_precision` call trips the scaler
+        guard. Cost: as one call's buffer check (one synchronisation).
+
+        Args:
+            model: The model whose buffers the policy protects.
+
+        Returns:
+            The names of the buffers that were non-finite (now restored,
+            unless there was no finite copy), empty when all were finite:
+            a non-empty answer means the last step or epoch overflowed, so
+            evaluate it in fp32.
+
+        Raises:
+            TypeError: ``model`` is not a ``torch.nn.Module``.
+        """
+        if model is None:
+            raise TypeError("model must be a torch.nn.Module, got None")
+        _check_model(model)
+        epoch = self._engine.state()["last_counter"]
+        found = self._check_buffers(model, epoch, "repair_buffers")
+        if found is None:
+            return []
+        self._pending_buffers = found
+        return list(found["buffers"])
+
+    def _check_buffers(
+        self, model: torch.nn.Module, epoch: Optional[int], via: str
+    ) -> Optional[dict[str, Any]]:
+        """Copies the model's floating-point buffers while finite, else restores them.
+
+        Args:
+            model: The model.
+            epoch: The counter of the call (``repair_buffers``: the last
+                call's, None before the first).
+            via: ``"enable_mixed_precision"`` or ``"repair_buffers"``.
+
+        Returns:
+            None when every floating-point buffer is finite (or there are
+            none), else the record of what was found and done (also in
+            ``stats()["buffer_log"]``).
+        """
+        buffers = _float_buffers(model)
+        if not buffers:
+            return None
+        self._buffer_checks += 1
+        self._buffers_watched = len(buffers)
+        key = tuple((name, tuple(b.shape), b.dtype, b.device) for name, b in buffers)
+        bad = _nonfinite_flags(buffers)
+        with torch.no_grad():
+            if not any(bad):
+                if key != self._copy_key:
+                    self._copies = [torch.empty_like(b) for _, b in buffers]
+                    self._copy_key = key
+                for copy, (_, b) in zip(self._copies, buffers):
+                    copy.copy_(b)
+                self._copy_epoch, self._copy_via = epoch, via
+                return None
+            restored = key == self._copy_key
+            if restored:
+                for copy, (_, b) in zip(self._copies, buffers):
+                    b.copy_(copy)
+                self._buffer_restores += 1
+        self._buffer_findings += 1
+        record = {
+            "epoch": epoch,
+            "via": via,
+            "buffers": [name for (name, _), nonfinite in zip(buffers, bad) if nonfinite],
+            "watched": len(buffers),
+            "restored": restored,
+            "copy_epoch": self._copy_epoch if restored else None,
+            "copy_via": self._copy_via if restored else None,
+        }
+        self._buffer_log.append(record)
+        if via == "repair_buffers":
+            at = "repair_buffers() " + (
+                "before the first call" if epoch is None else f"after epoch {epoch}"
+            )
+        else:
+            at = f"epoch {epoch}"
+        text = _buffer_text(record, where=False)
+        _log.warning("%s: %s (buffer_restores=%d)", at, text, self._buffer_restores)
+        return record
 
     def _forget(self) -> None:
         """Drops what the explanations remember about the engine's state."""
+        self._buffer_trip: Optional[int] = None  # the engine's trip count at a buffer trip
         self._last_event: Optional[tuple[int, str]] = None
         self._last_trip: Optional[tuple[int, str]] = None
         self._last_trend: Optional[dict[str, Any]] = None
@@ -416,16 +660,21 @@ class MixedPrecision_TrainingPolicy:
         scale: Optional[float],
         before: dict[str, Any],
         enabled: bool,
+        found: Optional[dict[str, Any]] = None,
+        passed: Optional[float] = None,
     ) -> None:
         """Records one decision and logs it when autocast turned on or off.
 
         Args:
             counter: The call's counter.
             rate: The learning rate passed, as a float.
-            loss: The loss passed, as a float.
+            loss: The loss the engine heard, as a float (NaN after a buffer
+                finding with a finite loss).
             scale: The scale read from an enabled scaler, or None.
             before: The engine's state before the call.
             enabled: The decision.
+            found: What a buffer check found since the last call, or None.
+            passed: The loss the caller passed, as a float.
         """
         after = dict(self._engine.state())
         config = self._config
@@ -447,10 +696,22 @@ class MixedPrecision_TrainingPolicy:
                 if reason != "hold":
                     notes.append(f"{event}: fp32 hold through epoch {after['hold_until'] - 1}")
         kept = self._watch_trend(config, pre, counter, loss) if config["policy"] == 2 else None
+        buffer_trip = None
         if after["trips"] > pre["trips"]:
             self._trips += 1
-            self._last_trip = (counter, _trip_text(pre, after, counter, loss, scale))
+            if found is None:
+                what = _trip_text(pre, after, counter, loss, scale)
+            else:
+                what = _buffer_text(found)
+                if passed is not None and not math.isfinite(passed):
+                    what = f"the loss is {passed} and {what}"
+                else:
+                    buffer_trip = int(after["trips"])
+            self._last_trip = (counter, what)
             self._previous_level = int(pre["cool_level"])
+        elif found is not None:
+            why = "the guard is off: cooldown=0" if config["cooldown"] == 0 else "no new trip"
+            notes.append(f"{_buffer_text(found)} ({why})")
         if reason != "cooldown":
             if pre["cool_until"] is not None and counter >= pre["cool_until"]:
                 notes.append(
@@ -464,6 +725,8 @@ class MixedPrecision_TrainingPolicy:
         notes.append(self._reason_text(config, after, reason, counter))
         detail = "; ".join(notes)
 
+        if buffer_trip is not None:
+            self._buffer_trip = buffer_trip  # after a restart's _forget()
         self._calls += 1
         self._calls_on += enabled
         self._epochs.append((counter, enabled, reason, detail))
@@ -618,7 +881,20 @@ class MixedPrecision_TrainingPolicy:
             * ``change_log``: one such dict per change, with ``message``,
               the line that was logged;
             * ``epochs_dropped``, ``changes_dropped``: the oldest entries
-              not kept (each list keeps the newest 10000).
+              not kept (each list keeps the newest 10000);
+            * buffer protection (``model=``, :meth:`repair_buffers`):
+              ``buffer_checks`` (checks of a model with floating-point
+              buffers), ``buffers_watched`` (how many it had at the last
+              check), ``buffer_restores`` (restores made) and
+              ``buffer_log``: one dict per check that found non-finite
+              buffers, oldest first (the newest 10000): ``epoch`` (the
+              call's counter; for :meth:`repair_buffers` the last call's,
+              None before the first), ``via`` (``"enable_mixed_precision"``
+              or ``"repair_buffers"``), ``buffers`` (the non-finite ones'
+              names), ``watched``, ``restored`` (False: no finite copy)
+              ``copy_epoch`` and ``copy_via`` (when and by which method the
+              restored copy was taken);
+              ``buffer_log_dropped``, its oldest entries not kept.
         """
         c = self._engine.config()
         number = int(c["policy"])
@@ -674,6 +950,11 @@ class MixedPrecision_TrainingPolicy:
             "change_log": changes,
             "epochs_dropped": self._calls - len(epochs),
             "changes_dropped": self._changes - len(changes),
+            "buffer_checks": self._buffer_checks,
+            "buffers_watched": self._buffers_watched,
+            "buffer_restores": self._buffer_restores,
+            "buffer_log": [dict(r, buffers=list(r["buffers"])) for r in self._buffer_log],
+            "buffer_log_dropped": self._buffer_findings - len(self._buffer_log),
         }
 
     @staticmethod
@@ -720,9 +1001,14 @@ class MixedPrecision_TrainingPolicy:
         """What last tripped the scaler guard, or None.
 
         One of ``nonfinite_loss``, ``nonfinite_scale``, ``scale_floor``,
-        ``scale_collapse`` or ``overflow``.
+        ``scale_collapse``, ``overflow`` or ``nonfinite_buffers`` (the
+        model's buffers, with a finite loss; the engine, and so
+        :meth:`state_dict`, records it as ``nonfinite_loss``).
         """
-        return self._engine.last_trip
+        trip = self._engine.last_trip
+        if trip == "nonfinite_loss" and self._buffer_trip == self._engine.state()["trips"]:
+            return "nonfinite_buffers"
+        return trip
 
     @property
     def cooling(self) -> bool:
@@ -731,6 +1017,9 @@ class MixedPrecision_TrainingPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         """The policy's parameters and state as plain values (for ``torch.save``).
+
+        The copy of the model's buffers (``model=``) is not included: it is
+        the model's state, which the model's own ``state_dict`` saves.
 
         Returns:
             ``{"version": 1, "config": {...}, "state": {...}}``.
@@ -743,6 +1032,10 @@ class MixedPrecision_TrainingPolicy:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continues from a :meth:`state_dict` of a policy with the same parameters.
+
+        The copy of the model's buffers (``model=``) is not part of the
+        state: it is dropped here, and the next check takes a new one from
+        the (presumably also reloaded) model.
 
         Args:
             state_dict: What :meth:`state_dict` returned.
@@ -773,6 +1066,8 @@ class MixedPrecision_TrainingPolicy:
             )
         self._engine.load_state(state)
         self._forget()
+        self._copies, self._copy_key, self._copy_epoch, self._copy_via = [], None, None, None
+        self._pending_buffers = None
 
     def __repr__(self) -> str:
         c = self._engine.config()
