@@ -126,8 +126,9 @@ def main() -> None:
             store = dist.distributed_c10d._get_default_store()
             timeout = datetime.timedelta(seconds=60)
             under = dist.ProcessGroupGloo(dist.PrefixStore("under/", store), rank, world, timeout)
+            group = _collectives.GroupArgs(store, rank, world, timeout, "check")
             collectives = _device_collectives.DeviceCollectives(
-                dist.PrefixStore("device/", store), rank, world, timeout, "check", under, "cpu"
+                group.under("device/"), under, "cpu"
             )
 
             def call(name: str, *call_args: Any) -> Any:

@@ -45,7 +45,7 @@ from tiacc_training import _engine
 from . import _backend_methods as _methods
 from . import _backend_strings, _collectives
 from ._backend_strings import NAME, takes_device_strings
-from ._collectives import CpuCollectives, GroupCollectives
+from ._collectives import CpuCollectives, GroupArgs, GroupCollectives
 from ._device_collectives import DeviceCollectives
 from ._state import state
 
@@ -413,7 +413,7 @@ def _create(options: Any, backend_options: Any = None) -> Any:
     config = state.config if state.config is not None else _engine.CommConfig.from_env()
     # An explicit "tiacc" is kept even under TIACC_TRAINING_COLLECTIVES=gloo.
     form = _form_for(config.collectives)
-    args = (
+    group = GroupArgs(
         options.store,
         options.group_rank,
         options.group_size,
@@ -425,9 +425,9 @@ def _create(options: Any, backend_options: Any = None) -> Any:
         # torch builds one backend for every device when they all ask for
         # "tiacc", else one per device.
         served = devices if len(set(devices.values())) == 1 else {device: NAME}
-        return TiaccBackend(*args, devices=list(served) or ["cpu"])
+        return TiaccBackend(group, devices=list(served) or ["cpu"])
     if form == PROCESS_GROUP:
-        return TiaccProcessGroup(*args, devices=_backend_strings.other_devices(devices))
+        return TiaccProcessGroup(group, devices=_backend_strings.other_devices(devices))
     raise RuntimeError(f"the {NAME} backend cannot be constructed: {_reason}")
 
 
@@ -496,21 +496,11 @@ class _Form:
             return self.collectives
         return self.device_backend(device)
 
-    def _device_collectives(
-        self,
-        store: Any,
-        rank: int,
-        size: int,
-        timeout: datetime.timedelta,
-        group_name: str,
-        device: str,
-    ) -> DeviceCollectives:
+    def _device_collectives(self, group: GroupArgs, device: str) -> DeviceCollectives:
         if device != "cuda":
             raise ValueError(f"the {NAME} backend serves CPU and CUDA tensors, not {device}")
-        fallback = _nccl(store, rank, size, timeout, group_name)
-        return DeviceCollectives(
-            dist.PrefixStore("device/", store), rank, size, timeout, group_name, fallback
-        )
+        fallback = _nccl(group)
+        return DeviceCollectives(group.under("device/"), fallback)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """The name torch reports."""
@@ -531,11 +521,7 @@ class TiaccBackend(_Form, _C10dBackend):  # type: ignore[misc,valid-type]
     """The "backend" form: a c10d ``Backend`` for one group's CPU and/or CUDA tensors.
 
     Args:
-        store: the group's store (a ``PrefixStore`` torch made for it).
-        rank: this process's rank in the group.
-        size: the group's number of ranks.
-        timeout: the group's timeout.
-        group_name: the group's name (keeps the rendezvous of groups apart).
+        group: the group, as torch handed it to the backend.
         devices: the device types torch registers it for (``["cpu"]``,
             ``["cpu", "cuda"]``, ``["cuda"]``).
 
@@ -544,24 +530,16 @@ class TiaccBackend(_Form, _C10dBackend):  # type: ignore[misc,valid-type]
             or ``None`` without the CPU.
     """
 
-    def __init__(
-        self,
-        store: Any,
-        rank: int,
-        size: int,
-        timeout: datetime.timedelta,
-        group_name: str,
-        devices: list[str] | None = None,
-    ) -> None:
-        super().__init__(rank, size)
+    def __init__(self, group: GroupArgs, devices: list[str] | None = None) -> None:
+        super().__init__(group.rank, group.size)
         devices = devices or ["cpu"]
         self.collectives = None
         if "cpu" in devices:
-            self.collectives = CpuCollectives(store, rank, size, timeout, group_name, BACKEND)
+            self.collectives = CpuCollectives(group, BACKEND)
         # torch maps a bare "tiacc" to every device it was registered
         # for; without CUDA there are no CUDA tensors to serve.
         self._devices = {
-            device: self._device_collectives(store, rank, size, timeout, group_name, device)
+            device: self._device_collectives(group, device)
             for device in devices
             if device != "cpu" and (device != "cuda" or torch.cuda.is_available())
         }
@@ -589,34 +567,20 @@ class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-ty
     for the calls torch makes in C++ without asking Python.
 
     Args:
-        store, rank, size, timeout, group_name: as for :class:`TiaccBackend`.
+        group: the group, as torch handed it to the backend.
         devices: the backend asked for on each other device (``{"cuda": "nccl"}``).
 
     Attributes:
         collectives: the group's CPU collectives (counts, gloo, transport).
     """
 
-    def __init__(
-        self,
-        store: Any,
-        rank: int,
-        size: int,
-        timeout: datetime.timedelta,
-        group_name: str,
-        devices: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(rank, size)
+    def __init__(self, group: GroupArgs, devices: dict[str, str] | None = None) -> None:
+        super().__init__(group.rank, group.size)
         # torch's C++ code waits on this form's work too (DDP's parameter
         # check): where it cannot wait on work written in Python, each
         # collective finishes in the call (_collectives._finished).
         self.collectives = CpuCollectives(
-            store,
-            rank,
-            size,
-            timeout,
-            group_name,
-            PROCESS_GROUP,
-            synchronous=not cpp_waits_on_python_work(),
+            group, PROCESS_GROUP, synchronous=not cpp_waits_on_python_work()
         )
         types = _C10dProcessGroup.BackendType
         self._register_backend(torch.device("cpu"), types.GLOO, self.collectives.gloo)
@@ -629,11 +593,11 @@ class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-ty
             if name == GLOO:
                 made, kind = self.collectives.gloo, types.GLOO
             elif name == "nccl":
-                made, kind = _nccl(store, rank, size, timeout, group_name), types.NCCL
+                made, kind = _nccl(group), types.NCCL
             elif name == NAME and device == "cuda" and not torch.cuda.is_available():
                 continue
             elif name == NAME:
-                made = self._device_collectives(store, rank, size, timeout, group_name, device)
+                made = self._device_collectives(group, device)
                 self._devices[device] = made
                 # torch's C++ calls (none for CUDA tensors of a Python
                 # ProcessGroup: it asks Python) may use NCCL underneath.
@@ -669,16 +633,17 @@ for _name, (_op, _gloo) in _methods.GLOO_GROUP.items():
     )
 
 
-def _nccl(store: Any, rank: int, size: int, timeout: datetime.timedelta, group_name: str) -> Any:
-    """An NCCL backend for the CUDA tensors of a "process-group" form group."""
+def _nccl(group: GroupArgs) -> Any:
+    """An NCCL backend for ``group``'s CUDA tensors."""
     if not dist.is_nccl_available():
         raise RuntimeError(f"{_torch()} has no NCCL backend for the group's CUDA tensors")
     options = dist.ProcessGroupNCCL.Options()
     for name, value in (
-        ("_timeout", timeout),
+        ("_timeout", group.timeout),
         ("is_high_priority_stream", False),
-        ("group_name", group_name),
+        ("group_name", group.name),
     ):
         if hasattr(options, name):
             setattr(options, name, value)
-    return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), rank, size, options)
+    store = dist.PrefixStore("cuda/", group.store)
+    return dist.ProcessGroupNCCL(store, group.rank, group.size, options)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import datetime
 import weakref
 from typing import Any, Callable
@@ -78,6 +79,50 @@ SHAPES = "outputs that are not one equal piece per rank"
 SPLITS = "all_to_all with split sizes"
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupArgs:
+    """What torch hands a backend for one group, as every layer passes it on.
+
+    Attributes:
+        store: the group's store (a ``PrefixStore`` torch made for it).
+        rank: this process's rank in the group.
+        size: the group's number of ranks.
+        timeout: the group's timeout.
+        name: the group's name (keeps the rendezvous of groups apart).
+    """
+
+    store: Any
+    rank: int
+    size: int
+    timeout: datetime.timedelta
+    name: str
+
+    def under(self, prefix: str) -> GroupArgs:
+        """The same group over a store of its own, under ``prefix``."""
+        return dataclasses.replace(self, store=dist.PrefixStore(prefix, self.store))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCall:
+    """One collective handed to an engine (see ``GroupCollectives._start``).
+
+    Attributes:
+        name: the collective (``"allreduce"``, ``"broadcast"``, ...).
+        buffer: the tensor the engine works on, in place.
+        result: the work's value (it holds ``buffer``).
+        dtype: the engine's element type (``"uint8"``: as bytes).
+        reduce: the reduction.
+        root: the broadcast's root.
+    """
+
+    name: str
+    buffer: torch.Tensor
+    result: Any
+    dtype: str | None
+    reduce: str
+    root: int
+
+
 def _op_names() -> dict[Any, str]:
     """The reduce operations of torch, by their enum, to the engine's names."""
     kinds = dist.ReduceOp.RedOpType
@@ -109,6 +154,10 @@ class GroupCollectives:
     """
 
     device_type = "cpu"
+    # The collectives the engine runs; the others go underneath.
+    engine_runs = frozenset(
+        {"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier"}
+    )
     # The process's counts of this device type (see served_in_process).
     served_total = served_in_process
     forwarded_total = forwarded_in_process
@@ -118,7 +167,9 @@ class GroupCollectives:
     timeout: datetime.timedelta
     synchronous = False
 
-    def _init_counts(self, ops: frozenset[str], dtypes: frozenset[str]) -> None:
+    def _init_group(self, group: GroupArgs, ops: frozenset[str], dtypes: frozenset[str]) -> None:
+        """Takes the group's rank, size and timeout, the engine's reductions and element types."""
+        self.rank, self.size, self.timeout = group.rank, group.size, group.timeout
         self.served: collections.Counter[str] = collections.Counter()
         self.forwarded: collections.Counter[tuple[str, str]] = collections.Counter()
         self._dtypes = dtypes
@@ -138,6 +189,8 @@ class GroupCollectives:
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         """``broadcast`` from ``opts.rootRank``, as bytes."""
+        if "broadcast" not in self.engine_runs:
+            return self.forward("broadcast", NOT_IN_ENGINE, self.fallback.broadcast, tensors, opts)
         tensor = self._single(tensors)
         if tensor is None or opts.rootTensor != 0:
             return self.forward("broadcast", LAYOUT, self.fallback.broadcast, tensors, opts)
@@ -230,23 +283,38 @@ class GroupCollectives:
         input_splits: list[int],
         opts: Any,
     ) -> Any:
-        """``all_to_all_single`` without split sizes (given ones go to gloo).
-
-        Every rank must take the same way. Without split sizes the blocks
-        are equal on every rank of a valid call; with them, a rank sees only
-        its own row and column of the job's split matrix, so it cannot know
-        whether the others' are even: such calls always go to gloo.
-        """
+        """``all_to_all_single`` without split sizes (given ones go underneath)."""
         args = (output, input, output_splits, input_splits, opts)
-        if output_splits or input_splits:
-            return self.forward("alltoall", SPLITS, self.fallback.alltoall_base, *args)
-        if not (self._plain(output) and self._plain(input)):
-            return self.forward("alltoall", LAYOUT, self.fallback.alltoall_base, *args)
-        rows = input.shape[0] if input.dim() else 0
-        if output.dtype != input.dtype or output.numel() != input.numel() or rows % self.size != 0:
-            return self.forward("alltoall", SHAPES, self.fallback.alltoall_base, *args)
+        why = self._alltoall_why_not(output, input, bool(output_splits or input_splits))
+        if why is not None:
+            return self.forward("alltoall", why, self.fallback.alltoall_base, *args)
         output.view(-1).copy_(input.view(-1))
         return self._run("alltoall", output, [output], as_bytes=True)
+
+    def _alltoall_why_not(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        split: bool,
+    ) -> str | None:
+        """Why the engine cannot run an ``all_to_all_single`` (``None``: it can).
+
+        Every rank must take the same way. Without split sizes the blocks
+        are equal on every rank of a valid call; with them (``split``), a
+        rank sees only its own row and column of the job's split matrix, so
+        it cannot know whether the others' are even: such calls always go
+        underneath.
+        """
+        if "alltoall" not in self.engine_runs:
+            return NOT_IN_ENGINE
+        if split:
+            return SPLITS
+        if not (self._plain(output) and self._plain(input)):
+            return LAYOUT
+        rows = input.shape[0] if input.dim() else 0
+        if output.dtype != input.dtype or output.numel() != input.numel() or rows % self.size != 0:
+            return SHAPES
+        return None
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
@@ -313,7 +381,19 @@ class GroupCollectives:
         """Runs ``name`` on the engine over ``buffer``; returns its work.
 
         ``result`` (which holds ``buffer``) is the work's value, after
-        ``then`` (a future callback) when given.
+        ``then`` (a future callback) when given; ``as_bytes`` carries the
+        elements as ``uint8``.
+        """
+        dtype = "uint8" if as_bytes else self._dtype(buffer)
+        future = self._start(EngineCall(name, buffer, result, dtype, reduce, root))
+        return self._work(future, future.then(then or _value))
+
+    def _start(self, call: EngineCall) -> torch.futures.Future:
+        """Hands ``call`` to the engine, counted as served.
+
+        Returns:
+            The future the engine completes with ``call.result``, or with
+            its error.
         """
         raise NotImplementedError
 
@@ -323,8 +403,25 @@ class GroupCollectives:
         return engine.counters() if engine is not None else {}
 
     def shutdown(self) -> None:
-        """Stops the engine and the backend underneath."""
+        """Stops the engine (once it exists) and the backend underneath."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()
+        if self in _live:
+            _live.discard(self)
+            add_counters(_retired[self.device_type], self.counters())
+        self._stop_fallback()
+
+    def _stop_fallback(self) -> None:
+        """Stops the backend underneath."""
         raise NotImplementedError
+
+    def _new_engine(self, group: GroupArgs, key: str, device: Any = None) -> Any:
+        """The group's engine, rendezvousing apart from earlier ones of ``key`` (a group name)."""
+        config = current() or _engine.CommConfig.from_env()
+        _generations[key] += 1
+        prefix = f"tiacc_training/backend/{key}/{_generations[key]}"
+        return group_engine(config, group.store, prefix, group.rank, group.size, device=device)
 
     def _plain(self, tensor: Any) -> bool:
         """A dense, contiguous, real tensor of this device type (what the engine takes)."""
@@ -353,11 +450,7 @@ class CpuCollectives(GroupCollectives):
     """The CPU collectives of one group.
 
     Args:
-        store: the group's store (a ``PrefixStore`` torch made for it).
-        rank: this process's rank in the group.
-        size: the group's number of ranks.
-        timeout: the group's timeout.
-        group_name: the group's name (keeps the rendezvous of groups apart).
+        group: the group, as torch handed it to the backend.
         form: the form torch holds them in (``"backend"``, ``"process-group"``).
         synchronous: finish each engine collective before returning its
             work (see :func:`_finished`).
@@ -372,28 +465,16 @@ class CpuCollectives(GroupCollectives):
             ``"tcp"``).
     """
 
-    def __init__(
-        self,
-        store: Any,
-        rank: int,
-        size: int,
-        timeout: datetime.timedelta,
-        group_name: str,
-        form: str,
-        synchronous: bool = False,
-    ) -> None:
-        self.rank, self.size, self.form = rank, size, form
+    def __init__(self, group: GroupArgs, form: str, synchronous: bool = False) -> None:
+        self.form = form
         self.synchronous = synchronous
-        self._init_counts(
-            frozenset(_engine.collective_ops()), frozenset(_engine.collective_dtypes())
+        self._init_group(
+            group, frozenset(_engine.collective_ops()), frozenset(_engine.collective_dtypes())
         )
-        self.timeout = timeout
-        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        store = dist.PrefixStore("gloo/", group.store)
+        self.gloo = dist.ProcessGroupGloo(store, group.rank, group.size, group.timeout)
         self.fallback = self.gloo
-        config = current() or _engine.CommConfig.from_env()
-        _generations[group_name] += 1
-        prefix = f"tiacc_training/backend/{group_name}/{_generations[group_name]}"
-        self._engine = group_engine(config, store, prefix, rank, size)
+        self._engine = self._new_engine(group, group.name)
         self.transport = self._engine.transports.get("world", "")
         _live.add(self)
 
@@ -404,48 +485,33 @@ class CpuCollectives(GroupCollectives):
         self._engine.collective_async("barrier", [], 0, 0, "uint8", future)
         return self._work(future, future.then(_value))
 
-    def shutdown(self) -> None:
-        """Stops the engine's channel and the gloo backend underneath."""
-        self._engine.shutdown()
-        if self in _live:
-            _live.discard(self)
-            add_counters(_retired[self.device_type], self._engine.counters())
+    def _stop_fallback(self) -> None:
+        """Stops the gloo backend underneath."""
         try:
             self.gloo.shutdown()
         except Exception:  # an older gloo backend without shutdown
             pass
 
-    def _run(
-        self,
-        name: str,
-        buffer: torch.Tensor,
-        result: Any,
-        *,
-        reduce: str = "sum",
-        as_bytes: bool = False,
-        root: int = 0,
-        then: Any = None,
-    ) -> Any:
-        """Queues ``name`` on the engine over ``buffer``; returns its work.
+    def _start(self, call: EngineCall) -> torch.futures.Future:
+        """Queues ``call`` on the engine.
 
-        The engine keeps ``result`` (which holds ``buffer``) alive until the
-        collective is done, then completes the work's future with it, or
+        The engine keeps ``call.result`` (which holds the buffer) alive
+        until the collective is done, then completes the future with it, or
         with its error (see :class:`EngineWork`).
         """
-        self._count_served(name)
-        dtype = "uint8" if as_bytes else self._dtype(buffer)
+        self._count_served(call.name)
         future = torch.futures.Future()
         self._engine.collective_async(
-            name,
-            result,
-            buffer.data_ptr(),
-            buffer.numel() * buffer.element_size(),
-            dtype,
+            call.name,
+            call.result,
+            call.buffer.data_ptr(),
+            call.buffer.numel() * call.buffer.element_size(),
+            call.dtype,
             future,
-            reduce=reduce,
-            root=root,
+            reduce=call.reduce,
+            root=call.root,
         )
-        return self._work(future, future.then(then or _value))
+        return future
 
 
 def counters_in_process(device_type: str = "cpu") -> dict[tuple[str, str], dict[str, Any]]:

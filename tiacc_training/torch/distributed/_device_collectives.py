@@ -31,24 +31,13 @@ GPU is.
 from __future__ import annotations
 
 import collections
-import datetime
 from typing import Any
 
 import torch
 
 from tiacc_training import _engine
 
-from ._collectives import (
-    NOT_IN_ENGINE,
-    GroupCollectives,
-    _generations,
-    _live,
-    _retired,
-    _value,
-)
-from ._config import current
-from ._engines import group_engine
-from ._state import add_counters
+from ._collectives import NOT_IN_ENGINE, EngineCall, GroupArgs, GroupCollectives, _live
 
 # Collectives the device engines served in this process, by op.
 served_in_process: collections.Counter[str] = collections.Counter()
@@ -67,12 +56,8 @@ class DeviceCollectives(GroupCollectives):
     """One group's collectives on a device, through the device engine.
 
     Args:
-        store: the group's store (a prefix of its own: the CPU side may
-            use the same group's store).
-        rank: this process's rank in the group.
-        size: the group's number of ranks.
-        timeout: the group's timeout.
-        group_name: the group's name (keeps the rendezvous of groups apart).
+        group: the group, over a store of its own (the CPU side may use
+            the group's store).
         fallback: the backend underneath (NCCL; gloo on the CPU).
         device_type: the tensors served (``"cuda"``; ``"cpu"`` in the tests).
 
@@ -81,26 +66,16 @@ class DeviceCollectives(GroupCollectives):
         device: the device the engine runs on, once it exists.
     """
 
+    engine_runs = frozenset({"allreduce", "reduce_scatter", "allgather"})
     served_total = served_in_process
     forwarded_total = forwarded_in_process
 
-    def __init__(
-        self,
-        store: Any,
-        rank: int,
-        size: int,
-        timeout: datetime.timedelta,
-        group_name: str,
-        fallback: Any,
-        device_type: str = "cuda",
-    ) -> None:
-        self.rank, self.size, self.timeout = rank, size, timeout
+    def __init__(self, group: GroupArgs, fallback: Any, device_type: str = "cuda") -> None:
         self.device_type = device_type
         self.fallback = fallback
         self.device: torch.device | None = None
-        self._store = store
-        self._group_name = group_name
-        self._init_counts(_OPS, frozenset(_engine.collective_dtypes()) & _NCCL_DTYPES)
+        self._group = group
+        self._init_group(group, _OPS, frozenset(_engine.collective_dtypes()) & _NCCL_DTYPES)
         self._engine: Any = None
         self._streams: list[Any] = []
         self._index = 0
@@ -118,13 +93,8 @@ class DeviceCollectives(GroupCollectives):
             ValueError: a later collective's tensor is on another device.
         """
         if self._engine is None:
-            config = current() or _engine.CommConfig.from_env()
-            key = f"{self._group_name}/{self.device_type}"
-            _generations[key] += 1
-            prefix = f"tiacc_training/backend/{key}/{_generations[key]}"
-            self._engine = group_engine(
-                config, self._store, prefix, self.rank, self.size, device=device
-            )
+            key = f"{self._group.name}/{self.device_type}"
+            self._engine = self._new_engine(self._group, key, device=device)
             self.device = device
             if device.type == "cuda":
                 self._streams = [
@@ -138,36 +108,10 @@ class DeviceCollectives(GroupCollectives):
             )
         return self._engine
 
-    # -- what the device engine does not run: the backend underneath ------------
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        """``broadcast``: NCCL's own."""
-        return self.forward("broadcast", NOT_IN_ENGINE, self.fallback.broadcast, tensors, opts)
-
     def barrier(self, opts: Any = None) -> Any:
-        """``barrier``: NCCL's own."""
+        """``barrier``: NCCL's own (``broadcast`` and ``all_to_all_single`` go there too)."""
         args = () if opts is None else (opts,)
         return self.forward("barrier", NOT_IN_ENGINE, self.fallback.barrier, *args)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002
-        output_splits: list[int],
-        input_splits: list[int],
-        opts: Any,
-    ) -> Any:
-        """``all_to_all_single``: NCCL's own."""
-        return self.forward(
-            "alltoall",
-            NOT_IN_ENGINE,
-            self.fallback.alltoall_base,
-            output,
-            input,
-            output_splits,
-            input_splits,
-            opts,
-        )
 
     def _why_not(self, tensor: torch.Tensor | None, op: str | None) -> str | None:
         why = super()._why_not(tensor, op)
@@ -177,55 +121,40 @@ class DeviceCollectives(GroupCollectives):
 
     # -- how a collective runs ------------------------------------------------
 
-    def _run(
-        self,
-        name: str,
-        buffer: torch.Tensor,
-        result: Any,
-        *,
-        reduce: str = "sum",
-        as_bytes: bool = False,
-        root: int = 0,
-        then: Any = None,
-    ) -> Any:
-        """Enqueues ``name`` on the engine's channel over ``buffer``; returns its work."""
-        if name not in ("allreduce", "reduce_scatter", "allgather"):
-            raise AssertionError(f"the device engine does not run {name}")
+    def _start(self, call: EngineCall) -> torch.futures.Future:
+        """Enqueues ``call`` on the engine's channel (on the CPU: runs it)."""
+        if call.name not in self.engine_runs:
+            raise AssertionError(f"the device engine does not run {call.name}")
+        buffer = call.buffer
         engine = self.engine_for(buffer.device)
-        self._count_served(name)
-        dtype = "uint8" if as_bytes else self._dtype(buffer)
+        self._count_served(call.name)
         index, self._index = self._index, self._index + 1
         flat = buffer.view(-1).view(torch.uint8)
         if buffer.device.type != "cuda":
             # The TCP rings: done when the call returns.
-            engine.collective(name, flat, dtype, index, reduce, 0)
+            engine.collective(call.name, flat, call.dtype, index, call.reduce, 0)
             future: torch.futures.Future = torch.futures.Future()
-            future.set_result(result)
-            return self._work(future, future.then(then or _value))
+            future.set_result(call.result)
+            return future
         device = buffer.device
         channel = engine.channel_of(index)
         stream = self._streams[channel]
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            engine.collective(name, flat, dtype, index, reduce, stream.cuda_stream)
+            engine.collective(call.name, flat, call.dtype, index, call.reduce, stream.cuda_stream)
             done = torch.cuda.Event()
             done.record(stream)
             future = torch.futures.Future(devices=[device])
-            future.set_result(result)
+            future.set_result(call.result)
         # The buffer (and the engine's scratch, allocated on this stream) is
         # used on the channel's stream: the allocator must not hand its
         # memory out again before that stream gets past this point.
         buffer.record_stream(stream)
         engine.watch(channel, done.query)
-        return self._work(future, future.then(then or _value))
+        return future
 
-    def shutdown(self) -> None:
-        """Aborts the engine's communicators and stops the backend underneath."""
-        if self._engine is not None:
-            self._engine.shutdown()
-        if self in _live:
-            _live.discard(self)
-            add_counters(_retired[self.device_type], self.counters())
+    def _stop_fallback(self) -> None:
+        """Stops the backend underneath (the engine's communicators are aborted first)."""
         stop = getattr(self.fallback, "shutdown", None) or getattr(self.fallback, "_shutdown", None)
         if stop is not None:
             try:
