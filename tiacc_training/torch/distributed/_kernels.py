@@ -34,6 +34,15 @@ def _view(t: torch.Tensor, offset: int, nbytes: int, dtype: str | torch.dtype) -
     return t[offset : offset + nbytes].view(kind)
 
 
+def _packed(t: torch.Tensor, offset: int, k: int, fp16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Top-K block at byte ``offset``: ``k`` int32 indices, then ``k`` values.
+
+    The values are float16 with ``fp16``, float32 otherwise.
+    """
+    kind, size = (torch.float16, 2) if fp16 else (torch.float32, 4)
+    return _view(t, offset, 4 * k, torch.int32), _view(t, offset + 4 * k, size * k, kind)
+
+
 class TorchKernels:
     """Kernels on one device, called by the device engine.
 
@@ -141,9 +150,9 @@ class TorchKernels:
         index = torch.topk(r.abs(), k, sorted=False).indices.sort().values
         values = r[index]
         sent = values.to(torch.float16) if fp16 else values
-        _view(out, out_off, 4 * k, torch.int32).copy_(index)
-        size = 2 if fp16 else 4
-        _view(out, out_off + 4 * k, size * k, sent.dtype).copy_(sent)
+        sent_index, sent_values = _packed(out, out_off, k, fp16)
+        sent_index.copy_(index)
+        sent_values.copy_(sent)
         r.index_put_((index,), values - sent.to(torch.float32))
 
     def topk_sum(
@@ -165,13 +174,9 @@ class TorchKernels:
         """
         o = _view(out, out_off, 4 * n, torch.float32)
         o.zero_()
-        kind = torch.float16 if fp16 else torch.float32
-        size = 2 if fp16 else 4
         for rank in range(parts):
-            base = gathered_off + rank * block
-            index = _view(gathered, base, 4 * k, torch.int32).to(torch.int64)
-            values = _view(gathered, base + 4 * k, size * k, kind).to(torch.float32)
-            o.index_put_((index,), values, accumulate=True)
+            index, values = _packed(gathered, gathered_off + rank * block, k, fp16)
+            o.index_put_((index.to(torch.int64),), values.to(torch.float32), accumulate=True)
 
     def clip_norm(self, t: torch.Tensor, off: int, n: int, max_norm: float) -> None:
         """Scales ``n`` float32 values so that their L2 norm is at most ``max_norm``.
