@@ -345,6 +345,7 @@ class CommEngine:
         intra_addresses: Optional[list[str]] = None,
         inter_addresses: Optional[list[str]] = None,
     ) -> None: ...
+    def connect_store(self, store: Any, prefix: str, timeout: float) -> None: ...
     def counters(self) -> dict[tuple[str, str], EngineCounters]: ...
     def load_state(self, state: dict[str, Any]) -> None: ...
     def shutdown(self) -> None: ...
@@ -356,6 +357,12 @@ class SharedResult:
     def nbytes(self) -> int: ...
     @property
     def ptr(self) -> int: ...
+
+# rust/tiacc-py/src/store.rs: torch's c10d store as the core's rendezvous [`Store`], and the one
+# rule for waiting on the ranks' keys (`wait_for`) that every start-up exchange uses.
+def wait_for(
+    store: Any, keys: list[str], owners: list[int], timeout: float, rank: int, what: str
+) -> None: ...
 
 # rust/tiacc-py/src/device.rs: `DeviceEngine`: buckets held in torch tensors (CUDA buckets),
 # reduced by the same algorithms as CPU buckets through the core's device engine
@@ -429,6 +436,14 @@ class DeviceEngine:
         world_ids: list[bytes],
         intra_ids: Optional[list[bytes]] = None,
         inter_ids: Optional[list[bytes]] = None,
+        search_dirs: list[str] = ...,
+        library: Optional[str] = None,
+    ) -> None: ...
+    def connect_store(
+        self,
+        store: Any,
+        prefix: str,
+        timeout: float,
         search_dirs: list[str] = ...,
         library: Optional[str] = None,
     ) -> None: ...

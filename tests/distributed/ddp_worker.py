@@ -87,27 +87,26 @@ def knock_as_strangers(knocked: threading.Event) -> None:
 
 
 def hold_rendezvous_until(knocked: threading.Event) -> None:
-    """Rank 0 joins the rings only after the knock: rank 1's listener is
-    then certainly still open when the stranger arrives."""
-    original = _runtime.connect_tcp
+    """Rank 0 publishes its engine address only after the knock: rank 1's
+    listener is then certainly still open (waiting for rank 0's address)
+    when the stranger arrives."""
+    original = _runtime.default_store
 
     class Held:
-        """The engine, whose connect() waits for the knock."""
+        """The default store, whose set() of rank 0's address waits for the knock."""
 
-        def __init__(self, engine: object) -> None:
-            self.engine = engine
+        def __init__(self, store: object) -> None:
+            self.store = store
 
         def __getattr__(self, name: str) -> object:
-            return getattr(self.engine, name)
+            return getattr(self.store, name)
 
-        def connect(self, *args: object) -> None:
-            knocked.wait(60)
-            self.engine.connect(*args)
+        def set(self, key: str, value: object) -> None:
+            if key.endswith("/addr/0"):
+                knocked.wait(60)
+            self.store.set(key, value)
 
-    def delayed(engine: object, *args: object) -> None:
-        original(Held(engine), *args)
-
-    _runtime.connect_tcp = delayed
+    _runtime.default_store = lambda: Held(original())
 
 
 class KillAfterSubmit:

@@ -374,7 +374,7 @@ def check_case(
                 intra_size=_rendezvous.node_intra_size(config, launch, store, prefix, rank, world),
                 host="127.0.0.1",
             )
-            _rendezvous.connect_tcp(device, store, prefix, rank, world, config.timeout)
+            device.connect_store(store, prefix, config.timeout)
         findings = Findings()
         compare_engines(args, config, host, device, gpu, out, exact_arg, findings)
         findings.raise_any()

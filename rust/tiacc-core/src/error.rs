@@ -115,6 +115,11 @@ pub enum Error {
     #[error("{message}")]
     CommTimeout { peer: usize, message: String },
 
+    /// The key-value store of the ranks' rendezvous
+    /// ([`crate::comm::Store`]) failed on `key`.
+    #[error("the rendezvous store failed on key {key}: {reason}")]
+    Store { key: String, reason: String },
+
     /// An engine's state across steps (a checkpoint's Top-K buffers and
     /// step counts, [`crate::comm::state`]) that does not fit the engine it
     /// is loaded into: `key` names what differs (`rank`, `world size`,

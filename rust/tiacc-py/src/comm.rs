@@ -27,6 +27,7 @@ use tiacc_core::config;
 
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
+use crate::store::PyStore;
 
 /// How this process was launched (`tiacc_core::config::launch_env`: torchrun,
 /// mpirun, SLURM, horovodrun, MPICH, PMIx) as a dict, or
@@ -441,6 +442,26 @@ impl CommEngine {
         };
         let core = &mut self.core;
         py.detach(move || core.connect(&peers)).py()
+    }
+
+    /// Forms the rings as `connect` does, with every rank's addresses and the
+    /// job token exchanged through `store` (a c10d store) under keys
+    /// starting with `prefix`, waiting at most `timeout` seconds for the
+    /// other ranks' (`CommTimeoutError` names those missing). Blocks without
+    /// the GIL except while calling the store.
+    #[pyo3(text_signature = "(self, store: Any, prefix: str, timeout: float) -> None")]
+    fn connect_store(
+        &mut self,
+        py: Python<'_>,
+        store: Py<PyAny>,
+        prefix: &str,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let store = PyStore::new(store);
+        let rendezvous = store.rendezvous(prefix, self.core.setup().rank(), timeout)?;
+        let core = &mut self.core;
+        py.detach(move || core.connect_through(&rendezvous))
+            .map_err(|err| store.raise(py, err))
     }
 
     /// Queues an allreduce of a tensor's `nbytes` bytes at `ptr` and returns

@@ -26,6 +26,7 @@ use crate::comm::{counters_dict, engine_getters, PyBoard};
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
 use crate::nccl::load;
+use crate::store::PyStore;
 
 /// The device engine of one process (see the module docs): the core's
 /// [`setup::DeviceEngine`] over torch tensors, and the torch kernels.
@@ -185,6 +186,44 @@ impl DeviceEngine {
             inter_addresses: inter_addresses.as_deref(),
         };
         self.core.connect_tcp(&ops, &peers, stream).py()
+    }
+
+    /// Connects over the engine's transport (`connect_nccl`'s communicators
+    /// or `connect`'s rings) with what the ranks exchange through `store` (a
+    /// c10d store) under keys starting with `prefix`: the NCCL unique ids
+    /// (each group's first member makes them with the library
+    /// `search_dirs` and `library` find) or the TCP addresses and job
+    /// token. Waits at most `timeout` seconds for the other ranks'
+    /// (`CommTimeoutError` names those missing).
+    #[pyo3(
+        signature = (store, prefix, timeout, search_dirs=Vec::new(), library=None),
+        text_signature = "(self, store: Any, prefix: str, timeout: float, \
+            search_dirs: list[str] = ..., library: Optional[str] = None) -> None"
+    )]
+    fn connect_store(
+        &mut self,
+        py: Python<'_>,
+        store: Py<PyAny>,
+        prefix: &str,
+        timeout: f64,
+        search_dirs: Vec<String>,
+        library: Option<String>,
+    ) -> PyResult<()> {
+        let ops = TorchOps {
+            py,
+            kernels: self.kernels.bind(py),
+        };
+        let stream = probe_stream(&ops, &self.core)?;
+        let store = PyStore::new(store);
+        let rendezvous = store.rendezvous(prefix, self.core.setup().rank(), timeout)?;
+        self.core
+            .connect_through(
+                &ops,
+                &rendezvous,
+                move || load(search_dirs, library),
+                stream,
+            )
+            .map_err(|err| store.raise(py, err))
     }
 
     /// The channel (and so the CUDA stream) bucket `bucket` runs on.

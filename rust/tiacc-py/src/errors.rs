@@ -298,6 +298,10 @@ pub fn to_pyerr(err: Error) -> PyErr {
                 CommTimeoutError::new_err(message),
                 vec![("peer", any(py, *peer))],
             ),
+            Error::Store { key, .. } => (
+                CommError::new_err(message),
+                vec![("key", any(py, key.as_str()))],
+            ),
             Error::StateMismatch {
                 key,
                 expected,

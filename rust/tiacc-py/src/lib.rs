@@ -16,6 +16,7 @@ mod nccl;
 mod pack;
 mod records;
 mod state;
+mod store;
 
 /// The compiled part of tiacc-training: the bindings of `rust/tiacc-py`.
 ///
@@ -51,6 +52,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<config::PyCommConfig>()?;
     m.add_function(wrap_pyfunction!(comm::launch_env, m)?)?;
     m.add_function(wrap_pyfunction!(comm::random_token, m)?)?;
+    m.add_function(wrap_pyfunction!(store::wait_for, m)?)?;
     m.add_function(wrap_pyfunction!(comm::local_addr_towards, m)?)?;
     m.add_function(wrap_pyfunction!(comm::node_layout, m)?)?;
     m.add_function(wrap_pyfunction!(comm::slow_ranks, m)?)?;

@@ -395,7 +395,7 @@ fn check_ptrs(ptrs: &[usize], count: usize) -> PyResult<()> {
     Ok(())
 }
 
-fn seconds(name: &str, value: f64) -> PyResult<Duration> {
+pub(crate) fn seconds(name: &str, value: f64) -> PyResult<Duration> {
     if value.is_finite() && value > 0.0 && value < 1e9 {
         Ok(Duration::from_secs_f64(value))
     } else {

@@ -23,10 +23,8 @@ from ._nccl import nccl_search_dirs
 from ._rendezvous import (
     FailureBoard,
     board_store,
-    connect_tcp,
     default_store,
     exchange,
-    nccl_ids,
     node_intra_size,
 )
 from ._state import logger, state
@@ -74,14 +72,14 @@ def nccl_engine(
     if shared is None:
         shared = engine_arguments(config, store, prefix, rank, world)
     engine = _engine.DeviceEngine(config, rank, world, TorchKernels(device), "nccl", **shared)
-    dirs = nccl_search_dirs()
-
-    def new_id() -> bytes:
-        return _engine.nccl_unique_id(dirs, config.nccl_library)
-
-    ids = nccl_ids(engine, store, prefix, rank, config.timeout, new_id)
     with torch.cuda.device(device):
-        engine.connect_nccl(*ids, search_dirs=dirs, library=config.nccl_library)
+        engine.connect_store(
+            store,
+            prefix,
+            config.timeout,
+            search_dirs=nccl_search_dirs(),
+            library=config.nccl_library,
+        )
     if rank == 0 and engine.auto_choice is not None:
         logger.info("%s (CUDA buckets, over NCCL)", engine.auto_choice)
     return engine
@@ -124,7 +122,7 @@ def group_engine(
     else:
         kernels = TorchKernels(torch.device(device))
         engine = _engine.DeviceEngine(config, rank, size, kernels, "tcp", host=host, **shared)
-    connect_tcp(engine, store, "tiacc", rank, size, max(config.timeout, 60.0))
+    engine.connect_store(store, "tiacc", max(config.timeout, 60.0))
     return engine
 
 

@@ -56,23 +56,14 @@ def wait_for(
 
     A rank that died or stopped during start-up never publishes its key:
     the store's own timeout says only that a key is missing, so this one
-    names the ranks.
+    names the ranks (the engine's rule, ``tiacc_core::comm::store``, which
+    the engines' own exchanges follow too).
 
     Raises:
         CommTimeoutError: a key is still missing after ``timeout`` seconds;
             the message names its ranks, this rank and the exchange.
     """
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as err:  # the store's timeout error; its type varies across torch
-        missing = sorted({o for k, o in zip(keys, owners) if not _has(store, k)})
-        if not missing:
-            raise
-        raise CommTimeoutError(
-            f"rank {rank}: {_ranks(missing)} did not reach the start-up exchange {what!r} "
-            f"within {timeout:g} s (stopped, killed or still starting; see their own "
-            "output)"
-        ) from err
+    _engine.wait_for(store, keys, owners, timeout, rank, what)
 
 
 def _has(store: Any, key: str) -> bool:
@@ -386,70 +377,3 @@ def node_intra_size(
     ]
     _engine.node_layout(rank, world, size, hosts)
     return size
-
-
-def connect_tcp(
-    engine: Any, store: Any, prefix: str, rank: int, world: int, timeout: float
-) -> None:
-    """Forms an engine's TCP rings: addresses and the job token via the store."""
-    store.set(f"{prefix}/addr/{rank}", engine.address)
-    two_d = engine.two_d_addresses
-    if two_d is not None:
-        store.set(f"{prefix}/intra/{rank}", two_d[0])
-        store.set(f"{prefix}/inter/{rank}", two_d[1])
-    if rank == 0:
-        store.set(f"{prefix}/token", _engine.random_token())
-    keys = [f"{prefix}/addr/{r}" for r in range(world)] + [f"{prefix}/token"]
-    owners = [*range(world), 0]
-    if two_d is not None:
-        keys += [f"{prefix}/{g}/{r}" for g in ("intra", "inter") for r in range(world)]
-        owners += [*range(world), *range(world)]
-    wait_for(store, keys, owners, timeout, rank, f"{prefix}/addr")
-    addresses = [store.get(f"{prefix}/addr/{r}").decode() for r in range(world)]
-    intra = inter = None
-    if engine.two_d_members is not None:
-        intra_members, inter_members = engine.two_d_members
-        intra = [store.get(f"{prefix}/intra/{r}").decode() for r in intra_members]
-        inter = [store.get(f"{prefix}/inter/{r}").decode() for r in inter_members]
-    engine.connect(addresses, store.get(f"{prefix}/token"), intra, inter)
-
-
-def _ids(store: Any, prefix: str, leader: int, rank: int, n: int, timeout: float, new_id: Any):
-    keys = [f"{prefix}/{c}" for c in range(n)]
-    if rank == leader:
-        for key in keys:
-            store.set(key, new_id())
-    wait_for(store, keys, [leader] * n, timeout, rank, prefix)
-    return [store.get(k) for k in keys]
-
-
-def nccl_ids(
-    engine: Any, store: Any, prefix: str, rank: int, timeout: float, new_id: Any
-) -> tuple[list[bytes], list[bytes] | None, list[bytes] | None]:
-    """The NCCL unique ids of every communicator this rank joins.
-
-    Per channel: the world's (made by rank 0), and with the 2D allreduce the
-    node's (made by its first rank) and the inter-node group's (made by its
-    member on node 0).
-
-    Args:
-        engine: the device engine (its ``num_channels`` and ``two_d_members``).
-        store: the default group's store.
-        prefix: key prefix of this rendezvous.
-        rank: this rank.
-        timeout: seconds to wait for the ids.
-        new_id: makes a fresh 128-byte id.
-
-    Returns:
-        ``(world_ids, intra_ids, inter_ids)``, one id per channel each (the
-        last two ``None`` without the 2D allreduce).
-    """
-    n = engine.num_channels
-    world = _ids(store, f"{prefix}/world", 0, rank, n, timeout, new_id)
-    if engine.two_d_members is None:
-        return world, None, None
-    intra_members, inter_members = engine.two_d_members
-    first, second = intra_members[0], inter_members[0]
-    intra = _ids(store, f"{prefix}/intra/{first}", first, rank, n, timeout, new_id)
-    inter = _ids(store, f"{prefix}/inter/{second}", second, rank, n, timeout, new_id)
-    return world, intra, inter

@@ -50,7 +50,7 @@ from . import _backend, _engine_state, _launch
 from ._cuda import HostStaging, NcclChannels
 from ._engines import advertised_host, engine_arguments, nccl_engine, next_prefix
 from ._nccl import check_gpu_placement
-from ._rendezvous import attempt_prefix, connect_tcp, default_store, elastic_agent_store
+from ._rendezvous import attempt_prefix, default_store, elastic_agent_store
 from ._startup import finish, later_warn
 from ._state import logger, state
 
@@ -320,7 +320,7 @@ def world_engine(config: Any) -> Any:
     host = advertised_host(config)
     shared = engine_arguments(config, store, prefix, rank, world)
     engine = _engine.CommEngine(config, rank, world, host, **shared)
-    connect_tcp(engine, store, prefix, rank, world, config.timeout)
+    engine.connect_store(store, prefix, config.timeout)
     if rank == 0:
         carried = ", ".join(f"{group} over {how}" for group, how in engine.transports.items())
         logger.info("  CPU buckets connected: %s", carried or "nothing to carry (a world of one)")

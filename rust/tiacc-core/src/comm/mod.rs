@@ -29,6 +29,7 @@ pub mod sharded;
 pub mod shm;
 pub mod sparse;
 pub mod state;
+pub mod store;
 pub mod tcp;
 pub mod transport;
 pub mod turns;
@@ -41,6 +42,7 @@ pub use engine::{Collective, Completion, Engine, Job, RawBuf};
 pub use failure::{FailureBoard, Failures};
 pub use mapping::SharedBytes;
 pub use state::{BucketState, EngineState};
+pub use store::{Rendezvous, Store};
 pub use transport::{Deadline, OpKind, OpTag, Transport};
 
 #[cfg(test)]

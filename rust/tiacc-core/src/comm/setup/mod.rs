@@ -26,6 +26,7 @@ use super::engine::Engine;
 use super::failure::FailureBoard;
 use super::host::Groups;
 use super::nccl::{NcclLibrary, NcclUniqueId};
+use super::store::{Rendezvous, TcpExchange};
 use super::tcp::{GroupListeners, TOKEN_LEN};
 use super::transport::Deadline;
 use crate::config::{self, AlgorithmChoice, CommConfig};
@@ -212,6 +213,25 @@ impl TcpSetup {
         self.listeners.as_ref().and_then(|l| l.addresses().two_d)
     }
 
+    /// Publishes this rank's listeners through `rendezvous` and collects
+    /// every peer's (for the 2D groups `setup` connects), before
+    /// [`TcpSetup::connect`].
+    pub fn exchange(
+        &self,
+        rendezvous: &Rendezvous<'_>,
+        setup: &EngineSetup,
+    ) -> Result<TcpExchange> {
+        let address = self.address().ok_or_else(already_connected)?;
+        let two_d = self.two_d_addresses();
+        let members = setup.two_d_members();
+        rendezvous.tcp_peers(
+            self.size,
+            &address,
+            two_d.as_ref().map(|(a, e)| (a.as_str(), e.as_str())),
+            members.as_ref().map(|(a, e)| (a.as_slice(), e.as_slice())),
+        )
+    }
+
     /// Forms the rings of `channels` channels with `peers`; blocks until
     /// every connection is up or `timeout` passes. Only once.
     pub fn connect(
@@ -239,9 +259,7 @@ impl TcpSetup {
             (Some(a), Some(e)) => Some((parse_addresses(a)?, parse_addresses(e)?)),
             _ => None,
         };
-        let listeners = self.listeners.take().ok_or_else(|| {
-            Error::InvalidArgument("connect() was already called on this engine".into())
-        })?;
+        let listeners = self.listeners.take().ok_or_else(already_connected)?;
         let two_d = two_d.as_ref().map(|(a, e)| (a.as_slice(), e.as_slice()));
         listeners.connect(
             self.rank,
@@ -253,6 +271,10 @@ impl TcpSetup {
             Deadline::after(timeout),
         )
     }
+}
+
+fn already_connected() -> Error {
+    Error::InvalidArgument("connect() was already called on this engine".into())
 }
 
 fn parse_addresses(addresses: &[String]) -> Result<Vec<SocketAddr>> {
@@ -354,6 +376,13 @@ impl CommEngine {
         self.counters = Some(Arc::clone(engine.counters()));
         self.engine = Some(engine);
         Ok(())
+    }
+
+    /// Exchanges the addresses and the job token through `rendezvous`, then
+    /// [`CommEngine::connect`]s.
+    pub fn connect_through(&mut self, rendezvous: &Rendezvous<'_>) -> Result<()> {
+        let exchange = self.tcp.exchange(rendezvous, &self.setup)?;
+        self.connect(&exchange.peers())
     }
 
     /// The running engine, or a [`Error::Comm`] before `connect` and after
@@ -491,9 +520,7 @@ impl<B> DeviceEngine<B> {
         B: Send,
     {
         if self.tcp.is_some() || self.channels.opened() {
-            return Err(Error::InvalidArgument(
-                "connect_nccl() needs an unconnected engine with transport 'nccl'".into(),
-            ));
+            return Err(not_nccl());
         }
         self.check_stream(stream)?;
         let ids = self.nccl_ids(ids)?;
@@ -516,9 +543,7 @@ impl<B> DeviceEngine<B> {
         stream: Option<usize>,
     ) -> Result<()> {
         let Some(tcp) = self.tcp.as_mut().filter(|_| !self.channels.opened()) else {
-            return Err(Error::InvalidArgument(
-                "connect() needs an unconnected engine with transport 'tcp'".into(),
-            ));
+            return Err(not_tcp());
         };
         if self.setup.auto_probe_bytes().is_some() && stream.is_none() {
             return Err(no_stream());
@@ -533,6 +558,74 @@ impl<B> DeviceEngine<B> {
         self.channels.watch_tcp(&groups);
         let comms = groups.into_iter().map(Comms::Tcp).collect();
         self.open(kernels, comms, stream)
+    }
+
+    /// Connects over the engine's transport with what the ranks exchange
+    /// through `rendezvous`: [`DeviceEngine::connect_nccl_through`] (the
+    /// library from `library`) or [`DeviceEngine::connect_tcp_through`].
+    pub fn connect_through<K: Kernels<Buffer = B>>(
+        &mut self,
+        kernels: &K,
+        rendezvous: &Rendezvous<'_>,
+        library: impl FnOnce() -> Result<Arc<NcclLibrary>> + Send,
+        stream: Option<usize>,
+    ) -> Result<()>
+    where
+        B: Send,
+    {
+        match self.tcp {
+            None => self.connect_nccl_through(kernels, rendezvous, library, stream),
+            Some(_) => self.connect_tcp_through(kernels, rendezvous, stream),
+        }
+    }
+
+    /// [`DeviceEngine::connect_nccl`] with the unique ids exchanged through
+    /// `rendezvous` (each group's first member makes its ids with the
+    /// library `library` loads).
+    pub fn connect_nccl_through<K: Kernels<Buffer = B>>(
+        &mut self,
+        kernels: &K,
+        rendezvous: &Rendezvous<'_>,
+        library: impl FnOnce() -> Result<Arc<NcclLibrary>> + Send,
+        stream: Option<usize>,
+    ) -> Result<()>
+    where
+        B: Send,
+    {
+        if self.tcp.is_some() || self.channels.opened() {
+            return Err(not_nccl());
+        }
+        self.check_stream(stream)?;
+        let library = kernels.unlocked(library)?;
+        let members = self.setup.two_d_members();
+        let mut new_id = || Ok(library.unique_id()?.to_bytes().to_vec());
+        let (world, two_d) = rendezvous.nccl_ids(
+            self.setup.num_channels,
+            members.as_ref().map(|(a, e)| (a.as_slice(), e.as_slice())),
+            &mut new_id,
+        )?;
+        let ids = NcclIdBytes {
+            world: &world,
+            intra: two_d.as_ref().map(|(a, _)| a.as_slice()),
+            inter: two_d.as_ref().map(|(_, e)| e.as_slice()),
+        };
+        self.connect_nccl(kernels, &ids, move || Ok(library), stream)
+    }
+
+    /// [`DeviceEngine::connect_tcp`] with the peers exchanged through
+    /// `rendezvous`.
+    pub fn connect_tcp_through<K: Kernels<Buffer = B>>(
+        &mut self,
+        kernels: &K,
+        rendezvous: &Rendezvous<'_>,
+        stream: Option<usize>,
+    ) -> Result<()> {
+        let Some(tcp) = self.tcp.as_ref().filter(|_| !self.channels.opened()) else {
+            return Err(not_tcp());
+        };
+        self.check_stream(stream)?;
+        let exchange = tcp.exchange(rendezvous, &self.setup)?;
+        self.connect_tcp(kernels, &exchange.peers(), stream)
     }
 
     /// Stops the watchdog, aborts the communicators (never waits on peers)
@@ -607,200 +700,19 @@ impl<B> DeviceEngine<B> {
     }
 }
 
+fn not_nccl() -> Error {
+    Error::InvalidArgument(
+        "connect_nccl() needs an unconnected engine with transport 'nccl'".into(),
+    )
+}
+
+fn not_tcp() -> Error {
+    Error::InvalidArgument("connect() needs an unconnected engine with transport 'tcp'".into())
+}
+
 fn no_stream() -> Error {
     Error::InvalidArgument("the algorithm probe needs the stream the caller runs on".into())
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::comm::tcp::random_token;
-    use crate::comm::{Collective, DType};
-
-    fn config(algorithm: AlgorithmChoice) -> CommConfig {
-        CommConfig {
-            algorithm,
-            num_streams: 2,
-            shared_memory: false,
-            timeout: Duration::from_secs(20),
-            // The smallest probe.
-            fusion_threshold: 1,
-            ..CommConfig::default()
-        }
-    }
-
-    /// What each rank of a job of 2 nodes x 2 ranks (`intra_size` 2, or
-    /// flat without it) reports once connected: `auto`'s line, whether it
-    /// goes 2D, and the sum of a small allreduce.
-    fn two_by_two(
-        config: CommConfig,
-        intra_size: Option<usize>,
-    ) -> Vec<(Option<String>, bool, Vec<f32>)> {
-        let engines: Vec<CommEngine> = (0..4)
-            .map(|rank| {
-                let setup = EngineSetup::new(&config, rank, 4, Some(2), intra_size).unwrap();
-                CommEngine::new(setup, "127.0.0.1", None).unwrap()
-            })
-            .collect();
-        let addresses: Vec<String> = engines.iter().map(|e| e.tcp().address().unwrap()).collect();
-        let two_d: Vec<Option<(String, String)>> =
-            engines.iter().map(|e| e.tcp().two_d_addresses()).collect();
-        let token = random_token().unwrap();
-        let handles: Vec<_> = engines
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mut engine)| {
-                let addresses = addresses.clone();
-                let two_d = two_d.clone();
-                std::thread::spawn(move || {
-                    let members = engine.setup().two_d_members();
-                    let pick = |ranks: &[usize], inter: bool| -> Vec<String> {
-                        ranks
-                            .iter()
-                            .map(|&r| {
-                                let (a, e) = two_d[r].clone().unwrap();
-                                if inter {
-                                    e
-                                } else {
-                                    a
-                                }
-                            })
-                            .collect()
-                    };
-                    let intra = members.as_ref().map(|(a, _)| pick(a, false));
-                    let inter = members.as_ref().map(|(_, e)| pick(e, true));
-                    let peers = TcpPeers {
-                        addresses: &addresses,
-                        token: &token,
-                        intra_addresses: intra.as_deref(),
-                        inter_addresses: inter.as_deref(),
-                    };
-                    engine.connect(&peers).unwrap();
-                    assert!(engine.connected());
-                    assert!(engine.tcp().address().is_none());
-                    let values: Vec<f32> = (0..1000).map(|i| (i % 7 + rank) as f32).collect();
-                    let mut bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
-                    let op = Collective::Allreduce { average: false };
-                    engine
-                        .engine()
-                        .unwrap()
-                        .run(op, &mut bytes, DType::F32, 3)
-                        .unwrap();
-                    let sums = bytes
-                        .chunks_exact(4)
-                        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect();
-                    let choice = engine.setup().auto_choice().map(str::to_string);
-                    let two_d = engine.setup().two_d();
-                    engine.shutdown();
-                    assert!(!engine.connected());
-                    assert!(engine.engine().is_err());
-                    assert!(engine.counters().is_some());
-                    (choice, two_d, sums)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
-
-    fn expected() -> Vec<f32> {
-        (0..1000).map(|i| (4 * (i % 7) + 6) as f32).collect()
-    }
-
-    #[test]
-    fn auto_probes_once_connected_and_every_rank_adopts_the_same_choice() {
-        let ranks = two_by_two(config(AlgorithmChoice::Auto), Some(2));
-        let (line, two_d, _) = &ranks[0];
-        let line = line.as_deref().expect("auto ran");
-        assert!(line.starts_with("auto: chose"), "{line}");
-        assert!(line.contains("channels=2, taking turns"), "{line}");
-        assert_eq!(*two_d, line.starts_with("auto: chose 2d"));
-        for (rank, (l, t, sums)) in ranks.iter().enumerate() {
-            assert_eq!(l.as_deref(), Some(line), "rank {rank}");
-            assert_eq!(t, two_d, "rank {rank}");
-            assert_eq!(sums, &expected(), "rank {rank}");
-        }
-    }
-
-    #[test]
-    fn a_forced_choice_or_no_2d_groups_runs_no_probe() {
-        for (algorithm, intra, two_d) in [
-            (AlgorithmChoice::TwoD, Some(2), true),
-            (AlgorithmChoice::Auto, None, false),
-        ] {
-            for (rank, (line, t, sums)) in
-                two_by_two(config(algorithm), intra).into_iter().enumerate()
-            {
-                assert_eq!(line, None, "{algorithm:?} rank {rank}");
-                assert_eq!(t, two_d, "{algorithm:?} rank {rank}");
-                assert_eq!(sums, expected(), "{algorithm:?} rank {rank}");
-            }
-        }
-    }
-
-    #[test]
-    fn bad_arguments_are_invalid_arguments() {
-        let c = config(AlgorithmChoice::Auto);
-        let invalid = |r: Result<CommEngine>| match r {
-            Err(Error::InvalidArgument(m)) => m,
-            Err(e) => panic!("{e}"),
-            Ok(_) => panic!("accepted"),
-        };
-        let err = EngineSetup::new(&c, 4, 4, None, None).unwrap_err();
-        assert_eq!(err.to_string(), "rank 4 is not a rank of a group of 4");
-        let one = EngineSetup::new(&c, 0, 1, None, None).unwrap();
-        let err = one.clone().with_channels(0).unwrap_err();
-        assert_eq!(err.to_string(), "channels must be at least 1");
-        assert_eq!(one.clone().with_channels(3).unwrap().num_channels(), 3);
-        let m = invalid(CommEngine::new(one.clone(), "localhost", None));
-        assert_eq!(m, "host must be an IP address, got \"localhost\"");
-        let mut engine = CommEngine::new(one, "127.0.0.1", None).unwrap();
-        assert!(engine.engine().is_err());
-        let token = random_token().unwrap();
-        let two = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string()];
-        let peers = TcpPeers {
-            addresses: &two,
-            token: &token,
-            intra_addresses: None,
-            inter_addresses: None,
-        };
-        let err = engine.connect(&peers).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "expected 1 addresses (one per rank), got 2"
-        );
-        let err = engine
-            .connect(&TcpPeers {
-                addresses: &two[..1],
-                token: &token[..3],
-                ..peers
-            })
-            .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            format!("the job token must be {TOKEN_LEN} bytes, got 3")
-        );
-        let bad = ["nowhere".to_string()];
-        let err = engine
-            .connect(&TcpPeers {
-                addresses: &bad,
-                ..peers
-            })
-            .unwrap_err();
-        assert_eq!(err.to_string(), "address #0 \"nowhere\" is not ip:port");
-        assert_eq!(
-            DeviceTransport::parse("tcp", None).unwrap_err().to_string(),
-            "transport 'tcp' needs the host address to listen on"
-        );
-        assert_eq!(
-            DeviceTransport::parse("gloo", Some("127.0.0.1"))
-                .unwrap_err()
-                .to_string(),
-            "transport must be 'nccl' or 'tcp', got \"gloo\""
-        );
-        assert_eq!(
-            DeviceTransport::parse("nccl", None).unwrap(),
-            DeviceTransport::Nccl
-        );
-    }
-}
+mod tests;
