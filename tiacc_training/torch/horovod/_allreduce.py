@@ -27,8 +27,9 @@ from ._common import (
     check_tensor,
     op_of,
 )
-from ._handles import Pending, mark, name_of, register, synchronize
-from ._negotiation import Call, attempt, guard, negotiate, refuse
+from ._compression import compressed
+from ._handles import mark, name_of, register, single, synchronize
+from ._negotiation import Call, attempt, guard, keyed, negotiate, refuse
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = [
@@ -43,23 +44,82 @@ __all__ = [
 ]
 
 
-def start(
-    tensors: list[torch.Tensor],
-    outputs: list[torch.Tensor],
-    op: ReduceOp,
+def _checked(
+    kind: str,
+    tensors: Any,
+    average: bool | None,
+    op: Any,
+    name: str | None,
+    process_set: ProcessSet,
+    label: str | None = None,
+) -> tuple[list[torch.Tensor], ReduceOp]:
+    """The call's tensors and reduction, checked; refused on every rank when wrong.
+
+    Args:
+        kind: ``"allreduce"`` (``tensors`` is one tensor) or ``"grouped_allreduce"``.
+        tensors: the tensor, or the list of them.
+        average: Horovod's deprecated ``average=``.
+        op: the ``op=`` given.
+        name: the name given.
+        process_set: the set given.
+        label: the operation's name, when already drawn (drawn on refusal otherwise).
+
+    Returns:
+        The tensors as a list, and the reduction.
+    """
+    checked, refusal = attempt(
+        lambda: (
+            check_list(tensors) if kind == "grouped_allreduce" else [check_tensor(tensors)],
+            op_of(average, op),
+        )
+    )
+    if refusal is not None:
+        label = name_of(kind, name) if label is None else label
+        refuse(kind, label, resolve(process_set), refusal, name is not None)
+    return checked
+
+
+def _start(
+    kind: str,
+    tensors: Any,
+    average: bool | None,
+    name: str | None,
+    op: Any,
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet,
-    name: str,
-    named: bool,
-    kind: str,
-) -> Pending:
-    """Agrees on the call with the set's other ranks, then reduces ``tensors`` into ``outputs``.
+    in_place: bool,
+) -> int:
+    """Starts an allreduce (``tensors`` one tensor) or a grouped allreduce (a list).
 
-    ``outputs`` may be the same tensors. The data path is :mod:`._reduce`'s.
+    The ranks agree on the call first, so a wrong argument is refused on
+    every rank; the data path is :mod:`._reduce`'s.
+
+    Args:
+        kind: ``"allreduce"`` or ``"grouped_allreduce"``.
+        tensors: the tensor, or the list of them.
+        average: Horovod's deprecated ``average=``.
+        name: the operation's name (generated if ``None``).
+        op: the reduction.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        process_set: the ranks taking part.
+        in_place: the results go into the input tensors themselves.
+
+    Returns:
+        A handle: :func:`synchronize` returns the reduced tensor (the list
+        of them for a grouped allreduce).
     """
-    mark(name, "ALLREDUCE", "negotiate")
-    call = Call(kind, name, named, process_set, tensors, op=int(op))
+    process_set = resolve(process_set)
+    label = name_of(kind, name)
+    tensors, op = _checked(kind, tensors, average, op, name, process_set, label)
+    outputs = (
+        list(tensors)
+        if in_place
+        else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    )
+    mark(label, "ALLREDUCE", "negotiate")
+    call = Call(kind, label, name is not None, process_set, tensors, op=int(op))
     guard(call, lambda: check_scales(prescale_factor, postscale_factor))
     if call.refusal is None:
         call.prescale, call.postscale = prescale_factor, postscale_factor
@@ -77,46 +137,12 @@ def start(
         ]
         for (dtype, device), members in groups.items()
     ]
-    deferred = negotiate(call, defer=True).later
+    later = negotiate(call, defer=True).later
     pending = _reduce.start(
-        tensors, outputs, op, prescale_factor, postscale_factor, process_set, name, groups, deferred
+        tensors, outputs, op, prescale_factor, postscale_factor, process_set, label, groups, later
     )
-    if named:
-        pending.key = (int(process_set.process_set_id or 0), kind, name)
-    return pending
-
-
-def _single(
-    tensor: Any,
-    average: bool | None,
-    name: str | None,
-    op: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-    in_place: bool,
-) -> int:
-    process_set = resolve(process_set)
-    label = name_of("allreduce", name)
-    checked, refusal = attempt(lambda: (check_tensor(tensor), op_of(average, op)))
-    if refusal is not None:
-        refuse("allreduce", label, process_set, refusal, name is not None)
-    tensor, op = checked
-    output = tensor if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    pending = start(
-        [tensor],
-        [output],
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        label,
-        name is not None,
-        "allreduce",
-    )
-    inner = pending.finish
-    pending.finish = lambda: inner()[0]
-    return register(pending)
+    keyed(pending, call)
+    return register(single(pending) if kind == "allreduce" else pending)
 
 
 def allreduce_async(
@@ -142,7 +168,17 @@ def allreduce_async(
     Returns:
         A handle for :func:`synchronize` (the reduced tensor) and :func:`poll`.
     """
-    return _single(tensor, average, name, op, prescale_factor, postscale_factor, process_set, False)
+    return _start(
+        "allreduce",
+        tensor,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        False,
+    )
 
 
 def allreduce_async_(
@@ -159,7 +195,9 @@ def allreduce_async_(
     Returns:
         A handle; :func:`synchronize` returns ``tensor`` itself, reduced.
     """
-    return _single(tensor, average, name, op, prescale_factor, postscale_factor, process_set, True)
+    return _start(
+        "allreduce", tensor, average, name, op, prescale_factor, postscale_factor, process_set, True
+    )
 
 
 class _AllreduceFunction(torch.autograd.Function):
@@ -213,20 +251,16 @@ def allreduce(
     Returns:
         A new tensor holding the reduction.
     """
-    checked, refusal = attempt(lambda: (check_tensor(tensor), op_of(average, op)))
-    if refusal is not None:
-        label = name_of("allreduce", name)
-        refuse("allreduce", label, resolve(process_set), refusal, name is not None)
-    tensor, op = checked
-    context = None
-    if compression is not None:
-        tensor, context = compression.compress(tensor)
-    result = _AllreduceFunction.apply(
-        tensor, op, prescale_factor, postscale_factor, name, process_set
-    )
-    if compression is not None:
-        result = compression.decompress(result, context)
-    return result
+    tensors, op = _checked("allreduce", tensor, average, op, name, process_set)
+    return compressed(
+        compression,
+        tensors,
+        lambda sent: [
+            _AllreduceFunction.apply(
+                sent[0], op, prescale_factor, postscale_factor, name, process_set
+            )
+        ],
+    )[0]
 
 
 def allreduce_(
@@ -248,42 +282,6 @@ def allreduce_(
     )
 
 
-def _grouped(
-    tensors: Any,
-    average: bool | None,
-    name: str | None,
-    op: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-    in_place: bool,
-) -> int:
-    process_set = resolve(process_set)
-    label = name_of("grouped_allreduce", name)
-    checked, refusal = attempt(lambda: (check_list(tensors), op_of(average, op)))
-    if refusal is not None:
-        refuse("grouped_allreduce", label, process_set, refusal, name is not None)
-    tensors, op = checked
-    outputs = (
-        list(tensors)
-        if in_place
-        else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    )
-    return register(
-        start(
-            tensors,
-            outputs,
-            op,
-            prescale_factor,
-            postscale_factor,
-            process_set,
-            label,
-            name is not None,
-            "grouped_allreduce",
-        )
-    )
-
-
 def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -298,8 +296,16 @@ def grouped_allreduce_async(
     Returns:
         A handle; :func:`synchronize` returns the list of reduced tensors.
     """
-    return _grouped(
-        tensors, average, name, op, prescale_factor, postscale_factor, process_set, False
+    return _start(
+        "grouped_allreduce",
+        tensors,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        False,
     )
 
 
@@ -313,8 +319,16 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """In-place :func:`grouped_allreduce_async`; ``synchronize`` returns ``tensors``."""
-    return _grouped(
-        tensors, average, name, op, prescale_factor, postscale_factor, process_set, True
+    return _start(
+        "grouped_allreduce",
+        tensors,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        True,
     )
 
 
@@ -332,11 +346,8 @@ def grouped_allreduce(
 
     Gradients flow through each tensor as through :func:`allreduce`.
     """
-    checked, refusal = attempt(lambda: check_list(tensors))
-    if refusal is not None:
-        label = name_of("grouped_allreduce", name)
-        refuse("grouped_allreduce", label, resolve(process_set), refusal, name is not None)
-    tensors = checked
+    # The reduction is checked by the operation that runs (each allreduce below, or the group).
+    tensors, _ = _checked("grouped_allreduce", tensors, None, None, name, process_set)
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
         return [
             allreduce(
@@ -351,18 +362,15 @@ def grouped_allreduce(
             )
             for i, t in enumerate(tensors)
         ]
-    contexts = None
-    if compression is not None:
-        pairs = [compression.compress(t) for t in tensors]
-        tensors, contexts = [p[0] for p in pairs], [p[1] for p in pairs]
-    results = synchronize(
-        grouped_allreduce_async(
-            tensors, average, name, op, prescale_factor, postscale_factor, process_set
-        )
+    return compressed(
+        compression,
+        tensors,
+        lambda sent: synchronize(
+            grouped_allreduce_async(
+                sent, average, name, op, prescale_factor, postscale_factor, process_set
+            )
+        ),
     )
-    if contexts is not None:
-        results = [compression.decompress(r, c) for r, c in zip(results, contexts)]
-    return results
 
 
 def grouped_allreduce_(

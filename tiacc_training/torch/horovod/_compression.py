@@ -15,7 +15,8 @@ gradient's own dtype; both can be on at once.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -79,3 +80,27 @@ class Compression:
 
     none = NoneCompressor
     fp16 = FP16Compressor
+
+
+def compressed(
+    compression: Any,
+    tensors: Sequence[torch.Tensor],
+    run: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """``run``'s results for ``tensors`` sent compressed, in the tensors' own form.
+
+    Args:
+        compression: a compressor (``Compression.fp16``, ...), or ``None``:
+            ``run`` takes the tensors as they are.
+        tensors: the operation's inputs.
+        run: the operation, from the (compressed) inputs to its results,
+            one per input.
+
+    Returns:
+        ``run``'s results, each decompressed with its input's context.
+    """
+    if compression is None:
+        return run(tensors)
+    pairs = [compression.compress(t) for t in tensors]
+    results = run([t for t, _ in pairs])
+    return [compression.decompress(r, c) for r, (_, c) in zip(results, pairs)]

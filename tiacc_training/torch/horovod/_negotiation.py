@@ -122,6 +122,13 @@ def key_of(call: Call) -> tuple[int, str, str]:
     return (int(call.process_set.process_set_id or 0), call.kind, call.name)
 
 
+def keyed(pending: _handles.Pending, call: Call) -> _handles.Pending:
+    """``pending``, under ``call``'s key (in flight once registered) when the call is named."""
+    if call.named:
+        pending.key = key_of(call)
+    return pending
+
+
 def agreed_key(set_id: int, row: Sequence[int]) -> tuple[int, int, int]:
     """The key of a header agreed on: its set, kind and name digest."""
     return (set_id, row[KIND], row[NAME])
