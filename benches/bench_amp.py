@@ -18,9 +18,11 @@ machine lands on all kinds):
 - ``policy<N>_<dtype>``: ``MixedPrecision_TrainingPolicy(N)`` at the
   documented defaults (schedule 1 needs ``hold_time``: 20, the documents'
   example), asked once per epoch exactly as docs/mixed_precision.md shows:
-  ``enable_mixed_precision(epoch, lr, loss, scaler=scaler)`` with the
-  previous epoch's mean training loss, its answer passed to
-  ``torch.autocast(enabled=...)``.
+  ``enable_mixed_precision(epoch, lr, loss, scaler=scaler, model=model)``
+  with the previous epoch's mean training loss, its answer passed to
+  ``torch.autocast(enabled=...)``; before each epoch's evaluation
+  ``policy.repair_buffers(model)`` (the per-epoch caller's buffer check),
+  and an epoch whose buffers it found non-finite is evaluated in fp32.
 
 On the CPU the dtype is bfloat16 (whether the CPU has native bf16
 instructions, ``avx512_bf16`` or ``amx_bf16``, is recorded; without them
@@ -43,7 +45,8 @@ settings are tried first (fp32 and plain fp16 AMP, one seed,
 is run in full: fp32, plain fp16 AMP, the policy with each schedule
 (float16, the same defaults) and plain bf16 AMP, each seed. Every probe is
 kept, and every run records which of the model's buffers (BatchNorm's
-running statistics) ended non-finite. ``--skip-main`` runs the stress case
+running statistics) ended non-finite, and the policy runs how often the
+policy restored them. ``--skip-main`` runs the stress case
 alone and keeps the main runs of the existing results file (and the other
 way: a run without ``--stress`` keeps the file's stress section).
 
@@ -92,6 +95,12 @@ THROUGHPUT_SHARE = 0.95
 # The stress case: "fails" is a mean final accuracy this many points below
 # fp32's (or a non-finite held-out loss); "on fp32's course" is within it.
 STRESS_MARGIN_POINTS = 5.0
+
+POLICY_CALLED = (
+    "once per epoch: enable_mixed_precision(epoch, lr, previous epoch's mean training loss, "
+    "scaler=scaler, model=model); repair_buffers(model) before each epoch's evaluation, "
+    "which runs in fp32 when it found non-finite buffers"
+)
 
 # The task and model of each part; --tiny shrinks both for the unit test.
 MAIN = {
@@ -272,7 +281,7 @@ def train_run(spec: dict[str, Any]) -> dict[str, Any]:
         epoch_start = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
         if policy is not None:
-            on = policy.enable_mixed_precision(epoch, lr, loss, scaler=scaler)
+            on = policy.enable_mixed_precision(epoch, lr, loss, scaler=scaler, model=model)
         else:
             on = mixed
         order = torch.randperm(len(train_x), generator=order_gen).to(device)
@@ -301,14 +310,21 @@ def train_run(spec: dict[str, Any]) -> dict[str, Any]:
         train_seconds += train_s
         loss = float(sum_loss) / steps
         schedule.step()
+        # Called once per epoch, the policy checks the buffers here, before
+        # the evaluation reads them; an epoch that overflowed is evaluated in
+        # fp32 (under autocast its evaluation would overflow too).
+        restored = policy.repair_buffers(model) if policy is not None else []
+        eval_autocast = on and not restored
         accuracy, heldout_loss = evaluate(
-            model, test_x, test_y, task["batch"] * 4, device, dtype, on
+            model, test_x, test_y, task["batch"] * 4, device, dtype, eval_autocast
         )
         _sync(device)
         record["epochs"].append(
             {
                 "epoch": epoch,
                 "autocast": bool(on),
+                "eval_autocast": bool(eval_autocast),
+                "nonfinite_buffers_repaired": len(restored),
                 "lr": _num(lr, 6),
                 "train_loss": _num(loss),
                 "heldout_accuracy": round(accuracy, 5),
@@ -343,6 +359,11 @@ def train_run(spec: dict[str, Any]) -> dict[str, Any]:
             "epochs_on": stats["epochs_on"],
             "epochs_off": stats["epochs_off"],
             "guard_trips": stats["guard_trips"],
+            "buffer_restores": stats["buffer_restores"],
+            "buffer_log": [
+                {k: len(v) if k == "buffers" else v for k, v in entry.items()}
+                for entry in stats["buffer_log"]
+            ],
             "autocast_dtype_it_recommends": str(policy.autocast_dtype(device)).split(".")[-1],
             "decisions": [
                 {k: e[k] for k in ("epoch", "autocast", "reason", "detail")}
@@ -521,6 +542,9 @@ def stress_part(args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any
             "final_train_loss_per_seed": [r["epochs"][-1]["train_loss"] for r in records],
             "nonfinite_buffers_per_seed": [len(r["nonfinite_buffers"]) for r in records],
             "guard_trips_per_seed": [r["policy"]["guard_trips"] for r in records if "policy" in r],
+            "buffer_restores_per_seed": [
+                r["policy"].get("buffer_restores") for r in records if "policy" in r
+            ],
         }
         for name, records in by_name.items()
     }
@@ -544,6 +568,7 @@ def stress_part(args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any
             "chosen": chosen,
             "task": full["task"],
             "epochs": args.stress_epochs,
+            "policy_called": POLICY_CALLED,
             "runs": runs,
             "summary": table,
             "verdicts": verdicts,
@@ -617,11 +642,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             else "no bf16 instructions (avx512_bf16, amx_bf16): bf16 autocast is emulated"
         ),
         "policy_args": {f"policy{n}": a for n, a in POLICY_ARGS.items()},
-        "policy_called": "once per epoch: enable_mixed_precision(epoch, lr, previous epoch's "
-        "mean training loss, scaler=scaler)",
+        "policy_called": POLICY_CALLED,
     }
     if args.skip_main:
-        for key in ("setup", "runs", "machine", "load"):
+        for key in ("setup", "runs", "machine", "load", "policy_called"):
             if key in previous:
                 out[key] = previous[key]
         if previous.get("runs"):  # the summary and goals as this version computes them
