@@ -18,8 +18,18 @@ import torch.distributed as dist
 from . import _basics
 from ._allreduce import allreduce_async, grouped_allreduce_async
 from ._common import Average, Sum, check_list, check_tensor, op_of
-from ._handles import Pending, SparseHandle, complete, mark, name_of, register, submit, synchronize
-from ._negotiation import Call, attempt, negotiate, refuse
+from ._handles import (
+    Pending,
+    SparseHandle,
+    complete,
+    mark,
+    name_of,
+    register,
+    single,
+    submit,
+    synchronize,
+)
+from ._negotiation import Call, attempt, keyed, negotiate, refuse
 from ._process_sets import ProcessSet, global_process_set, resolve, small_device
 
 __all__ = [
@@ -75,10 +85,8 @@ def start(
                 results.append(torch.cat([blocks[r, : sizes[k][r]] for r in range(n)]))
         return results
 
-    pending = submit(name, "ALLGATHER", issue, finish)
+    pending = keyed(submit(name, "ALLGATHER", issue, finish), call)
     pending.sizes = sizes
-    if named:
-        pending.key = (int(process_set.process_set_id or 0), kind, name)
     return pending
 
 
@@ -106,10 +114,7 @@ def allgather_async(
         A handle; :func:`synchronize` returns the concatenation, in rank order.
     """
     process_set, label, tensors = _checked("allgather", tensor, name, process_set)
-    pending = start(tensors, process_set, label, name is not None, "allgather")
-    inner = pending.finish
-    pending.finish = lambda: inner()[0]
-    return register(pending)
+    return register(single(start(tensors, process_set, label, name is not None, "allgather")))
 
 
 class _AllgatherFunction(torch.autograd.Function):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from . import _basics
 from ._common import check_tensor
 from ._handles import Pending, mark, name_of, register, submit, synchronize
-from ._negotiation import Call, attempt, negotiate, refuse
+from ._negotiation import Call, attempt, keyed, negotiate, refuse
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = ["alltoall", "alltoall_async"]
@@ -98,10 +98,7 @@ def start(
             )
         return output, torch.tensor(received, dtype=torch.int32)
 
-    pending = submit(name, "ALLTOALL", issue, finish)
-    if named:
-        pending.key = (int(process_set.process_set_id or 0), "alltoall", name)
-    return pending
+    return keyed(submit(name, "ALLTOALL", issue, finish), call)
 
 
 def alltoall_async(

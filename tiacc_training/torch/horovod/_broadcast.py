@@ -17,7 +17,7 @@ from ._allgather import object_bytes
 from ._allreduce import allreduce_async
 from ._common import Average, check_root, check_tensor
 from ._handles import Pending, complete, mark, name_of, register, submit, synchronize
-from ._negotiation import Call, attempt, negotiate, refuse
+from ._negotiation import Call, attempt, keyed, negotiate, refuse
 from ._process_sets import ProcessSet, global_process_set, resolve, small_device
 
 __all__ = ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object"]
@@ -33,7 +33,8 @@ def start(
 ) -> Pending:
     """Copies the root's ``tensor`` into ``output`` on every rank of the set."""
     mark(name, "BROADCAST", "negotiate")
-    negotiate(Call("broadcast", name, named, process_set, [tensor], root=root_rank))
+    call = Call("broadcast", name, named, process_set, [tensor], root=root_rank)
+    negotiate(call)
     buffer = output if output.is_contiguous() else output.contiguous()
     if buffer is not tensor and _basics.rank() == root_rank:
         buffer.copy_(tensor)
@@ -48,10 +49,7 @@ def start(
             output.copy_(buffer)
         return output
 
-    pending = submit(name, "BROADCAST", issue, finish)
-    if named:
-        pending.key = (int(process_set.process_set_id or 0), "broadcast", name)
-    return pending
+    return keyed(submit(name, "BROADCAST", issue, finish), call)
 
 
 def _async(

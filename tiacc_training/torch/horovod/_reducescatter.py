@@ -31,9 +31,10 @@ from ._common import (
     op_of,
     scale_,
 )
+from ._compression import compressed
 from ._exceptions import HorovodInternalError
-from ._handles import Pending, mark, name_of, register, submit, synchronize
-from ._negotiation import Call, attempt, negotiate, refuse
+from ._handles import Pending, mark, name_of, register, single, submit, synchronize
+from ._negotiation import Call, attempt, keyed, negotiate, refuse
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = [
@@ -117,10 +118,7 @@ def start(
             results.append(result)
         return results
 
-    pending = submit(name, "REDUCESCATTER", issue, finish)
-    if named:
-        pending.key = (int(process_set.process_set_id or 0), kind, name)
-    return pending
+    return keyed(submit(name, "REDUCESCATTER", issue, finish), call)
 
 
 def _async(
@@ -176,12 +174,13 @@ def reducescatter_async(
     Returns:
         A handle; :func:`synchronize` returns this rank's block.
     """
-    pending = _async(
-        "reducescatter", tensor, name, op, process_set, prescale_factor, postscale_factor
+    return register(
+        single(
+            _async(
+                "reducescatter", tensor, name, op, process_set, prescale_factor, postscale_factor
+            )
+        )
     )
-    inner = pending.finish
-    pending.finish = lambda: inner()[0]
-    return register(pending)
 
 
 def _backward_scale(op: ReduceOp, n: int, pre: float, post: float) -> float:
@@ -265,20 +264,22 @@ def reducescatter(
     allgather of the output's gradient, times the set's size for ``Sum``
     and times the scale factors.
     """
-    context = None
-    if compression is not None and isinstance(tensor, torch.Tensor):
-        tensor, context = compression.compress(tensor)
-    if _differentiable(tensor):
-        result = _ReducescatterFunction.apply(
-            tensor, name, op, process_set, prescale_factor, postscale_factor
+
+    def run(sent: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if _differentiable(sent[0]):
+            return [
+                _ReducescatterFunction.apply(
+                    sent[0], name, op, process_set, prescale_factor, postscale_factor
+                )
+            ]
+        handle = reducescatter_async(
+            sent[0], name, op, process_set, prescale_factor, postscale_factor
         )
-    else:
-        result = synchronize(
-            reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
-        )
-    if compression is not None:
-        result = compression.decompress(result, context)
-    return result
+        return [synchronize(handle)]
+
+    # Not a tensor: sent as it is, and refused on every rank.
+    given = compression if isinstance(tensor, torch.Tensor) else None
+    return compressed(given, [tensor], run)[0]
 
 
 def grouped_reducescatter_async(
@@ -317,22 +318,19 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     """Reducescatters each tensor of the list, as one operation; gradients flow."""
-    contexts = None
-    if compression is not None and isinstance(tensors, (list, tuple)):
-        pairs = [compression.compress(t) for t in tensors]
-        tensors, contexts = [p[0] for p in pairs], [p[1] for p in pairs]
-    if isinstance(tensors, (list, tuple)) and _differentiable(tensors):
-        results = list(
-            _GroupedReducescatterFunction.apply(
-                name, op, process_set, prescale_factor, postscale_factor, *tensors
+
+    def run(sent: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if isinstance(sent, (list, tuple)) and _differentiable(sent):
+            return list(
+                _GroupedReducescatterFunction.apply(
+                    name, op, process_set, prescale_factor, postscale_factor, *sent
+                )
             )
+        handle = grouped_reducescatter_async(
+            sent, name, op, process_set, prescale_factor, postscale_factor
         )
-    else:
-        results = synchronize(
-            grouped_reducescatter_async(
-                tensors, name, op, process_set, prescale_factor, postscale_factor
-            )
-        )
-    if contexts is not None:
-        results = [compression.decompress(r, c) for r, c in zip(results, contexts)]
-    return results
+        return synchronize(handle)
+
+    # Not a list: sent as it is, and refused on every rank.
+    given = compression if isinstance(tensors, (list, tuple)) else None
+    return compressed(given, tensors, run)
