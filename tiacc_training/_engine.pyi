@@ -338,13 +338,6 @@ class CommEngine:
         root: int = 0,
         bucket: int = 0,
     ) -> None: ...
-    def connect(
-        self,
-        addresses: list[str],
-        token: bytes,
-        intra_addresses: Optional[list[str]] = None,
-        inter_addresses: Optional[list[str]] = None,
-    ) -> None: ...
     def connect_store(self, store: Any, prefix: str, timeout: float) -> None: ...
     def counters(self) -> dict[tuple[str, str], EngineCounters]: ...
     def load_state(self, state: dict[str, Any]) -> None: ...
@@ -423,21 +416,6 @@ class DeviceEngine:
         bucket: int,
         reduce: str = "sum",
         stream: int = 0,
-    ) -> None: ...
-    def connect(
-        self,
-        addresses: list[str],
-        token: bytes,
-        intra_addresses: Optional[list[str]] = None,
-        inter_addresses: Optional[list[str]] = None,
-    ) -> None: ...
-    def connect_nccl(
-        self,
-        world_ids: list[bytes],
-        intra_ids: Optional[list[bytes]] = None,
-        inter_ids: Optional[list[bytes]] = None,
-        search_dirs: list[str] = ...,
-        library: Optional[str] = None,
     ) -> None: ...
     def connect_store(
         self,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tiacc_training import _engine
 from tiacc_training.torch.distributed import nccl_search_dirs
@@ -38,10 +39,8 @@ LENS = (4096, 1000, 2500)
 def channels(config: Any) -> NcclChannels:
     device = torch.device("cuda", 0)
     engine = _engine.DeviceEngine(config, 0, 1, TorchKernels(device), "nccl")
-    dirs = nccl_search_dirs()
-    ids = [_engine.nccl_unique_id(dirs, None) for _ in range(engine.num_channels)]
     with torch.cuda.device(device):
-        engine.connect_nccl(ids, search_dirs=dirs)
+        engine.connect_store(dist.HashStore(), "t", 60.0, search_dirs=nccl_search_dirs())
     return NcclChannels(engine, device)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tiacc_training.torch.distributed as tdist
 from tiacc_training import _engine
@@ -61,14 +62,14 @@ def clean_state() -> Iterator[None]:
 def cpu_engine(config: Any, rank: int = 0) -> Any:
     engine = _engine.CommEngine(config, rank, rank + 1, "127.0.0.1")
     if rank == 0:
-        engine.connect([engine.address], _engine.random_token())
+        engine.connect_store(dist.HashStore(), "t", 30.0)
     return engine
 
 
 def device_engine(config: Any) -> Any:
     kernels = TorchKernels(torch.device("cpu"))
     engine = _engine.DeviceEngine(config, 0, 1, kernels, "tcp", host="127.0.0.1")
-    engine.connect([engine.address], _engine.random_token())
+    engine.connect_store(dist.HashStore(), "t", 30.0)
     return engine
 
 

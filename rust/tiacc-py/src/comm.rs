@@ -17,7 +17,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
-use tiacc_core::comm::setup::{self, EngineSetup, TcpPeers, TcpSetup};
+use tiacc_core::comm::setup::{self, EngineSetup, TcpSetup};
 use tiacc_core::comm::tcp;
 use tiacc_core::comm::{
     Collective, Completion, Counters, DType, Engine, FailureBoard, Job, Layout, RawBuf, ReduceOp,
@@ -414,41 +414,12 @@ impl CommEngine {
         self.core.media().iter().copied().collect()
     }
 
-    /// Forms the rings with every rank's `addresses` (indexed by rank) and
-    /// the job `token`, then starts the channel threads. Blocks (without the
-    /// GIL) until every connection is up or the timeout passes.
-    ///
-    /// With the 2D allreduce on, `intra_addresses` and `inter_addresses` are
-    /// the members' `two_d_addresses` (in `two_d_members` order).
-    #[pyo3(
-        signature = (addresses, token, intra_addresses=None, inter_addresses=None),
-        text_signature = "(self, addresses: list[str], token: bytes, \
-            intra_addresses: Optional[list[str]] = None, \
-            inter_addresses: Optional[list[str]] = None) -> None"
-    )]
-    fn connect(
-        &mut self,
-        py: Python<'_>,
-        addresses: Vec<String>,
-        token: &[u8],
-        intra_addresses: Option<Vec<String>>,
-        inter_addresses: Option<Vec<String>>,
-    ) -> PyResult<()> {
-        let peers = TcpPeers {
-            addresses: &addresses,
-            token,
-            intra_addresses: intra_addresses.as_deref(),
-            inter_addresses: inter_addresses.as_deref(),
-        };
-        let core = &mut self.core;
-        py.detach(move || core.connect(&peers)).py()
-    }
-
-    /// Forms the rings as `connect` does, with every rank's addresses and the
-    /// job token exchanged through `store` (a c10d store) under keys
-    /// starting with `prefix`, waiting at most `timeout` seconds for the
-    /// other ranks' (`CommTimeoutError` names those missing). Blocks without
-    /// the GIL except while calling the store.
+    /// Forms the rings with every rank's addresses and the job token,
+    /// exchanged through `store` (a c10d store) under keys starting with
+    /// `prefix`, then starts the channel threads. Waits at most `timeout`
+    /// seconds for the other ranks' keys (`CommTimeoutError` names those
+    /// missing) and for every connection; blocks without the GIL except
+    /// while calling the store.
     #[pyo3(text_signature = "(self, store: Any, prefix: str, timeout: float) -> None")]
     fn connect_store(
         &mut self,
@@ -457,11 +428,10 @@ impl CommEngine {
         prefix: &str,
         timeout: f64,
     ) -> PyResult<()> {
-        let store = PyStore::new(store);
-        let rendezvous = store.rendezvous(prefix, self.core.setup().rank(), timeout)?;
-        let core = &mut self.core;
-        py.detach(move || core.connect_through(&rendezvous))
-            .map_err(|err| store.raise(py, err))
+        let (rank, core) = (self.core.setup().rank(), &mut self.core);
+        PyStore::through(py, store, prefix, rank, timeout, |rendezvous| {
+            py.detach(move || core.connect_through(rendezvous))
+        })
     }
 
     /// Queues an allreduce of a tensor's `nbytes` bytes at `ptr` and returns

@@ -16,9 +16,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use tiacc_core::comm::backend::{Mem, TopKBlock};
 use tiacc_core::comm::device::{DeviceCollective, KernelError, KernelResult, Kernels, Slot, Span};
-use tiacc_core::comm::setup::{
-    self, DeviceTransport, EngineSetup, NcclIdBytes, TcpPeers, TcpSetup,
-};
+use tiacc_core::comm::setup::{self, DeviceTransport, EngineSetup, TcpSetup};
 use tiacc_core::comm::DType;
 use tiacc_core::Error;
 
@@ -123,78 +121,16 @@ impl DeviceEngine {
         self.core.channels().connected()
     }
 
-    /// Joins the NCCL communicators: per channel, the world one from
-    /// `world_ids[c]` and, with the 2D allreduce, the intra-node and
-    /// inter-node ones from `intra_ids[c]` and `inter_ids[c]`. Blocks
-    /// (GIL released) until every member joined; the calling thread's
-    /// current CUDA device is the communicators' device.
-    #[pyo3(
-        signature = (world_ids, intra_ids=None, inter_ids=None, search_dirs=Vec::new(), library=None),
-        text_signature = "(self, world_ids: list[bytes], intra_ids: Optional[list[bytes]] = None, \
-            inter_ids: Optional[list[bytes]] = None, search_dirs: list[str] = ..., \
-            library: Optional[str] = None) -> None"
-    )]
-    fn connect_nccl(
-        &mut self,
-        py: Python<'_>,
-        world_ids: Vec<Vec<u8>>,
-        intra_ids: Option<Vec<Vec<u8>>>,
-        inter_ids: Option<Vec<Vec<u8>>>,
-        search_dirs: Vec<String>,
-        library: Option<String>,
-    ) -> PyResult<()> {
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
-        let stream = probe_stream(&ops, &self.core)?;
-        let ids = NcclIdBytes {
-            world: &world_ids,
-            intra: intra_ids.as_deref(),
-            inter: inter_ids.as_deref(),
-        };
-        self.core
-            .connect_nccl(&ops, &ids, move || load(search_dirs, library), stream)
-            .py()
-    }
-
-    /// Forms the TCP rings (transport `tcp`): every rank's `addresses`, the
-    /// job `token`, and with the 2D allreduce the members' addresses.
-    #[pyo3(
-        signature = (addresses, token, intra_addresses=None, inter_addresses=None),
-        text_signature = "(self, addresses: list[str], token: bytes, \
-            intra_addresses: Optional[list[str]] = None, \
-            inter_addresses: Optional[list[str]] = None) -> None"
-    )]
-    fn connect(
-        &mut self,
-        py: Python<'_>,
-        addresses: Vec<String>,
-        token: &[u8],
-        intra_addresses: Option<Vec<String>>,
-        inter_addresses: Option<Vec<String>>,
-    ) -> PyResult<()> {
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
-        let stream = probe_stream(&ops, &self.core)?;
-        let peers = TcpPeers {
-            addresses: &addresses,
-            token,
-            intra_addresses: intra_addresses.as_deref(),
-            inter_addresses: inter_addresses.as_deref(),
-        };
-        self.core.connect_tcp(&ops, &peers, stream).py()
-    }
-
-    /// Connects over the engine's transport (`connect_nccl`'s communicators
-    /// or `connect`'s rings) with what the ranks exchange through `store` (a
-    /// c10d store) under keys starting with `prefix`: the NCCL unique ids
-    /// (each group's first member makes them with the library
-    /// `search_dirs` and `library` find) or the TCP addresses and job
-    /// token. Waits at most `timeout` seconds for the other ranks'
-    /// (`CommTimeoutError` names those missing).
+    /// Connects over the engine's transport with what the ranks exchange
+    /// through `store` (a c10d store) under keys starting with `prefix`:
+    /// with NCCL, joins the communicators (per channel the world's and,
+    /// with the 2D allreduce, the node's and the inter-node group's) from
+    /// unique ids each group's first member makes with the library
+    /// `search_dirs` and `library` find, on the calling thread's current
+    /// CUDA device; with TCP, forms the rings from every rank's addresses
+    /// and the job token. Waits at most `timeout` seconds for the other
+    /// ranks' keys (`CommTimeoutError` names those missing); blocks without
+    /// the GIL while members join.
     #[pyo3(
         signature = (store, prefix, timeout, search_dirs=Vec::new(), library=None),
         text_signature = "(self, store: Any, prefix: str, timeout: float, \
@@ -209,21 +145,13 @@ impl DeviceEngine {
         search_dirs: Vec<String>,
         library: Option<String>,
     ) -> PyResult<()> {
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
+        let ops = torch_ops(py, &self.kernels);
         let stream = probe_stream(&ops, &self.core)?;
-        let store = PyStore::new(store);
-        let rendezvous = store.rendezvous(prefix, self.core.setup().rank(), timeout)?;
-        self.core
-            .connect_through(
-                &ops,
-                &rendezvous,
-                move || load(search_dirs, library),
-                stream,
-            )
-            .map_err(|err| store.raise(py, err))
+        let (rank, core) = (self.core.setup().rank(), &mut self.core);
+        PyStore::through(py, store, prefix, rank, timeout, |rendezvous| {
+            let library = move || load(search_dirs, library);
+            core.connect_through(&ops, rendezvous, library, stream)
+        })
     }
 
     /// The channel (and so the CUDA stream) bucket `bucket` runs on.
@@ -253,10 +181,7 @@ impl DeviceEngine {
     ) -> PyResult<()> {
         let dtype = DType::parse(dtype).py()?;
         let mem = tensor_mem(&buf)?;
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
+        let ops = torch_ops(py, &self.kernels);
         let slot = Slot {
             buffer: buf.unbind(),
             mem,
@@ -319,10 +244,7 @@ impl DeviceEngine {
                 mem.bytes / dtype.size()
             )));
         }
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
+        let ops = torch_ops(py, &self.kernels);
         let slot = Slot {
             buffer: buf.unbind(),
             mem,
@@ -338,10 +260,7 @@ impl DeviceEngine {
     /// timeout. Nothing to do on TCP, whose calls return when done.
     #[pyo3(text_signature = "(self, channel: int, is_done: Callable[[], bool]) -> None")]
     fn watch(&self, py: Python<'_>, channel: usize, is_done: Py<PyAny>) -> PyResult<()> {
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
+        let ops = torch_ops(py, &self.kernels);
         let is_done = Box::new(move || {
             Python::attach(|py| is_done.call0(py)?.extract::<bool>(py)).map_err(|e| Error::Comm {
                 peer: None,
@@ -376,10 +295,7 @@ impl DeviceEngine {
     /// shut down.
     #[pyo3(text_signature = "(self) -> dict[str, Any]")]
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
+        let ops = torch_ops(py, &self.kernels);
         let state = self.core.channels().export_state(&ops).map_err(to_pyerr)?;
         crate::state::to_dict(py, &state)
     }
@@ -401,10 +317,7 @@ impl DeviceEngine {
         channel: Option<usize>,
     ) -> PyResult<()> {
         let state = crate::state::from_dict(state)?;
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
+        let ops = torch_ops(py, &self.kernels);
         self.core
             .channels()
             .import_state(&ops, &state, channel)
@@ -422,10 +335,7 @@ impl DeviceEngine {
     /// peers). Safe to call twice.
     #[pyo3(text_signature = "(self) -> None")]
     fn shutdown(&mut self, py: Python<'_>) {
-        let ops = TorchOps {
-            py,
-            kernels: self.kernels.bind(py),
-        };
+        let ops = torch_ops(py, &self.kernels);
         self.core.shutdown(&ops);
     }
 }
@@ -439,6 +349,14 @@ impl DeviceEngine {
 
     fn tcp_setup(&self) -> Option<&TcpSetup> {
         self.core.tcp()
+    }
+}
+
+/// The core's kernels over an engine's `TorchKernels`.
+fn torch_ops<'a, 'py>(py: Python<'py>, kernels: &'a Py<PyAny>) -> TorchOps<'a, 'py> {
+    TorchOps {
+        py,
+        kernels: kernels.bind(py),
     }
 }
 

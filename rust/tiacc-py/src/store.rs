@@ -33,7 +33,7 @@ impl PyStore {
     /// the store's own where it failed ([`Error::Store`]); otherwise `err`
     /// converted, caused by the store's failure if one came first (a wait
     /// that timed out, named by the ranks it missed).
-    pub(crate) fn raise(&self, py: Python<'_>, err: Error) -> PyErr {
+    fn raise(&self, py: Python<'_>, err: Error) -> PyErr {
         let kept = self
             .failure
             .lock()
@@ -49,19 +49,25 @@ impl PyStore {
         }
     }
 
-    /// A rendezvous through this store.
-    pub(crate) fn rendezvous<'a>(
-        &'a self,
-        prefix: &'a str,
+    /// Runs `exchange` with a rendezvous through `store` (a c10d store)
+    /// under `prefix`, for `rank`, waiting at most `timeout` seconds on the
+    /// others; raises the store's own exception where the store failed.
+    pub(crate) fn through<T>(
+        py: Python<'_>,
+        store: Py<PyAny>,
+        prefix: &str,
         rank: usize,
         timeout: f64,
-    ) -> PyResult<Rendezvous<'a>> {
-        Ok(Rendezvous {
-            store: self,
+        exchange: impl FnOnce(&Rendezvous<'_>) -> Result<T, Error>,
+    ) -> PyResult<T> {
+        let store = PyStore::new(store);
+        let rendezvous = Rendezvous {
+            store: &store,
             prefix,
             rank,
             timeout: seconds("timeout", timeout)?,
-        })
+        };
+        exchange(&rendezvous).map_err(|err| store.raise(py, err))
     }
 
     fn call<T>(
@@ -145,8 +151,7 @@ pub fn wait_for(
             owners.len()
         )));
     }
-    let store = PyStore::new(store);
-    let rendezvous = store.rendezvous("", rank, timeout)?;
-    py.detach(|| rendezvous.wait_for(&keys, &owners, what))
-        .map_err(|err| store.raise(py, err))
+    PyStore::through(py, store, "", rank, timeout, |rendezvous| {
+        py.detach(|| rendezvous.wait_for(&keys, &owners, what))
+    })
 }
