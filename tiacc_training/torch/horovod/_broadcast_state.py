@@ -13,6 +13,7 @@ import torch
 
 from . import _basics
 from ._broadcast import broadcast_async_, broadcast_object
+from ._common import check_pairs
 from ._handles import synchronize
 from ._process_sets import global_process_set
 
@@ -38,12 +39,7 @@ def broadcast_parameters(
         items = items if items is not None else list(params.items())
     elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
         items = list(params)
-        for entry in items:
-            if not (isinstance(entry, tuple) and len(entry) == 2):
-                raise ValueError(
-                    "params must be a state_dict or a list of (name, tensor) pairs; got an "
-                    f"entry of type {type(entry).__name__}"
-                )
+        check_pairs(items, "params must be a state_dict or a list of (name, tensor) pairs")
     else:
         raise ValueError(f"params must be a state_dict or (name, tensor) pairs, not {type(params)}")
     handles = []

@@ -16,6 +16,8 @@ import torch
 
 from tiacc_training.torch.distributed import _config
 
+from ._common import check_pairs
+
 __all__ = ["Bucket", "Plan", "cut", "first_plan", "fusion_bytes", "named_parameters_of"]
 
 
@@ -134,12 +136,11 @@ def named_parameters_of(
             for j, p in enumerate(group["params"])
         ]
     named = list(named_parameters)
-    for entry in named:
-        if not (isinstance(entry, tuple) and len(entry) == 2):
-            raise ValueError(
-                "named_parameters should be a sequence of (name, parameter) tuples, as "
-                f"model.named_parameters() yields; got an entry of type {type(entry).__name__}"
-            )
+    check_pairs(
+        named,
+        "named_parameters should be a sequence of (name, parameter) tuples, as "
+        "model.named_parameters() yields",
+    )
     counts: dict[str, int] = {}
     for name, _ in named:
         counts[name] = counts.get(name, 0) + 1

@@ -7,6 +7,7 @@ both.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -134,6 +135,19 @@ def op_of(average: bool | None, op: Any, default: ReduceOp = Average) -> ReduceO
     if isinstance(op, bool) or not isinstance(op, int) or int(op) not in OPS:
         raise ValueError(f"op={op!r} is not a Horovod reduction (Average, Sum, Min, Max, ...)")
     return OPS[int(op)]
+
+
+def check_pairs(entries: Iterable[Any], what: str) -> None:
+    """Raises ``ValueError`` unless every entry is a ``(name, value)`` pair.
+
+    Args:
+        entries: the entries to check.
+        what: what the entries should be, the message's start (the type of
+            the first entry that is not a pair follows it).
+    """
+    for entry in entries:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise ValueError(f"{what}; got an entry of type {type(entry).__name__}")
 
 
 def check_scales(prescale_factor: Any, postscale_factor: Any) -> None:
