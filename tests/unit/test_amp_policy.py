@@ -1149,3 +1149,29 @@ def test_fp16_overflow_leaves_batchnorm_finite_only_with_model():
         assert (s["buffer_restores"] >= 1) is protect
     assert not torch.isfinite(finals[False]).all()  # NaN running statistics
     assert torch.isfinite(finals[True]).all()
+
+
+def test_buffers_of_several_dtypes_and_layouts_are_restored_exactly():
+    model = WithStats()
+    model.register_buffer("low", torch.linspace(-1, 1, 5, dtype=torch.float16))
+    model.register_buffer("wide", torch.arange(12.0, dtype=torch.float64).view(3, 4).t())
+    model.register_buffer("empty", torch.zeros(0))
+    assert not model.wide.is_contiguous()
+    p = Policy(0, 0, None, None, cooldown=2)
+    p.enable_mixed_precision(0, model=model)
+    copy = buffer_values(model)
+    model.low[1] = math.inf
+    model.wide[2, 1] = math.nan
+    model.bn.running_mean.add_(1.0)  # finite, but restored with the others
+    assert p.repair_buffers(model) == ["low", "wide"]
+    for name, b in model.named_buffers():
+        assert b.dtype == copy[name].dtype and torch.equal(b, copy[name]), name
+    assert not model.wide.is_contiguous()
+    assert p.stats()["buffers_watched"] == 6
+    # The buffers changed dtype: a new copy is taken, the old one is not used.
+    model.double()
+    p.enable_mixed_precision(1, model=model)
+    model.bn.running_var[0] = math.nan
+    assert p.repair_buffers(model) == ["bn.running_var"]
+    assert model.bn.running_var.dtype == torch.float64
+    assert torch.equal(model.bn.running_var, copy["bn.running_var"].double())
