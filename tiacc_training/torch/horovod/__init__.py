@@ -13,8 +13,8 @@ gradient buckets to the same engine as the DDP hook, with its settings
 from __future__ import annotations
 
 # -- init and shutdown (_init.py); what init() found and the build (_basics.py);
-#    collectives (_ops.py gathering the collectives' modules) and process sets
-#    (_process_sets.py) --
+#    collectives (_ops.py gathering the collectives' modules: every name in its
+#    __all__) and process sets (_process_sets.py) --
 from ._basics import (  # noqa: F401
     ccl_built,
     cross_rank,
@@ -37,43 +37,7 @@ from ._basics import (  # noqa: F401
 )
 from ._exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from ._init import init, shutdown  # noqa: F401
-from ._ops import (  # noqa: F401
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    allgather,
-    allgather_async,
-    allgather_object,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    broadcast_object,
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    join,
-    poll,
-    reducescatter,
-    reducescatter_async,
-    sparse_allreduce_async,
-    synchronize,
-)
+from ._ops import *  # noqa: F403
 from ._process_sets import (  # noqa: F401
     ProcessSet,
     add_process_set,
