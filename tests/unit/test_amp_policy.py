@@ -1117,24 +1117,35 @@ def _fp16_autocast_on_cpu() -> bool:
     return out.dtype == torch.float16 and hasattr(torch.amp, "GradScaler")
 
 
-@pytest.mark.skipif(not _fp16_autocast_on_cpu(), reason="no fp16 autocast and GradScaler on CPU")
-def test_fp16_overflow_leaves_batchnorm_finite_only_with_model():
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                not _fp16_autocast_on_cpu(), reason="no fp16 autocast and GradScaler on CPU"
+            ),
+        ),
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_fp16_overflow_leaves_batchnorm_finite_only_with_model(device):
     """The stress case in small: inputs that overflow fp16 in the first layer."""
-    x = torch.randn(64, 4) * 3e4
+    x = (torch.randn(64, 4) * 3e4).to(device)
     y = (x[:, 0] > 0).long()
     finals = {}
     for protect in (False, True):
         torch.manual_seed(0)
-        model = WithStats()
+        model = WithStats().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        scaler = torch.amp.GradScaler("cpu")
+        scaler = torch.amp.GradScaler(device)
         policy = Policy(0, 0, None, None, cooldown=8)
         loss = None
         for step in range(20):
             extra = {"model": model} if protect else {}
             on = policy.enable_mixed_precision(step, 0.01, loss, scaler=scaler, **extra)
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16, enabled=on):
+            with torch.autocast(device, dtype=torch.float16, enabled=on):
                 loss = torch.nn.functional.cross_entropy(model(x).float(), y)
             scaler.scale(loss).backward()
             scaler.step(opt)
