@@ -360,17 +360,16 @@ class MixedPrecision_TrainingPolicy:
     in :meth:`state_dict` and :meth:`load_state_dict` drops it (the next
     check takes a new one).
 
-    Called once per *epoch* and evaluated at the end of the epoch, the next
-    call's check comes too late for that evaluation: call
-    :meth:`repair_buffers` before evaluating (it checks, restores and
-    copies the same way, and a restore it made trips the guard at the next
-    call); its answer (the non-finite buffers' names, empty when all were
-    finite) says the epoch overflowed, so evaluate that epoch in fp32.
-    Called per step, ``model=`` alone restores the buffers before the next
-    step; only evaluation reads the running statistics (a training-mode
-    forward pass normalises with its batch's), so a per-step caller needs
-    :meth:`repair_buffers` only before an evaluation that follows a step
-    without a call in between.
+    Only evaluation reads the running statistics (a training-mode forward
+    pass normalises with its batch's), and an evaluation at the end of an
+    epoch runs before the next call's check: called once per *epoch*, the
+    restore would come after that evaluation; called per step, the last
+    step of the epoch is checked only at the next epoch's first call.
+    Either way, call :meth:`repair_buffers` before evaluating: it checks,
+    restores and copies the same way, a restore it made trips the guard at
+    the next call, and its answer (the non-finite buffers' names, empty
+    when all were finite) says the last step or epoch overflowed, so
+    evaluate it in fp32.
 
     **Explanations.** :meth:`stats` says what was decided on each call and
     why (the rule and its numbers); every change of the answer (autocast
@@ -603,9 +602,9 @@ class MixedPrecision_TrainingPolicy:
         """Checks ``model``'s floating-point buffers now, restoring them if need be.
 
         What ``enable_mixed_precision(..., model=model)`` does to the
-        buffers, between calls: for a caller that asks the policy once per
-        epoch and evaluates at the end of the epoch, before the next call
-        (see the class docs). When all are finite the policy's copy is
+        buffers, between calls: before an evaluation, which reads the
+        running statistics before the next call would check them (see the
+        class docs). When all are finite the policy's copy is
         refreshed; when one is not, every floating-point buffer is restored
         from the last finite copy (WARNING log line, ``buffer_restores``),
         and the next :meth:`enable_mixed_precision` call trips the scaler
