@@ -808,7 +808,7 @@ def test_restart_resume_and_history_limit(caplog, monkeypatch):
     )
 
     # The lists keep the newest entries; the counts cover every call.
-    monkeypatch.setattr(_amp, "_HISTORY_LIMIT", 1)
+    monkeypatch.setattr(_amp._policy, "_HISTORY_LIMIT", 1)
     p = Policy(0, 2, None, 5)
     decisions(p, range(10))
     s = p.stats()

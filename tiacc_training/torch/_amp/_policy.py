@@ -1,278 +1,64 @@
-"""The adaptive mixed-precision policy (``MixedPrecision_TrainingPolicy``).
+"""The adaptive mixed-precision policy's class (``MixedPrecision_TrainingPolicy``).
 
 The decisions are made by a state machine in the Rust engine; this module
-checks the arguments, reads the GradScaler, converts values and explains
-each decision (``stats()`` and a log line per change), reading the engine's
-state before and after the call. It also keeps, when asked, the last finite
-copy of a model's floating-point buffers and puts it back when an
-overflowed forward pass has written NaN or inf into them (torch work, not a
-decision: the engine only hears of it as a guard trip).
+checks the arguments (:mod:`._args`), reads the GradScaler, asks the engine
+and records each decision with its explanation (:mod:`._explain`:
+``stats()`` and a log line per change), reading the engine's state before
+and after the call. With ``model=`` it also keeps the last finite copy of a
+model's floating-point buffers and puts it back when an overflowed forward
+pass has written NaN or inf into them (:mod:`._buffers`; the engine only
+hears of it as a guard trip).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import numbers
-import operator
 from collections import deque
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
 from tiacc_training import _engine
-
-__all__ = ["MixedPrecision_TrainingPolicy"]
+from tiacc_training.torch._amp._args import (
+    _UNSET,
+    _check_model,
+    _Count,
+    _count,
+    _engine_args,
+    _pick,
+    _policy_number,
+    _scalar,
+)
+from tiacc_training.torch._amp._buffers import (
+    _flat_copies,
+    _float_buffers,
+    _Layout,
+    _layout_key,
+    _restore,
+)
+from tiacc_training.torch._amp._explain import (
+    _SCHEDULES,
+    _buffer_text,
+    _check_text,
+    _events_text,
+    _reason_text,
+    _settings,
+    _trip_text,
+    _watch_trend,
+)
 
 _STATE_VERSION = 1
 
-_log = logging.getLogger(__name__)
-
-# The engine's fixed thresholds, quoted in the explanations.
-_CONST: dict[str, Any] = dict(_engine.amp_constants())
+# The package's name: the log lines keep the logger they had before the
+# module became a package (the docs and tests name it).
+_log = logging.getLogger("tiacc_training.torch._amp")
 
 # What the engine remembers before its first call (and after a restart).
 _FRESH_STATE: dict[str, Any] = dict(_engine.AmpPolicy(0, 0, None, None, 1000, 100, 0).state())
 
 # Most per-call records and change records ``stats()`` keeps (the newest).
 _HISTORY_LIMIT = 10_000
-
-_SCHEDULES = {0: "time", 1: "time + learning rate", 2: "loss trend"}
-
-_TRIPS = {
-    "nonfinite_loss": "a non-finite loss",
-    "nonfinite_scale": "a non-finite loss scale",
-    "scale_floor": "a loss scale below its floor",
-    "scale_collapse": "a collapsed loss scale",
-    "overflow": "repeated overflowed steps",
-}
-
-
-class _Unset:
-    """Marks an argument the caller did not pass."""
-
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-_UNSET = _Unset()
-
-_Count = Union[int, None, _Unset]
-
-
-def _pick(doc_name: str, doc_value: _Count, table_name: str, table_value: _Count) -> _Count:
-    """The value of a parameter that has two spellings, or ``_UNSET``."""
-    if not isinstance(doc_value, _Unset) and not isinstance(table_value, _Unset):
-        raise TypeError(
-            f"{table_name} and {doc_name} are two names of one parameter; pass only one of them"
-        )
-    return table_value if isinstance(doc_value, _Unset) else doc_value
-
-
-def _count(name: str, value: Any, minimum: int = 0) -> Optional[int]:
-    """``value`` as a non-negative int (None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got a bool")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if number < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {number}")
-    return number
-
-
-def _scalar(name: str, value: Any) -> Optional[float]:
-    """A number or a one-element tensor as a float (None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(
-                f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}"
-            )
-        return float(value.detach().reshape(()).item())
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
-def _pct(fraction: float) -> str:
-    """A fixed threshold as a percentage: 0.1 -> ``10%``."""
-    return f"{fraction * 100:g}%"
-
-
-def _events_text(
-    pre: dict[str, Any], after: dict[str, Any], rate: Optional[float], loss: Optional[float]
-) -> Optional[str]:
-    """What fired policy 1's hold on this call, with its numbers, or None.
-
-    A learning-rate change, an abnormal loss or both: the engine's checks,
-    repeated on the state it held before the call.
-    """
-    found = []
-    ref = pre["ref_lr"]
-    if ref is not None and rate is not None and after["ref_lr"] != ref:
-        change = abs(rate - ref) / max(abs(rate), abs(ref))
-        found.append(
-            f"learning rate changed from {ref:g} to {rate:g} "
-            f"(by {change:.1%}, more than {_pct(_CONST['LR_TOLERANCE'])})"
-        )
-    window = pre["losses"]
-    if loss is not None and math.isfinite(loss) and len(window) >= _CONST["LOSS_MIN_SAMPLES"]:
-        mean = sum(window) / len(window)
-        std = math.sqrt(sum((v - mean) * (v - mean) for v in window) / len(window))
-        limit = max(_CONST["LOSS_SIGMAS"] * std, _CONST["LOSS_REL_FLOOR"] * abs(mean))
-        if abs(loss - mean) > limit:
-            found.append(
-                f"loss {loss:.4g} is {abs(loss - mean):.4g} from the mean {mean:.4g} of the "
-                f"last {len(window)} losses (limit {limit:.4g} = max({_CONST['LOSS_SIGMAS']:g}"
-                f" x std {std:.4g}, {_pct(_CONST['LOSS_REL_FLOOR'])} of the mean))"
-            )
-    return " and ".join(found) if found else None
-
-
-def _trip_text(
-    pre: dict[str, Any], after: dict[str, Any], counter: int, loss: Optional[float], scale: Any
-) -> str:
-    """What tripped the scaler guard on this call, with its numbers."""
-    kind = after["last_trip"]
-    rearmed = pre["cool_until"] is not None and counter >= pre["cool_until"]
-    if kind == "nonfinite_loss":
-        return f"the loss is {loss}"
-    if kind == "nonfinite_scale":
-        return f"the loss scale is {scale}"
-    if kind == "scale_floor":
-        return f"the loss scale {scale:g} is below {_CONST['SCALE_FLOOR']:g}"
-    if kind == "scale_collapse":
-        peak = scale if rearmed or pre["peak_scale"] is None else max(pre["peak_scale"], scale)
-        return (
-            f"the loss scale {scale:g} is {peak / scale:g}x below its peak {peak:g} "
-            f"(limit {_CONST['SCALE_COLLAPSE']:g}x)"
-        )
-    if kind == "overflow":
-        flags = [] if rearmed else list(pre["overflows"])
-        flags.append(pre["last_scale"] is not None and scale < pre["last_scale"])
-        flags = flags[-_CONST["OVERFLOW_WINDOW"] :]
-        return (
-            f"the loss scale fell on {sum(flags)} of the last {len(flags)} calls "
-            f"(overflowed steps; limit {_CONST['OVERFLOW_LIMIT']})"
-        )
-    return _TRIPS.get(kind, str(kind))
-
-
-def _float_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The model's floating-point buffers with their names (BatchNorm's running statistics...)."""
-    return [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
-
-
-class _Layout:
-    """Where each floating-point buffer of a model sits in the policy's flat copies.
-
-    One flat copy per (device, dtype) of the buffers, in ``named_buffers()``
-    order; ``key`` says which buffers (name, shape, dtype, device) it is for.
-    """
-
-    def __init__(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
-        self.key = _layout_key(buffers)
-        by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, (_, b) in enumerate(buffers):
-            by_kind.setdefault((b.device, b.dtype), []).append(i)
-        # Per group: the buffers' indices, their start offsets in the flat
-        # copy and their end offsets as a tensor on the group's device.
-        self.groups: list[tuple[list[int], list[int], torch.Tensor]] = []
-        for (device, _), index in by_kind.items():
-            starts, ends, total = [], [], 0
-            for i in index:
-                starts.append(total)
-                total += buffers[i][1].numel()
-                ends.append(total)
-            self.groups.append((index, starts, torch.tensor(ends, device=device)))
-
-
-def _layout_key(buffers: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
-    """What a flat copy must match to restore ``buffers``: name, shape, dtype, device each."""
-    return tuple((name, tuple(b.shape), b.dtype, b.device) for name, b in buffers)
-
-
-def _flat_copies(
-    buffers: list[tuple[str, torch.Tensor]], layout: _Layout
-) -> tuple[list[torch.Tensor], list[bool]]:
-    """Flat copies of the buffers (one per group of ``layout``) and which are non-finite.
-
-    Per group a handful of kernels, whatever the number of buffers: the
-    concatenation (the copy), ``isfinite``, a running count of the
-    non-finite elements read at each buffer's end; the counts of a device
-    are read back together: one device-to-host read (a synchronisation on
-    CUDA) per device the buffers live on.
-
-    Returns:
-        The flat copies, and per buffer whether it holds a NaN or an inf.
-    """
-    flats: list[torch.Tensor] = []
-    counts: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-    with torch.no_grad():
-        for index, _, ends in layout.groups:
-            flat = torch.cat([buffers[i][1].reshape(-1) for i in index])
-            flats.append(flat)
-            running = torch.cumsum(~torch.isfinite(flat), 0)
-            running = torch.cat([running.new_zeros(1), running])
-            per = torch.diff(running.index_select(0, ends), prepend=running.new_zeros(1))
-            counts.setdefault(flat.device, []).append((index, per))
-    bad = [False] * len(buffers)
-    for parts in counts.values():
-        values = iter(torch.cat([per for _, per in parts]).tolist())
-        for index, _ in parts:
-            for i in index:
-                bad[i] = next(values) > 0
-    return flats, bad
-
-
-def _check_model(model: Any) -> None:
-    """Raises TypeError unless ``model`` is None or a ``torch.nn.Module``."""
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-
-
-def _names_text(names: list[str], shown: int = 3) -> str:
-    """``a, b, c and 4 more``."""
-    text = ", ".join(names[:shown])
-    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def _when(epoch: Optional[int], via: str) -> str:
-    """``at epoch 4``, ``by repair_buffers() after epoch 4``, ``before the first call``."""
-    if epoch is None:
-        return "before the first call"
-    return (
-        f"at epoch {epoch}"
-        if via == "enable_mixed_precision"
-        else f"by repair_buffers() after epoch {epoch}"
-    )
-
-
-def _buffer_text(record: dict[str, Any], where: bool = True) -> str:
-    """What a buffer check found and did, for ``stats()`` and the log lines.
-
-    Args:
-        record: The check's ``buffer_log`` entry.
-        where: Whether to say that :meth:`repair_buffers` found them.
-    """
-    names = record["buffers"]
-    found = f"{len(names)} non-finite model buffer{'s' if len(names) > 1 else ''}"
-    found += f" ({_names_text(names)})"
-    if where and record["via"] == "repair_buffers":
-        found += f" (found {_when(record['epoch'], record['via'])})"
-    if record["restored"]:
-        taken = _when(record["copy_epoch"], record["copy_via"])
-        done = (
-            f"restored all {record['watched']} floating-point buffers from the copy taken {taken}"
-        )
-    else:
-        done = "no finite copy of these buffers to restore"
-    return f"{found}: {done}"
 
 
 class MixedPrecision_TrainingPolicy:
@@ -449,63 +235,14 @@ class MixedPrecision_TrainingPolicy:
         interval_hold_time: _Count = _UNSET,
         cooldown: int = 100,
     ) -> None:
-        if isinstance(policy, bool) or not isinstance(policy, numbers.Integral):
-            raise TypeError(f"policy must be an int (0, 1 or 2), got {type(policy).__name__}")
-        number = int(policy)
-        if number not in (0, 1, 2):
-            raise ValueError(
-                f"policy must be 0 (time), 1 (time + learning rate) or 2 (loss), got {number}"
-            )
+        number = _policy_number(policy)
         start = _pick("start_step", start_step, "start_time", start_time)
         hold = _pick("hold_step", hold_step, "hold_time", hold_time)
         end = _pick("end_step", end_step, "end_time", end_time)
         interval = _pick("test_interval", test_interval, "interval_time", interval_time)
         interval_hold = _pick("test_step", test_step, "interval_hold_time", interval_hold_time)
-        start = _count("start_time", 10 if isinstance(start, _Unset) else start)
-        hold = _count("hold_time", None if isinstance(hold, _Unset) else hold, minimum=1)
-        end = _count("end_time", None if isinstance(end, _Unset) else end)
-        interval = _count(
-            "interval_time", 1000 if isinstance(interval, _Unset) else interval, minimum=1
-        )
-        interval_hold = _count(
-            "interval_hold_time",
-            100 if isinstance(interval_hold, _Unset) else interval_hold,
-            minimum=1,
-        )
-        cooldown_units = _count("cooldown", cooldown)
-        if cooldown_units is None:
-            raise TypeError("cooldown must be an int, got None")
-
-        missing = []
-        if number in (0, 1) and start is None:
-            missing.append("start_time (start_step)")
-        if number == 1 and hold is None:
-            missing.append("hold_time (hold_step)")
-        if number == 2 and interval is None:
-            missing.append("interval_time (test_interval)")
-        if number == 2 and interval_hold is None:
-            missing.append("interval_hold_time (test_step)")
-        if missing:
-            raise ValueError(f"policy {number} requires {', '.join(missing)}")
-        if number in (0, 1) and end is not None and start is not None and end <= start:
-            raise ValueError(f"end_time ({end}) must be greater than start_time ({start})")
-        if (
-            number == 2
-            and interval is not None
-            and interval_hold is not None
-            and interval_hold >= interval
-        ):
-            raise ValueError(
-                f"interval_hold_time ({interval_hold}) must be less than interval_time ({interval})"
-            )
         self._engine = _engine.AmpPolicy(
-            number,
-            start if start is not None else 0,
-            end,
-            hold,
-            interval if interval is not None else 1000,
-            interval_hold if interval_hold is not None else 100,
-            cooldown_units,
+            *_engine_args(number, start, hold, end, interval, interval_hold, cooldown)
         )
         # The explanation: counts, the newest records, and what the last
         # hold, guard trip and trend verdict were about.
@@ -663,11 +400,7 @@ class MixedPrecision_TrainingPolicy:
             self._copy_epoch, self._copy_via = epoch, via
             return None
         if restored:
-            with torch.no_grad():
-                for (index, starts, _), copy in zip(layout.groups, self._copies):
-                    for i, start in zip(index, starts):
-                        b = buffers[i][1]
-                        b.copy_(copy[start : start + b.numel()].view(b.shape))
+            _restore(buffers, layout, self._copies)
             self._buffer_restores += 1
         self._buffer_findings += 1
         record = {
@@ -680,13 +413,8 @@ class MixedPrecision_TrainingPolicy:
             "copy_via": self._copy_via if restored else None,
         }
         self._buffer_log.append(record)
-        if via == "repair_buffers":
-            at = "repair_buffers() " + (
-                "before the first call" if epoch is None else f"after epoch {epoch}"
-            )
-        else:
-            at = f"epoch {epoch}"
         text = _buffer_text(record, where=False)
+        at = _check_text(epoch, via)
         _log.warning("%s: %s (buffer_restores=%d)", at, text, self._buffer_restores)
         return record
 
@@ -741,7 +469,11 @@ class MixedPrecision_TrainingPolicy:
                 self._last_event = (counter, event)
                 if reason != "hold":
                     notes.append(f"{event}: fp32 hold through epoch {after['hold_until'] - 1}")
-        kept = self._watch_trend(config, pre, counter, loss) if config["policy"] == 2 else None
+        kept = None
+        if config["policy"] == 2:
+            trend, kept = _watch_trend(config, pre, counter, loss)
+            if trend is not None:
+                self._last_trend = trend
         buffer_trip = None
         if after["trips"] > pre["trips"]:
             self._trips += 1
@@ -768,7 +500,18 @@ class MixedPrecision_TrainingPolicy:
                 notes.append("the fp32 hold is over")
         if kept is not None:
             notes.append(kept)
-        notes.append(self._reason_text(config, after, reason, counter))
+        notes.append(
+            _reason_text(
+                config,
+                after,
+                reason,
+                counter,
+                last_event=self._last_event,
+                last_trip=self._last_trip,
+                last_trend=self._last_trend,
+                previous_level=self._previous_level,
+            )
+        )
         detail = "; ".join(notes)
 
         if buffer_trip is not None:
@@ -780,125 +523,6 @@ class MixedPrecision_TrainingPolicy:
             self._changes += 1
             self._change_log.append((counter, enabled, reason, detail))
             _log.info("epoch %d: autocast %s: %s", counter, "on" if enabled else "off", detail)
-
-    def _watch_trend(
-        self, config: dict[str, Any], pre: dict[str, Any], counter: int, loss: Optional[float]
-    ) -> Optional[str]:
-        """Repeats policy 2's verdict on the trial that ends at this call.
-
-        Remembers the measured drop for the explanations; returns a note when
-        the trial had too few losses for a verdict, else None.
-        """
-        trial = pre["trend_window"]
-        if trial is None:
-            return None
-        length = config["interval_hold"]
-        start = trial * config["interval"]
-        n, sx, sy, sxx, sxy = (
-            pre["trend_n"],
-            pre["trend_sum_x"],
-            pre["trend_sum_y"],
-            pre["trend_sum_xx"],
-            pre["trend_sum_xy"],
-        )
-        if start < counter <= start + length and loss is not None and math.isfinite(loss):
-            x = float(counter - start)
-            n, sx, sy, sxx, sxy = n + 1, sx + x, sy + loss, sxx + x * x, sxy + x * loss
-        if counter < start + length:
-            return None
-        if n >= _CONST["TREND_MIN_POINTS"]:
-            spread = sxx - sx * sx / n
-            slope = (sxy - sx * sy / n) / spread if spread > 0 else math.nan
-            drop = -slope * length / max(abs(sy / n), 1e-12)
-            if math.isfinite(drop):
-                self._last_trend = {
-                    "trial": trial,
-                    "first": start,
-                    "last": start + length - 1,
-                    "losses": n,
-                    "drop": drop,
-                }
-                return None
-        return (
-            f"trial {trial} (epochs {start}-{start + length - 1}) gave {n} usable losses, "
-            f"fewer than {_CONST['TREND_MIN_POINTS']}: no new verdict"
-        )
-
-    def _reason_text(
-        self, config: dict[str, Any], after: dict[str, Any], reason: str, counter: int
-    ) -> str:
-        """The rule behind ``reason`` at ``counter``, with its numbers."""
-        start, end = config["start"], config["end"]
-        if reason == "before_start":
-            return f"epoch {counter} is before start_time {start}"
-        if reason == "window":
-            if end is None:
-                return f"epoch {counter} is at or after start_time {start} (no end_time)"
-            return f"epoch {counter} is inside start_time {start} <= epoch < end_time {end}"
-        if reason == "after_end":
-            return f"epoch {counter} is at or after end_time {end}"
-        if reason == "hold":
-            through = after["hold_until"] - 1
-            if self._last_event is None:
-                return (
-                    f"fp32 hold through epoch {through} after a learning-rate change "
-                    "or an abnormal loss"
-                )
-            at, event = self._last_event
-            if at == counter:
-                return f"{event}: fp32 hold through epoch {through}"
-            return f"fp32 hold through epoch {through} (since epoch {at}: {event})"
-        if reason == "cooldown":
-            through = after["cool_until"] - 1
-            if self._last_trip is None:
-                what = _TRIPS.get(after["last_trip"], "a guard trip")
-                return f"the scaler guard's cool-down runs through epoch {through} after {what}"
-            at, what = self._last_trip
-            if at != counter:
-                return (
-                    f"the scaler guard's cool-down runs through epoch {through} "
-                    f"(tripped at epoch {at}: {what})"
-                )
-            length = after["cool_until"] - counter
-            text = f"scaler guard tripped: {what}: fp32 for a cool-down of {length} epochs"
-            if after["cool_level"] > 0:
-                text += (
-                    f" ({2 ** after['cool_level']} x cooldown {config['cooldown']}: less than "
-                    f"{config['cooldown'] * 2**self._previous_level} epochs after the previous "
-                    f"cool-down, which ran through epoch {after['last_cool_end'] - 1})"
-                )
-            return text + f", through epoch {through}"
-        interval, length = config["interval"], config["interval_hold"]
-        if reason == "trial":
-            trial = counter // interval
-            first = trial * interval
-            return (
-                f"loss-trend trial {trial}: mixed precision for epochs "
-                f"{first}-{first + length - 1} while the losses are measured"
-            )
-        next_trial = (counter // interval + 1) * interval
-        if reason == "trend_default":
-            return f"no loss-trend verdict yet (next trial at epoch {next_trial})"
-        verdict = reason.removeprefix("trend_")
-        if self._last_trend is None:
-            return f"the last loss-trend verdict was {verdict!r} (until epoch {next_trial})"
-        t = self._last_trend
-        drop = t["drop"]
-        size = f"{abs(drop):.1%}"
-        if size == f"{0:.1%}":
-            moved = f"stayed flat ({size})"
-        else:
-            moved = f"fell {size}" if drop > 0 else f"rose {size}"
-        fast, slow = _pct(_CONST["TREND_FAST"]), _pct(_CONST["TREND_SLOW"])
-        judged = {
-            "fast": f"more than {fast}: falling too fast",
-            "slow": f"less than a {slow} fall: too slow",
-            "ok": f"between {slow} and {fast}",
-        }[verdict]
-        return (
-            f"over trial {t['trial']} (epochs {t['first']}-{t['last']}, {t['losses']} losses) "
-            f"the fitted loss {moved}, {judged} (until the next trial at epoch {next_trial})"
-        )
 
     def stats(self) -> dict[str, Any]:
         """What the policy decided and why, as plain values (to log or print).
@@ -944,28 +568,7 @@ class MixedPrecision_TrainingPolicy:
         """
         c = self._engine.config()
         number = int(c["policy"])
-        if number == 2:
-            settings: dict[str, Any] = {
-                "interval_time": c["interval"],
-                "interval_hold_time": c["interval_hold"],
-            }
-        else:
-            settings = {"start_time": c["start"], "end_time": c["end"]}
-            if number == 1:
-                settings["hold_time"] = c["hold"]
-        settings["cooldown"] = c["cooldown"]
-        names = {
-            1: ["LR_TOLERANCE", "LOSS_WINDOW", "LOSS_MIN_SAMPLES", "LOSS_SIGMAS", "LOSS_REL_FLOOR"],
-            2: ["TREND_MIN_POINTS", "TREND_FAST", "TREND_SLOW"],
-        }.get(number, [])
-        if c["cooldown"] > 0:
-            names += [
-                "SCALE_FLOOR",
-                "SCALE_COLLAPSE",
-                "OVERFLOW_WINDOW",
-                "OVERFLOW_LIMIT",
-                "MAX_BACKOFF",
-            ]
+        settings, thresholds = _settings(c)
         epochs = [
             {"epoch": e, "autocast": on, "reason": why, "detail": detail}
             for e, on, why, detail in self._epochs
@@ -984,7 +587,7 @@ class MixedPrecision_TrainingPolicy:
             "policy": number,
             "schedule": _SCHEDULES[number],
             "settings": settings,
-            "thresholds": {name.lower(): _CONST[name] for name in names},
+            "thresholds": thresholds,
             "epochs_seen": self._calls,
             "epochs_on": self._calls_on,
             "epochs_off": self._calls - self._calls_on,
