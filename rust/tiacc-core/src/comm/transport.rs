@@ -125,6 +125,16 @@ impl OpTag {
     }
 }
 
+/// Checks that a broadcast's `root` is a member of a group of `size`.
+pub(crate) fn check_root(root: usize, size: usize) -> Result<()> {
+    if root >= size {
+        return Err(Error::InvalidArgument(format!(
+            "broadcast root {root} is not a rank of a group of {size}"
+        )));
+    }
+    Ok(())
+}
+
 /// Checks that every member's tag (`tags`, gathered by member) is `mine`;
 /// otherwise an `Error::Comm` whose message (prefixed by `ctx`) says who
 /// issued what.

@@ -5,7 +5,9 @@
 //! library.rs       find + dlopen libnccl.so.2, resolve ~15 functions, check the version
 //! ffi.rs           nccl.h's types, enum values and function signatures
 //! communicator.rs  NcclCommunicator (collectives on raw device pointers and a
-//!                  raw CUDA stream) and the watchdog that bounds every wait
+//!                  raw CUDA stream)
+//! watch.rs         watch(): the wait that bounds every collective (deadline,
+//!                  NCCL's async errors, another rank's failure)
 //! watchdog.rs      the thread that waits for each enqueued collective
 //! trace.rs         TIACC_TRAINING_NCCL_TRACE: the waits on stderr
 //! ```
@@ -18,11 +20,13 @@ pub mod communicator;
 pub mod ffi;
 pub mod library;
 pub mod trace;
+pub mod watch;
 pub mod watchdog;
 
-pub use communicator::{watch, DevicePtr, Group, NcclCommunicator, ReduceOp, Watched};
+pub use communicator::{DevicePtr, Group, NcclCommunicator, ReduceOp};
 pub use ffi::{NcclUniqueId, UNIQUE_ID_BYTES};
 pub use library::{NcclLibrary, NcclSearch, LIBRARY_NAME, MIN_VERSION};
+pub use watch::{watch, Watched};
 pub use watchdog::{Pending, Tracker, Watchdog};
 
 #[cfg(test)]

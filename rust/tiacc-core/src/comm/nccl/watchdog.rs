@@ -9,8 +9,8 @@ use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::communicator::{watch, Watched};
 use super::trace;
+use super::watch::{watch, Watched};
 use crate::comm::failure::Failures;
 use crate::comm::progress::{self, Position, Progress};
 use crate::comm::Deadline;

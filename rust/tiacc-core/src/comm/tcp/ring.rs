@@ -13,7 +13,9 @@ use std::ops::Range;
 use std::os::fd::AsRawFd;
 
 use crate::comm::dtype::{shard_range, DType, ReduceOp};
-use crate::comm::transport::{check_agreement, Aborter, Deadline, Failed, OpTag, Transport};
+use crate::comm::transport::{
+    check_agreement, check_root, Aborter, Deadline, Failed, OpTag, Transport,
+};
 use crate::error::{Error, Result};
 
 /// One ring step: send `send` (bytes of the buffer) to the next rank while
@@ -168,26 +170,6 @@ impl TcpRing {
                 reduce: false,
             })
             .collect()
-    }
-
-    /// Reduce-scatter then allgather as one stream, optionally led by `tag`.
-    fn ring_allreduce(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        deadline: Deadline,
-    ) -> Result<()> {
-        if self.size == 1 {
-            return self.check_usable();
-        }
-        self.guarded(|ring| {
-            let elems = buf.len() / dtype.size();
-            let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
-            steps.extend(ring.allgather_steps(elems, dtype.size()));
-            ring.run(buf, &steps, Some((dtype, op)), tag, "allreduce", deadline)
-        })
     }
 
     fn check_usable(&self) -> Result<()> {
@@ -549,7 +531,16 @@ impl Transport for TcpRing {
         op: ReduceOp,
         deadline: Deadline,
     ) -> Result<()> {
-        self.ring_allreduce(tag, buf, dtype, op, deadline)
+        // Reduce-scatter then allgather as one stream, led by `tag` if any.
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.guarded(|ring| {
+            let elems = buf.len() / dtype.size();
+            let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
+            steps.extend(ring.allgather_steps(elems, dtype.size()));
+            ring.run(buf, &steps, Some((dtype, op)), tag, "allreduce", deadline)
+        })
     }
 
     fn allreduce_checked(
@@ -559,7 +550,7 @@ impl Transport for TcpRing {
         dtype: DType,
         deadline: Deadline,
     ) -> Result<()> {
-        self.ring_allreduce(Some(tag), buf, dtype, ReduceOp::Sum, deadline)
+        self.allreduce_op(Some(tag), buf, dtype, ReduceOp::Sum, deadline)
     }
 
     fn reduce_scatter_op(
@@ -596,12 +587,7 @@ impl Transport for TcpRing {
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize, deadline: Deadline) -> Result<()> {
-        if root >= self.size {
-            return Err(Error::InvalidArgument(format!(
-                "broadcast root {root} is not a rank of a group of {}",
-                self.size
-            )));
-        }
+        check_root(root, self.size)?;
         if self.size == 1 {
             return self.check_usable();
         }
