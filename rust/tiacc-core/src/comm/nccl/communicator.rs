@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use super::ffi::{self, CudaStream, NcclComm, NcclDataType, NcclRedOp, NcclResult, NcclUniqueId};
 use super::library::{comm_error, NcclLibrary};
 use super::trace;
+pub use super::watch::{await_ready, Readiness};
 use crate::comm::{DType, Deadline};
 use crate::error::{Error, Result};
 
@@ -108,54 +109,6 @@ pub struct NcclCommunicator {
     given: AtomicU64,
     /// The thread running `ncclCommAbort` (see [`NcclCommunicator::abort`]).
     aborting: Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-/// What a poll of a non-blocking communicator found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Readiness {
-    /// `ncclSuccess`: the operation completed.
-    Ready,
-    /// `ncclInProgress`: not yet.
-    InProgress,
-}
-
-/// How often a non-blocking initialisation (or call) is polled.
-const READY_POLL: Duration = Duration::from_millis(2);
-
-/// Waits until `poll` says ready, fails with its error, or `deadline`
-/// passes: then `abort` runs and the error is a `CommTimeout` with `what`
-/// (as a test-visible function, so the deadline logic runs without a GPU).
-pub fn await_ready(
-    mut poll: impl FnMut() -> Result<Readiness>,
-    abort: impl FnOnce(),
-    deadline: Deadline,
-    rank: usize,
-    what: impl FnOnce() -> String,
-) -> Result<()> {
-    loop {
-        match poll() {
-            Ok(Readiness::Ready) => return Ok(()),
-            Ok(Readiness::InProgress) => {}
-            Err(err) => {
-                abort();
-                return Err(err);
-            }
-        }
-        let left = deadline.remaining();
-        if left.is_zero() {
-            abort();
-            return Err(Error::CommTimeout {
-                peer: rank,
-                message: format!(
-                    "{} did not complete within {:.1}s (a rank never joined, or the network \
-                     between ranks is down); it was aborted",
-                    what(),
-                    deadline.timeout.as_secs_f64()
-                ),
-            });
-        }
-        std::thread::sleep(READY_POLL.min(left));
-    }
 }
 
 // SAFETY: `comm` is an opaque handle owned by this value. NCCL allows a

@@ -6,8 +6,9 @@
 //! ffi.rs           nccl.h's types, enum values and function signatures
 //! communicator.rs  NcclCommunicator (collectives on raw device pointers and a
 //!                  raw CUDA stream)
-//! watch.rs         watch(): the wait that bounds every collective (deadline,
-//!                  NCCL's async errors, another rank's failure)
+//! watch.rs         the bounded waits: await_ready (a non-blocking init or
+//!                  call) and watch() (every collective: deadline, NCCL's
+//!                  async errors, another rank's failure)
 //! watchdog.rs      the thread that waits for each enqueued collective
 //! trace.rs         TIACC_TRAINING_NCCL_TRACE: the waits on stderr
 //! ```
