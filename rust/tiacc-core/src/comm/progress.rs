@@ -455,14 +455,16 @@ pub fn slow_ranks(ranks: &[RankTimes]) -> Vec<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// A board that keeps progress records in memory, as the store does
+    /// (also the NCCL watchdog's tests' board).
     #[derive(Default)]
-    struct Board(Mutex<HashMap<usize, String>>);
+    pub(crate) struct MemBoard(Mutex<HashMap<usize, String>>);
 
-    impl FailureBoard for Board {
+    impl FailureBoard for MemBoard {
         fn publish(&self, message: &str) -> Option<String> {
             Some(message.to_string())
         }
@@ -521,7 +523,7 @@ mod tests {
 
     #[test]
     fn a_timeout_is_attributed_from_the_board_and_other_errors_pass() {
-        let board = Board::default();
+        let board = MemBoard::default();
         board.record_progress(1, "v1 2 5 0 0");
         let p = Progress::new();
         p.submit(0);
@@ -549,7 +551,7 @@ mod tests {
 
     #[test]
     fn the_recorder_writes_changes_at_a_low_rate() {
-        let board = Arc::new(Board::default());
+        let board = Arc::new(MemBoard::default());
         let p = Arc::new(Progress::new());
         let mut rec = Recorder::start(p.clone(), board.clone(), 3).unwrap();
         assert_eq!(

@@ -277,14 +277,7 @@ fn through_host_slot(values: &[f64], op: impl FnOnce(Slot<Shared>)) -> Vec<f64> 
 }
 
 fn tag(bytes: usize) -> OpTag {
-    OpTag {
-        op: 0,
-        kind: OpKind::Allreduce,
-        seq: 1,
-        bucket: 0,
-        dtype: DType::F32.code(),
-        bytes: bytes as u64,
-    }
+    allreduce_tag(1, 0, DType::F32, bytes as u64)
 }
 
 /// What the host engine gives for the same allreduce (its own backend).
