@@ -83,7 +83,7 @@ impl Segment {
     }
 }
 
-pub(super) fn futex_wake(word: &AtomicU32) {
+fn futex_wake(word: &AtomicU32) {
     // SAFETY: FUTEX_WAKE on a valid, aligned 4-byte word of a shared
     // mapping (not FUTEX_PRIVATE: waiters are other processes).
     unsafe {

@@ -13,13 +13,13 @@ use crate::error::{Error, Result};
 /// Buffers of [`pack`] kept from call to call on each thread: fresh memory
 /// would be faulted in page by page on every call.
 #[derive(Default)]
-pub(super) struct Scratch {
+struct Scratch {
     found: Vec<(u32, f32)>,
     keys: Vec<u32>,
 }
 
 /// Scratch buffers larger than this (entries) are not kept.
-pub(super) const SCRATCH_KEPT: usize = 1 << 22;
+const SCRATCH_KEPT: usize = 1 << 22;
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
@@ -27,7 +27,7 @@ thread_local! {
 
 /// Runs `f` with this thread's scratch buffers (fresh ones when the
 /// thread's are unavailable, as while it exits).
-pub(super) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     let take = |cell: &RefCell<Scratch>| cell.try_borrow_mut().map(|mut s| std::mem::take(&mut *s));
     let mut scratch = SCRATCH
         .try_with(take)
@@ -44,14 +44,14 @@ pub(super) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
 /// Writes the chosen pairs of one block, in order, and takes what was sent
 /// out of the residual. Slots left unwritten are zeroed when it is dropped
 /// (the block is not zeroed first: it is written once).
-pub(super) struct Sender<'a> {
+struct Sender<'a> {
     indices: std::slice::ChunksExactMut<'a, u8>,
     values: std::slice::ChunksExactMut<'a, u8>,
     fp16: bool,
 }
 
 impl<'a> Sender<'a> {
-    pub(super) fn new(out: &'a mut [u8], layout: TopKBlock) -> Self {
+    fn new(out: &'a mut [u8], layout: TopKBlock) -> Self {
         let (indices, values) = out.split_at_mut(layout.values_offset().min(out.len()));
         let size = layout.value_size();
         let (values, padding) = values.split_at_mut(values.len() / size * size);
@@ -68,7 +68,7 @@ impl<'a> Sender<'a> {
     /// Sends entry `i` of corrected value `v`; returns the residual to
     /// keep there.
     #[inline]
-    pub(super) fn send(&mut self, i: usize, v: f32) -> f32 {
+    fn send(&mut self, i: usize, v: f32) -> f32 {
         if let Some(c) = self.indices.next() {
             c.copy_from_slice(&(i as u32).to_le_bytes());
         }
@@ -123,7 +123,7 @@ pub fn pack(data: &[u8], residual: &mut [u8], layout: TopKBlock, out: &mut [u8])
     }
 }
 
-pub(super) fn pack_floats(d: &[f32], r: &mut [f32], layout: TopKBlock, out: &mut [u8]) {
+fn pack_floats(d: &[f32], r: &mut [f32], layout: TopKBlock, out: &mut [u8]) {
     let (n, k) = (r.len(), layout.k.min(r.len()));
     // A large share is cheaper to cut over the whole residual than through
     // candidates (which would take memory in proportion).
@@ -185,14 +185,14 @@ pub(super) fn pack_with(
 }
 
 /// One rank's block of a gathered buffer.
-pub(super) struct Block<'a> {
+struct Block<'a> {
     indices: &'a [u8],
     values: &'a [u8],
     fp16: bool,
 }
 
 impl<'a> Block<'a> {
-    pub(super) fn new(bytes: &'a [u8], layout: TopKBlock) -> Self {
+    fn new(bytes: &'a [u8], layout: TopKBlock) -> Self {
         let (indices, values) = bytes.split_at(layout.values_offset().min(bytes.len()));
         Block {
             indices: &indices[..indices.len() / 4 * 4],
@@ -201,24 +201,24 @@ impl<'a> Block<'a> {
         }
     }
 
-    pub(super) fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.indices.len() / 4
     }
 
-    pub(super) fn indices(&self) -> impl Iterator<Item = usize> + 'a {
+    fn indices(&self) -> impl Iterator<Item = usize> + 'a {
         self.indices
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
     }
 
     #[inline]
-    pub(super) fn index(&self, j: usize) -> usize {
+    fn index(&self, j: usize) -> usize {
         let c = &self.indices[4 * j..4 * j + 4];
         u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize
     }
 
     #[inline]
-    pub(super) fn value(&self, j: usize) -> f32 {
+    fn value(&self, j: usize) -> f32 {
         if self.fp16 {
             let c = &self.values[2 * j..2 * j + 2];
             f16::from_le_bytes([c[0], c[1]]).to_f32()
@@ -231,7 +231,7 @@ impl<'a> Block<'a> {
 
 /// Elements of `out` zeroed and summed at a time when every block's
 /// indices ascend, so that each piece is still in cache for its sums.
-pub(super) const TILE: usize = 4096;
+const TILE: usize = 4096;
 
 /// Host kernel of [`Backend::topk_sum`]. `describe(r)` names block `r`'s
 /// sender in the error raised for an index out of range.
@@ -284,7 +284,7 @@ pub fn sum(
 /// `out = 0`, then every block's pairs added in, block by block; indices
 /// are below `n` (those from `out.len()` on are dropped). Each element
 /// receives its additions in rank order either way.
-pub(super) fn scatter(blocks: &[Block], ascending: bool, out: &mut [f32]) {
+fn scatter(blocks: &[Block], ascending: bool, out: &mut [f32]) {
     if !ascending {
         out.fill(0.0);
         for block in blocks {

@@ -88,7 +88,7 @@ impl Cut {
 
 /// The highest bucket of `counts` at which the count from the top reaches
 /// `k`, and the count in the buckets above it.
-pub(super) fn from_top(counts: &[usize], k: usize) -> (usize, usize) {
+fn from_top(counts: &[usize], k: usize) -> (usize, usize) {
     let mut above = 0;
     for (bucket, &c) in counts.iter().enumerate().rev() {
         if above + c >= k {
@@ -118,13 +118,13 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<u32> {
 
 /// Entries per group of the candidate scan: one bit mask per group says
 /// which are candidates.
-pub(super) const GROUP: usize = 64;
+const GROUP: usize = 64;
 /// Candidates of a group written out without branching; more take a loop.
-pub(super) const STORED: usize = 4;
+const STORED: usize = 4;
 /// The threshold estimate samples this many runs of [`SAMPLE_RUN`]
 /// consecutive entries (a cache line each, where aligned).
-pub(super) const SAMPLE_RUNS: usize = 1024;
-pub(super) const SAMPLE_RUN: usize = 16;
+const SAMPLE_RUNS: usize = 1024;
+const SAMPLE_RUN: usize = 16;
 
 /// A well-mixed 64-bit hash (the splitmix64 finaliser).
 pub(super) fn mix(mut z: u64) -> u64 {
@@ -226,7 +226,7 @@ pub(super) fn add_mask_portable(d: &[f32], r: &mut [f32], t: u32) -> u64 {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-use add_mask_portable as add_mask;
+pub(super) use add_mask_portable as add_mask;
 
 /// `r = d + r`, collecting (index, value) of the entries of magnitude at
 /// least `t`, in index order, into `found[..len]`; the `len`, or `None`

@@ -172,6 +172,26 @@ impl TcpRing {
             .collect()
     }
 
+    /// Runs the steps that `steps` makes for this ring over `buf` as one
+    /// guarded collective; a ring of one only checks that it is usable.
+    fn run_steps(
+        &mut self,
+        buf: &mut [u8],
+        steps: impl FnOnce(&Self) -> Vec<Step>,
+        reduce: Option<(DType, ReduceOp)>,
+        tag: Option<&OpTag>,
+        what: &str,
+        deadline: Deadline,
+    ) -> Result<()> {
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.guarded(|ring| {
+            let steps = steps(ring);
+            ring.run(buf, &steps, reduce, tag, what, deadline)
+        })
+    }
+
     fn check_usable(&self) -> Result<()> {
         self.broken
             .check(|what| format!("rank {} channel {}: {what}", self.rank, self.channel))
@@ -532,15 +552,13 @@ impl Transport for TcpRing {
         deadline: Deadline,
     ) -> Result<()> {
         // Reduce-scatter then allgather as one stream, led by `tag` if any.
-        if self.size == 1 {
-            return self.check_usable();
-        }
-        self.guarded(|ring| {
-            let elems = buf.len() / dtype.size();
+        let elems = buf.len() / dtype.size();
+        let steps = |ring: &Self| {
             let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
             steps.extend(ring.allgather_steps(elems, dtype.size()));
-            ring.run(buf, &steps, Some((dtype, op)), tag, "allreduce", deadline)
-        })
+            steps
+        };
+        self.run_steps(buf, steps, Some((dtype, op)), tag, "allreduce", deadline)
     }
 
     fn allreduce_checked(
@@ -560,43 +578,34 @@ impl Transport for TcpRing {
         op: ReduceOp,
         deadline: Deadline,
     ) -> Result<()> {
-        if self.size == 1 {
-            return self.check_usable();
-        }
-        self.guarded(|ring| {
-            let steps = ring.reduce_scatter_steps(buf.len() / dtype.size(), dtype.size());
-            ring.run(
-                buf,
-                &steps,
-                Some((dtype, op)),
-                None,
-                "reduce-scatter",
-                deadline,
-            )
-        })
+        let elems = buf.len() / dtype.size();
+        let steps = |ring: &Self| ring.reduce_scatter_steps(elems, dtype.size());
+        self.run_steps(
+            buf,
+            steps,
+            Some((dtype, op)),
+            None,
+            "reduce-scatter",
+            deadline,
+        )
     }
 
     fn allgather(&mut self, buf: &mut [u8], elem_size: usize, deadline: Deadline) -> Result<()> {
-        if self.size == 1 {
-            return self.check_usable();
-        }
-        self.guarded(|ring| {
-            let steps = ring.allgather_steps(buf.len() / elem_size.max(1), elem_size.max(1));
-            ring.run(buf, &steps, None, None, "allgather", deadline)
-        })
+        let elem = elem_size.max(1);
+        let elems = buf.len() / elem;
+        let steps = |ring: &Self| ring.allgather_steps(elems, elem);
+        self.run_steps(buf, steps, None, None, "allgather", deadline)
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize, deadline: Deadline) -> Result<()> {
         check_root(root, self.size)?;
-        if self.size == 1 {
-            return self.check_usable();
-        }
-        self.guarded(|ring| {
-            let all = 0..buf.len();
+        let len = buf.len();
+        let steps = |ring: &Self| {
+            let all = 0..len;
             let none = 0..0;
             // The root sends; every other rank receives and, unless the
             // next rank is the root, forwards while receiving.
-            let steps = if ring.rank == root {
+            if ring.rank == root {
                 vec![Step {
                     send: all,
                     recv: none,
@@ -620,22 +629,17 @@ impl Transport for TcpRing {
                         reduce: false,
                     },
                 ]
-            };
-            ring.run(buf, &steps, None, None, "broadcast", deadline)
-        })
+            }
+        };
+        self.run_steps(buf, steps, None, None, "broadcast", deadline)
     }
 
     fn barrier(&mut self, deadline: Deadline) -> Result<()> {
-        if self.size == 1 {
-            return self.check_usable();
-        }
         // An allgather of one byte per rank: nobody finishes before every
         // rank has contributed its byte.
         let mut bytes = vec![1u8; self.size];
-        self.guarded(|ring| {
-            let steps = ring.allgather_steps(ring.size, 1);
-            ring.run(&mut bytes, &steps, None, None, "barrier", deadline)
-        })
+        let steps = |ring: &Self| ring.allgather_steps(ring.size, 1);
+        self.run_steps(&mut bytes, steps, None, None, "barrier", deadline)
     }
 
     fn abort(&mut self) {
