@@ -56,6 +56,9 @@
 //! abort word and whether the members it waits for still exist (their
 //! process ids), so a killed peer is named at once and a stopped one at the
 //! timeout, as with TCP.
+//!
+//! [`shard_range`]: crate::comm::dtype::shard_range
+//! [`ShmGroup::allreduce_shared`]: crate::comm::Transport::allreduce_shared
 
 mod attach;
 mod collective;

@@ -4,7 +4,7 @@
 use super::f32_at;
 use crate::comm::backend::TopKBlock;
 
-/// Host kernel of [`Backend::clip_norm`]: scales float32 `buf` by
+/// Host kernel of [`Backend::clip_norm`](crate::comm::Backend::clip_norm): scales float32 `buf` by
 /// `max_norm / norm` when its L2 norm is above `max_norm`. The sum of
 /// squares is taken in float64 (so its order does not show in float32),
 /// the norm, threshold and factor in float32.
@@ -25,7 +25,7 @@ pub fn clip_norm(buf: &mut [u8], max_norm: f64) {
     }
 }
 
-/// Host kernel of [`Backend::momentum_step`]: `velocity = momentum *
+/// Host kernel of [`Backend::momentum_step`](crate::comm::Backend::momentum_step): `velocity = momentum *
 /// velocity + data` (float32, each operation rounded).
 pub fn momentum_step(velocity: &mut [u8], data: &[u8], momentum: f64) {
     let m = momentum as f32;
@@ -35,7 +35,7 @@ pub fn momentum_step(velocity: &mut [u8], data: &[u8], momentum: f64) {
     }
 }
 
-/// Host kernel of [`Backend::topk_mask`]: zeroes the entries of float32
+/// Host kernel of [`Backend::topk_mask`](crate::comm::Backend::topk_mask): zeroes the entries of float32
 /// `buf` named by the indices of `block` (one rank's [`TopKBlock`]).
 pub fn mask_sent(block: &[u8], layout: TopKBlock, buf: &mut [u8]) {
     let n = buf.len() / 4;
@@ -47,7 +47,7 @@ pub fn mask_sent(block: &[u8], layout: TopKBlock, buf: &mut [u8]) {
     }
 }
 
-/// Host kernel of [`Backend::momentum_correct`]: `(data, previous) =
+/// Host kernel of [`Backend::momentum_correct`](crate::comm::Backend::momentum_correct): `(data, previous) =
 /// (data - momentum * previous, data)` (float32, each operation rounded).
 pub fn momentum_correct(data: &mut [u8], previous: &mut [u8], momentum: f64) {
     let m = momentum as f32;

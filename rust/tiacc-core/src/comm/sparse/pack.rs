@@ -98,7 +98,7 @@ impl Drop for Sender<'_> {
     }
 }
 
-/// Host kernel of [`Backend::topk_pack`] (float32, native-endian buffers).
+/// Host kernel of [`Backend::topk_pack`](crate::comm::Backend::topk_pack) (float32, native-endian buffers).
 ///
 /// `residual += data` in place; the `k` entries of largest magnitude are
 /// found by estimating the cut from a sample, collecting the entries above
@@ -233,7 +233,7 @@ impl<'a> Block<'a> {
 /// indices ascend, so that each piece is still in cache for its sums.
 const TILE: usize = 4096;
 
-/// Host kernel of [`Backend::topk_sum`]. `describe(r)` names block `r`'s
+/// Host kernel of [`Backend::topk_sum`](crate::comm::Backend::topk_sum). `describe(r)` names block `r`'s
 /// sender in the error raised for an index out of range.
 pub fn sum(
     gathered: &[u8],
