@@ -505,33 +505,6 @@ impl<B> DeviceEngine<B> {
         self.setup.auto_probe_bytes().is_some()
     }
 
-    /// Joins the NCCL communicators of `ids` from the library `library`
-    /// loads, on the calling thread's CUDA device (blocks, with the
-    /// framework's lock released, until every member joined), then opens
-    /// the channels (see [`DeviceEngine::connect_tcp`] for `stream`).
-    pub fn connect_nccl<K: Kernels<Buffer = B>>(
-        &mut self,
-        kernels: &K,
-        ids: &NcclIdBytes<'_>,
-        library: impl FnOnce() -> Result<Arc<NcclLibrary>> + Send,
-        stream: Option<usize>,
-    ) -> Result<()>
-    where
-        B: Send,
-    {
-        if self.tcp.is_some() || self.channels.opened() {
-            return Err(not_nccl());
-        }
-        self.check_stream(stream)?;
-        let ids = self.nccl_ids(ids)?;
-        let channels = &self.channels;
-        let groups =
-            kernels.unlocked(|| library().and_then(|lib| channels.join_nccl(lib, &ids)))?;
-        self.channels.watch_nccl(&groups)?;
-        let comms = groups.into_iter().map(Comms::Nccl).collect();
-        self.open(kernels, comms, stream)
-    }
-
     /// Forms the TCP rings with `peers` (blocks, with the framework's lock
     /// released, until every connection is up), then opens the channels.
     /// `stream` is the stream the caller runs on, needed where
@@ -561,8 +534,14 @@ impl<B> DeviceEngine<B> {
     }
 
     /// Connects over the engine's transport with what the ranks exchange
-    /// through `rendezvous`: [`DeviceEngine::connect_nccl_through`] (the
-    /// library from `library`) or [`DeviceEngine::connect_tcp_through`].
+    /// through `rendezvous`, then opens the channels (see
+    /// [`DeviceEngine::connect_tcp`] for `stream`). With TCP,
+    /// [`DeviceEngine::connect_tcp_through`]. With NCCL, joins the
+    /// communicators, per channel the world's and with the 2D groups the
+    /// node's and the inter-node group's, from unique ids each group's first
+    /// member makes with the library `library` loads, on the calling
+    /// thread's CUDA device (blocks, with the framework's lock released,
+    /// until every member joined).
     pub fn connect_through<K: Kernels<Buffer = B>>(
         &mut self,
         kernels: &K,
@@ -573,26 +552,10 @@ impl<B> DeviceEngine<B> {
     where
         B: Send,
     {
-        match self.tcp {
-            None => self.connect_nccl_through(kernels, rendezvous, library, stream),
-            Some(_) => self.connect_tcp_through(kernels, rendezvous, stream),
+        if self.tcp.is_some() {
+            return self.connect_tcp_through(kernels, rendezvous, stream);
         }
-    }
-
-    /// [`DeviceEngine::connect_nccl`] with the unique ids exchanged through
-    /// `rendezvous` (each group's first member makes its ids with the
-    /// library `library` loads).
-    pub fn connect_nccl_through<K: Kernels<Buffer = B>>(
-        &mut self,
-        kernels: &K,
-        rendezvous: &Rendezvous<'_>,
-        library: impl FnOnce() -> Result<Arc<NcclLibrary>> + Send,
-        stream: Option<usize>,
-    ) -> Result<()>
-    where
-        B: Send,
-    {
-        if self.tcp.is_some() || self.channels.opened() {
+        if self.channels.opened() {
             return Err(not_nccl());
         }
         self.check_stream(stream)?;
@@ -609,7 +572,12 @@ impl<B> DeviceEngine<B> {
             intra: two_d.as_ref().map(|(a, _)| a.as_slice()),
             inter: two_d.as_ref().map(|(_, e)| e.as_slice()),
         };
-        self.connect_nccl(kernels, &ids, move || Ok(library), stream)
+        let ids = self.nccl_ids(&ids)?;
+        let channels = &self.channels;
+        let groups = kernels.unlocked(|| channels.join_nccl(library, &ids))?;
+        self.channels.watch_nccl(&groups)?;
+        let comms = groups.into_iter().map(Comms::Nccl).collect();
+        self.open(kernels, comms, stream)
     }
 
     /// [`DeviceEngine::connect_tcp`] with the peers exchanged through
@@ -659,17 +627,17 @@ impl<B> DeviceEngine<B> {
             }
             list.iter().map(|b| NcclUniqueId::from_slice(b)).collect()
         };
-        let two_d = match (self.setup.layout, ids.intra, ids.inter) {
-            (None, _, _) => None,
-            (Some(layout), Some(a), Some(e)) => {
-                Some((layout, convert(a, "intra")?, convert(e, "inter")?))
-            }
-            (Some(_), _, _) => {
-                return Err(Error::InvalidArgument(
-                    "the 2D allreduce is on: connect_nccl() needs intra_ids and inter_ids".into(),
-                ))
-            }
-        };
+        let two_d =
+            match (self.setup.layout, ids.intra, ids.inter) {
+                (None, _, _) => None,
+                (Some(layout), Some(a), Some(e)) => {
+                    Some((layout, convert(a, "intra")?, convert(e, "inter")?))
+                }
+                (Some(_), _, _) => return Err(Error::InvalidArgument(
+                    "the 2D allreduce is on: the intra-node and inter-node NCCL ids are missing"
+                        .into(),
+                )),
+            };
         Ok(NcclIds {
             world: convert(ids.world, "world")?,
             two_d,
@@ -702,12 +670,14 @@ impl<B> DeviceEngine<B> {
 
 fn not_nccl() -> Error {
     Error::InvalidArgument(
-        "connect_nccl() needs an unconnected engine with transport 'nccl'".into(),
+        "connect_store() needs an unconnected engine with transport 'nccl'".into(),
     )
 }
 
 fn not_tcp() -> Error {
-    Error::InvalidArgument("connect() needs an unconnected engine with transport 'tcp'".into())
+    Error::InvalidArgument(
+        "connect_store() needs an unconnected engine with transport 'tcp'".into(),
+    )
 }
 
 fn no_stream() -> Error {
