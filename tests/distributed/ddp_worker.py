@@ -87,13 +87,13 @@ def knock_as_strangers(knocked: threading.Event) -> None:
 
 
 def hold_rendezvous_until(knocked: threading.Event) -> None:
-    """Rank 0 publishes its engine address only after the knock: rank 1's
-    listener is then certainly still open (waiting for rank 0's address)
-    when the stranger arrives."""
+    """Rank 0 publishes its engine address but waits for the others' until
+    after the knock: rank 1 then has every address and waits in its ring
+    connect, accepting on its listener, when the strangers arrive."""
     original = _runtime.default_store
 
     class Held:
-        """The default store, whose set() of rank 0's address waits for the knock."""
+        """The default store, whose wait for the engines' addresses waits for the knock."""
 
         def __init__(self, store: object) -> None:
             self.store = store
@@ -101,10 +101,10 @@ def hold_rendezvous_until(knocked: threading.Event) -> None:
         def __getattr__(self, name: str) -> object:
             return getattr(self.store, name)
 
-        def set(self, key: str, value: object) -> None:
-            if key.endswith("/addr/0"):
+        def wait(self, keys: list[str], *args: object) -> None:
+            if any("/addr/" in key for key in keys):
                 knocked.wait(60)
-            self.store.set(key, value)
+            self.store.wait(keys, *args)
 
     _runtime.default_store = lambda: Held(original())
 
