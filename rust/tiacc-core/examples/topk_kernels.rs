@@ -15,11 +15,16 @@ use std::time::Instant;
 use tiacc_core::comm::backend::TopKBlock;
 use tiacc_core::comm::sparse::{pack, sum};
 
+#[path = "../src/comm/sparse/reference.rs"]
+mod reference;
+
 /// The kernels as first written: an n-float corrected copy, an n-entry
 /// index array and a quickselect over it, an n-float accumulator.
 mod baseline {
     use half::f16;
     use tiacc_core::comm::backend::TopKBlock;
+
+    use super::reference::write_chosen;
 
     fn f32_at(bytes: &[u8], i: usize) -> f32 {
         f32::from_ne_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]])
@@ -51,20 +56,8 @@ mod baseline {
             .collect();
         let chosen = top_k(&corrected, k);
         out.fill(0);
-        let (indices, values) = out.split_at_mut(layout.values_offset());
-        for (j, &i) in chosen.iter().enumerate() {
-            indices[j * 4..j * 4 + 4].copy_from_slice(&i.to_le_bytes());
-            let v = corrected[i as usize];
-            let sent = if layout.fp16_values {
-                let h = f16::from_f32(v);
-                values[j * 2..j * 2 + 2].copy_from_slice(&h.to_le_bytes());
-                h.to_f32()
-            } else {
-                values[j * 4..j * 4 + 4].copy_from_slice(&v.to_le_bytes());
-                v
-            };
-            corrected[i as usize] = v - sent;
-        }
+        let offset = layout.values_offset();
+        write_chosen(&mut corrected, &chosen, layout.fp16_values, out, offset);
         for (r, v) in residual.chunks_exact_mut(4).zip(corrected) {
             r.copy_from_slice(&v.to_ne_bytes());
         }

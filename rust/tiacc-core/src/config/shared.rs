@@ -7,8 +7,9 @@ use crate::error::{Error, Result};
 
 /// The settings every rank must share, by our variable name: the ones that
 /// change what a rank sends, how it takes part in a collective, or which
-/// store exchanges it joins. (Per-rank settings such as the listen address,
-/// the NCCL library path or the timeout may differ.)
+/// store exchanges it joins, in the fingerprint's order: these, then
+/// [`TOPK_OPTIONS`], then [`SHARED_LAST`]. (Per-rank settings such as the
+/// listen address, the NCCL library path or the timeout may differ.)
 const SHARED: &[(Setting, &str)] = &[
     (Setting::Enabled, DISABLE),
     (Setting::FusionThreshold, FUSION_THRESHOLD),
@@ -26,13 +27,11 @@ const SHARED: &[(Setting, &str)] = &[
     (Setting::IntraSize, INTRA_SIZE),
     (Setting::HierarchicalThreshold, HIERARCHICAL_THRESHOLD),
     (Setting::TopK, TOPK),
-    (Setting::TopKRatio, TOPK_RATIO),
-    (Setting::TopKThreshold, TOPK_THRESHOLD),
-    (Setting::TopKFp16, TOPK_FP16),
-    (Setting::TopKMomentum, TOPK_MOMENTUM),
-    (Setting::TopKMomentumMasking, TOPK_MOMENTUM_MASKING),
-    (Setting::TopKWarmupSteps, TOPK_WARMUP_STEPS),
-    (Setting::TopKClipNorm, TOPK_CLIP_NORM),
+];
+
+/// The settings every rank must share that come after Top-K's own
+/// ([`TOPK_OPTIONS`]) in the fingerprint.
+const SHARED_LAST: &[(Setting, &str)] = &[
     (Setting::PerfCheckNSteps, PERF_CHECK_N_STEPS),
     (Setting::AccumulateNSteps, ACCUMULATE_N_STEPS),
 ];
@@ -81,7 +80,8 @@ impl CommConfig {
     /// line each (SOURCE: what set it, or `default`). Ranks exchange this
     /// at start-up and compare with [`check_same_on_every_rank`].
     pub fn shared_fingerprint(&self) -> String {
-        SHARED
+        [SHARED, TOPK_OPTIONS, SHARED_LAST]
+            .concat()
             .iter()
             .map(|&(setting, variable)| {
                 let source = self.source(setting).unwrap_or("default");

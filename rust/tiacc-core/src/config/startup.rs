@@ -5,8 +5,7 @@
 use super::{spans_nodes, AlgorithmChoice, CommConfig, Setting, TransportChoice};
 use super::{
     COMPRESSION, COMPRESSION_SCALE, COMPRESSION_SCOPE, HIERARCHICAL_THRESHOLD, INTRA_SIZE,
-    NCCL_LIBRARY, TOPK, TOPK_CLIP_NORM, TOPK_FP16, TOPK_MOMENTUM, TOPK_MOMENTUM_MASKING,
-    TOPK_RATIO, TOPK_THRESHOLD, TOPK_WARMUP_STEPS, TWO_D,
+    NCCL_LIBRARY, TOPK, TOPK_FP16, TOPK_MOMENTUM, TOPK_MOMENTUM_MASKING, TOPK_OPTIONS, TWO_D,
 };
 use crate::comm::codec::Compression;
 
@@ -235,15 +234,7 @@ impl CommConfig {
             }
         }
         if !self.topk {
-            for (setting, name) in [
-                (Setting::TopKRatio, TOPK_RATIO),
-                (Setting::TopKThreshold, TOPK_THRESHOLD),
-                (Setting::TopKFp16, TOPK_FP16),
-                (Setting::TopKMomentum, TOPK_MOMENTUM),
-                (Setting::TopKMomentumMasking, TOPK_MOMENTUM_MASKING),
-                (Setting::TopKWarmupSteps, TOPK_WARMUP_STEPS),
-                (Setting::TopKClipNorm, TOPK_CLIP_NORM),
-            ] {
+            for &(setting, name) in TOPK_OPTIONS {
                 if self.source(setting).is_some() {
                     warn(setting, name, format!("has no effect without {TOPK}=1"));
                 }
@@ -346,7 +337,7 @@ impl CommConfig {
 
 #[cfg(test)]
 mod tests {
-    use super::super::ALGORITHM;
+    use super::super::{ALGORITHM, TOPK_CLIP_NORM, TOPK_RATIO, TOPK_WARMUP_STEPS};
     use super::*;
     use std::collections::HashMap;
     use std::ffi::OsString;

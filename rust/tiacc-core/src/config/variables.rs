@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use super::Setting;
+
 /// Largest fused bucket in bytes (DDP's `bucket_cap_mb`, in bytes, as the
 /// TI-ACC documents give it).
 pub const FUSION_THRESHOLD: &str = "TIACC_TRAINING_FUSION_THRESHOLD";
@@ -83,6 +85,18 @@ pub const TOPK_MOMENTUM_MASKING: &str = "TIACC_TRAINING_TOPK_MOMENTUM_MASKING";
 pub const TOPK_WARMUP_STEPS: &str = "TIACC_TRAINING_TOPK_WARMUP_STEPS";
 /// Norm each bucket's averaged gradient is clipped to before Top-K.
 pub const TOPK_CLIP_NORM: &str = "TIACC_TRAINING_TOPK_CLIP_NORM";
+
+/// Top-K's own settings (what [`TOPK`] turns on), with their variables: every
+/// rank must share them, and they mean nothing while Top-K is off.
+pub(crate) const TOPK_OPTIONS: &[(Setting, &str)] = &[
+    (Setting::TopKRatio, TOPK_RATIO),
+    (Setting::TopKThreshold, TOPK_THRESHOLD),
+    (Setting::TopKFp16, TOPK_FP16),
+    (Setting::TopKMomentum, TOPK_MOMENTUM),
+    (Setting::TopKMomentumMasking, TOPK_MOMENTUM_MASKING),
+    (Setting::TopKWarmupSteps, TOPK_WARMUP_STEPS),
+    (Setting::TopKClipNorm, TOPK_CLIP_NORM),
+];
 
 /// Every this many steps the ranks compare their compute times and rank 0
 /// logs any rank clearly slower than the median (0: off).

@@ -27,6 +27,8 @@
 
 mod dgc;
 mod pack;
+#[cfg(test)]
+mod reference;
 mod select;
 #[cfg(test)]
 mod tests;

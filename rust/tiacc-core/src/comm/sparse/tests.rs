@@ -3,6 +3,7 @@
 use half::f16;
 
 use super::pack::pack_with;
+use super::reference::write_chosen;
 use super::select::{add_mask, add_mask_portable, magnitude, mix};
 use super::*;
 
@@ -93,20 +94,14 @@ fn reference_pack(d: &[f32], r: &mut [f32], layout: TopKBlock) -> Vec<u8> {
     let mut corrected: Vec<f32> = d.iter().zip(r.iter()).map(|(x, y)| x + y).collect();
     let chosen = reference_top_k(&corrected, layout.k);
     let mut out = vec![0u8; layout.bytes()];
-    let (indices, values) = out.split_at_mut(layout.values_offset());
-    for (j, &i) in chosen.iter().enumerate() {
-        indices[j * 4..j * 4 + 4].copy_from_slice(&i.to_le_bytes());
-        let v = corrected[i as usize];
-        let sent = if layout.fp16_values {
-            let h = f16::from_f32(v);
-            values[j * 2..j * 2 + 2].copy_from_slice(&h.to_le_bytes());
-            h.to_f32()
-        } else {
-            values[j * 4..j * 4 + 4].copy_from_slice(&v.to_le_bytes());
-            v
-        };
-        corrected[i as usize] = v - sent;
-    }
+    let offset = layout.values_offset();
+    write_chosen(
+        &mut corrected,
+        &chosen,
+        layout.fp16_values,
+        &mut out,
+        offset,
+    );
     r.copy_from_slice(&corrected);
     out
 }
