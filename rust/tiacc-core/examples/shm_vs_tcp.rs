@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tiacc_core::comm::shm;
 use tiacc_core::comm::tcp::{random_token, RingListener};
-use tiacc_core::comm::{DType, Deadline, Transport};
+use tiacc_core::comm::{DType, Deadline, Reduction, Transport};
 
 fn groups(p: usize, shared_memory: bool) -> Vec<Box<dyn Transport>> {
     let token = random_token().expect("token");
@@ -66,7 +66,7 @@ fn round(
                 let deadline = Deadline::after(Duration::from_secs(60));
                 let start = Instant::now();
                 if shared {
-                    g.allreduce_shared(None, &mut buf, DType::F32, 1.0, 0, deadline)
+                    g.allreduce_shared(&mut buf, &Reduction::sum(DType::F32, deadline))
                         .expect("allreduce");
                 } else {
                     g.allreduce(&mut buf, DType::F32, deadline)

@@ -8,7 +8,7 @@
 //! optionally Top-K sparse. The CPU path (TCP) and the CUDA path (NCCL) run
 //! this same code; only their [`Backend`]s differ.
 
-use super::backend::{Backend, GroupId, InterStep, Mem};
+use super::backend::{Backend, GroupId, GroupSum, InterStep, Mem};
 use std::sync::Arc;
 
 use super::codec::Compression;
@@ -285,11 +285,16 @@ impl Algorithm {
                 .hierarchical_threshold
                 .is_some_and(|t| buf.bytes as u64 <= t);
         if !two_d && sparse.is_none() {
+            let sum = GroupSum {
+                tag: Some(tag),
+                divisor,
+                ..GroupSum::plain(GroupId::World, dtype)
+            };
             if share {
-                let shared = b.allreduce_shared(Some(tag), buf, dtype, divisor, tag.bucket)?;
+                let shared = b.allreduce_shared(buf, &sum)?;
                 return Ok((Path::Ring, none, shared));
             }
-            b.allreduce_divided(GroupId::World, Some(tag), buf, dtype, divisor)?;
+            b.allreduce(buf, &sum)?;
             return Ok((Path::Ring, none, None));
         }
         if divisor != 1.0 {
@@ -341,11 +346,11 @@ fn inter_dense(
     scale: f64,
 ) -> Result<()> {
     let Some(wire) = wire else {
-        return b.allreduce(GroupId::Inter, None, mine, dtype);
+        return b.allreduce(mine, &GroupSum::plain(GroupId::Inter, dtype));
     };
     let half = b.alloc(mine.bytes / dtype.size() * wire.size())?;
     b.encode(mine, dtype, scale, half, wire)?;
-    b.allreduce(GroupId::Inter, None, half, wire)?;
+    b.allreduce(half, &GroupSum::plain(GroupId::Inter, wire))?;
     b.decode(half, wire, 1.0 / scale, mine, dtype)
 }
 

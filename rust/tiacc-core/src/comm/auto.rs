@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use super::algo::{AlgoSettings, Algorithm};
-use super::backend::{Backend, GroupId, Mem};
+use super::backend::{Backend, GroupId, GroupSum, Mem};
 use super::codec::Compression;
 use super::dtype::DType;
 use super::host::{GroupSet, Groups, HostBackend};
@@ -229,7 +229,7 @@ pub fn probe<B: Probing>(b: &mut B, buf: Mem) -> Result<Probe> {
         let mem = buf.prefix(len)?;
         b.finish()?;
         let start = Instant::now();
-        b.allreduce(group, None, mem, DType::F32)?;
+        b.allreduce(mem, &GroupSum::plain(group, DType::F32))?;
         b.finish()?;
         Ok(start.elapsed().as_secs_f64())
     };
@@ -262,7 +262,7 @@ fn average<B: Probing, const N: usize>(b: &mut B, times: [f64; N]) -> Result<[f6
     let mut wire: Vec<u8> = times.iter().flat_map(|t| t.to_ne_bytes()).collect();
     let mem = b.alloc(wire.len())?;
     b.write(mem, &wire)?;
-    b.allreduce(GroupId::World, None, mem, DType::F64)?;
+    b.allreduce(mem, &GroupSum::plain(GroupId::World, DType::F64))?;
     b.read(mem, &mut wire)?;
     let mut out = [0.0; N];
     for (t, bytes) in out.iter_mut().zip(wire.chunks_exact(8)) {

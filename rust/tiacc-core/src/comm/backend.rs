@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use super::dtype::{shard_range, DType};
 use super::mapping::SharedBytes;
-use super::transport::OpTag;
+use super::transport::{Deadline, OpTag, Reduction};
 use crate::error::{Error, Result};
 
 /// A span of bytes in a backend's memory (host or device addresses).
@@ -95,6 +95,43 @@ impl GroupId {
     }
 }
 
+/// One sum over a group, as an algorithm asks a backend for it.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupSum<'a> {
+    /// The ranks it runs on.
+    pub group: GroupId,
+    /// The header every rank checks on the way, when given (its bucket
+    /// also keys a result left in shared memory).
+    pub tag: Option<&'a OpTag>,
+    /// The elements' type.
+    pub dtype: DType,
+    /// Each element is divided by this before the sum (1: not divided).
+    pub divisor: f64,
+}
+
+impl<'a> GroupSum<'a> {
+    /// A plain sum of `dtype` elements over `group`: no header, nothing
+    /// divided.
+    pub fn plain(group: GroupId, dtype: DType) -> Self {
+        GroupSum {
+            group,
+            tag: None,
+            dtype,
+            divisor: 1.0,
+        }
+    }
+
+    /// This sum as a transport runs it, by `deadline`.
+    pub fn reduction(&self, deadline: Deadline) -> Reduction<'a> {
+        Reduction {
+            tag: self.tag,
+            bucket: self.tag.map_or(0, |t| t.bucket),
+            divisor: self.divisor,
+            ..Reduction::sum(self.dtype, deadline)
+        }
+    }
+}
+
 /// Where a reduce-scatter left the shards of a buffer.
 ///
 /// `mine` is this rank's reduced shard: elements
@@ -140,43 +177,16 @@ pub trait Backend {
     /// Checks that every rank of `group` is about to run `tag`. Backends
     /// that cannot check without waiting on the device do nothing.
     fn agree(&mut self, group: GroupId, tag: &OpTag) -> Result<()>;
-    /// Sums `buf` over `group`, checking `tag` on the way when given.
-    fn allreduce(
-        &mut self,
-        group: GroupId,
-        tag: Option<&OpTag>,
-        buf: Mem,
-        dtype: DType,
-    ) -> Result<()>;
-    /// Sums `buf / divisor` over `group` (`buf` divided first, as
-    /// [`Backend::div`] does, then [`Backend::allreduce`]). Backends whose
-    /// transport divides on the way, with the same bits, override it.
-    fn allreduce_divided(
-        &mut self,
-        group: GroupId,
-        tag: Option<&OpTag>,
-        buf: Mem,
-        dtype: DType,
-        divisor: f64,
-    ) -> Result<()> {
-        if divisor != 1.0 {
-            self.div(buf, dtype, divisor)?;
-        }
-        self.allreduce(group, tag, buf, dtype)
-    }
-    /// [`Backend::allreduce_divided`] over the world, except that the
-    /// result may be left in memory every rank of the host maps (see
-    /// [`super::Transport::allreduce_shared`]): then it is returned and
-    /// `buf` is scratch. This one leaves it in `buf`.
-    fn allreduce_shared(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: Mem,
-        dtype: DType,
-        divisor: f64,
-        _bucket: u64,
-    ) -> Result<Option<SharedBytes>> {
-        self.allreduce_divided(GroupId::World, tag, buf, dtype, divisor)?;
+    /// Sums `buf` over `sum.group` as `sum` says (its tag checked on the
+    /// way, each element divided first, by [`Backend::div`]'s rule).
+    fn allreduce(&mut self, buf: Mem, sum: &GroupSum) -> Result<()>;
+    /// [`Backend::allreduce`] over the world, except that the result may be
+    /// left in memory every rank of the host maps (see
+    /// [`super::Transport::allreduce_shared`]; keyed by the tag's bucket):
+    /// then it is returned and `buf` is scratch. This one leaves it in
+    /// `buf`.
+    fn allreduce_shared(&mut self, buf: Mem, sum: &GroupSum) -> Result<Option<SharedBytes>> {
+        self.allreduce(buf, sum)?;
         Ok(None)
     }
     /// Sums `buf` over `group`, leaving each rank its shard.

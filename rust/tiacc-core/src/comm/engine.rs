@@ -33,7 +33,7 @@ use super::mapping::SharedBytes;
 use super::progress::{self, Position, Progress, Recorder};
 use super::sharded::{self, ReduceScatterPlan};
 use super::state::{self, BucketState, EngineState};
-use super::transport::{Deadline, OpKind, OpTag, Transport};
+use super::transport::{Deadline, OpKind, OpTag, Reduction, Transport};
 use super::turns::LinkTurns;
 use crate::error::{Error, Result};
 
@@ -689,7 +689,14 @@ fn run_job(
                 // The header travels with the data (no round of its own).
                 turn.as_mut()
                     .map_or(Ok(()), |t| t.take(deadline))
-                    .and_then(|()| world.allreduce_op(Some(&tag), buf, dtype, op, deadline))
+                    .and_then(|()| {
+                        let how = Reduction {
+                            tag: Some(&tag),
+                            op,
+                            ..Reduction::sum(dtype, deadline)
+                        };
+                        world.allreduce_with(buf, &how)
+                    })
                     .map(|()| {
                         if mean && size > 1 {
                             dtype.div_assign(buf, size as f64);
@@ -704,7 +711,11 @@ fn run_job(
                     .and_then(|()| world.agree(&tag, deadline))
                     .and_then(|()| match job.op {
                         Collective::ReduceScatter { op, mean } => {
-                            world.reduce_scatter_op(buf, dtype, op, deadline).map(|()| {
+                            let how = Reduction {
+                                op,
+                                ..Reduction::sum(dtype, deadline)
+                            };
+                            world.reduce_scatter_with(buf, &how).map(|()| {
                                 if mean && size > 1 {
                                     let block = buf.len() / size;
                                     let shard = &mut buf[rank * block..(rank + 1) * block];

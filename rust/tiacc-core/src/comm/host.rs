@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::mpsc;
 
 use super::algo::{two_d_in_order, Layout};
-use super::backend::{Backend, GroupId, InterStep, Mem, Shards, TopKBlock};
+use super::backend::{Backend, GroupId, GroupSum, InterStep, Mem, Shards, TopKBlock};
 use super::codec;
 use super::dtype::DType;
 use super::mapping::SharedBytes;
@@ -465,40 +465,16 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         self.transport(group)?.agree(tag, deadline)
     }
 
-    fn allreduce(
-        &mut self,
-        group: GroupId,
-        tag: Option<&OpTag>,
-        buf: Mem,
-        dtype: DType,
-    ) -> Result<()> {
-        self.allreduce_divided(group, tag, buf, dtype, 1.0)
+    fn allreduce(&mut self, buf: Mem, sum: &GroupSum) -> Result<()> {
+        let how = sum.reduction(self.deadline);
+        let (t, s) = self.comm(sum.group, buf)?;
+        t.allreduce_with(s, &how)
     }
 
-    fn allreduce_divided(
-        &mut self,
-        group: GroupId,
-        tag: Option<&OpTag>,
-        buf: Mem,
-        dtype: DType,
-        divisor: f64,
-    ) -> Result<()> {
-        let deadline = self.deadline;
-        let (t, s) = self.comm(group, buf)?;
-        t.allreduce_divided(tag, s, dtype, divisor, deadline)
-    }
-
-    fn allreduce_shared(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: Mem,
-        dtype: DType,
-        divisor: f64,
-        bucket: u64,
-    ) -> Result<Option<SharedBytes>> {
-        let deadline = self.deadline;
-        let (t, s) = self.comm(GroupId::World, buf)?;
-        t.allreduce_shared(tag, s, dtype, divisor, bucket, deadline)
+    fn allreduce_shared(&mut self, buf: Mem, sum: &GroupSum) -> Result<Option<SharedBytes>> {
+        let how = sum.reduction(self.deadline);
+        let (t, s) = self.comm(sum.group, buf)?;
+        t.allreduce_shared(s, &how)
     }
 
     fn reduce_scatter(&mut self, group: GroupId, buf: Mem, dtype: DType) -> Result<Shards> {

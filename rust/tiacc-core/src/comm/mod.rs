@@ -43,7 +43,7 @@ pub use failure::{FailureBoard, Failures};
 pub use mapping::SharedBytes;
 pub use state::{BucketState, EngineState};
 pub use store::{Rendezvous, Store};
-pub use transport::{Deadline, OpKind, OpTag, Transport};
+pub use transport::{Deadline, OpKind, OpTag, Reduction, Transport};
 
 #[cfg(test)]
 mod tests;

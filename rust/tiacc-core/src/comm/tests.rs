@@ -10,7 +10,7 @@ use super::dtype::{shard_range, DType, ReduceOp};
 use super::engine::{Collective, Engine};
 use super::host::Groups;
 use super::tcp::{random_token, RingListener, TcpRing};
-use super::transport::{Deadline, OpKind, OpTag, Transport};
+use super::transport::{Deadline, OpKind, OpTag, Reduction, Transport};
 use crate::error::Error;
 
 const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
@@ -190,6 +190,17 @@ fn compression_for(wire: DType) -> super::codec::Compression {
 /// bytes).
 type Moves = std::sync::Arc<std::sync::Mutex<Vec<(&'static str, usize, usize)>>>;
 
+/// A sum of `dtype` elements divided by `divisor`, checked against `tag`
+/// when given, keyed by `bucket`, within the tests' deadline.
+fn summing<'a>(tag: Option<&'a OpTag>, dtype: DType, divisor: f64, bucket: u64) -> Reduction<'a> {
+    Reduction {
+        tag,
+        divisor,
+        bucket,
+        ..Reduction::sum(dtype, deadline())
+    }
+}
+
 /// A transport that records the size of every collective it carries, and
 /// hands it to the transport inside.
 struct Counted {
@@ -219,26 +230,13 @@ impl Transport for Counted {
     fn agree(&mut self, tag: &OpTag, deadline: Deadline) -> crate::error::Result<()> {
         self.inner.agree(tag, deadline)
     }
-    fn allreduce_op(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        deadline: Deadline,
-    ) -> crate::error::Result<()> {
-        self.record("allreduce", dtype.size(), buf.len());
-        self.inner.allreduce_op(tag, buf, dtype, op, deadline)
+    fn allreduce_with(&mut self, buf: &mut [u8], how: &Reduction) -> crate::error::Result<()> {
+        self.record("allreduce", how.dtype.size(), buf.len());
+        self.inner.allreduce_with(buf, how)
     }
-    fn reduce_scatter_op(
-        &mut self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        deadline: Deadline,
-    ) -> crate::error::Result<()> {
-        self.record("reduce-scatter", dtype.size(), buf.len());
-        self.inner.reduce_scatter_op(buf, dtype, op, deadline)
+    fn reduce_scatter_with(&mut self, buf: &mut [u8], how: &Reduction) -> crate::error::Result<()> {
+        self.record("reduce-scatter", how.dtype.size(), buf.len());
+        self.inner.reduce_scatter_with(buf, how)
     }
     fn allgather(
         &mut self,

@@ -234,6 +234,48 @@ impl Failed {
     }
 }
 
+/// How one reduction runs, besides its buffer: every transport's reducing
+/// collectives take it.
+#[derive(Debug, Clone, Copy)]
+pub struct Reduction<'a> {
+    /// The header every rank checks first, when given.
+    pub tag: Option<&'a OpTag>,
+    /// The elements' type.
+    pub dtype: DType,
+    /// How elements combine.
+    pub op: ReduceOp,
+    /// Each element is divided by this before it is combined (1: not
+    /// divided).
+    pub divisor: f64,
+    /// Which bucket it reduces: the key of a result left in shared memory
+    /// ([`Transport::allreduce_shared`]).
+    pub bucket: u64,
+    /// When it must have finished.
+    pub deadline: Deadline,
+}
+
+impl<'a> Reduction<'a> {
+    /// A plain sum of `dtype` elements: no header, nothing divided, bucket 0.
+    pub fn sum(dtype: DType, deadline: Deadline) -> Self {
+        Reduction {
+            tag: None,
+            dtype,
+            op: ReduceOp::Sum,
+            divisor: 1.0,
+            bucket: 0,
+            deadline,
+        }
+    }
+
+    /// Divides `buf` in place by the divisor (when not 1), as transports
+    /// that do not divide on the way do first.
+    pub fn divide(&self, buf: &mut [u8]) {
+        if self.divisor != 1.0 {
+            self.dtype.div_assign(buf, self.divisor);
+        }
+    }
+}
+
 /// Collective primitives over one group of ranks on one channel.
 pub trait Transport: Send {
     /// This process's rank in the group.
@@ -256,89 +298,35 @@ pub trait Transport: Send {
 
     /// Sums `buf` over all ranks; every rank ends with bitwise-identical bytes.
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
-        self.allreduce_op(None, buf, dtype, ReduceOp::Sum, deadline)
+        self.allreduce_with(buf, &Reduction::sum(dtype, deadline))
     }
 
-    /// Reduces `buf` with `op` over all ranks, checking `tag` first when
-    /// given; every rank ends with bitwise-identical bytes. Each element is
-    /// combined in the same order as a sum is.
-    fn allreduce_op(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        deadline: Deadline,
-    ) -> Result<()>;
+    /// Reduces `buf` over all ranks as `how` says (its tag checked first
+    /// when given, each element divided by its divisor, by
+    /// [`DType::div_assign`]'s rule, before anything is combined); every
+    /// rank ends with bitwise-identical bytes. Each element is combined in
+    /// the same order as a sum is.
+    fn allreduce_with(&mut self, buf: &mut [u8], how: &Reduction) -> Result<()>;
 
-    /// [`Transport::agree`] on `tag`, then [`Transport::allreduce`].
-    /// Transports that can check the tag on the way (TCP sends it ahead of
-    /// the data) override this to save the extra round.
-    fn allreduce_checked(
-        &mut self,
-        tag: &OpTag,
-        buf: &mut [u8],
-        dtype: DType,
-        deadline: Deadline,
-    ) -> Result<()> {
-        self.agree(tag, deadline)?;
-        self.allreduce(buf, dtype, deadline)
-    }
-
-    /// Sums `buf / divisor` over all ranks (each element divided once, by
-    /// [`DType::div_assign`]'s rule, before any sum), checking `tag` first
-    /// when given. This divides `buf` in place and then reduces; transports
-    /// that copy the data anyway override it to divide on the way, with the
-    /// same bits.
-    fn allreduce_divided(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: &mut [u8],
-        dtype: DType,
-        divisor: f64,
-        deadline: Deadline,
-    ) -> Result<()> {
-        if divisor != 1.0 {
-            dtype.div_assign(buf, divisor);
-        }
-        match tag {
-            Some(tag) => self.allreduce_checked(tag, buf, dtype, deadline),
-            None => self.allreduce(buf, dtype, deadline),
-        }
-    }
-
-    /// [`Transport::allreduce_divided`], except that the result may be left
-    /// in memory every rank of the host maps instead of in `buf` (then
-    /// returned; `buf` is scratch). It stays the result until the next
-    /// such allreduce of the same `bucket` and length starts. This one
-    /// leaves it in `buf` and returns `None`.
-    fn allreduce_shared(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: &mut [u8],
-        dtype: DType,
-        divisor: f64,
-        _bucket: u64,
-        deadline: Deadline,
-    ) -> Result<Option<SharedBytes>> {
-        self.allreduce_divided(tag, buf, dtype, divisor, deadline)?;
+    /// [`Transport::allreduce_with`], except that the result may be left in
+    /// memory every rank of the host maps instead of in `buf` (then
+    /// returned; `buf` is scratch). It stays the result until the next such
+    /// allreduce of the same `how.bucket` and length starts. This one leaves
+    /// it in `buf` and returns `None`.
+    fn allreduce_shared(&mut self, buf: &mut [u8], how: &Reduction) -> Result<Option<SharedBytes>> {
+        self.allreduce_with(buf, how)?;
         Ok(None)
     }
 
     /// Sums `buf` over all ranks into this rank's shard
     /// (`dtype::shard_range(len, size, rank)`); the rest of `buf` is scratch.
     fn reduce_scatter(&mut self, buf: &mut [u8], dtype: DType, deadline: Deadline) -> Result<()> {
-        self.reduce_scatter_op(buf, dtype, ReduceOp::Sum, deadline)
+        self.reduce_scatter_with(buf, &Reduction::sum(dtype, deadline))
     }
 
-    /// [`Transport::reduce_scatter`] with `op` instead of the sum.
-    fn reduce_scatter_op(
-        &mut self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        deadline: Deadline,
-    ) -> Result<()>;
+    /// [`Transport::reduce_scatter`] reducing as `how` says (as
+    /// [`Transport::allreduce_with`] does).
+    fn reduce_scatter_with(&mut self, buf: &mut [u8], how: &Reduction) -> Result<()>;
 
     /// Each rank's shard of `buf` (elements of `elem_size` bytes, partitioned
     /// by `dtype::shard_range`) is copied to every rank.

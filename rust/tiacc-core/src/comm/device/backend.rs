@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::kernels::{KernelError, Kernels, Span};
 use crate::comm::algo::two_d_in_order;
 use crate::comm::auto::Probing;
-use crate::comm::backend::{Backend, GroupId, InterStep, Mem, Shards, TopKBlock};
+use crate::comm::backend::{Backend, GroupId, GroupSum, InterStep, Mem, Shards, TopKBlock};
 use crate::comm::dtype::{shard_range, DType};
 use crate::comm::host::Groups;
 use crate::comm::nccl::{DevicePtr, NcclCommunicator, ReduceOp};
@@ -314,14 +314,14 @@ impl<K: Kernels> Backend for DeviceBackend<'_, K> {
         kernels.unlocked(move || t.agree(&tag, deadline))
     }
 
-    fn allreduce(
-        &mut self,
-        group: GroupId,
-        tag: Option<&OpTag>,
-        buf: Mem,
-        dtype: DType,
-    ) -> Result<()> {
-        let (deadline, stream, tag) = (self.deadline, self.stream, tag.copied());
+    /// The division is the backend's own kernel ([`Backend::div`]), before
+    /// the sum.
+    fn allreduce(&mut self, buf: Mem, sum: &GroupSum) -> Result<()> {
+        let (group, dtype) = (sum.group, sum.dtype);
+        if sum.divisor != 1.0 {
+            self.div(buf, dtype, sum.divisor)?;
+        }
+        let (deadline, stream, tag) = (self.deadline, self.stream, sum.tag.copied());
         match &*self.comms {
             Comms::Nccl(g) => {
                 self.find(buf)?;
@@ -348,7 +348,14 @@ impl<K: Kernels> Backend for DeviceBackend<'_, K> {
                 let s = self.host(buf)?;
                 let kernels = self.kernels;
                 let t = self.tcp(group)?;
-                kernels.unlocked(move || t.allreduce_divided(tag.as_ref(), s, dtype, 1.0, deadline))
+                kernels.unlocked(move || {
+                    let plain = GroupSum::plain(group, dtype);
+                    let tagged = GroupSum {
+                        tag: tag.as_ref(),
+                        ..plain
+                    };
+                    t.allreduce_with(s, &tagged.reduction(deadline))
+                })
             }
         }
     }

@@ -23,7 +23,7 @@ use super::backend::{Comms, DeviceBackend, NcclGroups, Slot, PROBE_BUCKET};
 use super::kernels::{Kernels, Span};
 use crate::comm::algo::{AlgoSettings, Algorithm, Layout};
 use crate::comm::auto::{self, Probe};
-use crate::comm::backend::{Backend, GroupId, Shards};
+use crate::comm::backend::{Backend, GroupId, GroupSum, Shards};
 use crate::comm::codec::Compression;
 use crate::comm::counters::{wire_of, wire_since, Counters, Path};
 use crate::comm::dtype::DType;
@@ -382,7 +382,11 @@ impl<B> DeviceChannels<B> {
                 let (path, codec) = match op {
                     DeviceCollective::Allreduce { mean } => {
                         b.agree(GroupId::World, tag)?;
-                        b.allreduce(GroupId::World, Some(tag), mem, dtype)?;
+                        let sum = GroupSum {
+                            tag: Some(tag),
+                            ..GroupSum::plain(GroupId::World, dtype)
+                        };
+                        b.allreduce(mem, &sum)?;
                         if divisor(mean) != 1.0 {
                             b.div(mem, dtype, divisor(mean))?;
                         }

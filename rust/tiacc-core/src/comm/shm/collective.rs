@@ -8,7 +8,7 @@ use super::segment::{create_file, open_file};
 use super::{ShmGroup, NO_CULPRIT, PAGE, REGION_BYTES, SETS};
 use crate::comm::dtype::{shard_range, DType, ReduceOp};
 use crate::comm::mapping::{map_shared, Mapping, SharedBytes};
-use crate::comm::transport::{check_root, Aborter, Deadline, OpTag, Transport};
+use crate::comm::transport::{check_root, Aborter, Deadline, OpTag, Reduction, Transport};
 use crate::error::{Error, Result};
 
 impl ShmGroup {
@@ -300,16 +300,17 @@ struct Pass<'a> {
 }
 
 impl<'a> Pass<'a> {
-    /// Reduces elements of `dtype` with `op` and gathers the result back
-    /// into the buffer: nothing divided, checked or kept in shared memory.
-    fn reduce(dtype: DType, op: ReduceOp, what: &'static str) -> Self {
+    /// Reduces as `how` says (its tag checked on the way, its divisor
+    /// applied while the parts are copied into the slots) and gathers the
+    /// result back into the buffer, nothing kept in shared memory.
+    fn reduce(how: &Reduction<'a>, what: &'static str) -> Self {
         Pass {
-            sum: Some(dtype),
-            op,
-            elem: dtype.size(),
+            sum: Some(how.dtype),
+            op: how.op,
+            elem: how.dtype.size(),
             gather: true,
-            divisor: 1.0,
-            tag: None,
+            divisor: how.divisor,
+            tag: how.tag,
             into: None,
             what,
         }
@@ -337,89 +338,38 @@ impl Transport for ShmGroup {
         self.guarded(|g| g.exchange_tags(tag, deadline))
     }
 
-    fn allreduce_op(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        deadline: Deadline,
-    ) -> Result<()> {
-        let pass = Pass {
-            tag,
-            ..Pass::reduce(dtype, op, "allreduce")
-        };
-        self.guarded(|g| g.pieces_through(buf, &pass, deadline))
-    }
-
-    /// The tag travels with the first piece (no barrier of its own).
-    fn allreduce_checked(
-        &mut self,
-        tag: &OpTag,
-        buf: &mut [u8],
-        dtype: DType,
-        deadline: Deadline,
-    ) -> Result<()> {
-        self.allreduce_divided(Some(tag), buf, dtype, 1.0, deadline)
-    }
-
-    /// The division happens while the parts are copied into the slots.
-    fn allreduce_divided(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: &mut [u8],
-        dtype: DType,
-        divisor: f64,
-        deadline: Deadline,
-    ) -> Result<()> {
-        let pass = Pass {
-            divisor,
-            tag,
-            ..Pass::reduce(dtype, ReduceOp::Sum, "allreduce")
-        };
-        self.guarded(|g| g.pieces_through(buf, &pass, deadline))
+    /// The tag travels with the first piece (no barrier of its own), and
+    /// the division happens while the parts are copied into the slots.
+    fn allreduce_with(&mut self, buf: &mut [u8], how: &Reduction) -> Result<()> {
+        let pass = Pass::reduce(how, "allreduce");
+        self.guarded(|g| g.pieces_through(buf, &pass, how.deadline))
     }
 
     /// The sums go into a region every member maps, and nothing is
     /// gathered (module docs).
-    fn allreduce_shared(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: &mut [u8],
-        dtype: DType,
-        divisor: f64,
-        bucket: u64,
-        deadline: Deadline,
-    ) -> Result<Option<SharedBytes>> {
+    fn allreduce_shared(&mut self, buf: &mut [u8], how: &Reduction) -> Result<Option<SharedBytes>> {
         let len = buf.len();
-        let region = self.guarded(|g| g.region((bucket, len), tag, deadline))?;
+        let key = (how.bucket, len);
+        let region = self.guarded(|g| g.region(key, how.tag, how.deadline))?;
         let Some(region) = region else {
-            self.allreduce_divided(tag, buf, dtype, divisor, deadline)?;
+            self.allreduce_with(buf, how)?;
             return Ok(None);
         };
         let pass = Pass {
             gather: false,
-            divisor,
-            tag,
             into: Some(&region),
-            ..Pass::reduce(dtype, ReduceOp::Sum, "allreduce")
+            ..Pass::reduce(how, "allreduce")
         };
-        self.guarded(|g| g.pieces_through(buf, &pass, deadline))?;
+        self.guarded(|g| g.pieces_through(buf, &pass, how.deadline))?;
         Ok(Some(SharedBytes::new(region, len)))
     }
 
-    fn reduce_scatter_op(
-        &mut self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        deadline: Deadline,
-    ) -> Result<()> {
+    fn reduce_scatter_with(&mut self, buf: &mut [u8], how: &Reduction) -> Result<()> {
         let pass = Pass {
             gather: false,
-            ..Pass::reduce(dtype, op, "reduce-scatter")
+            ..Pass::reduce(how, "reduce-scatter")
         };
-        self.guarded(|g| g.pieces_through(buf, &pass, deadline))
+        self.guarded(|g| g.pieces_through(buf, &pass, how.deadline))
     }
 
     fn allgather(&mut self, buf: &mut [u8], elem_size: usize, deadline: Deadline) -> Result<()> {

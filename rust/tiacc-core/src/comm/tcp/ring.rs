@@ -14,7 +14,7 @@ use std::os::fd::AsRawFd;
 
 use crate::comm::dtype::{shard_range, DType, ReduceOp};
 use crate::comm::transport::{
-    check_agreement, check_root, Aborter, Deadline, Failed, OpTag, Transport,
+    check_agreement, check_root, Aborter, Deadline, Failed, OpTag, Reduction, Transport,
 };
 use crate::error::{Error, Result};
 
@@ -543,51 +543,27 @@ impl Transport for TcpRing {
         result
     }
 
-    fn allreduce_op(
-        &mut self,
-        tag: Option<&OpTag>,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        deadline: Deadline,
-    ) -> Result<()> {
-        // Reduce-scatter then allgather as one stream, led by `tag` if any.
-        let elems = buf.len() / dtype.size();
+    fn allreduce_with(&mut self, buf: &mut [u8], how: &Reduction) -> Result<()> {
+        // Reduce-scatter then allgather as one stream, led by the tag if any.
+        how.divide(buf);
+        let size = how.dtype.size();
+        let elems = buf.len() / size;
         let steps = |ring: &Self| {
-            let mut steps = ring.reduce_scatter_steps(elems, dtype.size());
-            steps.extend(ring.allgather_steps(elems, dtype.size()));
+            let mut steps = ring.reduce_scatter_steps(elems, size);
+            steps.extend(ring.allgather_steps(elems, size));
             steps
         };
-        self.run_steps(buf, steps, Some((dtype, op)), tag, "allreduce", deadline)
+        let reduce = Some((how.dtype, how.op));
+        self.run_steps(buf, steps, reduce, how.tag, "allreduce", how.deadline)
     }
 
-    fn allreduce_checked(
-        &mut self,
-        tag: &OpTag,
-        buf: &mut [u8],
-        dtype: DType,
-        deadline: Deadline,
-    ) -> Result<()> {
-        self.allreduce_op(Some(tag), buf, dtype, ReduceOp::Sum, deadline)
-    }
-
-    fn reduce_scatter_op(
-        &mut self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        deadline: Deadline,
-    ) -> Result<()> {
-        let elems = buf.len() / dtype.size();
-        let steps = |ring: &Self| ring.reduce_scatter_steps(elems, dtype.size());
-        self.run_steps(
-            buf,
-            steps,
-            Some((dtype, op)),
-            None,
-            "reduce-scatter",
-            deadline,
-        )
+    fn reduce_scatter_with(&mut self, buf: &mut [u8], how: &Reduction) -> Result<()> {
+        how.divide(buf);
+        let size = how.dtype.size();
+        let elems = buf.len() / size;
+        let steps = |ring: &Self| ring.reduce_scatter_steps(elems, size);
+        let reduce = Some((how.dtype, how.op));
+        self.run_steps(buf, steps, reduce, how.tag, "reduce-scatter", how.deadline)
     }
 
     fn allgather(&mut self, buf: &mut [u8], elem_size: usize, deadline: Deadline) -> Result<()> {

@@ -146,7 +146,8 @@ fn checked_allreduce_sums_and_catches_a_diverging_rank_without_an_extra_round() 
     let tag = |bytes: u64| allreduce_tag(1, 4, DType::F32, bytes);
     let sums = on_every_rank(3, move |rank, ring| {
         let mut buf = encode(DType::F32, &rank_values(rank, 100));
-        ring.allreduce_checked(&tag(400), &mut buf, DType::F32, deadline())
+        let tag = tag(400);
+        ring.allreduce_with(&mut buf, &summing(Some(&tag), DType::F32, 1.0, 0))
             .unwrap();
         decode(DType::F32, &buf)
     });
@@ -160,8 +161,9 @@ fn checked_allreduce_sums_and_catches_a_diverging_rank_without_an_extra_round() 
     let errors = on_every_rank(3, move |rank, ring| {
         let len = if rank == 1 { 90 } else { 100 };
         let mut buf = encode(DType::F32, &rank_values(rank, len));
+        let tag = tag(len as u64 * 4);
         let err = ring
-            .allreduce_checked(&tag(len as u64 * 4), &mut buf, DType::F32, deadline())
+            .allreduce_with(&mut buf, &summing(Some(&tag), DType::F32, 1.0, 0))
             .unwrap_err();
         ring.abort(); // what the engine does after a failure
         err.to_string()

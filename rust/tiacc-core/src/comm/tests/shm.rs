@@ -44,13 +44,13 @@ fn collective_sequence(
     for round in 0..2 {
         let mut buf = wavy(rank + round, len, dtype);
         let tag = allreduce_tag(round as u64, 0, dtype, buf.len() as u64);
-        t.allreduce_checked(&tag, &mut buf, dtype, deadline())
+        t.allreduce_with(&mut buf, &summing(Some(&tag), dtype, 1.0, 0))
             .unwrap();
         out.push(buf);
         let mut buf = wavy(rank + round + 2, len, dtype);
         let divisor = if round == 0 { p as f64 } else { 3.0 };
         let checked = (round == 0).then_some(&tag);
-        t.allreduce_divided(checked, &mut buf, dtype, divisor, deadline())
+        t.allreduce_with(&mut buf, &summing(checked, dtype, divisor, 0))
             .unwrap();
         out.push(buf);
     }
@@ -64,7 +64,7 @@ fn collective_sequence(
         let tag = allreduce_tag(10 + seed as u64, bucket, dtype, buf.len() as u64);
         let checked = (bucket == 5).then_some(&tag);
         let shared = t
-            .allreduce_shared(checked, &mut buf, dtype, p as f64, bucket, deadline())
+            .allreduce_shared(&mut buf, &summing(checked, dtype, p as f64, bucket))
             .unwrap();
         // SAFETY: read before this bucket's next shared allreduce, which
         // no member starts before this one reaches it too.
@@ -179,7 +179,7 @@ fn shared_memory_leaves_a_buckets_result_in_one_region_until_its_next_allreduce(
         for (step, bucket) in [(0usize, 1u64), (0, 2), (1, 1), (1, 2)] {
             let mut buf = wavy(rank + 7 * step + bucket as usize, len, DType::F32);
             let shared = group
-                .allreduce_shared(None, &mut buf, DType::F32, p as f64, bucket, deadline())
+                .allreduce_shared(&mut buf, &summing(None, DType::F32, p as f64, bucket))
                 .unwrap()
                 .expect("a result in shared memory");
             assert_eq!(shared.len(), len * 4);
@@ -188,7 +188,7 @@ fn shared_memory_leaves_a_buckets_result_in_one_region_until_its_next_allreduce(
             results.push((shared.as_ptr() as usize, bytes, shared));
         }
         let empty = group
-            .allreduce_shared(None, &mut [], DType::F32, 1.0, 3, deadline())
+            .allreduce_shared(&mut [], &summing(None, DType::F32, 1.0, 3))
             .unwrap();
         assert!(empty.is_none(), "an empty bucket needs no region");
         // One region per bucket: step 1 reused step 0's, and a result
@@ -208,7 +208,7 @@ fn shared_memory_leaves_a_buckets_result_in_one_region_until_its_next_allreduce(
             .iter()
             .map(|&(step, bucket)| {
                 let mut buf = wavy(rank + 7 * step + bucket as usize, len, DType::F32);
-                ring.allreduce_divided(None, &mut buf, DType::F32, p as f64, deadline())
+                ring.allreduce_with(&mut buf, &summing(None, DType::F32, p as f64, 0))
                     .unwrap();
                 buf
             })
@@ -243,7 +243,7 @@ fn a_checked_allreduce_on_shared_memory_names_the_odd_rank_before_touching_the_b
                 buf.len() as u64,
             );
             let err = group
-                .allreduce_divided(Some(&tag), &mut buf, DType::F32, 3.0, deadline())
+                .allreduce_with(&mut buf, &summing(Some(&tag), DType::F32, 3.0, 0))
                 .unwrap_err();
             (err, buf == wavy(rank, len, DType::F32))
         });
@@ -347,16 +347,22 @@ fn op_sequence(rank: usize, p: usize, len: usize, dtypes: &[DType], t: &mut dyn 
                 bytes: (len * dtype.size()) as u64,
             };
             let mut buf = encode(dtype, &values(rank));
-            t.allreduce_op(Some(&tag), &mut buf, dtype, op, deadline())
-                .unwrap();
+            let how = Reduction {
+                op,
+                ..summing(Some(&tag), dtype, 1.0, 0)
+            };
+            t.allreduce_with(&mut buf, &how).unwrap();
             assert_eq!(
                 decode(dtype, &buf),
                 want,
                 "allreduce {dtype:?} {op:?} p={p}"
             );
             let mut buf = encode(dtype, &values(rank));
-            t.reduce_scatter_op(&mut buf, dtype, op, deadline())
-                .unwrap();
+            let how = Reduction {
+                op,
+                ..summing(None, dtype, 1.0, 0)
+            };
+            t.reduce_scatter_with(&mut buf, &how).unwrap();
             let mine = shard_range(len, p, rank);
             let e = dtype.size();
             assert_eq!(
