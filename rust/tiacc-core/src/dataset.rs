@@ -210,23 +210,16 @@ impl IndexedDataset {
     }
 
     /// Renders `indices` through the fused path (see
-    /// [`crate::image::fused::render`]) into `out`, one equal slot per image
-    /// in order, in parallel on `threads` threads.
+    /// [`crate::image::fused::render`]) as `how` says into `out`, one equal
+    /// slot per image in order, in parallel on `threads` threads.
     pub fn render_batch(
         &self,
         indices: &[usize],
-        geometries: &[Geometry],
-        downscale: bool,
-        output: Output,
+        how: &Rendering<'_>,
         out: BatchOut<'_>,
         threads: usize,
     ) -> Result<()> {
-        let job = RenderJob {
-            indices,
-            geometries,
-            downscale,
-            output,
-        };
+        let job = RenderJob { indices, how };
         self.render(&job, out, threads, |k| self.image_bytes(indices[k]))
     }
 
@@ -235,9 +228,7 @@ impl IndexedDataset {
     pub fn render_images(
         &self,
         images: &EncodedImages,
-        geometries: &[Geometry],
-        downscale: bool,
-        output: Output,
+        how: &Rendering<'_>,
         out: BatchOut<'_>,
         threads: usize,
     ) -> Result<()> {
@@ -248,9 +239,7 @@ impl IndexedDataset {
         }
         let job = RenderJob {
             indices: &images.indices,
-            geometries,
-            downscale,
-            output,
+            how,
         };
         self.render(&job, out, threads, |k| Ok(images.data[k].clone()))
     }
@@ -264,20 +253,20 @@ impl IndexedDataset {
         threads: usize,
         data: impl Fn(usize) -> Result<Bytes> + Sync,
     ) -> Result<()> {
-        let n = job.indices.len();
-        if n != job.geometries.len() || n == 0 {
+        let (n, how) = (job.indices.len(), job.how);
+        if n != how.geometries.len() || n == 0 {
             return Err(Error::InvalidArgument(format!(
                 "{n} indices but {} geometries",
-                job.geometries.len()
+                how.geometries.len()
             )));
         }
         let one = |k: usize, slot: OutputSlice<'_>| -> Result<()> {
             let i = job.indices[k];
             render(
                 &data(k)?,
-                &job.geometries[k],
-                job.downscale,
-                job.output,
+                &how.geometries[k],
+                how.downscale,
+                how.output,
                 slot,
             )
             .map_err(|reason| self.image_error(i, reason))
@@ -341,13 +330,23 @@ fn for_each_slot<T: Send>(
         .try_for_each(|(k, s)| one(k, slot(s)))
 }
 
+/// How a batch's images are rendered ([`IndexedDataset::render_batch`]):
+/// image `k` through `geometries[k]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Rendering<'a> {
+    /// Each image's crop, resize, window and flip.
+    pub geometries: &'a [Geometry],
+    /// JPEGs may be decoded at a reduced scale where the crop allows.
+    pub downscale: bool,
+    /// The output's type (and normalisation).
+    pub output: Output,
+}
+
 /// What [`IndexedDataset::render`] renders: image `k` is record
-/// `indices[k]` through `geometries[k]`.
+/// `indices[k]`, rendered as `how` says.
 struct RenderJob<'a> {
     indices: &'a [usize],
-    geometries: &'a [Geometry],
-    downscale: bool,
-    output: Output,
+    how: &'a Rendering<'a>,
 }
 
 /// Encoded images read by [`IndexedDataset::read_images`], with their sizes.
@@ -532,41 +531,25 @@ mod tests {
             flip: true,
         };
         let geometries = [g; 3];
+        let how = Rendering {
+            geometries: &geometries,
+            downscale: true,
+            output: Output::Uint8,
+        };
         for threads in [1, 2] {
             let mut a = vec![0u8; 3 * 18];
             let mut b = vec![1u8; 3 * 18];
-            ds.render_batch(
-                &indices,
-                &geometries,
-                true,
-                Output::Uint8,
-                BatchOut::Uint8(&mut a),
-                threads,
-            )
-            .unwrap();
-            ds.render_images(
-                &images,
-                &geometries,
-                true,
-                Output::Uint8,
-                BatchOut::Uint8(&mut b),
-                threads,
-            )
-            .unwrap();
+            ds.render_batch(&indices, &how, BatchOut::Uint8(&mut a), threads)
+                .unwrap();
+            ds.render_images(&images, &how, BatchOut::Uint8(&mut b), threads)
+                .unwrap();
             assert_eq!(a, b);
             assert_eq!(a[36], 6); // red of image 6 (its seed)
         }
         let other = IndexedDataset::open(dir.path(), &dir.path().join("ds.index")).unwrap();
         let mut buf = vec![0u8; 3 * 18];
         let err = other
-            .render_images(
-                &images,
-                &geometries,
-                true,
-                Output::Uint8,
-                BatchOut::Uint8(&mut buf),
-                1,
-            )
+            .render_images(&images, &how, BatchOut::Uint8(&mut buf), 1)
             .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         let msg = ds.read_images(&[0, 7], 1).err().unwrap().to_string();

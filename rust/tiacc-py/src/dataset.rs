@@ -12,7 +12,9 @@ use numpy::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
-use tiacc_core::dataset::{BatchOut, EncodedImages as CoreImages, IndexedDataset as CoreDataset};
+use tiacc_core::dataset::{
+    BatchOut, EncodedImages as CoreImages, IndexedDataset as CoreDataset, Rendering,
+};
 use tiacc_core::image::decode::RgbImage;
 use tiacc_core::image::fused::{Geometry, Output};
 use tiacc_core::image::sampling::{
@@ -255,9 +257,8 @@ impl IndexedDataset {
         downscale: bool,
         threads: usize,
     ) -> PyResult<()> {
-        render_into(py, geometries, out, mean, std, |g, output, buf| {
-            self.inner
-                .render_batch(&indices, g, downscale, output, buf, threads)
+        render_into(py, geometries, out, mean, std, downscale, |how, buf| {
+            self.inner.render_batch(&indices, how, buf, threads)
         })
     }
 
@@ -288,9 +289,8 @@ impl IndexedDataset {
                 geometries.len()
             )));
         }
-        render_into(py, geometries, out, mean, std, |g, output, buf| {
-            self.inner
-                .render_images(&images.inner, g, downscale, output, buf, threads)
+        render_into(py, geometries, out, mean, std, downscale, |how, buf| {
+            self.inner.render_images(&images.inner, how, buf, threads)
         })
     }
 
@@ -353,8 +353,12 @@ impl IndexedDataset {
                     },
                 )
             })?;
-            self.inner
-                .render_images(&images, &geometries, downscale, output, buf, threads)?;
+            let how = Rendering {
+                geometries: &geometries,
+                downscale,
+                output,
+            };
+            self.inner.render_images(&images, &how, buf, threads)?;
             state.copy_from_slice(&rng.state());
             Ok(())
         });
@@ -419,7 +423,8 @@ fn render_into(
     out: &Bound<'_, PyAny>,
     mean: Option<[f32; 3]>,
     std: Option<[f32; 3]>,
-    render: impl FnOnce(&[Geometry], Output, BatchOut<'_>) -> tiacc_core::error::Result<()> + Send,
+    downscale: bool,
+    render: impl FnOnce(&Rendering<'_>, BatchOut<'_>) -> tiacc_core::error::Result<()> + Send,
 ) -> PyResult<()> {
     let geometries: Vec<Geometry> = geometries
         .into_iter()
@@ -445,7 +450,12 @@ fn render_into(
     }
     let shape = [n, 3, wh as usize, ww as usize];
     with_out(py, out, shape, mean, std, |output, buf| {
-        render(&geometries, output, buf)
+        let how = Rendering {
+            geometries: &geometries,
+            downscale,
+            output,
+        };
+        render(&how, buf)
     })
 }
 

@@ -164,19 +164,12 @@ impl Algorithm {
         self.sparse = sparse;
     }
 
-    /// Sums `buf` (elements of `dtype`) over the world, divided by the world
+    /// Sums the bucket's bytes over the world, divided by the world
     /// size first when `average` (DDP's gradient averaging, done before the
     /// sum so half types cannot overflow). Every rank ends with identical
     /// bytes.
-    pub fn allreduce(
-        &mut self,
-        b: &mut dyn Backend,
-        tag: &OpTag,
-        buf: Mem,
-        dtype: DType,
-        average: bool,
-    ) -> Result<()> {
-        self.run(b, tag, buf, dtype, average, false).map(|_| ())
+    pub fn allreduce(&mut self, b: &mut dyn Backend, bucket: Bucket, average: bool) -> Result<()> {
+        self.run(b, bucket, average, false).map(|_| ())
     }
 
     /// [`Algorithm::allreduce`], except that a flat dense sum (no
@@ -186,27 +179,24 @@ impl Algorithm {
     pub fn allreduce_shared(
         &mut self,
         b: &mut dyn Backend,
-        tag: &OpTag,
-        buf: Mem,
-        dtype: DType,
+        bucket: Bucket,
         average: bool,
     ) -> Result<Option<SharedBytes>> {
-        self.run(b, tag, buf, dtype, average, true)
+        self.run(b, bucket, average, true)
     }
 
     fn run(
         &mut self,
         b: &mut dyn Backend,
-        tag: &OpTag,
-        buf: Mem,
-        dtype: DType,
+        bucket: Bucket,
         average: bool,
         share: bool,
     ) -> Result<Option<SharedBytes>> {
         let before = wire_of(b);
-        let (path, codec, result) = self.run_uncounted(b, tag, buf, dtype, average, share)?;
+        let (path, codec, result) = self.run_uncounted(b, bucket, average, share)?;
         let wire = wire_since(before, wire_of(b));
-        self.counters.record(path, codec, buf.bytes as u64, wire);
+        self.counters
+            .record(path, codec, bucket.buf.bytes as u64, wire);
         Ok(result)
     }
 
@@ -215,12 +205,11 @@ impl Algorithm {
     fn run_uncounted(
         &mut self,
         b: &mut dyn Backend,
-        tag: &OpTag,
-        buf: Mem,
-        dtype: DType,
+        bucket: Bucket,
         average: bool,
         share: bool,
     ) -> Result<(Path, Compression, Option<SharedBytes>)> {
+        let Bucket { tag, buf, dtype } = bucket;
         let (rank, size) = (b.rank(GroupId::World), b.size(GroupId::World));
         if self.settings.nan_check {
             if let Some((index, value)) = b.first_non_finite(buf, dtype)? {
@@ -246,7 +235,7 @@ impl Algorithm {
             .wire_dtype(dtype)
             .filter(|_| size > 1);
         let Some(wire) = wire else {
-            return self.reduce(b, tag, buf, dtype, divisor, share);
+            return self.reduce(b, bucket, divisor, share);
         };
         let codec = self.settings.compression;
         let scale = self.settings.scale;
@@ -258,7 +247,12 @@ impl Algorithm {
             bytes: sent.bytes as u64,
             ..*tag
         };
-        let (path, _, _) = self.reduce(b, &wire_tag, sent, wire, 1.0, false)?;
+        let on_wire = Bucket {
+            tag: &wire_tag,
+            buf: sent,
+            dtype: wire,
+        };
+        let (path, _, _) = self.reduce(b, on_wire, 1.0, false)?;
         b.decode(sent, wire, 1.0 / scale, buf, dtype)?;
         Ok((path, codec, None))
     }
@@ -271,12 +265,11 @@ impl Algorithm {
     fn reduce(
         &mut self,
         b: &mut dyn Backend,
-        tag: &OpTag,
-        buf: Mem,
-        dtype: DType,
+        bucket: Bucket,
         divisor: f64,
         share: bool,
     ) -> Result<(Path, Compression, Option<SharedBytes>)> {
+        let Bucket { tag, buf, dtype } = bucket;
         let none = Compression::None;
         let sparse = self.settings.topk.filter(|o| o.applies(dtype, buf.bytes));
         let two_d = b.hierarchical()
@@ -333,6 +326,15 @@ impl Algorithm {
         b.two_d(dtype, &chunks, &step)?;
         Ok((Path::TwoD, codec, None))
     }
+}
+
+/// One bucket as an [`Algorithm`] reduces it: its header, its bytes and
+/// their element type.
+#[derive(Debug, Clone, Copy)]
+pub struct Bucket<'a> {
+    pub tag: &'a OpTag,
+    pub buf: Mem,
+    pub dtype: DType,
 }
 
 /// The inter-node step of the 2D allreduce on one shard: a plain sum

@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use super::algo::{AlgoSettings, Algorithm};
+use super::algo::{AlgoSettings, Algorithm, Bucket};
 use super::backend::{Backend, GroupId, GroupSum, Mem};
 use super::codec::Compression;
 use super::dtype::DType;
@@ -200,7 +200,12 @@ pub fn probe<B: Probing>(b: &mut B, buf: Mem) -> Result<Probe> {
         let mem = buf.prefix(len)?;
         b.finish()?;
         let start = Instant::now();
-        Algorithm::new(settings).allreduce(b, &tag, mem, DType::F32, true)?;
+        let bucket = Bucket {
+            tag: &tag,
+            buf: mem,
+            dtype: DType::F32,
+        };
+        Algorithm::new(settings).allreduce(b, bucket, true)?;
         b.finish()?;
         Ok(start.elapsed().as_secs_f64())
     };

@@ -22,7 +22,7 @@ use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::algo::{AlgoSettings, Algorithm};
+use super::algo::{AlgoSettings, Algorithm, Bucket};
 use super::backend::Backend;
 use super::codec::Compression;
 use super::counters::{wire_of, wire_since, Counters, Path};
@@ -658,12 +658,15 @@ fn run_job(
                 // completion runs (`RawBuf::new`'s contract), and that is
                 // after `end` below.
                 let mem = unsafe { backend.begin(buf, deadline, turn.take()) };
+                let bucket = Bucket {
+                    tag: &tag,
+                    buf: mem,
+                    dtype,
+                };
                 let result = if job.share {
-                    algorithm.allreduce_shared(backend, &tag, mem, dtype, average)
+                    algorithm.allreduce_shared(backend, bucket, average)
                 } else {
-                    algorithm
-                        .allreduce(backend, &tag, mem, dtype, average)
-                        .map(|()| None)
+                    algorithm.allreduce(backend, bucket, average).map(|()| None)
                 };
                 backend.end();
                 result

@@ -34,7 +34,7 @@ pub mod tcp;
 pub mod transport;
 pub mod turns;
 
-pub use algo::{AlgoSettings, Algorithm, Layout};
+pub use algo::{AlgoSettings, Algorithm, Bucket, Layout};
 pub use backend::{Backend, GroupId, Mem, Shards};
 pub use counters::{CounterRow, Counters, Path};
 pub use dtype::{DType, ReduceOp};

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use super::backend::{Comms, DeviceBackend, NcclGroups, Slot, PROBE_BUCKET};
 use super::kernels::{Kernels, Span};
-use crate::comm::algo::{AlgoSettings, Algorithm, Layout};
+use crate::comm::algo::{AlgoSettings, Algorithm, Bucket, Layout};
 use crate::comm::auto::{self, Probe};
 use crate::comm::backend::{Backend, GroupId, GroupSum, Shards};
 use crate::comm::codec::Compression;
@@ -329,7 +329,14 @@ impl<B> DeviceChannels<B> {
             bucket,
             stream,
             OpKind::Allreduce,
-            |b, algorithm, tag| algorithm.allreduce(b, tag, mem, dtype, average),
+            |b, algorithm, tag| {
+                let bucket = Bucket {
+                    tag,
+                    buf: mem,
+                    dtype,
+                };
+                algorithm.allreduce(b, bucket, average)
+            },
         )
     }
 

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::*;
-use crate::comm::algo::Algorithm;
+use crate::comm::algo::{Algorithm, Bucket};
 use crate::comm::backend::{Mem, TopKBlock};
 use crate::comm::codec::{self, Compression};
 use crate::comm::device::{Comms, DeviceBackend, KernelResult, Kernels, Slot, Span};
@@ -336,7 +336,15 @@ fn the_device_backend_reduces_as_the_host_engine_does() {
             move |rank| (0..len).map(|i| two_d_value(rank, i)).collect(),
             move |b, mem| {
                 let mut algorithm = Algorithm::new(settings);
-                algorithm.allreduce(b, &tag(mem.bytes), mem, DType::F32, true)
+                algorithm.allreduce(
+                    b,
+                    Bucket {
+                        tag: &tag(mem.bytes),
+                        buf: mem,
+                        dtype: DType::F32,
+                    },
+                    true,
+                )
             },
         );
         assert_eq!(got, want, "{settings:?}");

@@ -76,7 +76,7 @@ fn top_k_sends_the_largest_entries_and_feeds_back_the_rest() {
 
 #[test]
 fn top_k_residuals_reset_when_a_bucket_changes_length() {
-    use crate::comm::algo::Algorithm;
+    use crate::comm::algo::{Algorithm, Bucket};
     use crate::comm::host::HostBackend;
     use crate::comm::sparse::TopKOptions;
     let ring = rings(1, 1).pop().unwrap().pop().unwrap();
@@ -95,7 +95,15 @@ fn top_k_residuals_reset_when_a_bucket_changes_length() {
         let mut buf = encode(DType::F32, values);
         // SAFETY: `buf` lives, untouched elsewhere, until `end`.
         let mem = unsafe { backend.begin(&mut buf, deadline(), None) };
-        let result = algorithm.allreduce(&mut backend, &tag, mem, DType::F32, false);
+        let result = algorithm.allreduce(
+            &mut backend,
+            Bucket {
+                tag: &tag,
+                buf: mem,
+                dtype: DType::F32,
+            },
+            false,
+        );
         backend.end();
         result.unwrap();
         decode(DType::F32, &buf)
