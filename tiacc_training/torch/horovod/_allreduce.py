@@ -12,7 +12,7 @@ one collective (:mod:`._reduce`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from ._common import (
     check_list,
     check_scales,
     check_tensor,
+    form_of,
     op_of,
 )
 from ._compression import compressed
@@ -81,6 +82,7 @@ def _checked(
 
 def _start(
     kind: str,
+    in_place: bool,
     tensors: Any,
     average: bool | None,
     name: str | None,
@@ -88,7 +90,6 @@ def _start(
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet,
-    in_place: bool,
 ) -> int:
     """Starts an allreduce (``tensors`` one tensor) or a grouped allreduce (a list).
 
@@ -97,6 +98,7 @@ def _start(
 
     Args:
         kind: ``"allreduce"`` or ``"grouped_allreduce"``.
+        in_place: the results go into the input tensors themselves.
         tensors: the tensor, or the list of them.
         average: Horovod's deprecated ``average=``.
         name: the operation's name (generated if ``None``).
@@ -104,7 +106,6 @@ def _start(
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after it.
         process_set: the ranks taking part.
-        in_place: the results go into the input tensors themselves.
 
     Returns:
         A handle: :func:`synchronize` returns the reduced tensor (the list
@@ -156,6 +157,9 @@ def allreduce_async(
 ) -> int:
     """Starts reducing ``tensor`` over the set into a new tensor.
 
+    The other forms (``allreduce_async_``, ``allreduce_``, the grouped
+    ones) take these arguments too.
+
     Args:
         tensor: this rank's input (unchanged).
         average: deprecated; ``True`` is ``op=Average``, ``False`` ``op=Sum``.
@@ -168,36 +172,21 @@ def allreduce_async(
     Returns:
         A handle for :func:`synchronize` (the reduced tensor) and :func:`poll`.
     """
-    return _start(
-        "allreduce",
-        tensor,
-        average,
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        False,
-    )
+    scales = (prescale_factor, postscale_factor)
+    return _start("allreduce", False, tensor, average, name, op, *scales, process_set)
 
 
-def allreduce_async_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
+allreduce_async_ = form_of(
+    allreduce_async,
+    partial(_start, "allreduce", True),
+    "allreduce_async_",
     """Starts reducing ``tensor`` in place; arguments as :func:`allreduce_async`.
 
     Returns:
         A handle; :func:`synchronize` returns ``tensor`` itself, reduced.
-    """
-    return _start(
-        "allreduce", tensor, average, name, op, prescale_factor, postscale_factor, process_set, True
-    )
+    """,
+    "int",
+)
 
 
 class _AllreduceFunction(torch.autograd.Function):
@@ -263,103 +252,49 @@ def allreduce(
     )[0]
 
 
-def allreduce_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> torch.Tensor:
+allreduce_ = form_of(
+    allreduce_async,
+    lambda *args: synchronize(allreduce_async_(*args)),
+    "allreduce_",
     """Reduces ``tensor`` in place; arguments as :func:`allreduce_async`.
 
     Returns:
         ``tensor``, reduced.
-    """
-    return synchronize(
-        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
-    )
+    """,
+    "torch.Tensor",
+)
 
-
-def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
+grouped_allreduce_async = form_of(
+    allreduce_async,
+    partial(_start, "grouped_allreduce", False),
+    "grouped_allreduce_async",
     """Starts reducing a list of tensors as one operation (one fused buffer per dtype).
 
     Returns:
         A handle; :func:`synchronize` returns the list of reduced tensors.
-    """
-    return _start(
-        "grouped_allreduce",
-        tensors,
-        average,
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        False,
-    )
+    """,
+    "int",
+    grouped=True,
+)
+
+grouped_allreduce_async_ = form_of(
+    allreduce_async,
+    partial(_start, "grouped_allreduce", True),
+    "grouped_allreduce_async_",
+    """In-place :func:`grouped_allreduce_async`; ``synchronize`` returns ``tensors``.""",
+    "int",
+    grouped=True,
+)
 
 
-def grouped_allreduce_async_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """In-place :func:`grouped_allreduce_async`; ``synchronize`` returns ``tensors``."""
-    return _start(
-        "grouped_allreduce",
-        tensors,
-        average,
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        True,
-    )
-
-
-def grouped_allreduce(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    compression: Any = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:
-    """Reduces a list of tensors as one operation; returns new tensors.
-
-    Gradients flow through each tensor as through :func:`allreduce`.
-    """
+def _grouped_allreduce(tensors: Any, *args: Any) -> list[torch.Tensor]:
+    """:func:`grouped_allreduce` on its arguments, in :func:`allreduce`'s order."""
+    average, name, compression, op, prescale_factor, postscale_factor, process_set = args
     # The reduction is checked by the operation that runs (each allreduce below, or the group).
     tensors, _ = _checked("grouped_allreduce", tensors, None, None, name, process_set)
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
         return [
-            allreduce(
-                t,
-                average,
-                None if name is None else f"{name}.{i}",
-                compression,
-                op,
-                prescale_factor,
-                postscale_factor,
-                process_set,
-            )
+            allreduce(t, average, None if name is None else f"{name}.{i}", compression, *args[3:])
             for i, t in enumerate(tensors)
         ]
     return compressed(
@@ -373,18 +308,23 @@ def grouped_allreduce(
     )
 
 
-def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:
-    """Reduces a list of tensors in place as one operation; returns them."""
-    return synchronize(
-        grouped_allreduce_async_(
-            tensors, average, name, op, prescale_factor, postscale_factor, process_set
-        )
-    )
+grouped_allreduce = form_of(
+    allreduce,
+    _grouped_allreduce,
+    "grouped_allreduce",
+    """Reduces a list of tensors as one operation; returns new tensors.
+
+    Gradients flow through each tensor as through :func:`allreduce`.
+    """,
+    "list[torch.Tensor]",
+    grouped=True,
+)
+
+grouped_allreduce_ = form_of(
+    allreduce_async,
+    lambda *args: synchronize(grouped_allreduce_async_(*args)),
+    "grouped_allreduce_",
+    """Reduces a list of tensors in place as one operation; returns them.""",
+    "list[torch.Tensor]",
+    grouped=True,
+)

@@ -7,8 +7,9 @@ both.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from tiacc_training.torch.distributed import _backend
 from ._process_sets import ProcessSet, global_process_set
 
 __all__ = ["Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum"]
+
+T = TypeVar("T")
 
 
 class ReduceOp(int):
@@ -217,3 +220,52 @@ def native_average(tensor: torch.Tensor, group: Any) -> bool:
     if _backend.cpu_backend_of(group) is None:
         return False
     return str(tensor.dtype).removeprefix("torch.") in _engine.collective_dtypes()
+
+
+def form_of(
+    template: Callable[..., Any],
+    body: Callable[..., T],
+    name: str,
+    doc: str,
+    returns: str,
+    grouped: bool = False,
+) -> Callable[..., T]:
+    """Another form of a Horovod operation, with ``template``'s parameters.
+
+    Horovod gives each operation several forms (in place, asynchronous,
+    grouped) that take the same arguments. Each family writes its parameters
+    once, on ``template``; the other forms are made here, so that they show
+    the same signature (``help()``, ``inspect.signature``) and take the same
+    positional and keyword arguments.
+
+    Args:
+        template: the form whose parameters (names, order, defaults) this one takes.
+        body: runs the call, given every argument in ``template``'s order,
+            defaults filled in.
+        name: the form's public name.
+        doc: its docstring.
+        returns: what it returns (its return annotation).
+        grouped: the first parameter is ``tensors`` (a list) instead of ``tensor``.
+
+    Returns:
+        The public function.
+    """
+    signature = inspect.signature(template).replace(return_annotation=returns)
+    if grouped:
+        first, *rest = signature.parameters.values()
+        tensors = first.replace(name="tensors", annotation="Sequence[torch.Tensor]")
+        signature = signature.replace(parameters=[tensors, *rest])
+
+    def form(*args: Any, **kwargs: Any) -> T:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{name}(): {error}") from None
+        bound.apply_defaults()
+        return body(*bound.args)
+
+    form.__signature__ = signature  # type: ignore[attr-defined]
+    form.__name__ = form.__qualname__ = name
+    form.__doc__ = doc
+    form.__module__ = template.__module__
+    return form

@@ -28,6 +28,7 @@ from ._common import (
     check_list,
     check_scales,
     check_tensor,
+    form_of,
     op_of,
     scale_,
 )
@@ -282,55 +283,40 @@ def reducescatter(
     return compressed(given, [tensor], run)[0]
 
 
-def grouped_reducescatter_async(
-    tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    op: Any = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> int:
+grouped_reducescatter_async = form_of(
+    reducescatter_async,
+    lambda tensors, *args: register(_async("grouped_reducescatter", tensors, *args)),
+    "grouped_reducescatter_async",
     """Starts a reducescatter of each tensor, as one operation.
 
     Returns:
         A handle; :func:`synchronize` returns the list of this rank's blocks.
-    """
-    return register(
-        _async(
-            "grouped_reducescatter",
-            tensors,
-            name,
-            op,
-            process_set,
-            prescale_factor,
-            postscale_factor,
-        )
-    )
+    """,
+    "int",
+    grouped=True,
+)
 
 
-def grouped_reducescatter(
-    tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    compression: Any = None,
-    op: Any = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> list[torch.Tensor]:
-    """Reducescatters each tensor of the list, as one operation; gradients flow."""
+def _grouped_reducescatter(tensors: Any, *args: Any) -> list[torch.Tensor]:
+    """:func:`grouped_reducescatter` on its arguments, in :func:`reducescatter`'s order."""
+    name, compression, op, process_set, prescale_factor, postscale_factor = args
+    scales = (prescale_factor, postscale_factor)
 
     def run(sent: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if isinstance(sent, (list, tuple)) and _differentiable(sent):
-            return list(
-                _GroupedReducescatterFunction.apply(
-                    name, op, process_set, prescale_factor, postscale_factor, *sent
-                )
-            )
-        handle = grouped_reducescatter_async(
-            sent, name, op, process_set, prescale_factor, postscale_factor
-        )
-        return synchronize(handle)
+            return list(_GroupedReducescatterFunction.apply(name, op, process_set, *scales, *sent))
+        return synchronize(grouped_reducescatter_async(sent, name, op, process_set, *scales))
 
     # Not a list: sent as it is, and refused on every rank.
     given = compression if isinstance(tensors, (list, tuple)) else None
     return compressed(given, tensors, run)
+
+
+grouped_reducescatter = form_of(
+    reducescatter,
+    _grouped_reducescatter,
+    "grouped_reducescatter",
+    """Reducescatters each tensor of the list, as one operation; gradients flow.""",
+    "list[torch.Tensor]",
+    grouped=True,
+)
