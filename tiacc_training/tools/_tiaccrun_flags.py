@@ -37,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-np",
         "--num-proc",
-        dest="num_proc",
         type=int,
         help="number of ranks (elastic: the slots to wait for before starting; default --min-np)",
     )
@@ -46,12 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-H", "--hosts", help="hosts and slots: host1:2,host2:2 (default: localhost:<np>)"
     )
     hosts.add_argument("-hostfile", "--hostfile", help="a file of 'hostname slots=N' lines")
-    parser.add_argument(
-        "-p", "--ssh-port", dest="ssh_port", type=int, help="ssh port on every remote host"
-    )
-    parser.add_argument(
-        "-i", "--ssh-identity-file", dest="ssh_identity_file", help="private key for ssh"
-    )
+    parser.add_argument("-p", "--ssh-port", type=int, help="ssh port on every remote host")
+    parser.add_argument("-i", "--ssh-identity-file", help="private key for ssh")
     parser.add_argument(
         "--network-interface",
         "--network-interfaces",
@@ -62,7 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--start-timeout",
-        dest="start_timeout",
         type=float,
         help="seconds for the ssh checks and the start of every rank, and "
         "for rank 0 to open the rendezvous (default: HOROVOD_START_TIMEOUT "
@@ -71,7 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--output-filename",
-        dest="output_filename",
         help="also write each rank's output to <dir>/rank.<rank>/stdout and stderr",
     )
     parser.add_argument(
@@ -79,36 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--no-prefix",
-        dest="no_prefix",
         action="store_true",
         help="print the ranks' lines without the [rank]<stream>: prefix",
     )
     timeline = parser.add_argument_group("timeline")
     timeline.add_argument(
         "--timeline-filename",
-        dest="timeline_filename",
         help="record the Horovod timeline there (HOROVOD_TIMELINE)",
     )
     timeline.add_argument(
         "--timeline-mark-cycles",
-        dest="timeline_mark_cycles",
         action="store_true",
         help="HOROVOD_TIMELINE_MARK_CYCLES=1 (accepted; the engine has no cycle to mark)",
     )
     tuning = parser.add_argument_group("settings handed to the ranks")
-    tuning.add_argument(
-        "--fusion-threshold-mb",
-        dest="fusion_threshold_mb",
-        type=float,
-        help="HOROVOD_FUSION_THRESHOLD in MiB",
-    )
-    tuning.add_argument(
-        "--cycle-time-ms", dest="cycle_time_ms", type=float, help="HOROVOD_CYCLE_TIME in ms"
-    )
+    tuning.add_argument("--fusion-threshold-mb", type=float, help="HOROVOD_FUSION_THRESHOLD in MiB")
+    tuning.add_argument("--cycle-time-ms", type=float, help="HOROVOD_CYCLE_TIME in ms")
     hier = tuning.add_mutually_exclusive_group()
     hier.add_argument(
         "--hierarchical-allreduce",
-        dest="hierarchical_allreduce",
         action="store_const",
         const=True,
         help="HOROVOD_HIERARCHICAL_ALLREDUCE=1 (the engine's 2D allreduce)",
@@ -122,40 +104,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tuning.add_argument(
         "--num-nccl-streams",
-        dest="num_nccl_streams",
         type=int,
         help="TIACC_TRAINING_NUM_NCCL_STREAMS (channels)",
     )
     elastic = parser.add_argument_group("elastic training")
     elastic.add_argument(
         "--host-discovery-script",
-        dest="host_discovery_script",
         help="run the job elastically: this executable prints the usable hosts, one "
         "'host' or 'host:slots' per line (run every second)",
     )
+    elastic.add_argument("--min-np", type=int, help="fewest workers to train with (default -np)")
     elastic.add_argument(
-        "--min-np", dest="min_np", type=int, help="fewest workers to train with (default -np)"
-    )
-    elastic.add_argument(
-        "--max-np", dest="max_np", type=int, help="most workers to train with (default: all slots)"
+        "--max-np", type=int, help="most workers to train with (default: all slots)"
     )
     elastic.add_argument(
         "--slots-per-host",
         "--slots",
-        dest="slots_per_host",
         type=int,
         help="slots of a discovered host that gives none (default 1)",
     )
     elastic.add_argument(
         "--elastic-timeout",
-        dest="elastic_timeout",
         type=float,
         help="seconds to wait for --min-np slots (and for a worker's next round); default "
         f"HOROVOD_ELASTIC_TIMEOUT or {DEFAULT_ELASTIC_TIMEOUT:g}",
     )
     elastic.add_argument(
         "--reset-limit",
-        dest="reset_limit",
         type=int,
         help="most new rounds (workers lost or added) before the job fails (default: no limit)",
     )

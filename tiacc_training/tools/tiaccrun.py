@@ -207,6 +207,18 @@ def listening(port: int) -> bool:
 # -- the job's environment ---------------------------------------------------
 
 
+# Variables that repeat another's value under the name torch's elastic agent
+# (ROLE_*) or Horovod (HOROVOD_*) reads.
+_SAME_VALUES = {
+    "ROLE_RANK": "RANK",
+    "ROLE_WORLD_SIZE": "WORLD_SIZE",
+    "HOROVOD_RANK": "RANK",
+    "HOROVOD_SIZE": "WORLD_SIZE",
+    "HOROVOD_LOCAL_RANK": "LOCAL_RANK",
+    "HOROVOD_LOCAL_SIZE": "LOCAL_WORLD_SIZE",
+}
+
+
 def rank_environments(
     hosts: list[Host],
     placement: list[tuple[int, int]],
@@ -238,19 +250,14 @@ def rank_environments(
             "LOCAL_WORLD_SIZE": str(local_size[host_index]),
             "GROUP_RANK": str(used.index(host_index)),
             "GROUP_WORLD_SIZE": str(len(used)),
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(world),
             "ROLE_NAME": "default",
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port),
-            "HOROVOD_RANK": str(rank),
-            "HOROVOD_SIZE": str(world),
-            "HOROVOD_LOCAL_RANK": str(local_rank),
-            "HOROVOD_LOCAL_SIZE": str(local_size[host_index]),
             "HOROVOD_CROSS_RANK": str(peers.index(host_index)),
             "HOROVOD_CROSS_SIZE": str(len(peers)),
             "HOROVOD_HOSTNAME": hosts[host_index].name,
         }
+        env.update({alias: env[name] for alias, name in _SAME_VALUES.items()})
         env.update(extra)
         envs.append(env)
     return envs
