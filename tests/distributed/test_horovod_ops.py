@@ -179,6 +179,19 @@ def test_under_mpirun() -> None:
         engine_served(result, ("allreduce",))
 
 
+def _unset(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Removes ``names`` from the environment until the test ends.
+
+    ``export_launcher_env`` writes torchrun's variables into ``os.environ``
+    itself; each name is recorded here first (``delenv`` alone records
+    nothing for a name that is not set), so the test's values do not leak
+    into later tests' subprocesses (an mpirun job would see a torchrun one).
+    """
+    for name in names:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
 @pytest.mark.parametrize(
     ("variables", "expected"),
     [
@@ -203,15 +216,15 @@ def test_launcher_variables_become_torchrun_ones(
 ) -> None:
     from tiacc_training.torch.horovod import _init
 
-    for name in (
+    _unset(
+        monkeypatch,
         *TORCHRUN_VARIABLES,
         "OMPI_COMM_WORLD_RANK",
         "SLURM_PROCID",
         "PMI_RANK",
         "PMIX_RANK",
         "HOROVOD_RANK",
-    ):
-        monkeypatch.delenv(name, raising=False)
+    )
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     launcher = _init.export_launcher_env()
@@ -225,14 +238,14 @@ def test_launcher_variables_become_torchrun_ones(
 def test_launcher_variables_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     from tiacc_training.torch.horovod import _init
 
-    for name in (
+    _unset(
+        monkeypatch,
         *TORCHRUN_VARIABLES,
         "OMPI_COMM_WORLD_RANK",
         "SLURM_PROCID",
         "PMI_RANK",
         "PMIX_RANK",
-    ):
-        monkeypatch.delenv(name, raising=False)
+    )
     monkeypatch.setenv("HOROVOD_RANK", "4")
     monkeypatch.setenv("HOROVOD_SIZE", "4")
     with pytest.raises(ConfigError, match="HOROVOD_RANK.*a rank below the world size 4"):
