@@ -613,34 +613,12 @@ def duplicate_everywhere(me: int, kind: str, submit: Callable[[str], Any]) -> No
     hvd.synchronize(submit(name))
 
 
-def duplicate_on_rank_0(me: int, kind: str, submit: Callable[[str], Any]) -> None:
-    """Only rank 0 still holds its first handle when every rank calls again.
-
-    Rank 0 raises ValueError, the other ranks HorovodInternalError naming
-    rank 0 (for an allreduce agreed before, from ``synchronize``).
-    """
-    name = f"dup.{kind}"
-    first = submit(name)
-    if me != 0:
-        hvd.synchronize(first)
-        raises(
-            hvd.HorovodInternalError,
-            "rank(s) [0] refused",
-            lambda: hvd.synchronize(submit(name)),
-            f"{kind}: the other ranks learn of rank 0's duplicate",
-        )
-        return
-    raises(ValueError, f"{kind} {name!r} on rank 0:", lambda: submit(name), f"{kind} on rank 0")
-    hvd.synchronize(first)
-
-
 def check_duplicate_names(n: int, me: int) -> None:
     """A second operation with a name still in flight raises ValueError (Horovod's rule)."""
     t = torch.ones(2 * n, 3)
     for kind, submit in NAMED_ASYNC.items():
         duplicate_everywhere(me, kind, functools.partial(submit, t))
-        duplicate_on_rank_0(me, kind, functools.partial(submit, t))
-        in_step(n, f"{kind}'s duplicate on rank 0")
+        in_step(n, f"{kind}'s duplicate everywhere")
     # The same name for another kind of operation is no duplicate.
     handles = [hvd.allreduce_async(t, name="dup.shared"), hvd.allgather_async(t, name="dup.shared")]
     for handle in handles:
@@ -648,8 +626,13 @@ def check_duplicate_names(n: int, me: int) -> None:
     checks.append("one name for two kinds of operation")
 
 
-def horovod_order(me: int, submit: Callable[[str], Any], name: str) -> list[str]:
-    """Rank 0 submits twice before a barrier, the others after it; every call's outcome."""
+def horovod_order(me: int, submit: Callable[[str], Any], name: str) -> tuple[list[str], list]:
+    """Rank 0 submits twice before a barrier, the others after it (Horovod's suite's order).
+
+    Returns:
+        Each call's outcome (``ok`` or the error's class and message), and
+        what synchronizing each handle gave (its result, or the outcome).
+    """
     seen: list[str] = []
     handles: list[int] = []
 
@@ -663,35 +646,96 @@ def horovod_order(me: int, submit: Callable[[str], Any], name: str) -> list[str]
     if me != 0:
         twice()
     seen.append(outcome(hvd.barrier))
-    # What was left in flight either completes or fails on every rank.
+    results: list[Any] = []
     for handle in handles:
-        outcome(functools.partial(hvd.synchronize, handle))
-    return seen
+        try:
+            results.append(hvd.synchronize(handle))
+        except (ValueError, hvd.HorovodInternalError) as error:
+            results.append(f"{type(error).__name__}: {error}")
+    return seen, results
+
+
+def expect_nested(got: Any, want: Any, what: str) -> None:
+    """:func:`expect` through lists and tuples (grouped results, alltoall's pair)."""
+    if isinstance(want, (list, tuple)):
+        expect(isinstance(got, (list, tuple)) and len(got) == len(want), True, what)
+        for g, w in zip(got, want):
+            expect_nested(g, w, what)
+        return
+    expect(got, want, what)
+
+
+def classes(lines: list[str]) -> list[str]:
+    """The outcomes' classes (``ok``, ``ValueError``, ...)."""
+    return [line.split(":")[0] for line in lines]
 
 
 def check_duplicate_names_horovod_order(n: int, me: int) -> None:
     """Horovod's suite's order: rank 0 submits twice before a barrier, the others after it.
 
-    Operations are matched in the order each rank issues them (see
-    docs/horovod.md), so here rank 0's operation meets the others' barrier:
-    calls fail with ValueError (a duplicate) or HorovodInternalError, none
-    waits for ever, and afterwards the job is in step, also for an
-    allreduce whose name was agreed before (which does not wait for the
-    other ranks' description of their call).
+    Operations are matched by name (see docs/horovod.md): rank 0's first
+    operation waits while the ranks run the barrier, and runs once the
+    other ranks submit it after the barrier; each rank's second call raises
+    ValueError on that rank only. Every first operation gives what a call
+    every rank issues together gives, also for a name agreed before (whose
+    allreduce goes ahead without waiting, finds the others at the barrier,
+    and is queued again).
     """
     t = torch.ones(2 * n, 3)
+    want = ["ok", "ValueError", "ok", "ok"] if me == 0 else ["ok", "ok", "ValueError", "ok"]
     for kind, submit in NAMED_ASYNC.items():
+        reference = hvd.synchronize(submit(t, f"horovod_order.{kind}.reference"))
         for agreed_before in (False, True):
             name = f"horovod_order.{kind}.{agreed_before}"
-            if agreed_before:
-                hvd.synchronize(submit(t, name))
-            seen = horovod_order(me, functools.partial(submit, t), name)
-            for line in seen:
-                if line.startswith("ValueError") and f"on rank {me}:" not in line:
-                    raise AssertionError(f"{kind}: a duplicate's error without the rank: {line}")
-            if all(line == "ok" for line in seen):
-                raise AssertionError(f"{kind}: nothing raised: {seen}")
+            if agreed_before:  # twice in a row: it goes ahead when it comes next
+                for _ in range(2):
+                    hvd.synchronize(submit(t, name))
+            seen, results = horovod_order(me, functools.partial(submit, t), name)
+            expect(classes(seen), want, f"{kind} (agreed before: {agreed_before}): {seen}")
+            if f"on rank {me}:" not in seen[want.index("ValueError")]:
+                raise AssertionError(f"{kind}: a duplicate's error without the rank: {seen}")
+            expect(len(results), 1, f"{kind}: one handle")
+            expect_nested(results[0], reference, f"{kind} (agreed before: {agreed_before})")
             in_step(n, f"Horovod's order for {kind} (agreed before: {agreed_before})")
+    # An in-place allreduce agreed before reduced into its input when it went
+    # ahead: it cannot run again, so it fails on every rank, and the job goes on.
+    name = "horovod_order.in_place"
+    for _ in range(2):
+        hvd.synchronize(hvd.allreduce_async_(t.clone(), name=name))
+    in_place = lambda label: hvd.allreduce_async_(t.clone(), name=label)  # noqa: E731
+    seen, results = horovod_order(me, in_place, name)
+    expect(classes(seen), want, f"in-place allreduce agreed before: {seen}")
+    expect(classes(results), ["HorovodInternalError"], f"in-place allreduce: {results}")
+    in_step(n, "Horovod's order for an in-place allreduce agreed before")
+    checks.append("Horovod's order of duplicate names, matched by name")
+
+
+def check_matched_by_name(n: int, me: int) -> None:
+    """Named operations submitted in other orders on other ranks run, matched by name.
+
+    And calls that never meet (a name on one rank, an unnamed call on the
+    other) fail on every rank once every rank waits, after which unnamed
+    operations line up again.
+    """
+    names = [f"order.{k}" for k in range(3)]
+    total = float(sum(r + 1 for r in range(n)))
+    # Opposite orders first, then one order twice (so each name goes ahead when it
+    # comes next), then opposite orders again (rank 0's first goes ahead alone).
+    for step, opposite in enumerate((True, False, False, True)):
+        handles = {}
+        for name in names[::-1] if opposite and me % 2 else names:
+            x = torch.full((names.index(name) + 1,), float(me + 1))
+            handles[name] = hvd.allreduce_async(x, name=name, op=hvd.Sum)
+        for k, name in enumerate(names):
+            want = torch.full((k + 1,), total)
+            expect(hvd.synchronize(handles[name]), want, f"{name} (step {step})")
+    if me == 0:
+        call = lambda: hvd.allreduce(torch.ones(2), name="order.rank_0_only")  # noqa: E731
+    else:
+        call = lambda: hvd.allreduce(torch.ones(2))  # noqa: E731
+    raises(hvd.HorovodInternalError, "no rank can go on", call, "calls that never meet")
+    got = hvd.allreduce(torch.ones(3), op=hvd.Sum)
+    expect(got, torch.full((3,), float(n)), "an unnamed allreduce after calls that never met")
 
 
 def check_step_warning(n: int, me: int) -> None:
@@ -884,6 +928,7 @@ def main() -> None:
         elif args.suite == "duplicate-names":
             check_duplicate_names(n, me)
             check_duplicate_names_horovod_order(n, me)
+            check_matched_by_name(n, me)
         elif args.suite == "step-warning":
             check_step_warning(n, me)
         else:

@@ -73,9 +73,10 @@ def test_duplicate_name_in_flight() -> None:
 
     Every operation that takes a name (the grouped forms and alltoall too),
     in Horovod's duplicate-name tests' two orders: every rank submitting
-    twice, and rank 0 twice before a barrier, the others after it (which
-    fails here, operations being matched in order, but must leave the job
-    in step); and a duplicate on rank 0 only.
+    twice, and rank 0 twice before a barrier, the others after it (rank 0's
+    first operation is matched by name with the others' after the barrier,
+    the second call raises on its rank only); names agreed before included,
+    and an in-place allreduce that went ahead and cannot run again.
     """
     args = ["--suite", "duplicate-names"]
     env = {"TIACC_TRAINING_TIMEOUT": "20"}  # out of step: an error, not a hang

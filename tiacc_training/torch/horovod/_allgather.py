@@ -29,7 +29,7 @@ from ._handles import (
     submit,
     synchronize,
 )
-from ._negotiation import Call, attempt, keyed, negotiate, refuse
+from ._negotiation import Agreement, Call, attempt, keyed, refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve, small_device
 
 __all__ = [
@@ -51,7 +51,14 @@ def start(
     call = Call(
         kind, name, named, process_set, flat, skip_first=True, payload=[t.shape[0] for t in flat]
     )
-    every = negotiate(call).payloads
+    return keyed(schedule(call, lambda agreed: _issue(flat, process_set, name, agreed)), call)
+
+
+def _issue(
+    flat: list[torch.Tensor], process_set: ProcessSet, name: str, agreed: Agreement
+) -> Pending:
+    """Issues the gathers once the ranks agreed (their first dimensions in ``agreed``)."""
+    every = agreed.payloads
     n = len(process_set.ranks)
     sizes = [[row[k] for row in every] for k in range(len(flat))]
     gathered: list[torch.Tensor] = []
@@ -85,7 +92,7 @@ def start(
                 results.append(torch.cat([blocks[r, : sizes[k][r]] for r in range(n)]))
         return results
 
-    pending = keyed(submit(name, "ALLGATHER", issue, finish), call)
+    pending = submit(name, "ALLGATHER", issue, finish)
     pending.sizes = sizes
     return pending
 

@@ -30,7 +30,7 @@ from ._common import (
 )
 from ._compression import compressed
 from ._handles import mark, name_of, register, single, synchronize
-from ._negotiation import Call, attempt, guard, keyed, negotiate, refuse
+from ._negotiation import Call, attempt, guard, keyed, refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = [
@@ -138,9 +138,11 @@ def _start(
         ]
         for (dtype, device), members in groups.items()
     ]
-    later = negotiate(call, defer=True).later
-    pending = _reduce.start(
-        tensors, outputs, op, prescale_factor, postscale_factor, process_set, label, groups, later
+    scales = (prescale_factor, postscale_factor)
+    pending = schedule(
+        call,
+        lambda agreed: _reduce.start(tensors, outputs, op, *scales, process_set, label, groups),
+        defer=True,
     )
     keyed(pending, call)
     return register(single(pending) if kind == "allreduce" else pending)

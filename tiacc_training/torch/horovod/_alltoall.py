@@ -16,7 +16,7 @@ import torch.distributed as dist
 from . import _basics
 from ._common import check_tensor
 from ._handles import Pending, mark, name_of, register, submit, synchronize
-from ._negotiation import Call, attempt, keyed, negotiate, refuse
+from ._negotiation import Agreement, Call, attempt, keyed, refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = ["alltoall", "alltoall_async"]
@@ -68,7 +68,17 @@ def start(
         "alltoall", name, named, process_set, [tensor], skip_first=True, refusal=refusal,
         payload=send if refusal is None else [],
     )  # fmt: skip
-    matrix = negotiate(call).payloads  # matrix[src][dst]: rows src sends dst
+    return keyed(
+        schedule(call, lambda agreed: _issue(tensor, send, process_set, name, agreed)), call
+    )
+
+
+def _issue(
+    tensor: torch.Tensor, send: list[int], process_set: ProcessSet, name: str, agreed: Agreement
+) -> Pending:
+    """Issues the exchange once the ranks agreed (every rank's splits in ``agreed``)."""
+    n = len(process_set.ranks)
+    matrix = agreed.payloads  # matrix[src][dst]: rows src sends dst
     me = process_set.ranks.index(_basics.rank())
     received = [matrix[src][me] for src in range(n)]
     widest = max(max(row) for row in matrix)
@@ -98,7 +108,7 @@ def start(
             )
         return output, torch.tensor(received, dtype=torch.int32)
 
-    return keyed(submit(name, "ALLTOALL", issue, finish), call)
+    return submit(name, "ALLTOALL", issue, finish)
 
 
 def alltoall_async(

@@ -17,7 +17,7 @@ from ._allgather import object_bytes
 from ._allreduce import allreduce_async
 from ._common import Average, check_root, check_tensor
 from ._handles import Pending, complete, mark, name_of, register, submit, synchronize
-from ._negotiation import Call, attempt, keyed, negotiate, refuse
+from ._negotiation import Call, attempt, keyed, refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve, small_device
 
 __all__ = ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object"]
@@ -34,7 +34,15 @@ def start(
     """Copies the root's ``tensor`` into ``output`` on every rank of the set."""
     mark(name, "BROADCAST", "negotiate")
     call = Call("broadcast", name, named, process_set, [tensor], root=root_rank)
-    negotiate(call)
+    return keyed(
+        schedule(call, lambda _: _issue(tensor, output, root_rank, process_set, name)), call
+    )
+
+
+def _issue(
+    tensor: torch.Tensor, output: torch.Tensor, root_rank: int, process_set: ProcessSet, name: str
+) -> Pending:
+    """Issues the broadcast once the ranks agreed."""
     buffer = output if output.is_contiguous() else output.contiguous()
     if buffer is not tensor and _basics.rank() == root_rank:
         buffer.copy_(tensor)
@@ -49,7 +57,7 @@ def start(
             output.copy_(buffer)
         return output
 
-    return keyed(submit(name, "BROADCAST", issue, finish), call)
+    return submit(name, "BROADCAST", issue, finish)
 
 
 def _async(

@@ -7,9 +7,15 @@ Horovod's do (``sparse_allreduce_async`` returns a callable, as Horovod's
 does); :func:`synchronize` waits for it and returns the result, :func:`poll`
 says whether it is done.
 
+An operation's collectives are issued once every rank of its set has
+submitted it (:mod:`._negotiation`); until then its :class:`Pending` holds
+no works, and :func:`synchronize` runs the ranks' exchanges until it is
+issued or failed.
+
 A name given to an operation is in flight from the call until its handle is
 synchronised: a second operation of the same kind with the same name on the
-same process set meanwhile is refused (Horovod's duplicate-name error).
+same process set meanwhile raises ``ValueError`` (Horovod's duplicate-name
+error).
 """
 
 from __future__ import annotations
@@ -46,6 +52,16 @@ class Pending:
     sizes: list[list[int]] | None = None
     # (process set id, kind, name) while a named operation is in flight.
     key: tuple[int, str, str] | None = None
+    # Whether its collectives were issued (the ranks may not have agreed yet).
+    issued: bool = True
+    # The error the ranks' verdict gave it, raised by synchronize.
+    error: BaseException | None = None
+    # Runs the ranks' exchanges until it is issued or failed.
+    drive: Callable[[], None] | None = None
+    # Judges an operation issued before the ranks agreed (it may be issued again).
+    settle: Callable[[], None] | None = None
+    # Whether the inputs stay untouched until finish (so it can be issued again).
+    intact: bool = False
 
 
 class SparseHandle:
@@ -162,9 +178,17 @@ def _on_done(works: list[Any], callback: Callable[[], None]) -> None:
 def complete(pending: Pending) -> Any:
     """Waits for ``pending``'s works and returns its result (once computed, kept)."""
     try:
-        if not pending.finished:
+        while not pending.finished:
+            if not pending.issued and pending.error is None and pending.drive is not None:
+                pending.drive()
+            if pending.error is not None:
+                raise pending.error
             for work in pending.works:
                 wait(work, pending.name)
+            if pending.settle is not None:
+                settle, pending.settle = pending.settle, None
+                settle()
+                continue
             pending.result = pending.finish()
             pending.finished = True
     finally:
@@ -209,6 +233,8 @@ def poll(handle: Any) -> bool:
         ValueError: ``handle`` is unknown.
     """
     pending = _pending_of(handle, pop=False)
+    if not pending.issued:
+        return pending.error is not None
     return all(_done(work) for work in pending.works)
 
 

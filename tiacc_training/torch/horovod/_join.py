@@ -1,9 +1,8 @@
 """``barrier`` and ``join``.
 
-A rank inside :func:`join` keeps answering the global set's header
-exchanges (:mod:`._negotiation`) with a "joined" header, and takes part
-with zeros in every allreduce the working ranks agree on, until every rank
-has joined.
+A rank inside :func:`join` keeps taking part in the global set's cycles
+(:mod:`._negotiation`) as "joined", and in every allreduce the working
+ranks agree on with zeros, until every rank has joined.
 """
 
 from __future__ import annotations
@@ -15,18 +14,8 @@ import torch.distributed as dist
 from . import _basics
 from ._exceptions import HorovodInternalError
 from ._handles import complete, mark, name_of, submit
-from ._negotiation import (
-    NAME,
-    Call,
-    agreed_key,
-    deferred_row,
-    is_served,
-    joined_row,
-    negotiate,
-    remember,
-    serve_zeros,
-)
-from ._process_sets import ProcessSet, gather_ints, global_process_set, resolve
+from ._negotiation import Call, exchange_joined, schedule
+from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = ["barrier", "join"]
 
@@ -39,14 +28,9 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     if len(process_set.ranks) == 1:
         mark(name, "BARRIER", "done")
         return
-    negotiate(Call("barrier", name, False, process_set))
-    pending = submit(
-        name,
-        "BARRIER",
-        lambda: [dist.barrier(group=process_set.group, async_op=True)],
-        lambda: None,
-    )
-    complete(pending)
+    issue = lambda: [dist.barrier(group=process_set.group, async_op=True)]  # noqa: E731
+    call = Call("barrier", name, False, process_set)
+    complete(schedule(call, lambda _: submit(name, "BARRIER", issue, lambda: None)))
 
 
 _join_rounds = itertools.count()
@@ -85,21 +69,7 @@ def join(device: int = -1) -> int:
     if arrived == size:
         store.set(f"{key}/last", str(_basics.rank()))
     mark(name, "JOIN", "communicate")
-    while True:
-        every = gather_ints(joined_row(), global_process_set, None)
-        if all(row[0] == 1 for row in every):
-            break
-        served = is_served(every)
-        if served is not None:
-            serve_zeros(served, f"{name}.allreduce", global_process_set)
-            if served[NAME]:
-                remember(agreed_key(0, served), served)
-        else:
-            # The working ranks' calls differ (they all raise), but those
-            # whose allreduce matched the one agreed before issued it.
-            went_ahead = deferred_row(every, 0)
-            if went_ahead is not None:
-                serve_zeros(went_ahead, f"{name}.allreduce", global_process_set)
+    exchange_joined()
     try:
         last = int(store.get(f"{key}/last"))
     except RuntimeError as error:

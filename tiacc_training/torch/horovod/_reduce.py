@@ -16,7 +16,7 @@ zeros in an allreduce the others issued reduces them here directly
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,6 @@ def start(
     process_set: ProcessSet,
     name: str,
     groups: Groups,
-    deferred: Callable[[], None] | None = None,
 ) -> Pending:
     """Reduces ``tensors`` into ``outputs`` (which may be the same tensors).
 
@@ -60,11 +59,11 @@ def start(
         process_set: the ranks taking part (registered, holding this rank).
         name: the operation's name (the timeline's row).
         groups: :func:`fuse` of ``tensors``.
-        deferred: the check of a header exchange issued without waiting,
-            run before the results are handed out.
 
     Returns:
-        The operation in flight (its works issued).
+        The operation in flight (its works issued). ``intact`` says whether
+        the inputs stay as they are until the result is handed out (no
+        buffer is an input itself), so that the reduction can be run again.
     """
     n = len(process_set.ranks)
     group = process_set.group
@@ -104,8 +103,6 @@ def start(
         return works
 
     def finish() -> list[torch.Tensor]:
-        if deferred is not None:
-            deferred()
         for buffer, members, post in plans:
             scale_(buffer, post)
             offset = 0
@@ -117,4 +114,6 @@ def start(
                 offset += count
         return outputs
 
-    return submit(name, "ALLREDUCE", issue, finish)
+    pending = submit(name, "ALLREDUCE", issue, finish)
+    pending.intact = all(buffer.data_ptr() != tensors[m[0]].data_ptr() for buffer, m, _ in plans)
+    return pending

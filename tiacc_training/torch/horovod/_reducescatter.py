@@ -35,7 +35,7 @@ from ._common import (
 from ._compression import compressed
 from ._exceptions import HorovodInternalError
 from ._handles import Pending, mark, name_of, register, single, submit, synchronize
-from ._negotiation import Call, attempt, keyed, negotiate, refuse
+from ._negotiation import Call, attempt, keyed, refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = [
@@ -72,7 +72,19 @@ def start(
     call = Call(kind, name, named, process_set, tensors, op=int(op), refusal=refusal)
     if refusal is None:
         call.prescale, call.postscale = prescale_factor, postscale_factor
-    negotiate(call)
+    scales = (prescale_factor, postscale_factor)
+    return keyed(schedule(call, lambda _: _issue(tensors, op, *scales, process_set, name)), call)
+
+
+def _issue(
+    tensors: list[torch.Tensor],
+    op: ReduceOp,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    name: str,
+) -> Pending:
+    """Issues the reductions once the ranks agreed."""
     n = len(process_set.ranks)
     me = process_set.ranks.index(_basics.rank())
     plans: list[tuple[torch.Tensor, int, float]] = []
@@ -119,7 +131,7 @@ def start(
             results.append(result)
         return results
 
-    return keyed(submit(name, "REDUCESCATTER", issue, finish), call)
+    return submit(name, "REDUCESCATTER", issue, finish)
 
 
 def _async(
