@@ -729,6 +729,17 @@ def check_matched_by_name(n: int, me: int) -> None:
         for k, name in enumerate(names):
             want = torch.full((k + 1,), total)
             expect(hvd.synchronize(handles[name]), want, f"{name} (step {step})")
+    # add_process_set pairs up across ranks whatever is still in flight.
+    x = torch.ones(2)
+    if me == 0:
+        handle = hvd.allreduce_async(x, name="order.before_set", op=hvd.Sum)
+        added = hvd.add_process_set([0])
+    else:
+        added = hvd.add_process_set([0])
+        handle = hvd.allreduce_async(x, name="order.before_set", op=hvd.Sum)
+    expect(hvd.synchronize(handle), torch.full((2,), float(n)), "in flight while a set is added")
+    expect(added.process_set_id is not None, True, "the set added meanwhile")
+    hvd.remove_process_set(added)
     if me == 0:
         call = lambda: hvd.allreduce(torch.ones(2), name="order.rank_0_only")  # noqa: E731
     else:

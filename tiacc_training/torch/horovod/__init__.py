@@ -38,12 +38,8 @@ from ._basics import (  # noqa: F401
 from ._exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from ._init import init, shutdown  # noqa: F401
 from ._ops import *  # noqa: F403
-from ._process_sets import (  # noqa: F401
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
+from ._process_sets import ProcessSet, global_process_set, remove_process_set  # noqa: F401
+from ._set_changes import add_process_set  # noqa: F401
 
 # -- training: DistributedOptimizer and friends (_optimizer.py, _broadcast_state.py,
 #    _compression.py, _sync_batch_norm.py) --

@@ -32,7 +32,7 @@ from tiacc_training.torch import distributed as tdist
 from tiacc_training.torch.distributed import _runtime
 from tiacc_training.torch.distributed._engines import job_launch
 
-from . import _ops, _process_sets, _rounds, _timeline
+from . import _ops, _process_sets, _rounds, _set_changes, _timeline
 from ._basics import job
 
 __all__ = ["elastic_membership", "export_launcher_env", "init", "shutdown"]
@@ -156,7 +156,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         _process_sets.reset_global(list(range(world)))
     if process_sets is not None and process_sets != "dynamic":
         for process_set in process_sets:
-            _process_sets.add_process_set(process_set)
+            _set_changes.add_process_set(process_set)
     _timeline.start_from_env()
 
 

@@ -79,9 +79,10 @@ KINDS = {
     "reducescatter": 5,
     "grouped_reducescatter": 5,
     "barrier": 6,
+    "process_set": 7,
 }
 _KIND_NAMES = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall",
-               5: "reducescatter", 6: "barrier"}  # fmt: skip
+               5: "reducescatter", 6: "barrier", 7: "process_set"}  # fmt: skip
 ALLREDUCE_KIND = 1
 MAX_BUFFERS = 6
 # Header fields (NAME: the name's digest, or the unnamed operation's number).
@@ -293,6 +294,22 @@ def schedule(call: Call, prepare: Prepare | None, defer: bool = False) -> _handl
         coordinator.queue.append(entry)
         coordinator.cycle(waiting=False)
     return shell
+
+
+def exchange_ints(kind: str, values: list[int], process_set: ProcessSet) -> list[list[int]]:
+    """Every rank's ``values`` (one length everywhere), matched like an operation.
+
+    Queued behind this rank's operations on the set, so it pairs with the
+    other ranks' call of the same kind at the same place whatever they
+    still have in flight (``add_process_set`` compares the ranks' sets so).
+    """
+    name = _handles.name_of(kind, None)
+    call = Call(kind, name, False, process_set, payload=list(values))
+
+    def prepare(agreed: Agreement) -> _handles.Pending:
+        return _handles.Pending([], lambda: agreed.payloads, name, kind.upper())
+
+    return _handles.complete(schedule(call, prepare))
 
 
 def exchange_joined() -> None:

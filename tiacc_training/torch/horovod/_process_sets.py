@@ -1,17 +1,18 @@
 """Process sets: collectives among a subset of the ranks.
 
 A :class:`ProcessSet` is a list of global ranks; registering it
-(:func:`add_process_set`, or ``hvd.init(process_sets=[...])``) creates a
+(``add_process_set`` in :mod:`._set_changes`, or
+``hvd.init(process_sets=[...])``) creates a
 torch.distributed group of those ranks with ``dist.new_group``, so its CPU
 collectives run on the "tiacc" backend's engine of that group and its CUDA
 collectives on an NCCL communicator of its own. As in Horovod, every rank of
 the job registers and removes every set, in the same order (the group's
 creation is collective), including ranks outside the set.
 
-Before a set is registered the ranks compare what they were asked to add,
-so a refusal (a rank out of range, a set already registered) or ranks that
-name different sets raise ``ValueError`` on every rank and leave nothing
-registered anywhere.
+Before a set is registered the ranks compare what they were asked to add
+(:mod:`._set_changes`), so a refusal (a rank out of range, a set already
+registered) or ranks that name different sets raise ``ValueError`` on
+every rank and leave nothing registered anywhere.
 
 ``HOROVOD_DYNAMIC_PROCESS_SETS``: Horovod only lets sets be added or
 removed after ``init()`` with that variable set. Here groups can be made and
@@ -24,9 +25,8 @@ the global set: ranks inside it serve the global set's allreduces only, so
 an operation on another set must not include a rank that has joined.
 
 The small exchange of integers among a set's ranks (:func:`gather_ints`,
-on the device :func:`small_device` picks) lives here too: registering a
-set uses it, as does every operation's header exchange
-(:mod:`._negotiation`).
+on the device :func:`small_device` picks) lives here too: the cycles that
+match every operation across ranks use it (:mod:`._negotiation`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from . import _basics
 from ._exceptions import wait
 
-__all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]
+__all__ = ["ProcessSet", "global_process_set", "remove_process_set"]
 
 _lock = threading.RLock()
 
@@ -126,34 +126,10 @@ def reset_global(ranks: list[int]) -> None:
         _next_id = 1
 
 
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Registers a process set; every rank of the job calls it, in the same order.
-
-    The ranks first compare what they were asked to add (one small
-    exchange), so that a set is registered on every rank or on none: when
-    a rank refuses (its own error below) or the ranks name different sets,
-    every rank raises ``ValueError`` and nothing is registered.
-
-    Args:
-        process_set: a :class:`ProcessSet`, or a list of global ranks.
-
-    Returns:
-        The registered set (the one passed in, now with an id).
-
-    Raises:
-        ValueError: Horovod is not initialised, a rank is not below
-            ``hvd.size()``, the set is already registered, a registered
-            set holds the same ranks, or another rank refused or named
-            other ranks.
-    """
+def register(process_set: ProcessSet, world: int) -> None:
+    """Gives ``process_set`` its group and the next id (the ranks agreed on it already)."""
     global _next_id
-    _basics.check_initialized()
-    if not isinstance(process_set, ProcessSet):
-        process_set = ProcessSet(process_set)
-    world = _basics.size()
     with _lock:
-        refusal = _refusal(process_set, world)
-        _agree(process_set, world, refusal)
         if process_set.ranks == list(range(world)):
             group = dist.GroupMember.WORLD
         else:
@@ -162,45 +138,28 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         process_set.process_set_id = _next_id
         _sets[_next_id] = process_set
         _next_id += 1
-    return process_set
 
 
-def _refusal(process_set: ProcessSet, world: int) -> ValueError | None:
+def refusal_of(process_set: ProcessSet, world: int) -> ValueError | None:
     """Why this rank cannot add ``process_set``, or ``None``."""
-    if process_set.process_set_id is not None and process_set.process_set_id in _sets:
-        return ValueError(f"{process_set} is already registered")
-    if not process_set.ranks:
-        return ValueError("a process set needs at least one rank")
-    bad = [r for r in process_set.ranks if r >= world]
-    if bad:
-        return ValueError(
-            f"process set ranks {bad} are not below the job's size {world} "
-            f"(ranks {process_set.ranks})"
-        )
-    for other in _sets.values():
-        if other.ranks == process_set.ranks:
+    with _lock:
+        if process_set.process_set_id is not None and process_set.process_set_id in _sets:
+            return ValueError(f"{process_set} is already registered")
+        if not process_set.ranks:
+            return ValueError("a process set needs at least one rank")
+        bad = [r for r in process_set.ranks if r >= world]
+        if bad:
             return ValueError(
-                f"a process set with ranks {process_set.ranks} is already registered "
-                f"(id {other.process_set_id})"
+                f"process set ranks {bad} are not below the job's size {world} "
+                f"(ranks {process_set.ranks})"
             )
+        for other in _sets.values():
+            if other.ranks == process_set.ranks:
+                return ValueError(
+                    f"a process set with ranks {process_set.ranks} is already registered "
+                    f"(id {other.process_set_id})"
+                )
     return None
-
-
-def _agree(process_set: ProcessSet, world: int, refusal: ValueError | None) -> None:
-    """Raises on every rank unless every rank can add the same set."""
-    row = [int(refusal is not None), len(process_set.ranks)]
-    row += (process_set.ranks + [-1] * world)[:world]
-    every = gather_ints(row, global_process_set)
-    refused = [r for r, theirs in enumerate(every) if theirs[0]]
-    if refusal is not None:
-        raise refusal
-    if refused:
-        raise ValueError(f"rank(s) {refused} could not add the process set {process_set.ranks}")
-    if any(theirs != every[0] for theirs in every):
-        named = "; ".join(
-            f"rank {r}: {theirs[2 : 2 + theirs[1]]}" for r, theirs in enumerate(every)
-        )
-        raise ValueError(f"the ranks asked to add different process sets ({named})")
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
