@@ -296,7 +296,16 @@ def _grouped_allreduce(tensors: Any, *args: Any) -> list[torch.Tensor]:
     tensors, _ = _checked("grouped_allreduce", tensors, None, None, name, process_set)
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
         return [
-            allreduce(t, average, None if name is None else f"{name}.{i}", compression, *args[3:])
+            allreduce(
+                t,
+                average,
+                None if name is None else f"{name}.{i}",
+                compression,
+                op,
+                prescale_factor,
+                postscale_factor,
+                process_set,
+            )
             for i, t in enumerate(tensors)
         ]
     return compressed(
