@@ -73,18 +73,18 @@ def start(
     if refusal is None:
         call.prescale, call.postscale = prescale_factor, postscale_factor
     scales = (prescale_factor, postscale_factor)
-    return keyed(schedule(call, lambda _: _issue(tensors, op, *scales, process_set, name)), call)
+    return keyed(schedule(call, lambda _: _issue(tensors, op, scales, process_set, name)), call)
 
 
 def _issue(
     tensors: list[torch.Tensor],
     op: ReduceOp,
-    prescale_factor: float,
-    postscale_factor: float,
+    scales: tuple[float, float],
     process_set: ProcessSet,
     name: str,
 ) -> Pending:
-    """Issues the reductions once the ranks agreed."""
+    """Issues the reductions once the ranks agreed (``scales``: prescale, postscale)."""
+    prescale_factor, postscale_factor = scales
     n = len(process_set.ranks)
     me = process_set.ranks.index(_basics.rank())
     plans: list[tuple[torch.Tensor, int, float]] = []
