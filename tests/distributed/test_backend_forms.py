@@ -25,9 +25,18 @@ def init(backend):
 """
 
 
+FINISH = """
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
 def run(body: str, env: dict[str, str] | None = None) -> dict:
     """Runs ``body`` after the prelude; returns what it printed as ``RESULT``."""
-    code = PRELUDE.format(port=free_port()) + body
+    # Destroyed before the interpreter exits, as torch asks: a gloo group left
+    # to the finalizer can abort the process there ("terminate called without
+    # an active exception", a torch issue), after the script's work is done.
+    code = PRELUDE.format(port=free_port()) + body + FINISH
     proc = subprocess.run(
         [sys.executable, "-c", code], env=base_env(env), capture_output=True, text=True, timeout=120
     )
