@@ -20,8 +20,10 @@ help: ## list the targets
 $(STAMPS)/apt:
 	@mkdir -p $(STAMPS)
 	@# cmake and nasm build libjpeg-turbo (the image decoder); mpirun (openmpi-bin)
-	@# launches the mpirun test; ip and tc (iproute2) build the benchmark cluster.
-	@missing=""; for pair in cmake:cmake nasm:nasm mpirun:openmpi-bin ip:iproute2 tc:iproute2; do \
+	@# launches the mpirun test; ip and tc (iproute2) build the benchmark cluster;
+	@# sshd and ssh (openssh-server) carry the two-host test's remote ranks.
+	@missing=""; for pair in cmake:cmake nasm:nasm mpirun:openmpi-bin ip:iproute2 tc:iproute2 \
+	  /usr/sbin/sshd:openssh-server ssh:openssh-client; do \
 	  command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair##*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing with apt"; \

@@ -215,8 +215,8 @@ def test_bad_hosts_and_interface_name_the_problem(tmp_path):
     assert result.returncode == 2 and "nosuch0" in result.stderr
 
 
-def _run_remote(text: str) -> tuple[int, str, str]:
-    """Runs a remote command's text as sshd would, its stdin held open."""
+def _run_remote(text: str, env: dict[str, str]) -> tuple[int, str, str]:
+    """Runs a remote command's text as sshd would, ``env`` on its stdin, held open."""
     proc = subprocess.Popen(
         ["sh", "-c", text],
         stdin=subprocess.PIPE,
@@ -224,6 +224,8 @@ def _run_remote(text: str) -> tuple[int, str, str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+    proc.stdin.write(tiaccrun.environment_block(env).decode())
+    proc.stdin.flush()
     try:
         out = proc.stdout.read()
         err = proc.stderr.read()
@@ -237,19 +239,33 @@ def _run_remote(text: str) -> tuple[int, str, str]:
 def test_remote_command_runs_in_cwd_with_env(tmp_path):
     env = {"A": 'it\'s "quoted" $HOME', "B": "line1\nline2"}
     code = "import os; print(repr((os.getcwd(), os.environ['A'], os.environ['B'])))"
-    text = tiaccrun.remote_command([sys.executable, "-c", code], str(tmp_path), env)
-    rc, out, err = _run_remote(text)
+    text = tiaccrun.remote_command([sys.executable, "-c", code], str(tmp_path))
+    # The variables travel on stdin, never in the command's text.
+    assert "quoted" not in text and "line1" not in text
+    rc, out, err = _run_remote(text, env)
     assert rc == 0, err
     assert out.strip() == repr((str(tmp_path), env["A"], env["B"]))
-    failing = tiaccrun.remote_command([sys.executable, "-c", "raise SystemExit(9)"], "/", {})
-    assert _run_remote(failing)[0] == 9
+    failing = tiaccrun.remote_command([sys.executable, "-c", "raise SystemExit(9)"], "/")
+    assert _run_remote(failing, {})[0] == 9
+
+
+def test_a_rank_killed_remotely_leaves_no_shell_noise():
+    # The remote shell reports the signal only as its exit status (128 + N).
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    rc, out, err = _run_remote(tiaccrun.remote_command([sys.executable, "-c", code], "/"), {})
+    assert rc == 128 + signal.SIGKILL and err == "" and out == ""
+    assert tiaccrun.describe_exit(rc, over_ssh=True) == "was killed by SIGKILL (exit code 137)"
+    assert tiaccrun.describe_exit(-signal.SIGTERM) == "was killed by SIGTERM"
+    assert tiaccrun.describe_exit(3) == "exited with code 3"
 
 
 def test_remote_rank_ends_when_the_connection_closes(tmp_path):
     pid_file = tmp_path / "pid"
     code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
-    text = tiaccrun.remote_command([sys.executable, "-c", code], "/", {})
+    text = tiaccrun.remote_command([sys.executable, "-c", code], "/")
     proc = subprocess.Popen(["sh", "-c", text], stdin=subprocess.PIPE)
+    proc.stdin.write(tiaccrun.environment_block({}))
+    proc.stdin.flush()
     try:
         deadline = time.monotonic() + 60
         while not pid_file.exists() or not pid_file.read_text():
@@ -380,10 +396,12 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path, fake_ssh):
     hosts = ["-H", "localhost:1,127.0.0.2:1"]
     result = _run(["-np", "2", *hosts, sys.executable, str(script)], env=env, timeout=120)
     assert result.returncode == 128 + signal.SIGKILL
-    assert (
-        "rank 1 on 127.0.0.2 (over ssh) exited with code 137 (128 + SIGKILL: killed by a signal)"
-        in result.stderr
-    )
+    lines = [line for line in result.stderr.splitlines() if "SIGKILL" in line]
+    assert lines == [
+        "tiaccrun: rank 1 on 127.0.0.2 (over ssh) was killed by SIGKILL (exit code 137); "
+        "the other ranks were terminated"
+    ], result.stderr
+    assert "bash:" not in result.stderr and " Killed " not in result.stderr
 
 
 def test_remote_ranks_over_ssh(tmp_path, fake_ssh):
@@ -425,9 +443,12 @@ def test_remote_ranks_over_ssh(tmp_path, fake_ssh):
         # Rank 0 is on this machine: tiaccrun hosts the store, every rank joins it.
         assert seen["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     calls = _ssh_calls(log)
-    # The connection check, then rank 2's command; nothing else went over ssh.
-    assert [c[-1] for c in calls][0] == "true" and len(calls) == 2
+    # The connection check (which lists the host's interfaces), then rank
+    # 2's command; nothing else went over ssh, and no variable of the job
+    # is on a command line.
+    assert tiaccrun.PROBE_MODULE in calls[0][-1] and len(calls) == 2
     for call in calls:
+        assert env["JOB_NOTE"] not in " ".join(call)
         assert call[call.index("-p") + 1] == "2222"
         assert call[call.index("-i") + 1] == str(key)
         assert "BatchMode=yes" in call

@@ -13,6 +13,9 @@ from collections.abc import Sequence
 PROG = "tiaccrun"
 DEFAULT_START_TIMEOUT = 30.0
 DEFAULT_ELASTIC_TIMEOUT = 600.0
+# The variables that name the interface a rank binds to: gloo's (which the
+# engine reads too) and NCCL's.
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def _nic_action() -> type[argparse.Action]:
@@ -53,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="nics",
         action=_nic_action(),
         help="interface(s) the ranks communicate over (comma-separated or "
-        "repeated); the first also picks MASTER_ADDR",
+        "repeated): on each host, the first of them it has (default: an "
+        "interface on a network every host shares)",
     )
     parser.add_argument(
         "--start-timeout",
@@ -221,9 +225,10 @@ def settings_environment(args: argparse.Namespace) -> dict[str, str]:
     """The variables set by the flags (the same for every rank)."""
     env: dict[str, str] = {}
     if args.nics:
-        # The engine's TCP transport takes the first name; NCCL takes the list.
-        env["GLOO_SOCKET_IFNAME"] = args.nics[0]
-        env["NCCL_SOCKET_IFNAME"] = ",".join(args.nics)
+        # Until a host's own interface is chosen (tiaccrun's job_interfaces):
+        # gloo and the engine take the first name, NCCL the list.
+        env[IFNAME_VARIABLES[0]] = args.nics[0]
+        env[IFNAME_VARIABLES[1]] = ",".join(args.nics)
     if args.start_timeout is not None:
         env["HOROVOD_START_TIMEOUT"] = str(args.start_timeout)
     if args.timeline_filename:

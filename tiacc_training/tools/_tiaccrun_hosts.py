@@ -6,11 +6,8 @@ routes to a host, and a free port; ``UsageError`` names what was wrong.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import ipaddress
 import socket
-import struct
 from dataclasses import dataclass
 
 from tiacc_training import _engine
@@ -150,35 +147,104 @@ def assign_ranks(hosts: list[Host], num_proc: int) -> list[tuple[int, int]]:
 # -- addresses ---------------------------------------------------------------
 
 
-def interface_address(name: str) -> str:
-    """The IPv4 address of the network interface ``name``.
+# An interface of a host: (name, IPv4 address, prefix length or None).
+Interface = tuple[str, str, "int | None"]
+
+
+def interface_address(name: str, interfaces: list[Interface] | None = None) -> str:
+    """The IPv4 address of the network interface ``name`` (of this host by default).
 
     Raises:
         UsageError: No such interface, or it has no IPv4 address.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        request = struct.pack("256s", name.encode()[:15])
-        try:
-            reply = fcntl.ioctl(s.fileno(), 0x8915, request)  # SIOCGIFADDR
-        except OSError as e:
-            names = ", ".join(n for _, n in socket.if_nameindex())
-            reason = "does not exist" if e.errno == errno.ENODEV else "has no IPv4 address"
-            raise UsageError(
-                f"--network-interface {name}: the interface {reason} on this host "
-                f"(interfaces: {names})"
-            ) from e
-    return socket.inet_ntoa(reply[20:24])
+    interfaces = _engine.network_interfaces() if interfaces is None else interfaces
+    for found, address, _ in interfaces:
+        if found == name:
+            return address
+    names = ", ".join(n for n, _, _ in interfaces) or "none with an IPv4 address"
+    raise UsageError(
+        f"--network-interface {name}: no interface of that name with an IPv4 address "
+        f"on this host (interfaces: {names})"
+    )
 
 
 def local_addresses() -> set[str]:
     """The IPv4 addresses of this machine's interfaces."""
-    addresses = set()
-    for _, name in socket.if_nameindex():
-        try:
-            addresses.add(interface_address(name))
-        except UsageError:
-            continue
-    return addresses
+    return {address for _, address, _ in _engine.network_interfaces()}
+
+
+def _network(interface: Interface) -> tuple[int, int] | None:
+    """The IPv4 network an interface is on, as ``(first address, prefix)``."""
+    _, address, prefix = interface
+    ip = ipaddress.ip_address(address)
+    if prefix is None or ip.is_loopback or address.startswith("169.254."):
+        return None
+    net = ipaddress.ip_network(f"{address}/{prefix}", strict=False)
+    return int(net.network_address), prefix
+
+
+def choose_interfaces(
+    hosts: dict[str, list[Interface] | None],
+    names: list[str] | None,
+    towards: list[str] = (),  # type: ignore[assignment]
+) -> dict[str, Interface]:
+    """The interface each host's ranks talk to the others over.
+
+    With ``names`` (``--network-interface``): on each host, the first of
+    them the host has. Without: a network that every host has an interface
+    on, the one holding an address of ``towards`` first (where the host
+    list's names lead), else the first in the first host's order of
+    interfaces; no host gets one where no such network exists. A host
+    whose interfaces are unknown (``None``: its listing failed) gets none.
+
+    Args:
+        hosts: each host's interfaces, in the job's host order.
+        names: the interface names the user gave, if any.
+        towards: IPv4 addresses the host list's names resolve to.
+
+    Raises:
+        UsageError: ``names`` given and a host has none of them (the
+            message lists that host's interfaces).
+    """
+    chosen: dict[str, Interface] = {}
+    if names:
+        for host, interfaces in hosts.items():
+            if interfaces is None:
+                continue
+            found = next((i for n in names for i in interfaces if i[0] == n), None)
+            if found is None:
+                listed = ", ".join(f"{n} ({a})" for n, a, _ in interfaces) or "none"
+                raise UsageError(
+                    f"--network-interface {','.join(names)}: host {host} has none of these "
+                    f"interfaces (it has {listed})"
+                )
+            chosen[host] = found
+        return chosen
+    known = {h: i for h, i in hosts.items() if i is not None}
+    if not known:
+        return chosen
+    networks = {h: {_network(i): i for i in reversed(ifaces)} for h, ifaces in known.items()}
+    first = next(iter(known.values()))
+    candidates = [c for c in (_network(i) for i in first) if c is not None]
+    candidates.sort(key=lambda c: not any(_holds(c, a) for a in towards))
+    for candidate in candidates:
+        if all(candidate in n for n in networks.values()):
+            return {h: networks[h][candidate] for h in known}
+    return chosen
+
+
+def _holds(network: tuple[int, int], address: str) -> bool:
+    first, prefix = network
+    mask = (0xFFFFFFFF << (32 - prefix)) & 0xFFFFFFFF if prefix else 0
+    return int(ipaddress.ip_address(address)) & mask == first
+
+
+def resolve_ipv4(host: str) -> str | None:
+    """The first IPv4 address ``host`` resolves to here, or ``None``."""
+    try:
+        return str(socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0])
+    except OSError:
+        return None
 
 
 def is_local(host: str, addresses: set[str]) -> bool:

@@ -9,6 +9,7 @@ signal comes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import IO, Callable
 
 from tiacc_training.tools._tiaccrun_flags import DEFAULT_START_TIMEOUT
-from tiacc_training.tools._tiaccrun_hosts import UsageError
+from tiacc_training.tools._tiaccrun_hosts import Interface, UsageError
 
 # Seconds a rank gets to exit after SIGTERM before it is killed.
 TERMINATE_GRACE = 10.0
@@ -78,18 +79,28 @@ def ssh_base(args: argparse.Namespace, connect_timeout: float) -> list[str]:
     return command
 
 
-def remote_command(command: Sequence[str], cwd: str, env: dict[str, str]) -> str:
-    """The shell text a remote host runs for a rank.
+def remote_command(command: Sequence[str], cwd: str) -> str:
+    """The shell text a remote host runs for a rank (or a probe).
 
-    It changes to ``cwd``, exports ``env``, starts the command and waits for
-    it; when the ssh connection closes (tiaccrun ended it, or died), the
-    rank gets SIGTERM, so no rank outlives the job.
+    It holds no variable of the job: it first reads them from the
+    connection's stdin (:func:`environment_block`, a line count first), so
+    that no value (a token, a cloud key) is ever on a command line, where
+    every user of either host could read it. It then changes to ``cwd``,
+    starts the command and waits for it, quietly (a rank killed by a signal
+    is reported by tiaccrun, not by the shell); when the ssh connection
+    closes (tiaccrun ended it, or died), the rank gets SIGTERM, so no rank
+    outlives the job.
     """
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
     return "\n".join(
         [
+            # POSIX sh (a login shell may be dash): the count of lines, then them.
+            "IFS= read -r job_lines || exit 126",
+            "job_env=",
+            'while [ "$job_lines" -gt 0 ]; do IFS= read -r job_line || exit 126',
+            '  job_env="$job_env$job_line',
+            '"; job_lines=$((job_lines - 1)); done',
+            'eval "$job_env"; unset job_env job_line job_lines',
             f"cd {shlex.quote(cwd)} || exit 127",
-            f"export {exports}" if exports else ":",
             # A background list's stdin is /dev/null unless redirected: keep
             # the connection's stdin as fd 3 for the watcher.
             "exec 3<&0",
@@ -99,12 +110,41 @@ def remote_command(command: Sequence[str], cwd: str, env: dict[str, str]) -> str
             '( while read -r _; do :; done; kill -TERM "$pid" 2>/dev/null ) <&3 >/dev/null 2>&1 &',
             "watcher=$!",
             "trap 'kill -TERM \"$pid\" 2>/dev/null' TERM INT HUP",
-            'wait "$pid"; rc=$?',
-            'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done',
+            'wait "$pid" 2>/dev/null; rc=$?',
+            'while kill -0 "$pid" 2>/dev/null; do wait "$pid" 2>/dev/null; rc=$?; done',
             'kill "$watcher" 2>/dev/null',
             'exit "$rc"',
         ]
     )
+
+
+def environment_block(env: dict[str, str]) -> bytes:
+    """What :func:`remote_command` reads first from stdin: ``env`` as exports.
+
+    The number of lines comes first (a value may span lines), so that the
+    shell reads exactly the block and leaves the rest of stdin (the
+    connection's end) to the rank's watcher.
+    """
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()))
+    return f"{exports.count(chr(10))}\n{exports}".encode()
+
+
+def describe_exit(code: int, over_ssh: bool = False) -> str:
+    """How a rank's (or worker's) non-zero exit status reads in tiaccrun's line.
+
+    A negative status is the signal that killed a local process; over ssh
+    (and for a shell) a status of 128 + N is taken as killed by signal N.
+    """
+    signum = -code if code < 0 else code - 128 if code > 128 else 0
+    if signum:
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return f"was killed by {name}" + (f" (exit code {code})" if code > 0 else "")
+    if code == 255 and over_ssh:
+        return "exited with code 255 (the ssh connection failed, or the rank exited 255)"
+    return f"exited with code {code}"
 
 
 def forwarded_environment(environ: dict[str, str]) -> dict[str, str]:
@@ -112,40 +152,73 @@ def forwarded_environment(environ: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if _ENV_NAME.match(k) and not _NOT_FORWARDED.match(k)}
 
 
-def check_ssh(args: argparse.Namespace, hosts: list[str], deadline: float) -> None:
-    """Runs ``true`` on every remote host over ssh, all at once.
+# The module a remote host runs to list its interfaces (see check_ssh).
+PROBE_MODULE = "tiacc_training.tools._tiaccrun_probe"
+
+
+def probe_interpreter(command: Sequence[str]) -> str:
+    """The Python that lists a remote host's interfaces: the job's, when it runs Python."""
+    first = command[0] if command else ""
+    return first if os.path.basename(first).startswith("python") else "python3"
+
+
+def check_ssh(
+    args: argparse.Namespace,
+    hosts: list[str],
+    deadline: float,
+    command: Sequence[str] = ("python3",),
+    env: dict[str, str] | None = None,
+) -> dict[str, list[Interface] | None]:
+    """Reaches every remote host over ssh, all at once, and lists its interfaces.
+
+    Each host runs :data:`PROBE_MODULE` with the job's interpreter
+    (:func:`probe_interpreter` of ``command``), in this directory and with
+    ``env`` (sent over stdin, as the ranks' variables are).
+
+    Returns:
+        Each host's interfaces, ``None`` for a host that ssh reached but
+        that could not list them (its ranks then get no interface).
 
     Raises:
         UsageError: A host could not be reached by ``deadline``, or ssh
             failed (its message is included).
     """
     remaining = max(1.0, deadline - time.monotonic())
+    probe = remote_command([probe_interpreter(command), "-m", PROBE_MODULE], os.getcwd())
+    block = environment_block(env or {})
     procs = {
         host: subprocess.Popen(
-            [*ssh_base(args, remaining), host, "true"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            [*ssh_base(args, remaining), host, probe],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
         )
         for host in hosts
     }
     failures = []
+    found: dict[str, list[Interface] | None] = {}
     for host, proc in procs.items():
         try:
-            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out, err = proc.communicate(block, timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
             failures.append(f"{host}: no answer within the start timeout")
             continue
-        if proc.returncode != 0:
-            failures.append(f"{host}: ssh exited with {proc.returncode}: {err.strip()}")
+        if proc.returncode == 255:
+            failures.append(f"{host}: ssh exited with 255: {err.decode(errors='replace').strip()}")
+            continue
+        try:
+            listed = json.loads(out.decode()) if proc.returncode == 0 else None
+            found[host] = [(str(n), str(a), None if p is None else int(p)) for n, a, p in listed]
+        except (ValueError, TypeError):
+            found[host] = None
     if failures:
         raise UsageError(
             "ssh to these hosts failed (tiaccrun needs password-less ssh, "
             "see -p and -i):\n  " + "\n  ".join(failures)
         )
+    return found
 
 
 class _Output:
@@ -239,15 +312,16 @@ class Job:
         """
         cwd = os.getcwd()
         forwarded = forwarded_environment(self.base_env)
+        block = b""
         if spec.local:
             argv = list(self.command)
             env = {**self.base_env, **spec.env}
         else:
-            remote_env = {**forwarded, **spec.env}
+            block = environment_block({**forwarded, **spec.env})
             argv = [
                 *ssh_base(self.args, self.args.start_timeout or DEFAULT_START_TIMEOUT),
                 spec.host,
-                remote_command(self.command, cwd, remote_env),
+                remote_command(self.command, cwd),
             ]
             env = dict(self.base_env)
         if self.args.verbose:
@@ -265,6 +339,12 @@ class Job:
         except OSError as e:
             raise UsageError(f"rank {spec.rank}: cannot start {argv[0]!r}: {e}") from e
         self.procs.append(proc)
+        if proc.stdin is not None:  # the job's variables, never on a command line
+            try:
+                proc.stdin.write(block)
+                proc.stdin.flush()
+            except OSError:
+                pass  # ssh already ended: its exit status says why
         copies: dict[str, IO[bytes] | None] = {"stdout": None, "stderr": None}
         if self.args.output_filename:
             folder = os.path.join(self.args.output_filename, f"rank.{spec.rank:0{width}d}")
@@ -344,18 +424,5 @@ class Job:
 
     def _describe_failure(self, spec: RankSpec, code: int) -> str:
         where = "this host" if spec.local else "over ssh"
-        if code < 0:
-            try:
-                what = f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                what = f"was killed by signal {-code}"
-        elif code == 255 and not spec.local:
-            what = "exited with code 255 (the ssh connection failed, or the rank exited 255)"
-        else:
-            what = f"exited with code {code}"
-            if code > 128:
-                try:
-                    what += f" (128 + {signal.Signals(code - 128).name}: killed by a signal)"
-                except ValueError:
-                    pass
+        what = describe_exit(code, over_ssh=not spec.local)
         return f"rank {spec.rank} on {spec.host} ({where}) {what}; the other ranks were terminated"

@@ -48,21 +48,24 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import ipaddress
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch.distributed as dist
 
+from tiacc_training import _engine
 from tiacc_training.tools import _elastic
 from tiacc_training.tools._tiaccrun_flags import (
     DEFAULT_ELASTIC_TIMEOUT,
     DEFAULT_START_TIMEOUT,
+    IFNAME_VARIABLES,
     PROG,
     build_parser,
     parse_args,
@@ -70,23 +73,30 @@ from tiacc_training.tools._tiaccrun_flags import (
 )
 from tiacc_training.tools._tiaccrun_hosts import (
     Host,
+    Interface,
     UsageError,
     assign_ranks,
+    choose_interfaces,
     free_port,
     interface_address,
     is_local,
     local_addresses,
     parse_hostfile,
     parse_hosts,
+    resolve_ipv4,
     route_address,
 )
 from tiacc_training.tools._tiaccrun_job import (
+    PROBE_MODULE,
     TERMINATE_GRACE,
     Job,
     RankSpec,
     RendezvousWatch,
     check_ssh,
+    describe_exit,
+    environment_block,
     forwarded_environment,
+    probe_interpreter,
     remote_command,
     ssh_base,
 )
@@ -103,16 +113,22 @@ __all__ = [
     "parse_hosts",
     "parse_hostfile",
     "assign_ranks",
+    "Interface",
+    "choose_interfaces",
     "interface_address",
     "local_addresses",
     "is_local",
     "route_address",
     "free_port",
     "TERMINATE_GRACE",
+    "PROBE_MODULE",
     "RankSpec",
     "RendezvousWatch",
     "ssh_base",
     "remote_command",
+    "environment_block",
+    "describe_exit",
+    "probe_interpreter",
     "forwarded_environment",
     "check_ssh",
     "Job",
@@ -122,6 +138,8 @@ __all__ = [
     "store_joined",
     "listening",
     "rank_environments",
+    "interface_environment",
+    "job_interfaces",
     "plan",
     "main",
     "run_elastic",
@@ -144,6 +162,7 @@ class Plan:
         store: the store tiaccrun hosts for the ranks (``TCPStore``);
             ``None`` where rank 0 hosts it (``MASTER_PORT`` given, or rank 0
             on another host).
+        interfaces: the interface each host's ranks use, where one was chosen.
     """
 
     hosts: list[Host]
@@ -151,6 +170,7 @@ class Plan:
     master_addr: str
     master_port: int
     store: Any = None
+    interfaces: dict[str, Interface] = field(default_factory=dict)
 
 
 # -- the rendezvous ----------------------------------------------------------
@@ -266,18 +286,69 @@ def rank_environments(
 # -- the job -----------------------------------------------------------------
 
 
-def plan(args: argparse.Namespace) -> Plan:
-    """Hosts, ranks and the rendezvous of the job.
+def interface_environment(interface: Interface) -> dict[str, str]:
+    """The variables that bind a rank's gloo, NCCL and engine to ``interface``."""
+    return {IFNAME_VARIABLES[0]: interface[0], IFNAME_VARIABLES[1]: f"={interface[0]}"}
 
-    No process is started. Without ``MASTER_PORT`` and with rank 0 on this
-    machine, the store is opened here (:func:`host_store`) and the ranks
-    are told to join it (``TORCHELASTIC_USE_AGENT_STORE=True``); otherwise
-    rank 0 hosts it (``TORCHELASTIC_USE_AGENT_STORE=False``, whatever this
-    process's environment says).
+
+def job_interfaces(
+    args: argparse.Namespace,
+    names: list[str],
+    remote: dict[str, list[Interface] | None],
+    log: Callable[[str], None],
+) -> dict[str, Interface]:
+    """The interface each host of the job talks to the others over (see ``choose_interfaces``).
+
+    Hosts on this machine are listed here, the others by :func:`check_ssh`
+    (``remote``). Nothing is chosen where the user's environment names an
+    interface already, or for a job on this machine alone.
 
     Raises:
-        UsageError: Bad hosts, too few slots, an unusable interface or a
-            store that cannot be opened.
+        UsageError: ``--network-interface`` names no interface a host has.
+    """
+    if not args.nics and any(os.environ.get(v) for v in IFNAME_VARIABLES):
+        return {}
+    if not remote and not args.nics:
+        return {}
+    towards = [a for a in (resolve_ipv4(name) for name in remote) if a is not None]
+    if not args.nics and any(ipaddress.ip_address(a).is_loopback for a in towards):
+        return {}  # "remote" hosts that are this one under a loopback name
+    here = _engine.network_interfaces()
+    listed = {name: remote[name] if name in remote else here for name in names}
+    for name, interfaces in listed.items():
+        if interfaces is None:
+            log(
+                f"could not list the network interfaces of {name} (is tiacc_training "
+                f"importable by {probe_interpreter(args.command)} there?): its ranks use "
+                "the route to MASTER_ADDR"
+            )
+    chosen = choose_interfaces(listed, args.nics, towards)
+    if remote and not chosen and not args.nics:
+        log(
+            "found no network that every host has an interface on: the ranks use the "
+            "route to MASTER_ADDR (--network-interface names one per host)"
+        )
+    return chosen
+
+
+def plan(
+    args: argparse.Namespace,
+    log: Callable[[str], None] = lambda _: None,
+    deadline: float | None = None,
+) -> Plan:
+    """Hosts, ranks, interfaces and the rendezvous of the job.
+
+    No rank is started; remote hosts are reached over ssh once
+    (:func:`check_ssh`: the connection, and their interfaces). Without
+    ``MASTER_PORT`` and with rank 0 on this machine, the store is opened
+    here (:func:`host_store`) and the ranks are told to join it
+    (``TORCHELASTIC_USE_AGENT_STORE=True``); otherwise rank 0 hosts it
+    (``TORCHELASTIC_USE_AGENT_STORE=False``, whatever this process's
+    environment says).
+
+    Raises:
+        UsageError: Bad hosts, too few slots, an unusable interface, an
+            unreachable host or a store that cannot be opened.
     """
     if args.hosts:
         hosts = parse_hosts(args.hosts)
@@ -289,15 +360,24 @@ def plan(args: argparse.Namespace) -> Plan:
     addresses = local_addresses()
     local = [is_local(h.name, addresses) for h in hosts]
     used = sorted({h for h, _ in placement})
+    remote_names = [hosts[h].name for h in used if not local[h]]
+    if deadline is None:
+        deadline = time.monotonic() + (args.start_timeout or DEFAULT_START_TIMEOUT)
+    remote: dict[str, list[Interface] | None] = {}
+    if args.nics:  # this host's names are checked before any ssh
+        here = _engine.network_interfaces()
+        choose_interfaces({hosts[h].name: here for h in used if local[h]}, args.nics)
+    if remote_names:
+        env = forwarded_environment(dict(os.environ))
+        remote = check_ssh(args, remote_names, deadline, args.command, env)
+    chosen = job_interfaces(args, [hosts[h].name for h in used], remote, log)
     first = used[0]
     if all(local[h] for h in used):
         master_addr = "127.0.0.1"
+    elif hosts[first].name in chosen:
+        master_addr = chosen[hosts[first].name][1]
     elif local[first]:
-        if args.nics:
-            master_addr = interface_address(args.nics[0])
-        else:
-            remote = next(hosts[h].name for h in used if not local[h])
-            master_addr = route_address(remote)
+        master_addr = route_address(next(hosts[h].name for h in used if not local[h]))
     else:
         master_addr = hosts[first].name
     port_text = os.environ.get("MASTER_PORT")
@@ -313,11 +393,12 @@ def plan(args: argparse.Namespace) -> Plan:
         master_port = free_port()
     extra = {**settings_environment(args), AGENT_STORE: str(store is not None)}
     envs = rank_environments(hosts, placement, master_addr, master_port, extra)
-    specs = [
-        RankSpec(rank, hosts[h].name, local[h], env)
-        for rank, ((h, _), env) in enumerate(zip(placement, envs))
-    ]
-    return Plan(hosts, specs, master_addr, master_port, store)
+    specs = []
+    for rank, ((h, _), env) in enumerate(zip(placement, envs)):
+        if hosts[h].name in chosen:
+            env.update(interface_environment(chosen[hosts[h].name]))
+        specs.append(RankSpec(rank, hosts[h].name, local[h], env))
+    return Plan(hosts, specs, master_addr, master_port, store, chosen)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -329,15 +410,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.host_discovery_script:
         return run_elastic(args, log)
-    try:
-        job_plan = plan(args)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    specs, master_port = job_plan.specs, job_plan.master_port
     start_timeout = args.start_timeout or DEFAULT_START_TIMEOUT
     deadline = time.monotonic() + start_timeout
-    remote_hosts = sorted({s.host for s in specs if not s.local})
+    try:
+        job_plan = plan(args, log, deadline)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 1 if str(e).startswith("ssh to these hosts failed") else 2
+    specs, master_port = job_plan.specs, job_plan.master_port
     if args.verbose:
         for spec in specs:
             kind = "local" if spec.local else "ssh"
@@ -347,12 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         host = "tiaccrun" if job_plan.store is not None else "rank 0"
         log(f"rendezvous at {job_plan.master_addr}:{master_port} (the store hosted by {host})")
-    try:
-        if remote_hosts:
-            check_ssh(args, remote_hosts, deadline)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        for name, (nic, address, _) in job_plan.interfaces.items():
+            log(f"{name}: its ranks use {nic} ({address})")
 
     base_env = dict(os.environ)
     if len(specs) > 1:

@@ -64,6 +64,30 @@ pub fn local_addr_towards(host: &str, port: u16) -> String {
     tcp::local_addr_towards(host, port).to_string()
 }
 
+/// This host's network interfaces that have an IPv4 address, in the
+/// system's order, as `(name, address, prefix length or None)`.
+#[pyfunction]
+#[pyo3(text_signature = "() -> list[tuple[str, str, Optional[int]]]")]
+pub fn network_interfaces() -> PyResult<Vec<(String, String, Option<u8>)>> {
+    let interfaces = config::system_interfaces().py()?;
+    Ok(interfaces
+        .into_iter()
+        .filter_map(|i| i.ipv4.map(|ip| (i.name, ip.to_string(), i.prefix_len)))
+        .collect())
+}
+
+/// The interface this host reaches other hosts through when no variable
+/// names one and the route to the rendezvous stays on this host
+/// (`tiacc_core::config::outward_interface`), as `(name, address)`, or
+/// `None` when it has none but loopback and local bridges.
+#[pyfunction]
+#[pyo3(text_signature = "() -> Optional[tuple[str, str]]")]
+pub fn outward_interface() -> PyResult<Option<(String, String)>> {
+    let interfaces = config::system_interfaces().py()?;
+    Ok(config::outward_interface(&interfaces)
+        .and_then(|i| i.ipv4.map(|ip| (i.name.clone(), ip.to_string()))))
+}
+
 /// This rank's node layout for the 2D allreduce: `world` ranks in nodes of
 /// `intra_size`, checked against where every rank runs when `hosts` is
 /// given (`hosts[r]` is rank `r`'s `(host name, local rank or None)`).

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from tiacc_training import _engine
 
+from ._addresses import advertised_host, gloo_backend
 from ._config import current
 from ._engines import group_engine
 from ._state import add_counters
@@ -472,7 +473,9 @@ class CpuCollectives(GroupCollectives):
             group, frozenset(_engine.collective_ops()), frozenset(_engine.collective_dtypes())
         )
         store = dist.PrefixStore("gloo/", group.store)
-        self.gloo = dist.ProcessGroupGloo(store, group.rank, group.size, group.timeout)
+        # Bound where the engine binds, not where the hostname resolves.
+        address = advertised_host(current() or _engine.CommConfig.from_env(), group.store)
+        self.gloo = gloo_backend(store, group.rank, group.size, group.timeout, address)
         self.fallback = self.gloo
         self._engine = self._new_engine(group, group.name)
         self.transport = self._engine.transports.get("world", "")

@@ -17,7 +17,7 @@ import torch
 from tiacc_training import _engine
 from tiacc_training.errors import ConfigError
 
-from . import _launch
+from ._addresses import advertised_host
 from ._kernels import TorchKernels
 from ._nccl import nccl_search_dirs
 from ._rendezvous import (
@@ -159,24 +159,3 @@ def engine_arguments(
         "local_size": launch.get("local_size"),
         "intra_size": intra_size,
     }
-
-
-def advertised_host(config: Any, store: Any = None) -> str:
-    """The IP peers reach this rank on.
-
-    The configured one, else the local address that routes to the
-    rendezvous host (the launcher's, or that of ``store``: by default the
-    default group's).
-    """
-    if config.socket_addr:
-        return config.socket_addr
-    launch = job_launch()
-    host, port = launch.get("master_addr"), launch.get("master_port")
-    if host is None:
-        store = default_store() if store is None else store
-        while hasattr(store, "underlying_store"):
-            store = store.underlying_store
-        host, port = getattr(store, "host", None), getattr(store, "port", None)
-    if host is None:
-        return "127.0.0.1"
-    return _engine.local_addr_towards(host, int(port or _launch.DEFAULT_MASTER_PORT))

@@ -47,8 +47,9 @@ from tiacc_training import _engine
 from tiacc_training.errors import ConfigError
 
 from . import _backend, _engine_state, _launch
+from ._addresses import advertised_host, loopback_hint
 from ._cuda import HostStaging, NcclChannels
-from ._engines import advertised_host, engine_arguments, nccl_engine, next_prefix
+from ._engines import engine_arguments, nccl_engine, next_prefix
 from ._nccl import check_gpu_placement
 from ._rendezvous import attempt_prefix, default_store, elastic_agent_store
 from ._startup import finish, later_warn
@@ -163,7 +164,17 @@ def _init_process_group(*args: Any, **kwargs: Any) -> None:
     if not ours:
         _adopt_timeout(arguments.get("timeout"))
     _own_attempt_store(arguments)
-    _original_init(*bound.args, **bound.kwargs)
+    backend = arguments.get("backend")
+    try:
+        _original_init(*bound.args, **bound.kwargs)
+    except Exception as err:
+        hint = loopback_hint(launch) if backend is None or "gloo" in str(backend) else None
+        if hint is None:
+            raise
+        raise RuntimeError(
+            f"init_process_group(backend={str(backend)!r}) failed: {err}\n"
+            f"tiacc_training: the likely cause: {hint}"
+        ) from err
     finish(launch, device_given=arguments.get("device_id") is not None)
 
 

@@ -1,5 +1,6 @@
-//! Network interfaces by name: the host's list (getifaddrs) and the rules
-//! by which an interface variable picks one.
+//! Network interfaces by name: the host's list (getifaddrs), the rules by
+//! which an interface variable picks one, and the interface a rank uses
+//! towards other hosts when the route to the rendezvous stays on this one.
 
 use std::ffi::CStr;
 use std::net::Ipv4Addr;
@@ -14,16 +15,53 @@ pub struct Interface {
     pub name: String,
     /// Its first IPv4 address, if it has one.
     pub ipv4: Option<Ipv4Addr>,
+    /// The length of that address's network prefix (24 for a /24), if known.
+    pub prefix_len: Option<u8>,
 }
 
 impl Interface {
-    /// An interface named `name` with `ipv4`.
+    /// An interface named `name` with `ipv4` (prefix unknown).
     pub fn new(name: &str, ipv4: Option<Ipv4Addr>) -> Self {
         Interface {
             name: name.to_string(),
             ipv4,
+            prefix_len: None,
         }
     }
+
+    /// Whether `ip` lies in this interface's IPv4 network (its address and
+    /// prefix); `false` when either is unknown.
+    pub fn network_holds(&self, ip: Ipv4Addr) -> bool {
+        match (self.ipv4, self.prefix_len) {
+            (Some(own), Some(len)) if len <= 32 => {
+                let mask = if len == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - u32::from(len))
+                };
+                u32::from(own) & mask == u32::from(ip) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Name prefixes of interfaces that do not lead to other hosts: container
+/// and VM bridges (NCCL skips `docker` by default for the same reason).
+const LOCAL_BRIDGES: [&str; 3] = ["docker", "virbr", "br-"];
+
+/// The interface a rank reaches other hosts through when nothing names one
+/// and the route to the rendezvous host stays on this host (its name maps
+/// to a loopback address, as stock Debian's `/etc/hosts` does with
+/// `127.0.1.1`): the first interface in the system's order with an IPv4
+/// address that is not loopback and not a local bridge. `None` when the
+/// host has no such interface.
+pub fn outward_interface(interfaces: &[Interface]) -> Option<&Interface> {
+    interfaces.iter().find(|i| {
+        i.ipv4
+            .is_some_and(|ip| !ip.is_loopback() && !ip.is_unspecified())
+            && !LOCAL_BRIDGES.iter().any(|p| i.name.starts_with(p))
+    })
 }
 
 /// This host's interfaces in the system's order, each once, with its first
@@ -42,22 +80,42 @@ pub fn system_interfaces() -> Result<Vec<Interface>> {
     while !entry.is_null() {
         // SAFETY: `entry` is a node of the list getifaddrs returned, alive
         // until freeifaddrs; its name is a NUL-terminated string and its
-        // address, when not null, is a sockaddr_in when the family is AF_INET.
-        let (name, ipv4, next) = unsafe {
+        // address and netmask, when not null, are sockaddr_in when the
+        // address's family is AF_INET.
+        let (name, ipv4, prefix_len, next) = unsafe {
             let e = &*entry;
             let name = CStr::from_ptr(e.ifa_name).to_string_lossy().into_owned();
             let addr = e.ifa_addr;
-            let ipv4 = if !addr.is_null() && i32::from((*addr).sa_family) == libc::AF_INET {
-                let sin = &*(addr as *const libc::sockaddr_in);
-                Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
-            } else {
-                None
-            };
-            (name, ipv4, e.ifa_next)
+            let (ipv4, prefix_len) =
+                if !addr.is_null() && i32::from((*addr).sa_family) == libc::AF_INET {
+                    let sin = &*(addr as *const libc::sockaddr_in);
+                    let mask = e.ifa_netmask;
+                    let prefix = if mask.is_null() {
+                        None
+                    } else {
+                        let m = &*(mask as *const libc::sockaddr_in);
+                        Some(u32::from_be(m.sin_addr.s_addr).leading_ones() as u8)
+                    };
+                    (
+                        Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))),
+                        prefix,
+                    )
+                } else {
+                    (None, None)
+                };
+            (name, ipv4, prefix_len, e.ifa_next)
         };
         match out.iter_mut().find(|i| i.name == name) {
-            Some(known) => known.ipv4 = known.ipv4.or(ipv4),
-            None => out.push(Interface { name, ipv4 }),
+            Some(known) if known.ipv4.is_none() && ipv4.is_some() => {
+                known.ipv4 = ipv4;
+                known.prefix_len = prefix_len;
+            }
+            Some(_) => {}
+            None => out.push(Interface {
+                name,
+                ipv4,
+                prefix_len,
+            }),
         }
         entry = next;
     }
@@ -124,4 +182,51 @@ pub(super) fn resolve(variable: &str, value: &str, interfaces: &[Interface]) -> 
             ),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_prefix(name: &str, ip: Ipv4Addr, len: u8) -> Interface {
+        Interface {
+            prefix_len: Some(len),
+            ..Interface::new(name, Some(ip))
+        }
+    }
+
+    #[test]
+    fn outward_skips_loopback_bridges_and_interfaces_without_ipv4() {
+        let interfaces = [
+            with_prefix("lo", Ipv4Addr::LOCALHOST, 8),
+            Interface::new("ib0", None),
+            with_prefix("docker0", Ipv4Addr::new(172, 17, 0, 1), 16),
+            with_prefix("ensb1", Ipv4Addr::new(10, 0, 0, 2), 24),
+            with_prefix("eth1", Ipv4Addr::new(10, 1, 0, 2), 24),
+        ];
+        assert_eq!(
+            outward_interface(&interfaces).map(|i| i.name.as_str()),
+            Some("ensb1")
+        );
+        assert_eq!(outward_interface(&interfaces[..3]), None);
+    }
+
+    #[test]
+    fn network_holds_compares_the_prefix() {
+        let eth = with_prefix("eth0", Ipv4Addr::new(10, 0, 7, 2), 24);
+        assert!(eth.network_holds(Ipv4Addr::new(10, 0, 7, 200)));
+        assert!(!eth.network_holds(Ipv4Addr::new(10, 0, 8, 2)));
+        assert!(!Interface::new("eth0", Some(Ipv4Addr::new(10, 0, 7, 2)))
+            .network_holds(Ipv4Addr::new(10, 0, 7, 3)));
+        let all = with_prefix("any", Ipv4Addr::new(10, 0, 7, 2), 0);
+        assert!(all.network_holds(Ipv4Addr::new(192, 168, 1, 1)));
+    }
+
+    #[test]
+    fn the_system_list_has_prefixes_for_ipv4_interfaces() {
+        let interfaces = system_interfaces().expect("getifaddrs");
+        for i in interfaces.iter().filter(|i| i.ipv4.is_some()) {
+            assert!(i.prefix_len.is_some_and(|l| l <= 32), "{i:?}");
+        }
+    }
 }

@@ -30,7 +30,7 @@ pub mod startup;
 mod variables;
 
 pub use choices::{AlgorithmChoice, CollectivesChoice, CudaCollectivesChoice, TransportChoice};
-pub use iface::{system_interfaces, Interface};
+pub use iface::{outward_interface, system_interfaces, Interface};
 pub use launch::{launch_env, launch_env_from, LaunchEnv, OTHER_LAUNCHERS};
 use parse::read;
 pub use parse::{parse_bool, parse_num_streams, parse_seconds};
