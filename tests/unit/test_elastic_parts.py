@@ -53,6 +53,14 @@ def test_elastic_flags_are_checked_against_np(
     assert "exclude each other" in _parse_error(
         ["-np", "2", "-H", "a:2", *base, "python", "x"], capsys
     )
+    for bounds in (["0", "5"], ["5", "4"], ["1", "3601"]):
+        err = _parse_error(
+            ["-np", "2", "--blacklist-cooldown-range", *bounds, *base, "python", "x"], capsys
+        )
+        assert f"--blacklist-cooldown-range {' '.join(bounds)}: expected 1 <= MIN" in err
+    assert "--blacklist-cooldown-range need --host-discovery-script" in _parse_error(
+        ["-np", "2", "--blacklist-cooldown-range", "1", "2", "python", "x"], capsys
+    )
     missing = str(tmp_path / "nothing.sh")
     err = _parse_error(["-np", "2", "--host-discovery-script", missing, "python", "x"], capsys)
     assert f"--host-discovery-script {missing}: not an executable file" in err
@@ -209,6 +217,7 @@ def _driver(tmp_path: Path, hosts: str, **settings: object):
 
     def spawn(label: int, host: str, slot: int, env: dict[str, str]) -> _FakeProc:
         spawned[f"{host}:{slot}"] = proc = _FakeProc()
+        proc.env = env
         return proc
 
     def stop(proc: _FakeProc, sig: int) -> None:
@@ -242,7 +251,13 @@ def test_driver_rounds_follow_the_hosts_and_failures(tmp_path: Path) -> None:
     assert (
         driver.round == 0 and driver.members == ["a:0", "a:1"] and sorted(spawned) == ["a:0", "a:1"]
     )
-    assert _rounds.members(driver.store, 0)["a:1"] == {"RANK": "1", "HOST": "a"}
+    # A worker's own init_process_group() joins the driver's store as
+    # torchrun's workers join the agent's: every member is told so, and a
+    # worker starts with its first round's variables.
+    agent = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert _rounds.members(driver.store, 0)["a:1"] == {"RANK": "1", "HOST": "a", **agent}
+    assert spawned["a:1"].env["RANK"] == "1" and spawned["a:1"].env["HOROVOD_LOCAL_RANK"] == "1"
+    assert spawned["a:1"].env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert driver.env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "1.2.3.4"
     assert _tick(driver) is None and driver.round == 0  # nothing changed
     listed.write_text("a:2\nb:1\n")
@@ -258,6 +273,25 @@ def test_driver_rounds_follow_the_hosts_and_failures(tmp_path: Path) -> None:
     spawned["a:0"].code = 0  # left out of round 2: ends
     spawned["b:0"].code = 0  # the training function returned
     assert _tick(driver) == 0
+
+
+def test_a_failed_host_comes_back_after_its_cooldown(tmp_path: Path) -> None:
+    driver, listed, spawned, lines = _driver(tmp_path, "a:1\nb:1\n", cooldown_range=(1, 2))
+    driver._start()
+    assert driver.members == ["a:0", "b:0"]
+    spawned["b:0"].code = -9
+    assert _tick(driver) is None and driver.round == 1 and driver.members == ["a:0"]
+    out = [line for line in lines if "worker 1 (b:0) was killed by SIGKILL" in line]
+    assert len(out) == 1 and "host b is not used for 2.0 s" in out[0], lines
+    assert _tick(driver) is None and driver.round == 1  # still cooling down
+    time.sleep(2.1)
+    assert _tick(driver) is None
+    assert driver.round == 2 and driver.members == ["a:0", "b:0"] and not driver.blacklist
+    assert any("host b's cooldown ended" in line for line in lines)
+    # The second failure doubles the cooldown (1 s * 2**2 + up to 1 s), capped at 2 s.
+    spawned["b:0"].code = 1
+    assert _tick(driver) is None and driver.members == ["a:0"]
+    assert driver.failures["b"] == 2 and 1.5 < driver.blacklist["b"] - time.monotonic() <= 2.0
 
 
 def test_driver_asked_for_a_round_and_the_reset_limit(tmp_path: Path) -> None:

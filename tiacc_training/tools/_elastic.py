@@ -13,6 +13,15 @@
   (``tiacc_training.torch.horovod._rounds``): a new round when hosts are
   added or removed, when a worker fails (its host is then not used again)
   and when a worker asks for one after a failed collective;
+- a host whose worker failed is not used again, or, with
+  ``--blacklist-cooldown-range MIN MAX`` (Horovod's), only for a cooldown:
+  MIN seconds times 2 to the number of its failures, plus up to MIN at
+  random, at most MAX; a failure during the cooldown does not lengthen it;
+- a worker starts with its first round's variables, and
+  ``TORCHELASTIC_USE_AGENT_STORE=True`` with ``MASTER_ADDR`` and
+  ``MASTER_PORT`` at the driver's store, so that a script calling
+  ``init_process_group()`` itself joins that store as torchrun's workers
+  join the agent's (``TORCHELASTIC_RESTART_COUNT`` is the round);
 - fewer than ``--min-np`` slots for longer than ``--elastic-timeout``, or
   more new rounds than ``--reset-limit``, end the job with an error;
 - the job succeeds when the workers of the current round have all exited
@@ -26,6 +35,7 @@ lives.
 from __future__ import annotations
 
 import datetime
+import random
 import signal
 import subprocess
 import time
@@ -35,6 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tiacc_training.tools._tiaccrun_job import describe_exit
 from tiacc_training.torch.horovod import _rounds
 
 DISCOVERY_INTERVAL = 1.0
@@ -44,6 +55,12 @@ _TICK = 0.1
 # peer that broke the failed collective is often a worker that is dying, and
 # the request can come before its exit does.
 DEATH_GRACE = 1.0
+
+
+# The variables that make a worker's own init_process_group() join the
+# driver's store (torchrun's names for its agent's store and attempt).
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
 class ElasticError(Exception):
@@ -86,6 +103,7 @@ class Settings:
     slots_per_host: int
     elastic_timeout: float
     reset_limit: int | None
+    cooldown_range: tuple[int, int] | None = None
 
 
 @dataclass
@@ -125,7 +143,10 @@ class ElasticDriver:
         self.launcher = launcher
         self.store_address = "127.0.0.1"
         self.hosts = _Hosts()
-        self.blacklist: set[str] = set()
+        # Hosts not used after a failure: until when (time.monotonic(); inf:
+        # for good), and how often each failed.
+        self.blacklist: dict[str, float] = {}
+        self.failures: dict[str, int] = {}
         self.workers: dict[str, _Worker] = {}
         self.ended: list[_Worker] = []
         self.round = -1
@@ -197,6 +218,7 @@ class ElasticDriver:
                 return _exit_status(failed[0].code) if failed else 0
             return None
         self._discover()
+        self._cooled()
         target = self._target()
         if target != self.members:
             changed = changed or "hosts " + self._listed()
@@ -251,18 +273,26 @@ class ElasticDriver:
             placed[host] = placed.get(host, 0) + 1
         envs = self.launcher.environments(hosts, placement)
         self.round += 1
+        for env in envs:  # a script's own init_process_group() joins the driver's store
+            env.update({AGENT_STORE: "True", RESTART_COUNT: str(self.round)})
         self.members = list(target)
-        _rounds.publish(self.store, self.round, dict(zip(target, envs)))
+        round_envs = dict(zip(target, envs))
+        _rounds.publish(self.store, self.round, round_envs)
         self.launcher.log(
             f"round {self.round}: {len(target)} worker(s) on {', '.join(hosts)} ({why})"
         )
         for key in target:
             if key not in self.workers:
                 host, slot = key.rsplit(":", 1)
-                self._spawn(host, int(slot))
+                self._spawn(host, int(slot), round_envs[key])
 
-    def _spawn(self, host: str, slot: int) -> None:
-        env = {**self.env, _rounds.WORKER_HOST: host, _rounds.WORKER_SLOT: str(slot)}
+    def _spawn(self, host: str, slot: int, round_env: dict[str, str]) -> None:
+        env = {
+            **self.env,
+            **round_env,
+            _rounds.WORKER_HOST: host,
+            _rounds.WORKER_SLOT: str(slot),
+        }
         proc = self.launcher.spawn(self.labels, host, slot, env)
         worker = _Worker(host, slot, self.labels, proc)
         self.labels += 1
@@ -292,17 +322,39 @@ class ElasticDriver:
                 if member:
                     self.finishing = True  # the training function returned
                 continue
-            what = _describe(code)
-            if worker.host not in self.blacklist:
-                self.blacklist.add(worker.host)
-                self.launcher.log(
-                    f"worker {worker.label} ({key}) {what}; host {worker.host} is not used again"
-                )
+            what = describe_exit(code, over_ssh=True)
+            out_for = self._exclude(worker.host) or "is out already"
+            self.launcher.log(f"worker {worker.label} ({key}) {what}; host {worker.host} {out_for}")
             if member:
-                changed = f"worker {worker.label} ({key}) {what}"
+                changed = f"worker {worker.label} ({key}) failed"
         return changed
 
     # -- hosts -------------------------------------------------------------------
+
+    def _exclude(self, host: str) -> str | None:
+        """Keeps ``host`` out after a failure; how long, for the log (``None``: already out)."""
+        now = time.monotonic()
+        if self.blacklist.get(host, 0.0) > now:
+            return None  # out already: a failure in the cooldown does not lengthen it
+        cooldown = self.settings.cooldown_range
+        if cooldown is None:
+            self.blacklist[host] = float("inf")
+            return "is not used again"
+        low, high = cooldown
+        self.failures[host] = self.failures.get(host, 0) + 1
+        delay = low * 2 ** self.failures[host] + random.uniform(0, 1) * low
+        delay = max(low, min(high, delay))
+        self.blacklist[host] = now + delay
+        return f"is not used for {delay:.1f} s (--blacklist-cooldown-range)"
+
+    def _cooled(self) -> str | None:
+        """Ends the cooldowns that are over; what changed, if a host came back."""
+        now = time.monotonic()
+        back = sorted(h for h, until in self.blacklist.items() if until <= now)
+        for host in back:
+            del self.blacklist[host]
+            self.launcher.log(f"host {host}'s cooldown ended: it may run workers again")
+        return f"host(s) {', '.join(back)} back after a cooldown" if back else None
 
     def _discover(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -339,7 +391,7 @@ class ElasticDriver:
         return [
             f"{h}:{s}"
             for h in self.hosts.order
-            if h not in self.blacklist
+            if self.blacklist.get(h, 0.0) <= time.monotonic()
             for s in range(self.hosts.slots[h])
         ]
 
@@ -375,15 +427,6 @@ class ElasticDriver:
                 proc.wait()
 
 
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 def _exit_status(code: int | None) -> int:
     if code is None or code == 0:
         return 0
@@ -400,4 +443,7 @@ def settings_from(args: Any) -> Settings:
         slots_per_host=args.slots_per_host,
         elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit,
+        cooldown_range=(
+            tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None
+        ),
     )

@@ -16,6 +16,8 @@ DEFAULT_ELASTIC_TIMEOUT = 600.0
 # The variables that name the interface a rank binds to: gloo's (which the
 # engine reads too) and NCCL's.
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# The bounds of --blacklist-cooldown-range, in seconds (Horovod's).
+COOLDOWN_LIMITS = (1, 3600)
 
 
 def _nic_action() -> type[argparse.Action]:
@@ -134,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
         f"HOROVOD_ELASTIC_TIMEOUT or {DEFAULT_ELASTIC_TIMEOUT:g}",
     )
     elastic.add_argument(
+        "--blacklist-cooldown-range",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="let a host whose worker failed back after a cooldown: MIN seconds times 2 "
+        "per failure of that host (plus up to MIN at random), at most MAX; without it a "
+        f"failed host is not used again (MIN >= {COOLDOWN_LIMITS[0]}, MAX <= "
+        f"{COOLDOWN_LIMITS[1]})",
+    )
+    elastic.add_argument(
         "--reset-limit",
         type=int,
         help="most new rounds (workers lost or added) before the job fails (default: no limit)",
@@ -178,6 +190,7 @@ _ELASTIC_FLAGS = {
     "slots_per_host": "--slots-per-host",
     "elastic_timeout": "--elastic-timeout",
     "reset_limit": "--reset-limit",
+    "blacklist_cooldown_range": "--blacklist-cooldown-range",
 }
 
 
@@ -201,6 +214,13 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             parser.error(f"{_ELASTIC_FLAGS.get(dest, '-np')} must be at least 1, got {value}")
     if args.reset_limit is not None and args.reset_limit < 0:
         parser.error(f"--reset-limit must be >= 0, got {args.reset_limit}")
+    if args.blacklist_cooldown_range is not None:
+        low, high = args.blacklist_cooldown_range
+        if not COOLDOWN_LIMITS[0] <= low <= high <= COOLDOWN_LIMITS[1]:
+            parser.error(
+                f"--blacklist-cooldown-range {low} {high}: expected {COOLDOWN_LIMITS[0]} <= "
+                f"MIN <= MAX <= {COOLDOWN_LIMITS[1]} seconds"
+            )
     if args.num_proc is None:
         return  # the caller names -np
     if args.min_np is None:

@@ -490,7 +490,27 @@ def run_elastic(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         except UsageError as e:
             raise ValueError(str(e).replace("-H/--hosts", "the discovered hosts")) from e
 
+    # Each remote host's interfaces, listed over ssh when it first runs workers.
+    listed: dict[str, list[Interface] | None] = {}
+
+    def interfaces(names: list[str]) -> dict[str, Interface]:
+        remote = [h for h in names if not is_local(h, addresses)]
+        new = [h for h in remote if h not in listed]
+        if new:
+            timeout = args.start_timeout or DEFAULT_START_TIMEOUT
+            env = forwarded_environment(base_env)
+            try:
+                listed.update(check_ssh(args, new, time.monotonic() + timeout, args.command, env))
+            except UsageError as e:  # its workers fail to start, and the driver says so
+                log(str(e))
+                listed.update({h: None for h in new})
+        return job_interfaces(args, names, {h: listed[h] for h in remote}, lambda _: None)
+
     def store_address(names: list[str]) -> str:
+        here = [h for h in names if is_local(h, addresses)]
+        chosen = interfaces(names)
+        if here and here[0] in chosen:
+            return chosen[here[0]][1]
         if args.nics:
             return interface_address(args.nics[0])
         remote = [h for h in names if not is_local(h, addresses)]
@@ -500,7 +520,12 @@ def run_elastic(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         assert driver is not None
         hosts = [Host(name, 1) for name in names]
         address, port = driver.store_address, driver.store.port
-        return rank_environments(hosts, placement, address, port, extra)
+        envs = rank_environments(hosts, placement, address, port, extra)
+        chosen = interfaces(names)
+        for env, (h, _) in zip(envs, placement):
+            if names[h] in chosen:
+                env.update(interface_environment(chosen[names[h]]))
+        return envs
 
     def spawn(label: int, host: str, slot: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
         spec = RankSpec(label, host, is_local(host, addresses), env)
