@@ -165,10 +165,15 @@ def _init_process_group(*args: Any, **kwargs: Any) -> None:
         _adopt_timeout(arguments.get("timeout"))
     _own_attempt_store(arguments)
     backend = arguments.get("backend")
+    # torch builds a gloo group of its own for this backend: on a host whose
+    # name maps to loopback it cannot reach the other hosts (say so now, as
+    # gloo may take its whole timeout to give up, and again in its error).
+    hint = loopback_hint(launch) if backend is None or "gloo" in str(backend) else None
+    if hint is not None:
+        logger.warning("  init_process_group(backend=%r): %s", str(backend), hint)
     try:
         _original_init(*bound.args, **bound.kwargs)
     except Exception as err:
-        hint = loopback_hint(launch) if backend is None or "gloo" in str(backend) else None
         if hint is None:
             raise
         raise RuntimeError(
