@@ -23,7 +23,10 @@ remote end runs the same Python and sees the same files.
 
 Leaving the ``with`` block stops everything that runs in the two namespaces
 (the sshds, their sessions, what the tests started there), deletes the
-namespaces (the veth pair goes with them) and their ``/etc/netns`` folders.
+namespaces (the veth pair goes with them) and their ``/etc/netns`` folders;
+it then checks that ssh left root's ``~/.ssh`` as it was. The namespaces of
+a test process killed before its teardown are removed by the next
+:func:`two_hosts` (:func:`remove_stale`).
 
 Needs root, iproute2 (``ip``, ``tc``), OpenSSH's server and client;
 :class:`Unavailable` says which is missing. Run this file to bring the two
@@ -36,6 +39,7 @@ import contextlib
 import itertools
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -257,6 +261,10 @@ def _stop(pids: Sequence[int]) -> None:
 
 # -- set-up ------------------------------------------------------------------
 
+# The namespaces' names: the owner's pid in hex, its cluster's number, the host.
+PREFIX = "tiacc-2h"
+_OWNED = re.compile(rf"^{PREFIX}-([0-9a-f]+)-\d+-[ab]$")
+
 
 def unavailable() -> str | None:
     """Why two hosts cannot be emulated here (before trying), or ``None``."""
@@ -412,10 +420,42 @@ def _up(cluster: TwoHosts, rate_mbit: float) -> None:
     for here, there in ((a, b), (b, a)):
         done = cluster.run(here, cluster.ssh(there, "cat /proc/net/dev"), timeout=60)
         if done.returncode != 0 or f"{there.nic}:" not in done.stdout:
+            logs = cluster.sshd_logs()
+            hint = ""
+            if "account is locked" in logs:
+                # sshd without PAM refuses a locked account (a "!" password
+                # in /etc/shadow) even with a key.
+                hint = "\nroot's account is locked: give it the password '*' (usermod -p '*' root)"
             raise RuntimeError(
                 f"ssh from {here.alias} to {there.alias} failed ({done.returncode}): "
-                f"{done.stdout}{done.stderr}\n{cluster.sshd_logs()}"
+                f"{done.stdout}{done.stderr}\n{logs}{hint}"
             )
+
+
+def remove_stale() -> list[str]:
+    """Removes the namespaces of clusters whose process died before its teardown.
+
+    A test process killed outright (SIGKILL, a CI job cut off) leaves its
+    namespaces, their sshds and sessions behind: what runs in them was
+    started there by that cluster, and is stopped.
+
+    Returns:
+        The namespaces removed.
+    """
+    try:
+        names = os.listdir("/run/netns")
+    except OSError:
+        return []
+    removed = []
+    for name in sorted(names):
+        match = _OWNED.match(name)
+        if match is None or alive(int(match[1], 16)):
+            continue
+        _stop([p.pid for p in netns_processes(name)])
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+        shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 def _down(cluster: TwoHosts, created_etc: bool) -> None:
@@ -462,8 +502,8 @@ def two_hosts(folder: Path | None = None, rate_mbit: float = RATE_MBIT) -> Itera
     folder = Path(tempfile.mkdtemp(prefix="two-hosts-")) if folder is None else folder
     tag = f"{os.getpid():x}-{next(_clusters)}"
     cluster = TwoHosts(
-        a=Host("hosta", f"tiacc-2h-{tag}-a", "etha0", f"{SUBNET}.1"),
-        b=Host("hostb", f"tiacc-2h-{tag}-b", "ensb1", f"{SUBNET}.2"),
+        a=Host("hosta", f"{PREFIX}-{tag}-a", "etha0", f"{SUBNET}.1"),
+        b=Host("hostb", f"{PREFIX}-{tag}-b", "ensb1", f"{SUBNET}.2"),
         folder=folder,
         key=folder / "id_ed25519",
         hostname=socket.gethostname(),
@@ -472,6 +512,7 @@ def two_hosts(folder: Path | None = None, rate_mbit: float = RATE_MBIT) -> Itera
     before = _snapshot(home_ssh)
     created_etc = not NETNS_ETC.exists()
     try:
+        remove_stale()
         _up(cluster, rate_mbit)
         yield cluster
     finally:

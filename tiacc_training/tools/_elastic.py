@@ -151,6 +151,10 @@ class ElasticDriver:
         self.ended: list[_Worker] = []
         self.round = -1
         self.members: list[str] = []
+        # The labels of the current round's workers: a slot a failed worker
+        # had may be taken again by a new one (a host back after its
+        # cooldown), and only the new one's exit counts.
+        self.member_labels: set[int] = set()
         self.resets = 0
         self.labels = 0
         self.short_since: float | None = None
@@ -212,9 +216,9 @@ class ElasticDriver:
         """One look at the workers and hosts; the exit status once the job ended."""
         changed = self._reap()
         if self.finishing:
-            running = [w for w in self.workers.values() if w.key in self.members]
+            running = [w for w in self.workers.values() if w.label in self.member_labels]
             if not running:
-                failed = [w for w in self.ended if w.key in self.members and w.code]
+                failed = [w for w in self.ended if w.label in self.member_labels and w.code]
                 return _exit_status(failed[0].code) if failed else 0
             return None
         self._discover()
@@ -285,6 +289,7 @@ class ElasticDriver:
             if key not in self.workers:
                 host, slot = key.rsplit(":", 1)
                 self._spawn(host, int(slot), round_envs[key])
+        self.member_labels = {self.workers[key].label for key in target}
 
     def _spawn(self, host: str, slot: int, round_env: dict[str, str]) -> None:
         env = {
@@ -317,7 +322,7 @@ class ElasticDriver:
             worker.code = code
             del self.workers[key]
             self.ended.append(worker)
-            member = key in self.members
+            member = worker.label in self.member_labels
             if code == 0:
                 if member:
                     self.finishing = True  # the training function returned
