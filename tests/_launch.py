@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -350,3 +351,25 @@ def exit_failed(exc: BaseException, linger: float = 0.0) -> None:
     sys.stdout.flush()
     time.sleep(linger)
     os._exit(3)
+
+
+def line_matching(
+    lines: list[str], pattern: str, after: int, limit: float, running: Callable[[], bool]
+) -> int | None:
+    """The index of the first of ``lines`` from ``after`` on that matches ``pattern``.
+
+    ``lines`` grows while a job runs (a reader thread appends to it); waits
+    up to ``limit`` seconds, and gives ``None`` once the job stopped
+    (``running()`` false) or the time is up without such a line.
+    """
+    deadline = time.monotonic() + limit
+    seen = after
+    while time.monotonic() < deadline:
+        while seen < len(lines):
+            if re.search(pattern, lines[seen]):
+                return seen
+            seen += 1
+        if not running():
+            return None
+        time.sleep(0.05)
+    return None

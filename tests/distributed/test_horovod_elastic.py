@@ -17,11 +17,10 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
-from _launch import base_env
+from _launch import base_env, line_matching
 
 SCRIPT = Path(__file__).parent / "user_scripts" / "horovod_elastic.py"
 LAUNCH = [sys.executable, "-m", "tiacc_training.tools.tiaccrun"]
@@ -50,6 +49,9 @@ class _Job:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
+    def _running(self) -> bool:
+        return self.proc.poll() is None or self.reader.is_alive()
+
     def text(self) -> str:
         """Everything the job printed so far (also written to ``job.log``)."""
         text = "\n".join(self.lines)
@@ -58,18 +60,11 @@ class _Job:
 
     def wait_for(self, pattern: str, after: int = 0, limit: float = 90) -> int:
         """The index of the first line from ``after`` on matching ``pattern``."""
-        deadline = time.monotonic() + limit
-        seen = after
-        while time.monotonic() < deadline:
-            while seen < len(self.lines):
-                if re.search(pattern, self.lines[seen]):
-                    return seen
-                seen += 1
-            if self.proc.poll() is not None and not self.reader.is_alive():
-                break
-            time.sleep(0.05)
-        self.proc.kill()
-        raise AssertionError(f"no line matching {pattern!r}:\n" + self.text()[-6000:])
+        found = line_matching(self.lines, pattern, after, limit, self._running)
+        if found is None:
+            self.proc.kill()
+            raise AssertionError(f"no line matching {pattern!r}:\n" + self.text()[-6000:])
+        return found
 
     def finish(self, limit: float = 120) -> int:
         try:

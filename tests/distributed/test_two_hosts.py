@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _launch import base_env, launcher_env, unmix
+from _launch import base_env, launcher_env, line_matching, unmix
 from _two_hosts import Host, TwoHosts, Unavailable, processes_with, two_hosts
 
 LAUNCH = [sys.executable, "-m", "tiacc_training.tools.tiaccrun"]
@@ -107,18 +107,11 @@ class _Job:
 
     def wait_for(self, pattern: str, after: int = 0, limit: float = 120) -> int:
         """The index in ``lines`` of the first line from ``after`` on matching ``pattern``."""
-        deadline = time.monotonic() + limit
-        seen = after
-        while time.monotonic() < deadline:
-            while seen < len(self.lines):
-                if re.search(pattern, self.lines[seen]):
-                    return seen
-                seen += 1
-            if not self.running():
-                break
-            time.sleep(0.05)
-        self.kill()
-        raise AssertionError(f"no line matching {pattern!r}:\n{self.text()}")
+        found = line_matching(self.lines, pattern, after, limit, self.running)
+        if found is None:
+            self.kill()
+            raise AssertionError(f"no line matching {pattern!r}:\n{self.text()}")
+        return found
 
     def finish(self, limit: float) -> int:
         """Its exit status; killed (and failing the test) after ``limit`` s."""
