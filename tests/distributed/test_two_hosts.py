@@ -566,3 +566,90 @@ def test_elastic_workers_with_their_own_init_process_group(
     for got in results.values():
         assert (got["size"], got["sum"]) == (4, 10.0), got
     assert cluster.wait_idle() == []
+
+
+IFACE_SCRIPT = (
+    """\
+import json, os
+import torch
+import tiacc_training.torch.horovod as hvd
+
+"""
+    + NIC_OF_RANK
+    + """
+hvd.init()
+total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum, name="t")
+print("RESULT " + json.dumps({"rank": hvd.rank(), "sum": total.item(), "nic": nic(),
+      "gloo": os.environ.get("GLOO_SOCKET_IFNAME"), "nccl": os.environ.get("NCCL_SOCKET_IFNAME")}),
+      flush=True)
+hvd.shutdown()
+"""
+)
+
+
+@pytest.mark.timeout(200)
+def test_network_interface_names_one_per_host(cluster: TwoHosts, tmp_path: Path) -> None:
+    """--network-interface ensb1,etha0: each host's ranks get the first name that
+    host has (the NIC names differ per host), and the job runs."""
+    script = tmp_path / "iface.py"
+    script.write_text(IFACE_SCRIPT)
+    nics = f"{cluster.b.nic},{cluster.a.nic}"
+    argv = _tiaccrun(
+        cluster, "-np", "2", "-H", "hosta:1,hostb:1", "--network-interface", nics, "--verbose",
+        sys.executable, str(script),
+    )  # fmt: skip
+    job = _Job(cluster, cluster.a, argv, _job_env(), tmp_path)
+    code = job.finish(120)
+    assert code == 0, job.text()
+    results = _results(job.stdout)
+    for rank, host in enumerate(cluster.hosts):
+        got = results[rank]
+        expected = (host.nic, f"={host.nic}", [host.nic])
+        assert (got["gloo"], got["nccl"], got["nic"]) == expected, job.text()
+        assert got["sum"] == 3.0, got
+    for host in cluster.hosts:
+        assert f"tiaccrun: {host.alias}: its ranks use {host.nic} ({host.address})" in job.stderr
+    assert cluster.wait_idle() == []
+
+
+OWN_GLOO_SCRIPT = """\
+import datetime
+import tiacc_training.torch.distributed as tdist
+tdist.init_tiacc_training()
+import torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+print("JOINED", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_script_own_gloo_group_names_the_loopback_hostname(
+    cluster: TwoHosts, tmp_path: Path
+) -> None:
+    """With TIACC_TRAINING_COLLECTIVES=gloo the script's gloo group is torch's: on
+    hosts whose name maps to 127.0.1.1 it cannot connect across them, as
+    natively, and the error says why and which variable fixes it."""
+    script = tmp_path / "own_gloo.py"
+    script.write_text(OWN_GLOO_SCRIPT)
+    env = {k: v for k, v in launcher_env().items() if k not in UNSET}
+    env["TIACC_TRAINING_COLLECTIVES"] = "gloo"
+    outputs = []
+    jobs = []
+    for node, host in enumerate(cluster.hosts):
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+            "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "hosta",
+            "--master-port", "29550", str(script),
+        ]  # fmt: skip
+        jobs.append(_Job(cluster, host, argv, env, tmp_path))
+    for job in jobs:
+        code = job.finish(200)
+        outputs.append((code, "\n".join(job.lines)))
+    for code, out in outputs:
+        assert code != 0 and "JOINED" not in out, out[-4000:]
+    both = "\n".join(out for _, out in outputs)
+    hint = f"this host's name {cluster.hostname!r} resolves to 127.0.1.1"
+    assert hint in both, both[-6000:]
+    assert any(f"GLOO_SOCKET_IFNAME={host.nic}" in both for host in cluster.hosts), both[-6000:]
+    assert cluster.wait_idle() == []

@@ -79,8 +79,8 @@ def ssh_base(args: argparse.Namespace, connect_timeout: float) -> list[str]:
     return command
 
 
-def remote_command(command: Sequence[str], cwd: str) -> str:
-    """The shell text a remote host runs for a rank (or a probe).
+def remote_command(command: Sequence[str], cwd: str, watch: bool = True) -> str:
+    """The shell text a remote host runs for a rank (or, ``watch`` false, a probe).
 
     It holds no variable of the job: it first reads them from the
     connection's stdin (:func:`environment_block`, a line count first), so
@@ -89,18 +89,24 @@ def remote_command(command: Sequence[str], cwd: str) -> str:
     starts the command and waits for it, quietly (a rank killed by a signal
     is reported by tiaccrun, not by the shell); when the ssh connection
     closes (tiaccrun ended it, or died), the rank gets SIGTERM, so no rank
-    outlives the job.
+    outlives the job. Without ``watch`` the command simply replaces the
+    shell once the variables are read (its stdin closed).
     """
+    setup = [
+        # POSIX sh (a login shell may be dash): the count of lines, then them.
+        "IFS= read -r job_lines || exit 126",
+        "job_env=",
+        'while [ "$job_lines" -gt 0 ]; do IFS= read -r job_line || exit 126',
+        '  job_env="$job_env$job_line',
+        '"; job_lines=$((job_lines - 1)); done',
+        'eval "$job_env"; unset job_env job_line job_lines',
+        f"cd {shlex.quote(cwd)} || exit 127",
+    ]
+    if not watch:
+        return "\n".join([*setup, f"exec {shlex.join(command)} </dev/null"])
     return "\n".join(
         [
-            # POSIX sh (a login shell may be dash): the count of lines, then them.
-            "IFS= read -r job_lines || exit 126",
-            "job_env=",
-            'while [ "$job_lines" -gt 0 ]; do IFS= read -r job_line || exit 126',
-            '  job_env="$job_env$job_line',
-            '"; job_lines=$((job_lines - 1)); done',
-            'eval "$job_env"; unset job_env job_line job_lines',
-            f"cd {shlex.quote(cwd)} || exit 127",
+            *setup,
             # A background list's stdin is /dev/null unless redirected: keep
             # the connection's stdin as fd 3 for the watcher.
             "exec 3<&0",
@@ -184,7 +190,7 @@ def check_ssh(
             failed (its message is included).
     """
     remaining = max(1.0, deadline - time.monotonic())
-    probe = remote_command([probe_interpreter(command), "-m", PROBE_MODULE], os.getcwd())
+    probe = remote_command([probe_interpreter(command), "-m", PROBE_MODULE], os.getcwd(), False)
     block = environment_block(env or {})
     procs = {
         host: subprocess.Popen(
