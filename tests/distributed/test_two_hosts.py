@@ -618,7 +618,7 @@ import tiacc_training.torch.distributed as tdist
 tdist.init_tiacc_training()
 import torch.distributed as dist
 
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
 print("JOINED", flush=True)
 """
 
