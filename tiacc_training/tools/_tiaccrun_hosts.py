@@ -17,6 +17,10 @@ class UsageError(Exception):
     """A bad flag, host list or hostfile; the message names it."""
 
 
+class UnreachableHost(UsageError):
+    """A host ssh could not reach (tiaccrun exits with 1, not 2); the message says why."""
+
+
 @dataclass(frozen=True)
 class Host:
     """A host and how many ranks it may run."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import IO, Callable
 
 from tiacc_training.tools._tiaccrun_flags import DEFAULT_START_TIMEOUT
-from tiacc_training.tools._tiaccrun_hosts import Interface, UsageError
+from tiacc_training.tools._tiaccrun_hosts import Interface, UnreachableHost, UsageError
 
 # Seconds a rank gets to exit after SIGTERM before it is killed.
 TERMINATE_GRACE = 10.0
@@ -186,7 +186,7 @@ def check_ssh(
         that could not list them (its ranks then get no interface).
 
     Raises:
-        UsageError: A host could not be reached by ``deadline``, or ssh
+        UnreachableHost: A host could not be reached by ``deadline``, or ssh
             failed (its message is included).
     """
     remaining = max(1.0, deadline - time.monotonic())
@@ -220,7 +220,7 @@ def check_ssh(
         except (ValueError, TypeError):
             found[host] = None
     if failures:
-        raise UsageError(
+        raise UnreachableHost(
             "ssh to these hosts failed (tiaccrun needs password-less ssh, "
             "see -p and -i):\n  " + "\n  ".join(failures)
         )

@@ -74,6 +74,7 @@ from tiacc_training.tools._tiaccrun_flags import (
 from tiacc_training.tools._tiaccrun_hosts import (
     Host,
     Interface,
+    UnreachableHost,
     UsageError,
     assign_ranks,
     choose_interfaces,
@@ -109,6 +110,7 @@ __all__ = [
     "parse_args",
     "settings_environment",
     "UsageError",
+    "UnreachableHost",
     "Host",
     "parse_hosts",
     "parse_hostfile",
@@ -416,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         job_plan = plan(args, log, deadline)
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 1 if str(e).startswith("ssh to these hosts failed") else 2
+        return 1 if isinstance(e, UnreachableHost) else 2
     specs, master_port = job_plan.specs, job_plan.master_port
     if args.verbose:
         for spec in specs:
