@@ -41,7 +41,7 @@ _reported: set[str] = set()
 
 def spans_hosts(launch: dict[str, Any] | None = None) -> bool:
     """Whether the launcher placed this job's ranks on more than one host."""
-    launch = state.launch or {} if launch is None else launch
+    launch = (state.launch or {}) if launch is None else launch
     local, world = launch.get("local_size"), launch.get("world_size")
     return local is not None and world is not None and local < world
 
