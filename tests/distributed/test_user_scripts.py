@@ -412,6 +412,28 @@ def test_ddp_on_a_sub_group_stays_native_with_one_warning_per_group(tmp_path: Pa
     assert not any(_engine_buckets(tiacc))
 
 
+@pytest.mark.skipif(
+    not hasattr(getattr(torch, "_dynamo", None), "compiled_autograd"),
+    reason="this torch has no compiled autograd",
+)
+def test_compiled_autograd_with_the_python_reducer_stays_native_with_one_line(
+    tmp_path: Path,
+) -> None:
+    # In that mode DDP hands each comm hook (grad, param) per gradient; the
+    # hook steps aside at DDP's construction, the model is counted as left to
+    # torch, and the losses are native's.
+    runs = {}
+    for native in (False, True):
+        script = _script(tmp_path, "compiled_autograd_ddp.py", native)
+        runs[native] = _run(_torchrun(script), _env(tmp_path), tmp_path)
+    tiacc, native = runs[False], runs[True]
+    _same_losses(tiacc, native)
+    assert "HALVES_SYNCED True" in tiacc and "HALVES_SYNCED True" in native
+    assert tiacc.count("optimize_ddp='python_reducer'") == 2, tiacc[-4000:]  # warning, summary
+    assert "left to torch: 1 (a DDP model built under" in tiacc, tiacc[-4000:]
+    assert not any(_engine_buckets(tiacc)) and "AttributeError" not in tiacc
+
+
 def test_an_mpirun_script_that_reads_ompi_variables(tmp_path: Path) -> None:
     if shutil.which("mpirun") is None:
         if os.environ.get("TIACC_TEST_REQUIRE_MPIRUN") == "1":

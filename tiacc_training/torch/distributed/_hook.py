@@ -141,13 +141,40 @@ def _patched_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> N
             gradient_bytes = _gradient_bytes(bound.arguments["module"])
             kwargs["bucket_cap_mb"] = config.bucket_bytes(gradient_bytes) / _MIB
     _original_init(self, *args, **kwargs)
-    if config is not None and config.enabled:
+    if config is not None and getattr(self, "_use_python_reducer", False):
+        _python_reducer_stays_native(config)
+    elif config is not None and config.enabled:
         _attach(self, config)
     elif config is not None:
         # The engine is off: torch's own allreduce, timed like the engine's.
         hook_state = HookState(None, self.process_group, native=True)
         self._tiacc_hook_state = hook_state  # type: ignore[attr-defined]
         _original_register_comm_hook(self, hook_state, _tiacc_comm_hook)
+
+
+# Why a model built in DDP's python_reducer mode is left to torch.
+PYTHON_REDUCER = (
+    "a DDP model built under torch._dynamo.config.optimize_ddp='python_reducer' (compiled "
+    "autograd) reduces each gradient in the compiled backward graph with torch's functional "
+    "collectives on the group's backend, one call per gradient, not through DDP's buckets "
+    "and the engine's comm hook"
+)
+
+
+def _python_reducer_stays_native(config: Any) -> None:
+    """Leaves a python_reducer model to torch at once: no hook, one line, counted.
+
+    In that mode DDP calls each comm hook per parameter with ``(grad,
+    param)`` instead of a bucket and drops what the hook returns; the
+    reduction torch traces instead is its own.
+    """
+    totals.native[PYTHON_REDUCER] += 1
+    _step_aside(
+        config,
+        PYTHON_REDUCER,
+        "leave optimize_ddp at its default for the engine to carry DDP's buckets",
+        warn=runtime.config is None or dist.get_rank() == 0,
+    )
 
 
 def _gradient_bytes(module: torch.nn.Module) -> int:
