@@ -352,14 +352,13 @@ class ElasticDriver:
         self.blacklist[host] = now + delay
         return f"is not used for {delay:.1f} s (--blacklist-cooldown-range)"
 
-    def _cooled(self) -> str | None:
-        """Ends the cooldowns that are over; what changed, if a host came back."""
+    def _cooled(self) -> None:
+        """Ends the cooldowns that are over (the next round takes the host in)."""
         now = time.monotonic()
         back = sorted(h for h, until in self.blacklist.items() if until <= now)
         for host in back:
             del self.blacklist[host]
             self.launcher.log(f"host {host}'s cooldown ended: it may run workers again")
-        return f"host(s) {', '.join(back)} back after a cooldown" if back else None
 
     def _discover(self, force: bool = False) -> None:
         now = time.monotonic()

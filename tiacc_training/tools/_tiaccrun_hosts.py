@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiacc_training import _engine
@@ -155,13 +156,13 @@ def assign_ranks(hosts: list[Host], num_proc: int) -> list[tuple[int, int]]:
 Interface = tuple[str, str, "int | None"]
 
 
-def interface_address(name: str, interfaces: list[Interface] | None = None) -> str:
-    """The IPv4 address of the network interface ``name`` (of this host by default).
+def interface_address(name: str) -> str:
+    """The IPv4 address of this host's network interface ``name``.
 
     Raises:
         UsageError: No such interface, or it has no IPv4 address.
     """
-    interfaces = _engine.network_interfaces() if interfaces is None else interfaces
+    interfaces = _engine.network_interfaces()
     for found, address, _ in interfaces:
         if found == name:
             return address
@@ -177,20 +178,19 @@ def local_addresses() -> set[str]:
     return {address for _, address, _ in _engine.network_interfaces()}
 
 
-def _network(interface: Interface) -> tuple[int, int] | None:
-    """The IPv4 network an interface is on, as ``(first address, prefix)``."""
+def _network(interface: Interface) -> ipaddress.IPv4Network | None:
+    """The IPv4 network an interface is on (``None``: loopback, link-local or unknown)."""
     _, address, prefix = interface
-    ip = ipaddress.ip_address(address)
-    if prefix is None or ip.is_loopback or address.startswith("169.254."):
+    ip = ipaddress.IPv4Address(address)
+    if prefix is None or ip.is_loopback or ip.is_link_local:
         return None
-    net = ipaddress.ip_network(f"{address}/{prefix}", strict=False)
-    return int(net.network_address), prefix
+    return ipaddress.IPv4Network(f"{address}/{prefix}", strict=False)
 
 
 def choose_interfaces(
     hosts: dict[str, list[Interface] | None],
     names: list[str] | None,
-    towards: list[str] = (),  # type: ignore[assignment]
+    towards: Sequence[str] = (),
 ) -> dict[str, Interface]:
     """The interface each host's ranks talk to the others over.
 
@@ -230,17 +230,11 @@ def choose_interfaces(
     networks = {h: {_network(i): i for i in reversed(ifaces)} for h, ifaces in known.items()}
     first = next(iter(known.values()))
     candidates = [c for c in (_network(i) for i in first) if c is not None]
-    candidates.sort(key=lambda c: not any(_holds(c, a) for a in towards))
+    candidates.sort(key=lambda c: not any(ipaddress.IPv4Address(a) in c for a in towards))
     for candidate in candidates:
         if all(candidate in n for n in networks.values()):
             return {h: networks[h][candidate] for h in known}
     return chosen
-
-
-def _holds(network: tuple[int, int], address: str) -> bool:
-    first, prefix = network
-    mask = (0xFFFFFFFF << (32 - prefix)) & 0xFFFFFFFF if prefix else 0
-    return int(ipaddress.ip_address(address)) & mask == first
 
 
 def resolve_ipv4(host: str) -> str | None:

@@ -28,22 +28,6 @@ impl Interface {
             prefix_len: None,
         }
     }
-
-    /// Whether `ip` lies in this interface's IPv4 network (its address and
-    /// prefix); `false` when either is unknown.
-    pub fn network_holds(&self, ip: Ipv4Addr) -> bool {
-        match (self.ipv4, self.prefix_len) {
-            (Some(own), Some(len)) if len <= 32 => {
-                let mask = if len == 0 {
-                    0
-                } else {
-                    u32::MAX << (32 - u32::from(len))
-                };
-                u32::from(own) & mask == u32::from(ip) & mask
-            }
-            _ => false,
-        }
-    }
 }
 
 /// Name prefixes of interfaces that do not lead to other hosts: container
@@ -209,17 +193,6 @@ mod tests {
             Some("ensb1")
         );
         assert_eq!(outward_interface(&interfaces[..3]), None);
-    }
-
-    #[test]
-    fn network_holds_compares_the_prefix() {
-        let eth = with_prefix("eth0", Ipv4Addr::new(10, 0, 7, 2), 24);
-        assert!(eth.network_holds(Ipv4Addr::new(10, 0, 7, 200)));
-        assert!(!eth.network_holds(Ipv4Addr::new(10, 0, 8, 2)));
-        assert!(!Interface::new("eth0", Some(Ipv4Addr::new(10, 0, 7, 2)))
-            .network_holds(Ipv4Addr::new(10, 0, 7, 3)));
-        let all = with_prefix("any", Ipv4Addr::new(10, 0, 7, 2), 0);
-        assert!(all.network_holds(Ipv4Addr::new(192, 168, 1, 1)));
     }
 
     #[test]
