@@ -207,13 +207,20 @@ def _through_engine(out: str, processes: int) -> None:
     assert "CPU collectives: tiacc" in out, out[-4000:]
 
 
-def _compare(tmp_path: Path, name: str, command, processes: int, env=None) -> tuple[str, str]:
-    """Runs the script with the two lines and without; checks both ways."""
+def _both_ways(
+    tmp_path: Path, name: str, command, env: dict[str, str] | None = None
+) -> tuple[str, str]:
+    """The script's output with the two lines, then without them (``command(script)``)."""
     runs = {}
     for native in (False, True):
         script = _script(tmp_path, name, native)
         runs[native] = _run(command(script), _env(tmp_path, env), tmp_path)
-    tiacc, native = runs[False], runs[True]
+    return runs[False], runs[True]
+
+
+def _compare(tmp_path: Path, name: str, command, processes: int, env=None) -> tuple[str, str]:
+    """Runs the script with the two lines and without; checks both ways."""
+    tiacc, native = _both_ways(tmp_path, name, command, env)
     _same_losses(tiacc, native)
     _through_engine(tiacc, processes)
     assert STARTUP not in native and not any(_engine_buckets(native))
@@ -270,11 +277,7 @@ def _has_fsdp2() -> bool:
 
 @pytest.mark.skipif(not _has_fsdp2(), reason="this torch has no FSDP2 (fully_shard)")
 def test_an_fsdp2_script_has_every_cpu_collective_served(tmp_path: Path) -> None:
-    runs = {}
-    for native in (False, True):
-        script = _script(tmp_path, "fsdp2_train.py", native)
-        runs[native] = _run(_torchrun(script), _env(tmp_path), tmp_path)
-    tiacc, native = runs[False], runs[True]
+    tiacc, native = _both_ways(tmp_path, "fsdp2_train.py", _torchrun)
     _same_losses(tiacc, native)
     # FSDP2's all-gathers and its averaging reduce-scatters (and the
     # script's all_reduce) all went through the engine, nothing to gloo:
@@ -341,11 +344,7 @@ def test_an_fsdp2_script_on_two_nodes_of_two_ranks_goes_2d(
     if compression != "none":
         env["TIACC_TRAINING_REDUCE_SCATTER_COMPRESSION"] = compression
         env["TIACC_TRAINING_COMPRESSION_SCOPE"] = "inter"
-    runs = {}
-    for native in (False, True):
-        script = _script(tmp_path, "fsdp2_train.py", native)
-        runs[native] = _run(_torchrun_two_nodes(script), _env(tmp_path, env), tmp_path)
-    tiacc, native = runs[False], runs[True]
+    tiacc, native = _both_ways(tmp_path, "fsdp2_train.py", _torchrun_two_nodes, env)
     if compression == "none":
         _same_losses(tiacc, native)
     else:
@@ -392,20 +391,13 @@ def test_a_world_of_one_started_with_plain_python(tmp_path: Path) -> None:
     def command(script: Path) -> list[str]:
         return [sys.executable, str(script), "--epochs", "1"]
 
-    runs = {}
-    for native in (False, True):
-        script = _script(tmp_path, "torchrun_ddp.py", native)
-        runs[native] = _run(command(script), _env(tmp_path, env), tmp_path)
-    _same_losses(runs[False], runs[True])
-    _through_engine(runs[False], 1)
+    tiacc, native = _both_ways(tmp_path, "torchrun_ddp.py", command, env)
+    _same_losses(tiacc, native)
+    _through_engine(tiacc, 1)
 
 
 def test_ddp_on_a_sub_group_stays_native_with_one_warning_per_group(tmp_path: Path) -> None:
-    runs = {}
-    for native in (False, True):
-        script = _script(tmp_path, "subgroup_ddp.py", native)
-        runs[native] = _run(_torchrun(script, nproc=4), _env(tmp_path), tmp_path)
-    tiacc, native = runs[False], runs[True]
+    tiacc, native = _both_ways(tmp_path, "subgroup_ddp.py", lambda s: _torchrun(s, nproc=4))
     _same_losses(tiacc, native)
     assert "HALVES_SYNCED True" in tiacc and "HALVES_SYNCED True" in native
     assert tiacc.count("on a sub-group of 2 of the 4 ranks") == 2, tiacc[-4000:]
@@ -422,11 +414,7 @@ def test_compiled_autograd_with_the_python_reducer_stays_native_with_one_line(
     # In that mode DDP hands each comm hook (grad, param) per gradient; the
     # hook steps aside at DDP's construction, the model is counted as left to
     # torch, and the losses are native's.
-    runs = {}
-    for native in (False, True):
-        script = _script(tmp_path, "compiled_autograd_ddp.py", native)
-        runs[native] = _run(_torchrun(script), _env(tmp_path), tmp_path)
-    tiacc, native = runs[False], runs[True]
+    tiacc, native = _both_ways(tmp_path, "compiled_autograd_ddp.py", _torchrun)
     _same_losses(tiacc, native)
     assert "HALVES_SYNCED True" in tiacc and "HALVES_SYNCED True" in native
     assert tiacc.count("optimize_ddp='python_reducer'") == 2, tiacc[-4000:]  # warning, summary
