@@ -224,7 +224,8 @@ def test_auto_measures_on_the_device_engine_and_every_rank_agrees(
     # The timings are averaged over the ranks: every rank prints one line.
     assert len(set(choices)) == 1, choices
     line = choices[0].removeprefix("AUTO_CHOICE=")
-    assert line.startswith(("auto: chose 2d (a 4.0 MiB probe", "auto: chose flat (a 4.0 MiB")), line
+    probe = "(5 rounds of a 4.0 MiB probe: median flat "
+    assert line.startswith((f"auto: chose 2d {probe}", f"auto: chose flat {probe}")), line
     assert "intra-node" in line and "inter-node" in line and "fp16 would take" in line, line
     chose_2d = line.startswith("auto: chose 2d")
     assert all(f"device={chose_2d}" in x for x in two_d), (line, two_d)

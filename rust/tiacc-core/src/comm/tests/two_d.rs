@@ -134,9 +134,98 @@ fn the_auto_probe_gives_every_rank_the_same_numbers() {
     assert!(probes.iter().all(|p| *p == probes[0]), "{probes:?}");
     let p = probes[0];
     assert_eq!((p.bytes, p.intra_size, p.nodes), (1 << 20, 2, 2));
-    assert!(p.flat_s > 0.0 && p.two_d_s > 0.0 && p.fp16_s > 0.0 && p.inter_latency_s > 0.0);
+    assert!(p.rounds.iter().all(|r| r.flat_s > 0.0 && r.two_d_s > 0.0));
+    assert!(p.fp16_s > 0.0 && p.inter_latency_s > 0.0);
     let decision = p.decide(1, true);
-    assert_eq!(decision.two_d, p.two_d_s < p.flat_s);
+    let name = if decision.two_d { "2d" } else { "flat" };
+    let start = format!("auto: chose {name} (5 rounds of a 1.0 MiB probe: median flat ");
+    assert!(decision.line.starts_with(&start), "{}", decision.line);
+}
+
+/// [`crate::comm::auto::measure_skewed`] on a 2 x 2 world, every rank
+/// adding `skew`: every rank's probe (they must agree).
+fn skewed_auto_probe(
+    skew: fn(crate::comm::auto::Candidate, usize) -> Duration,
+) -> crate::comm::auto::Probe {
+    use crate::comm::auto::measure_skewed;
+    let handles: Vec<_> = two_by_two_groups()
+        .into_iter()
+        .map(|groups| {
+            std::thread::spawn(move || {
+                let (_, probe) = measure_skewed(groups, 1, deadline(), &skew);
+                probe.unwrap()
+            })
+        })
+        .collect();
+    let probes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(probes.iter().all(|p| *p == probes[0]), "{probes:?}");
+    probes[0]
+}
+
+#[test]
+fn the_auto_probe_is_not_fooled_by_delays_on_2d_in_a_minority_of_rounds() {
+    use crate::comm::auto::{Candidate, ROUNDS};
+    // Loopback times both in about a millisecond and says nothing about
+    // a link between nodes; the skews stand in for one, as at 1 Gbit/s
+    // (2D moving half of flat's bytes between nodes), scaled far above
+    // anything loopback adds so that the outcome does not hang on this
+    // machine's load. On rounds 1 and 3, a stall doubles 2D's time.
+    fn delayed(round: usize) -> bool {
+        round == 1 || round == 3
+    }
+    let p = skewed_auto_probe(|c, round| match c {
+        Candidate::Flat => Duration::from_secs(2),
+        Candidate::TwoD if delayed(round) => Duration::from_secs(5),
+        Candidate::TwoD => Duration::from_secs(1),
+    });
+    for (round, r) in p.rounds.iter().enumerate() {
+        assert!(r.flat_s >= 2.0, "round {round}: {r:?}");
+        if delayed(round) {
+            assert!(r.two_d_s >= 5.0, "round {round}: {r:?}");
+        } else {
+            assert!((1.0..2.0).contains(&r.two_d_s), "round {round}: {r:?}");
+        }
+    }
+    let v = p.verdict();
+    // The delayed rounds count as flat's, clearly; the rest as 2D's.
+    assert_eq!(
+        (v.rounds, v.prior_faster, v.challenger_wins),
+        (ROUNDS, 3, 2)
+    );
+    assert!(v.two_d);
+    let d = p.decide(1, true);
+    assert!(
+        d.line
+            .contains("; 2d faster in 3 of 5, flat by >= 1.25x in 2;"),
+        "{}",
+        d.line
+    );
+    assert!(
+        d.two_d
+            && d.line
+                .starts_with("auto: chose 2d (5 rounds of a 0.2 MiB probe")
+    );
+    // Delays on 2D in a majority of rounds do choose flat.
+    let p = skewed_auto_probe(|c, round| match c {
+        Candidate::Flat => Duration::from_secs(2),
+        Candidate::TwoD if round != 2 => Duration::from_secs(5),
+        Candidate::TwoD => Duration::from_secs(1),
+    });
+    let v = p.verdict();
+    assert_eq!((v.prior_faster, v.challenger_wins), (1, 4));
+    assert!(!v.two_d && p.decide(1, true).line.starts_with("auto: chose flat"));
+}
+
+#[test]
+fn the_auto_probe_needs_the_2d_groups() {
+    use crate::comm::auto::measure;
+    let mut groups = two_by_two_groups().remove(0);
+    groups.hierarchy = None;
+    let (_, probe) = measure(groups, 1, deadline());
+    assert!(
+        matches!(probe, Err(Error::InvalidArgument(ref m)) if m.contains("2D groups")),
+        "{probe:?}"
+    );
 }
 
 /// The 2D allreduce of [`two_d_value`]: every rank's result, and what its
