@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::algo::{AlgoSettings, Algorithm, Bucket};
 use super::backend::Backend;
@@ -33,6 +33,7 @@ use super::mapping::SharedBytes;
 use super::progress::{self, Position, Progress, Recorder};
 use super::sharded::{self, ReduceScatterPlan};
 use super::state::{self, BucketState, EngineState};
+use super::timeline::{self, Args};
 use super::transport::{Deadline, OpKind, OpTag, Reduction, Transport};
 use super::turns::LinkTurns;
 use crate::error::{Error, Result};
@@ -147,8 +148,9 @@ pub struct Job {
 
 /// What a channel thread takes from its queue.
 enum Work {
-    /// A job, with its submission number and position.
-    Job(u64, Position, Job),
+    /// A job, with its submission number, position and when it was
+    /// submitted.
+    Job(u64, Position, Instant, Job),
     /// Hand the channel's state across steps back.
     Export(mpsc::Sender<Result<BTreeMap<u64, BucketState>>>),
     /// Hand back the length (float32 elements) of each bucket whose
@@ -218,6 +220,7 @@ impl Engine {
             ));
         };
         let (rank, size) = (first.world.rank(), first.world.size());
+        timeline::start(rank);
         let intra_size = first.hierarchy.as_ref().map(|h| h.layout.intra_size);
         let state_settings = state::settings_of(&channels_spec[0].1, intra_size);
         let failures = Arc::new(Failures::new(board.clone()));
@@ -325,12 +328,12 @@ impl Engine {
         let rejected = match queue {
             Some(q) => {
                 let at = self.progress.submit(job.bucket);
-                match q.send(Work::Job(*submitted, at, job)) {
+                match q.send(Work::Job(*submitted, at, Instant::now(), job)) {
                     Ok(()) => None,
                     Err(mpsc::SendError(work)) => {
                         self.progress.complete();
                         match work {
-                            Work::Job(_, _, job) => Some(job),
+                            Work::Job(_, _, _, job) => Some(job),
                             // Only the job sent above comes back.
                             _ => None,
                         }
@@ -497,6 +500,7 @@ impl Engine {
             }
         }
         self.recorder = None;
+        timeline::flush();
     }
 }
 
@@ -546,7 +550,18 @@ fn channel_loop(
     let mut seq = 0u64;
     for item in work {
         let (number, at, job) = match item {
-            Work::Job(number, at, job) => (number, at, job),
+            Work::Job(number, at, submitted, job) => {
+                let _bucket = timeline::on_bucket(Some(job.bucket));
+                timeline::since(
+                    "queued",
+                    submitted,
+                    Args {
+                        bytes: Some(job.buf.len as u64),
+                        ..Args::default()
+                    },
+                );
+                (number, at, job)
+            }
             Work::Export(reply) => {
                 let part = state::export_channel(algorithm.sparse_state(), |key| {
                     Ok(backend.state_buffer(key).map(<[u8]>::to_vec))
@@ -606,6 +621,14 @@ fn run_job(
 ) {
     let (rank, size) = (backend.groups.world.rank(), backend.groups.world.size());
     let deadline = Deadline::after(timeout);
+    let _bucket = timeline::on_bucket(Some(job.bucket));
+    let whole = timeline::span(
+        "bucket",
+        Args {
+            bytes: Some(job.buf.len as u64),
+            ..Args::default()
+        },
+    );
     // Every job takes part in the turns, even one that fails before
     // reaching the link: dropping its turn passes it on.
     let mut turn = turns.map(|t| t.turn(number));
@@ -745,6 +768,7 @@ fn run_job(
         };
         algorithm.counters().record(path, codec, bytes, wire);
     }
+    drop(whole);
     progress.complete();
     let result = result.map_err(|err| {
         // A timeout says where every rank was (unless another rank's

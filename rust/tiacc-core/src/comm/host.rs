@@ -16,6 +16,7 @@ use super::codec;
 use super::dtype::DType;
 use super::mapping::SharedBytes;
 use super::sparse;
+use super::timeline::{self, Args};
 use super::transport::{Aborter, Deadline, OpTag, Transport};
 use super::turns::Turn;
 use crate::error::{Error, Result};
@@ -325,6 +326,7 @@ impl<G: GroupSet> HostBackend<G> {
     fn transport(&mut self, group: GroupId) -> Result<&mut dyn Transport> {
         let crosses = group != GroupId::Intra || !self.groups.hierarchical();
         if let Some(turn) = self.turn.as_mut().filter(|_| crosses) {
+            let _wait = timeline::span("link turn", Args::default());
             turn.take(self.deadline)?;
         }
         self.groups.get(group).ok_or_else(|| {
@@ -373,26 +375,45 @@ impl<G: GroupSet> HostBackend<G> {
         let (isize, irank) = (intra.size(), intra.rank());
         let (ready_tx, ready_rx) = mpsc::channel::<Mem>();
         let (done_tx, done_rx) = mpsc::channel::<()>();
+        let bucket = timeline::current_bucket();
+        let thread = std::thread::current();
+        let helper_name = format!("{} inter-node", thread.name().unwrap_or("tiacc-comm"));
         std::thread::scope(|scope| {
-            let helper = scope.spawn(move || -> Result<()> {
-                let mut stage = HostBackend::new(
-                    InterOnly {
-                        inter: inter_transport,
-                        layout,
-                    },
-                    deadline,
-                );
-                stage.mem.lent = lent;
-                stage.turn = turn;
-                // Ends when the channel thread stops sending (done, or failed).
-                for shard in ready_rx {
-                    inter(&mut stage, shard)?;
-                    if done_tx.send(()).is_err() {
-                        break;
+            let helper = std::thread::Builder::new().name(helper_name).spawn_scoped(
+                scope,
+                move || -> Result<()> {
+                    let _bucket = timeline::on_bucket(bucket);
+                    let mut stage = HostBackend::new(
+                        InterOnly {
+                            inter: inter_transport,
+                            layout,
+                        },
+                        deadline,
+                    );
+                    stage.mem.lent = lent;
+                    stage.turn = turn;
+                    // Ends when the channel thread stops sending (done, or failed).
+                    for (k, shard) in ready_rx.into_iter().enumerate() {
+                        let _chunk = timeline::span("chunk", chunk_args(shard, k));
+                        inter(&mut stage, shard)?;
+                        if done_tx.send(()).is_err() {
+                            break;
+                        }
                     }
+                    Ok(())
+                },
+            );
+            let helper = match helper {
+                Ok(helper) => helper,
+                Err(e) => {
+                    return Err(Error::Comm {
+                        peer: None,
+                        message: format!(
+                            "cannot start the inter-node stage of the 2D allreduce: {e}"
+                        ),
+                    })
                 }
-                Ok(())
-            });
+            };
             let run = || -> Result<()> {
                 // SAFETY (every slice below): chunks are disjoint spans of the
                 // lent buffer (checked above). This thread touches chunk `k`
@@ -403,11 +424,16 @@ impl<G: GroupSet> HostBackend<G> {
                 let shard_of =
                     |c: Mem| Shards::in_place(c, dtype.size(), isize, irank).map(|s| s.mine);
                 let gather = |intra: &mut dyn Transport, k: usize| -> Result<()> {
+                    let waited = timeline::span("wait for inter-node", chunk_args(chunks[k], k));
                     done_rx.recv().map_err(|_| stage_stopped())?;
+                    drop(waited);
+                    let _span = timeline::span("allgather", intra_args(chunks[k], k));
                     intra.allgather(unsafe { slice_of(chunks[k]) }, dtype.size(), deadline)
                 };
                 for (k, &c) in chunks.iter().enumerate() {
+                    let scattered = timeline::span("reduce-scatter", intra_args(c, k));
                     intra.reduce_scatter(unsafe { slice_of(c) }, dtype, deadline)?;
+                    drop(scattered);
                     ready_tx.send(shard_of(c)?).map_err(|_| stage_stopped())?;
                     if k > 0 {
                         gather(&mut *intra, k - 1)?;
@@ -466,18 +492,21 @@ impl<G: GroupSet> Backend for HostBackend<G> {
     }
 
     fn allreduce(&mut self, buf: Mem, sum: &GroupSum) -> Result<()> {
+        let _span = timeline::span("allreduce", group_args(sum.group, buf));
         let how = sum.reduction(self.deadline);
         let (t, s) = self.comm(sum.group, buf)?;
         t.allreduce_with(s, &how)
     }
 
     fn allreduce_shared(&mut self, buf: Mem, sum: &GroupSum) -> Result<Option<SharedBytes>> {
+        let _span = timeline::span("allreduce", group_args(sum.group, buf));
         let how = sum.reduction(self.deadline);
         let (t, s) = self.comm(sum.group, buf)?;
         t.allreduce_shared(s, &how)
     }
 
     fn reduce_scatter(&mut self, group: GroupId, buf: Mem, dtype: DType) -> Result<Shards> {
+        let _span = timeline::span("reduce-scatter", group_args(group, buf));
         let deadline = self.deadline;
         let (t, s) = self.comm(group, buf)?;
         t.reduce_scatter(s, dtype, deadline)?;
@@ -486,6 +515,7 @@ impl<G: GroupSet> Backend for HostBackend<G> {
     }
 
     fn allgather(&mut self, group: GroupId, shards: Shards, dst: Mem, elem: usize) -> Result<()> {
+        let _span = timeline::span("allgather", group_args(group, dst));
         if shards.whole != dst {
             return Err(Error::InvalidArgument(
                 "host backend: shards are gathered where they were cut".into(),
@@ -520,23 +550,27 @@ impl<G: GroupSet> Backend for HostBackend<G> {
     }
 
     fn div(&mut self, buf: Mem, dtype: DType, divisor: f64) -> Result<()> {
+        let _span = timeline::span("divide", bytes_args(buf));
         dtype.div_assign(self.mem.slice(buf)?, divisor);
         Ok(())
     }
 
     fn encode(&mut self, src: Mem, dtype: DType, factor: f64, dst: Mem, wire: DType) -> Result<()> {
+        let _span = timeline::span("encode", bytes_args(src));
         let (s, d) = self.mem.pair(src, dst)?;
         codec::encode(s, dtype, factor, d, wire);
         Ok(())
     }
 
     fn decode(&mut self, src: Mem, wire: DType, factor: f64, dst: Mem, dtype: DType) -> Result<()> {
+        let _span = timeline::span("decode", bytes_args(dst));
         let (s, d) = self.mem.pair(src, dst)?;
         codec::decode(s, wire, factor, d, dtype);
         Ok(())
     }
 
     fn first_non_finite(&mut self, buf: Mem, dtype: DType) -> Result<Option<(usize, f64)>> {
+        let _span = timeline::span("NaN check", bytes_args(buf));
         Ok(codec::first_non_finite(self.mem.slice(buf)?, dtype))
     }
 
@@ -614,6 +648,38 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         let (d, p) = self.mem.pair_mut(data, previous)?;
         sparse::momentum_correct(d, p, momentum);
         Ok(())
+    }
+}
+
+/// A timeline event's `args` for chunk `k` of a pipelined 2D allreduce.
+fn chunk_args(m: Mem, k: usize) -> Args {
+    Args {
+        chunk: Some(k),
+        ..bytes_args(m)
+    }
+}
+
+/// [`chunk_args`] of an intra-node step.
+fn intra_args(m: Mem, k: usize) -> Args {
+    Args {
+        group: Some(GroupId::Intra.name()),
+        ..chunk_args(m, k)
+    }
+}
+
+/// A timeline event's `args` for a step over `group` on `m`.
+fn group_args(group: GroupId, m: Mem) -> Args {
+    Args {
+        group: Some(group.name()),
+        ..bytes_args(m)
+    }
+}
+
+/// A timeline event's `args` for a step on `m`.
+fn bytes_args(m: Mem) -> Args {
+    Args {
+        bytes: Some(m.bytes as u64),
+        ..Args::default()
     }
 }
 

@@ -31,6 +31,7 @@ pub mod sparse;
 pub mod state;
 pub mod store;
 pub mod tcp;
+pub mod timeline;
 pub mod transport;
 pub mod turns;
 

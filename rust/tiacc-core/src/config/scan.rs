@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::ffi::OsString;
 
 use super::startup::Warning;
-use super::{IGNORED, INTERFACE_VARIABLES, STRICT, VARIABLES};
+use super::{DIAGNOSTIC_VARIABLES, IGNORED, INTERFACE_VARIABLES, STRICT, VARIABLES};
 use crate::error::{Error, Result};
 
 /// The prefixes whose every variable we claim: one we do not know is a
@@ -31,6 +31,7 @@ pub fn known_names() -> impl Iterator<Item = &'static str> {
         .iter()
         .copied()
         .chain(INTERFACE_VARIABLES)
+        .chain(DIAGNOSTIC_VARIABLES)
         .chain(std::iter::once(STRICT))
         .chain(IGNORED.iter().map(|(name, _)| *name))
 }

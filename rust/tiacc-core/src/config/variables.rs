@@ -119,6 +119,11 @@ pub const HOROVOD_HIERARCHICAL: &str = "HOROVOD_HIERARCHICAL_ALLREDUCE";
 pub const ACCUMULATE_N_STEPS: &str = "TIACC_TRAINING_ACCUMULATE_N_STEPS";
 /// AIACC's name for local gradient accumulation.
 pub const PERSEUS_ACCUMULATE_N_STEPS: &str = "PERSEUS_ACCUMULATE_N_STEPS";
+/// Where each rank writes the engine's timeline, a Chrome trace of every
+/// bucket's steps (`crate::comm::timeline`); unset: none is written.
+pub const TIMELINE: &str = "TIACC_TRAINING_TIMELINE";
+/// Prints the NCCL path's waits on stderr (`crate::comm::nccl::trace`).
+pub const NCCL_TRACE: &str = "TIACC_TRAINING_NCCL_TRACE";
 /// `1`: an unknown `TIACC_TRAINING_`/`LIGHT_`/`PERSEUS_` variable is an
 /// error on every rank instead of a warning.
 pub const STRICT: &str = "TIACC_TRAINING_STRICT";
@@ -240,6 +245,10 @@ pub const VARIABLES: &[&str] = &[
     PERSEUS_ACCUMULATE_N_STEPS,
     ACCUMULATE_N_STEPS,
 ];
+
+/// Variables read where they act rather than into the configuration: the
+/// engine's timeline and the NCCL path's trace on stderr.
+pub const DIAGNOSTIC_VARIABLES: [&str; 2] = [TIMELINE, NCCL_TRACE];
 
 /// The arguments of `init_tiacc_training` that override a variable, and
 /// the variable whose parser reads them. `enable` is `DISABLE` inverted.

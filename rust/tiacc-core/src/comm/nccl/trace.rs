@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 /// The variable that turns the trace on (`1`, `true`, `yes`, `on`).
-pub const TRACE_VAR: &str = "TIACC_TRAINING_NCCL_TRACE";
+pub use crate::config::NCCL_TRACE as TRACE_VAR;
 
 struct Trace {
     on: bool,

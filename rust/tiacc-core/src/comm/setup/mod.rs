@@ -346,7 +346,7 @@ impl CommEngine {
     }
 
     /// Forms the rings with `peers`; under `auto` with the 2D groups, times
-    /// flat against 2D on the first channel's groups and keeps the faster;
+    /// flat against 2D on the first channel's groups and keeps what its rounds decide;
     /// then starts the channel threads. Blocks until every connection is up
     /// (or the timeout passes) and the probe is done.
     pub fn connect(&mut self, peers: &TcpPeers<'_>) -> Result<()> {
@@ -646,7 +646,7 @@ impl<B> DeviceEngine<B> {
 
     /// Opens the channels over `comms`. Under `TIACC_TRAINING_ALGORITHM=auto`
     /// with the 2D groups connected, first times flat against 2D on the
-    /// first channel's groups (on `stream`), keeps the faster in the
+    /// first channel's groups (on `stream`), keeps what its rounds decide in the
     /// settings the channels are built with and says why in `auto_choice`;
     /// when flat wins, the 2D communicators are closed.
     fn open<K: Kernels<Buffer = B>>(
