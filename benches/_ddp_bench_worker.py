@@ -1,15 +1,17 @@
-"""One rank of the DDP benchmarks (launched by bench_ddp.py and bench_nccl.py).
+"""One rank of the DDP benchmarks (launched by bench_ddp.py, bench_nccl.py and bench_scaling.py).
 
-Trains one of three models (``--model``, see :func:`build_model`) with
+Trains one of the models of :func:`build_model` (``--model``) with
 DistributedDataParallel, natively or through the tiacc engine, or without
 DDP at all (``--mode none``: the same model, batch and optimizer with no
 gradient communication; the process group only serves the barriers around
-the timed steps), and prints the per-step wall times of rank 0 as JSON. On
-``--device cpu`` native runs use gloo; on ``--device cuda`` (every rank on
-``cuda:LOCAL_RANK % device_count``) native runs use NCCL. Native runs may
-register one of torch's own communication hooks (``--hook``). Rank 0 also
+the timed steps), and prints the per-step wall times of rank 0 as JSON,
+with the part of each step up to the end of the forward pass (the loss
+computed). On ``--device cpu`` native runs use gloo; on ``--device cuda``
+(every rank on ``cuda:LOCAL_RANK % device_count``) native runs use NCCL.
+Native runs may register one of torch's own communication hooks
+(``--hook``). The optimizer is SGD or AdamW (``--optimizer``). Rank 0 also
 reads its node's link counters around the timed steps, which gives the
-bytes that crossed between the nodes per step.
+bytes that crossed between the nodes per step, in each direction.
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ import json
 import os
 import resource
 import time
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 MODELS = ("mlp", "dominant", "tiny")
+# Our own causal transformer language model (:class:`CausalLM`).
+LANGUAGE_MODELS = ("lm",)
 # torchvision's models, trained on random images of --image-size pixels.
 VISION_MODELS = {
     "resnet18": "resnet18",
@@ -46,6 +52,64 @@ class _Residual(nn.Module):
         return x + torch.relu(self.linear(self.norm(x)))
 
 
+class CausalLM(nn.Module):
+    """A small GPT-style language model whose forward returns its loss.
+
+    Token and learned position embeddings, ``layers`` pre-norm transformer
+    blocks (causal self-attention, GELU feed-forward, no dropout), a final
+    LayerNorm and an untied output head without bias. The input holds
+    ``seq + 1`` token ids per sequence: the first ``seq`` are read, and
+    each position predicts the id that follows it.
+    """
+
+    def __init__(
+        self,
+        vocab: int = 8192,
+        seq: int = 64,
+        d_model: int = 512,
+        heads: int = 8,
+        ff: int = 2048,
+        layers: int = 6,
+    ) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Embedding(seq, d_model)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                d_model,
+                heads,
+                dim_feedforward=ff,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The mean next-token cross-entropy of ``ids`` (batch x (seq + 1)), a scalar."""
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+        seq = inputs.shape[1]
+        positions = torch.arange(seq, device=ids.device)
+        h = self.tokens(inputs) + self.positions(positions)
+        # Made here rather than kept as a buffer: DDP would send a buffer
+        # to every rank before each forward, which is traffic on the link.
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=ids.device)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _token_batch(batch: int, seq: int, vocab: int) -> torch.Tensor:
+    """Random token ids, batch x (seq + 1), the same on every call (their own seed)."""
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=generator)
+
+
 def build_model(
     name: str, batch: int, layers: int = 4, width: int = 1024, image_size: int = 64
 ) -> tuple[nn.Module, torch.Tensor, str]:
@@ -63,9 +127,20 @@ def build_model(
 
     - ``resnet18``, ``resnet50``, ``resnext50`` (32x4d): torchvision's
       models (1000 classes), on random RGB images of ``image_size`` pixels.
+    - ``lm``: :class:`CausalLM`, 6 pre-norm transformer layers (d_model
+      512, 8 heads, feed-forward 2048), vocabulary 8192, 64 tokens a
+      sequence, untied head: 27.3 M parameters, 109.3 MB of float32
+      gradients. Its input is random token ids and its output the loss.
 
     ``layers`` and ``width`` apply to ``mlp`` only.
     """
+    if name == "lm":
+        model = CausalLM()
+        description = (
+            "causal transformer LM: 6 pre-norm layers, d_model 512, 8 heads, FF 2048, "
+            "vocab 8192, 64 tokens, learned positions, untied head"
+        )
+        return model, _token_batch(batch, seq=64, vocab=8192), description
     if name in VISION_MODELS:
         import torchvision  # optional: only the benchmarks of real models need it
 
@@ -117,7 +192,8 @@ def build_model(
             f"(LayerNorm({narrow})(x)))), Linear({narrow}, 10)"
         )
         return model, torch.randn(batch, 1024), description
-    raise ValueError(f"unknown model {name!r}: expected one of {MODELS + tuple(VISION_MODELS)}")
+    known = MODELS + LANGUAGE_MODELS + tuple(VISION_MODELS)
+    raise ValueError(f"unknown model {name!r}: expected one of {known}")
 
 
 def model_stats(model: nn.Module) -> dict:
@@ -143,8 +219,8 @@ def model_stats(model: nn.Module) -> dict:
     }
 
 
-def link_bytes() -> int:
-    """Bytes this node's end of the link has sent plus received so far.
+def link_counters() -> tuple[int, int]:
+    """Bytes this node's end of the link has sent and received so far: ``(tx, rx)``.
 
     Read from ``/proc/net/dev``, which shows the reading process's network
     namespace however the process entered it.
@@ -155,8 +231,24 @@ def link_bytes() -> int:
             name, _, counters = line.partition(":")
             if name.strip() == ifname:
                 fields = counters.split()
-                return int(fields[0]) + int(fields[8])
+                return int(fields[8]), int(fields[0])
     raise RuntimeError(f"{ifname} is not in /proc/net/dev")
+
+
+def step_loss(output: torch.Tensor) -> torch.Tensor:
+    """The loss of one step: the output itself when the model returns a scalar (``lm``).
+
+    Otherwise the mean square of the output, a stand-in loss that reaches
+    every output element.
+    """
+    return output if output.dim() == 0 else output.square().mean()
+
+
+def build_optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD (lr 1e-3) or AdamW (lr 1e-4, weight decay 0.01)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=1e-3)
 
 
 def register_torch_hook(ddp: nn.parallel.DistributedDataParallel, hook: str) -> None:
@@ -194,7 +286,9 @@ def register_torch_hook(ddp: nn.parallel.DistributedDataParallel, hook: str) -> 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["native", "tiacc", "none"], required=True)
-    parser.add_argument("--model", choices=MODELS + tuple(VISION_MODELS), default="mlp")
+    parser.add_argument(
+        "--model", choices=MODELS + LANGUAGE_MODELS + tuple(VISION_MODELS), default="mlp"
+    )
     parser.add_argument("--image-size", type=int, default=64, help="torchvision models only")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--layers", type=int, default=4, help="mlp only")
@@ -204,6 +298,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     hooks = ["none", "noop", "fp16", "bf16", "powersgd"]
     parser.add_argument("--hook", choices=hooks, default="none")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     parser.add_argument(
         "--grad-view",
         action="store_true",
@@ -240,38 +335,49 @@ def main() -> None:
         )
         if args.hook != "none":
             register_torch_hook(ddp, args.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    opt = build_optimizer(args.optimizer, ddp.parameters())
     times = []
+    forward_times = []
     cpu_start = 0.0
-    link_start = 0
+    link_start = (0, 0)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             dist.barrier()
             usage = resource.getrusage(resource.RUSAGE_SELF)
             cpu_start = usage.ru_utime + usage.ru_stime
-            link_start = link_bytes()
+            link_start = link_counters()
         start = time.perf_counter()
         opt.zero_grad()
-        ddp(x).square().mean().backward()
+        loss = step_loss(ddp(x))
+        if cuda:
+            torch.cuda.synchronize(device)
+        forward_end = time.perf_counter()
+        loss.backward()
         opt.step()
         if cuda:
             torch.cuda.synchronize(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            forward_times.append(forward_end - start)
     # Every rank's last step is done when the barrier returns; the counters
     # then hold exactly the timed steps' traffic (plus one barrier's).
     dist.barrier()
-    link_per_step = (link_bytes() - link_start) / args.steps
+    tx_end, rx_end = link_counters()
+    tx_per_step = (tx_end - link_start[0]) / args.steps
+    rx_per_step = (rx_end - link_start[1]) / args.steps
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu_per_step = (usage.ru_utime + usage.ru_stime - cpu_start) / args.steps
     stats = model_stats(model)
-    checksum = float(sum(p.double().sum() for p in model.parameters()))
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     if dist.get_rank() == 0:
         print(
             "RESULT "
             + json.dumps(
                 {
                     "step_s": times,
+                    # Each timed step's start to the end of its forward pass.
+                    "forward_s": forward_times,
+                    "optimizer": args.optimizer,
                     "grad_bytes": stats["grad_bytes"],
                     "bucket_bytes_cap": getattr(ddp, "bucket_bytes_cap", None),
                     # Whether DDP kept the gradients in its buckets
@@ -279,7 +385,9 @@ def main() -> None:
                     "gradient_as_bucket_view": getattr(ddp, "gradient_as_bucket_view", None),
                     "checksum": checksum,
                     "rank0_cpu_s_per_step": cpu_per_step,
-                    "link_bytes_per_step": link_per_step,
+                    "link_bytes_per_step": tx_per_step + rx_per_step,
+                    "link_tx_bytes_per_step": tx_per_step,
+                    "link_rx_bytes_per_step": rx_per_step,
                 }
             ),
             flush=True,
