@@ -235,6 +235,43 @@ def link_counters() -> tuple[int, int]:
     raise RuntimeError(f"{ifname} is not in /proc/net/dev")
 
 
+def machine_cpu() -> tuple[int, int]:
+    """The machine's CPU time so far in clock ticks: ``(busy, total)``.
+
+    From the first line of ``/proc/stat`` (every core, every process and
+    the kernel's own work, such as the network stack's softirqs); idle and
+    I/O wait are the time not busy.
+    """
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return sum(ticks) - idle, sum(ticks)
+
+
+def thread_cpu() -> dict[str, float]:
+    """This process's CPU seconds so far per thread group: the engine's
+    threads (named ``tiacc-*``), gloo's and everything else (the Python
+    thread's forward, backward and DDP, torch's own threads).
+
+    From ``/proc/self/task/*/stat`` (user plus system time of each thread
+    alive now; a thread that ended is not counted).
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    groups = {"engine": 0.0, "gloo": 0.0, "other": 0.0}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        group = "engine" if name.startswith("tiacc") else "gloo" if "gloo" in name else "other"
+        groups[group] += seconds
+    return groups
+
+
 def step_loss(output: torch.Tensor) -> torch.Tensor:
     """The loss of one step: the output itself when the model returns a scalar (``lm``).
 
@@ -300,6 +337,12 @@ def main() -> None:
     parser.add_argument("--hook", choices=hooks, default="none")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     parser.add_argument(
+        "--sync",
+        action="store_true",
+        help="--mode none: a 4-byte allreduce after each backward (the ranks wait for "
+        "each other every step, as DDP's do, with no gradient exchanged)",
+    )
+    parser.add_argument(
         "--grad-view",
         action="store_true",
         help="DDP(gradient_as_bucket_view=True): gradients live in the buckets (no copy in or out)",
@@ -340,12 +383,16 @@ def main() -> None:
     forward_times = []
     cpu_start = 0.0
     link_start = (0, 0)
+    machine_start = (0, 0)
+    threads_start: dict[str, float] = {}
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             dist.barrier()
             usage = resource.getrusage(resource.RUSAGE_SELF)
             cpu_start = usage.ru_utime + usage.ru_stime
             link_start = link_counters()
+            machine_start = machine_cpu()
+            threads_start = thread_cpu()
         start = time.perf_counter()
         opt.zero_grad()
         loss = step_loss(ddp(x))
@@ -353,6 +400,8 @@ def main() -> None:
             torch.cuda.synchronize(device)
         forward_end = time.perf_counter()
         loss.backward()
+        if args.sync:
+            dist.all_reduce(torch.zeros(1, device=device))
         opt.step()
         if cuda:
             torch.cuda.synchronize(device)
@@ -363,6 +412,12 @@ def main() -> None:
     # then hold exactly the timed steps' traffic (plus one barrier's).
     dist.barrier()
     tx_end, rx_end = link_counters()
+    busy_end, total_end = machine_cpu()
+    threads_end = thread_cpu()
+    threads_per_step = {
+        k: (threads_end[k] - threads_start.get(k, 0.0)) / args.steps for k in threads_end
+    }
+    machine_busy = (busy_end - machine_start[0]) / max(1, total_end - machine_start[1])
     tx_per_step = (tx_end - link_start[0]) / args.steps
     rx_per_step = (rx_end - link_start[1]) / args.steps
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -388,6 +443,11 @@ def main() -> None:
                     "link_bytes_per_step": tx_per_step + rx_per_step,
                     "link_tx_bytes_per_step": tx_per_step,
                     "link_rx_bytes_per_step": rx_per_step,
+                    # The share of the machine's CPU time that was busy
+                    # during the timed steps (1.0: every core saturated).
+                    "machine_cpu_busy": machine_busy,
+                    # Rank 0's CPU seconds a step per thread group.
+                    "rank0_thread_cpu_s_per_step": threads_per_step,
                 }
             ),
             flush=True,

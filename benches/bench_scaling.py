@@ -94,6 +94,12 @@ TWO_D = "tiacc 2D"
 TWO_D_FP16 = "tiacc 2D + fp16"
 COMPUTE_FLOOR = "compute floor (4 ranks, no exchange)"
 ONE_RANK = "one rank alone"
+# The compute floor with the ranks waiting for each other once a step (a
+# 4-byte allreduce after backward): what synchronising costs where the ranks
+# share too few cores, with no gradient exchanged. Not part of the bound.
+SYNCED_FLOOR = "synced floor (4 ranks, 4 bytes a step)"
+REFERENCES = (COMPUTE_FLOOR, SYNCED_FLOOR, ONE_RANK)
+THREADS = "rank0_thread_cpu_s_per_step"
 EXACT = ("tiacc flat ring", TWO_D)
 DEFAULT_ROWS = (NATIVE, TWO_D, TWO_D_FP16, AUTO)
 MODEL_CHOICES = tuple(VISION_MODELS) + LANGUAGE_MODELS
@@ -200,18 +206,52 @@ def _device_env(args: argparse.Namespace) -> dict[str, str]:
     return cuda_env() if args.device == "cuda" else {}
 
 
-def run_row(nodes: tuple, model: str, row: Row, rate: float, args: argparse.Namespace) -> dict:
-    """One 4-rank job; rank 0's step and forward times and what the run reported."""
+def timeline_steps(prefix: Path) -> dict:
+    """The medians over the timed steps of the engine's timelines ``prefix.rank*.json``.
+
+    Per step (``tiacc_training.tools.timeline_summary``): the span from the
+    first hand-over to the last bucket done, the ranks' skew in handing the
+    last bucket over, the tail after it, and how long rank 0 had bytes
+    crossing the link.
+    """
+    from tiacc_training.tools.timeline_summary import load, summarize
+
+    traces = [load(f"{prefix}.rank{rank}.json") for rank in range(WORLD)]
+    steps = summarize(traces)[1:]  # the first is the warm-up's first bucket alone
+    keys = ("span_ms", "skew_ms", "tail_ms", "link_ms", "link_share")
+    return {
+        "steps": len(steps),
+        "files": f"{prefix}.rank*.json",
+        **{k: statistics.median(x[k] for x in steps) for k in keys if steps},
+    }
+
+
+def run_row(
+    nodes: tuple,
+    model: str,
+    row: Row,
+    rate: float,
+    args: argparse.Namespace,
+    timeline: Path | None = None,
+) -> dict:
+    """One 4-rank job; rank 0's step and forward times and what the run reported.
+
+    With ``timeline`` (a tiacc row), the engine writes its timeline there
+    and the run keeps its summary.
+    """
+    traced = {"TIACC_TRAINING_TIMELINE": str(timeline)} if timeline is not None else {}
     result = run_job(
         nodes,
         WORKER,
         _worker_args(args, model, row.mode, row.hook),
-        {**_device_env(args), **dict(row.env)},
+        {**_device_env(args), **dict(row.env), **traced},
         ranks_per_node=WORLD // len(nodes),
         stderr_prefixes=AUTO_PREFIXES if row.mode == "tiacc" else (),
     )
     auto = result.pop("rank0_stderr_lines", [])
     run = {"model": model, "pipeline": row.label, "rate_mbit": rate}
+    if timeline is not None:
+        run["timeline"] = timeline_steps(timeline)
     for key in (
         "step_s",
         "forward_s",
@@ -219,6 +259,8 @@ def run_row(nodes: tuple, model: str, row: Row, rate: float, args: argparse.Name
         "link_tx_bytes_per_step",
         "link_rx_bytes_per_step",
         "rank0_cpu_s_per_step",
+        "machine_cpu_busy",
+        "rank0_thread_cpu_s_per_step",
         "link_dropped_packets",
         "grad_bytes",
         "optimizer",
@@ -233,11 +275,12 @@ def run_row(nodes: tuple, model: str, row: Row, rate: float, args: argparse.Name
 
 def run_reference(nodes: tuple, model: str, label: str, args: argparse.Namespace) -> dict:
     """The compute floor (4 ranks, no DDP) or one rank alone, on node 0's loopback."""
-    ranks = WORLD if label == COMPUTE_FLOOR else 1
+    ranks = 1 if label == ONE_RANK else WORLD
+    sync = ["--sync"] if label == SYNCED_FLOOR else []
     result = run_job(
         nodes[:1],
         WORKER,
-        _worker_args(args, model, "none"),
+        _worker_args(args, model, "none") + sync,
         _device_env(args),
         ranks_per_node=ranks,
     )
@@ -250,6 +293,8 @@ def run_reference(nodes: tuple, model: str, label: str, args: argparse.Namespace
         "step_s": result["step_s"],
         "forward_s": result["forward_s"],
         "rank0_cpu_s_per_step": result["rank0_cpu_s_per_step"],
+        "machine_cpu_busy": result["machine_cpu_busy"],
+        "rank0_thread_cpu_s_per_step": result["rank0_thread_cpu_s_per_step"],
         "optimizer": result["optimizer"],
     }
 
@@ -320,9 +365,27 @@ def summarize(runs: list[dict], batch: int, nominal: dict[str, float | None]) ->
         cpu = [p["rank0_cpu_s_per_step"] for p in parts if "rank0_cpu_s_per_step" in p]
         if cpu:  # rank 0's CPU time a step: on cores shared by the ranks, its cost
             line["rank0_cpu_ms_per_step"] = round(statistics.fmean(cpu) * 1000, 1)
+        threads = [p[THREADS] for p in parts if THREADS in p]
+        if threads:  # where rank 0's CPU went: the engine's threads, gloo's, the rest
+            line["rank0_thread_cpu_ms_per_step"] = {
+                k: round(statistics.fmean(t[k] for t in threads) * 1000, 1) for k in threads[0]
+            }
+        busy = [p["machine_cpu_busy"] for p in parts if "machine_cpu_busy" in p]
+        if busy:  # near 1.0: the cores, not the link, set the pace
+            line["machine_cpu_busy"] = round(statistics.fmean(busy), 3)
         if rate is not None:
             line.update(_link_and_bound(parts, rate, floor_s, floor_forward_s, nominal.get(label)))
             line["efficiency_vs_bound"] = round(line["bound_ms"] / line["median_ms"], 3)
+            if cpu:
+                # The CPU work of the 4 ranks (rank 0's, times 4) packed onto
+                # the machine's cores: no schedule runs it in less time.
+                cores = os.cpu_count() or 1
+                line["cpu_bound_ms"] = round(
+                    WORLD * line["rank0_cpu_ms_per_step"] / min(cores, WORLD), 1
+                )
+                line["efficiency_vs_cpu_and_link_bound"] = round(
+                    max(line["bound_ms"], line["cpu_bound_ms"]) / line["median_ms"], 3
+                )
             native = groups.get((NATIVE, rate))
             line["speed_over_native"] = (
                 round(_pooled_median(native, "step_s") / step_s, 3) if native else None
@@ -502,6 +565,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every row: adds torch's fp16/bf16 hooks, tiacc flat ring and Top-K 1%%",
     )
     parser.add_argument("--out", type=Path, default=REPO / "benches/results/bench_scaling.json")
+    parser.add_argument(
+        "--timeline",
+        type=Path,
+        help="write the engine's timeline of every tiacc row of the last round here "
+        "(TIACC_TRAINING_TIMELINE) and keep its per-step summary in the run",
+    )
     args = parser.parse_args(argv)
     if args.model is not None:
         args.models = [args.model]
@@ -575,7 +644,7 @@ def write(
     for model in args.models:
         own = [r for r in runs if r["model"] == model]
         done = {r["pipeline"] for r in own}
-        if COMPUTE_FLOOR in done and ONE_RANK in done:
+        if all(label in done for label in REFERENCES):
             lines += summarize(own, batch_of(model, args), nominal)
     result["rows"] = lines
     result["goals"] = goals(lines, args.models, rates) if lines else None
@@ -597,12 +666,17 @@ def sweep(
             with cluster(rate) as nodes:
                 if rate == rates[0]:
                     for model in args.models:
-                        for label in (COMPUTE_FLOOR, ONE_RANK):
+                        for label in REFERENCES:
                             run = run_reference(nodes, model, label, args)
                             runs.append({**run, "round": round_index})
                 for model in args.models:
                     for row in chosen:
-                        run = run_row(nodes, model, row, rate, args)
+                        timeline = None
+                        if args.timeline and row.mode == "tiacc" and round_index == args.rounds - 1:
+                            args.timeline.mkdir(parents=True, exist_ok=True)
+                            slug = "".join(c if c.isalnum() else "-" for c in row.label)
+                            timeline = args.timeline / f"{model}-{rate:g}-{slug}"
+                        run = run_row(nodes, model, row, rate, args, timeline)
                         runs.append({**run, "round": round_index})
                         result["seconds"] = round(time.monotonic() - started)
                         write(args.out, result, runs, args, rates, chosen)

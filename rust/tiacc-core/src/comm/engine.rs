@@ -553,7 +553,7 @@ fn channel_loop(
             Work::Job(number, at, submitted, job) => {
                 let _bucket = timeline::on_bucket(Some(job.bucket));
                 timeline::since(
-                    "queued",
+                    timeline_names(&job.op).0,
                     submitted,
                     Args {
                         bytes: Some(job.buf.len as u64),
@@ -608,6 +608,15 @@ fn channel_loop(
     }
 }
 
+/// A job's two events on the timeline (its wait in the queue, its run):
+/// DDP's bucket allreduces, or one of torch's other collectives.
+fn timeline_names(op: &Collective) -> (&'static str, &'static str) {
+    match op {
+        Collective::Allreduce { .. } => ("queued", "bucket"),
+        _ => ("queued collective", "collective"),
+    }
+}
+
 /// Runs one job on its channel: `seq` is its number on this channel,
 /// `number` its submission number (for the link turns).
 fn run_job(
@@ -623,7 +632,7 @@ fn run_job(
     let deadline = Deadline::after(timeout);
     let _bucket = timeline::on_bucket(Some(job.bucket));
     let whole = timeline::span(
-        "bucket",
+        timeline_names(&job.op).1,
         Args {
             bytes: Some(job.buf.len as u64),
             ..Args::default()

@@ -488,6 +488,13 @@ impl<G: GroupSet> Backend for HostBackend<G> {
 
     fn agree(&mut self, group: GroupId, tag: &OpTag) -> Result<()> {
         let deadline = self.deadline;
+        let _span = timeline::span(
+            "agree",
+            Args {
+                group: Some(group.name()),
+                ..Args::default()
+            },
+        );
         self.transport(group)?.agree(tag, deadline)
     }
 

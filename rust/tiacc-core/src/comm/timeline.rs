@@ -9,12 +9,15 @@
 //! thread, named by metadata events:
 //!
 //! - `queued` (from DDP handing the bucket over to its channel taking it)
-//!   and `bucket` (the whole collective) on the channel thread;
+//!   and `bucket` (the whole allreduce) on the channel thread; torch's
+//!   other collectives on the engine are `queued collective` and
+//!   `collective`;
 //! - inside a bucket, one event per step: `reduce-scatter`, `allgather`,
 //!   `allreduce` (`args.group`: world, intra-node or inter-node),
 //!   `encode`/`decode` (the casts of compression), `divide`, `NaN check`,
-//!   and `link turn` (waiting for the other channels to leave the link
-//!   between nodes);
+//!   `agree` (the bucket's header checked across the group: it lasts until
+//!   the last rank of the group has handed the bucket over) and `link turn`
+//!   (waiting for the other channels to leave the link between nodes);
 //! - the inter-node step of a pipelined 2D allreduce on its own thread
 //!   (`<channel> inter-node`), one event per chunk (`args.chunk`): that
 //!   row is the link between nodes, busy or idle.
