@@ -370,6 +370,9 @@ def summarize(runs: list[dict], batch: int, nominal: dict[str, float | None]) ->
             line["rank0_thread_cpu_ms_per_step"] = {
                 k: round(statistics.fmean(t[k] for t in threads) * 1000, 1) for k in threads[0]
             }
+        traced = [p["timeline"] for p in parts if p.get("timeline")]
+        if traced:  # the engine's timeline of the round that kept one
+            line["timeline"] = traced[-1]
         busy = [p["machine_cpu_busy"] for p in parts if "machine_cpu_busy" in p]
         if busy:  # near 1.0: the cores, not the link, set the pace
             line["machine_cpu_busy"] = round(statistics.fmean(busy), 3)
@@ -566,6 +569,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=REPO / "benches/results/bench_scaling.json")
     parser.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="rewrite --out's rows and goals from the runs it holds (no job runs)",
+    )
+    parser.add_argument(
         "--timeline",
         type=Path,
         help="write the engine's timeline of every tiacc row of the last round here "
@@ -726,6 +734,16 @@ def main() -> None:
         sys.exit(f"bench_scaling.py --device cuda: {cuda_unavailable()}")
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     chosen = chosen_rows(args.only, args.all_rows)
+    if args.from_runs:
+        # Only the summary, again, from the runs a sweep kept (no job runs).
+        result = json.loads(args.out.read_text())
+        args.models = list(result["setup"]["models"])
+        rates = result["setup"]["rates_mbit_each_way"]
+        chosen = [r for r in rows() if r.label in result["setup"]["rows"]]
+        lines = write(args.out, result, result["runs"], args, rates, chosen)
+        print_tables(lines, args.models, result.get("goals"))
+        print(f"rewrote {args.out}")
+        return
     result = {
         "benchmark": "bench_scaling",
         "setup": setup_of(args, rates, chosen),
