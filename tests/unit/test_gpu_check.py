@@ -681,17 +681,22 @@ def test_a_failing_nvidia_smi_samples_nothing(tmp_path: Path, monkeypatch) -> No
 
 
 def test_scaling_goals_read_the_sweep() -> None:
-    assert [g.met for g in gpu_check.scaling_goals(None)] == [None, None]
+    assert [g.met for g in gpu_check.scaling_goals(None)] == [None, None, None]
     result = {
         "goals": {
             "per_rate": [
-                {"rate_mbit": 1000, "native_efficiency": 0.5, "auto_over_native": 1.4,
-                 "two_d_fp16_over_native": 1.8},
+                {"rate_mbit": 10000, "native_efficiency": 0.5, "auto_over_native": 1.4,
+                 "two_d_fp16_over_native": 1.8, "auto_efficiency_vs_bound": 0.93},
                 {"rate_mbit": 25000, "native_efficiency": 0.9, "auto_over_native": 0.97,
-                 "two_d_fp16_over_native": 1.0},
+                 "two_d_fp16_over_native": 1.0, "auto_efficiency_vs_bound": 0.88},
             ]
         }
     }  # fmt: skip
-    auto, regime = gpu_check.scaling_goals(result)
+    auto, bound, regime = gpu_check.scaling_goals(result)
     assert not auto.met and "0.97x" in auto.measured and "25000" in auto.measured
+    assert not bound.met and bound.measured == "88% (worst, at 25000 Mbit/s)"
     assert regime.met and regime.measured == "1.80x"
+    # Results from before the bound: the goal says so instead of passing.
+    for g in result["goals"]["per_rate"]:
+        del g["auto_efficiency_vs_bound"]
+    assert gpu_check.scaling_goals(result)[1].measured == "no bound in the results"
