@@ -290,7 +290,9 @@ impl Algorithm {
             b.allreduce(buf, &sum)?;
             return Ok((Path::Ring, none, None));
         }
-        if divisor != 1.0 {
+        let dense_two_d = two_d && sparse.is_none();
+        if divisor != 1.0 && !dense_two_d {
+            // The dense 2D allreduce divides on its way instead (below).
             b.div(buf, dtype, divisor)?;
         }
         if let (false, Some(options)) = (two_d, sparse) {
@@ -323,7 +325,7 @@ impl Algorithm {
         let scale = self.settings.scale;
         let step = move |b: &mut dyn Backend, mine: Mem| inter_dense(b, mine, dtype, wire, scale);
         let chunks = pipeline_chunks(buf, dtype, b.pipelines())?;
-        b.two_d(dtype, &chunks, &step)?;
+        b.two_d(dtype, divisor, &chunks, &step)?;
         Ok((Path::TwoD, codec, None))
     }
 }
@@ -388,17 +390,22 @@ pub fn pipeline_chunks(buf: Mem, dtype: DType, pipelines: bool) -> Result<Vec<Me
         .collect()
 }
 
-/// The 2D allreduce of `chunks`, one after another: for each, the
-/// reduce-scatter inside the node, `inter` on this rank's shard, the
-/// allgather inside the node. Backends that cannot overlap the steps run
-/// this; the host backend pipelines the same steps.
+/// The 2D allreduce of `chunks`, one after another: for each, its
+/// division by `divisor`, the reduce-scatter inside the node, `inter` on
+/// this rank's shard, the allgather inside the node. Backends that cannot
+/// overlap the steps run this; the host backend pipelines the same steps
+/// (and divides while its reduce-scatter copies).
 pub fn two_d_in_order(
     b: &mut dyn Backend,
     dtype: DType,
+    divisor: f64,
     chunks: &[Mem],
     inter: &InterStep,
 ) -> Result<()> {
     for &c in chunks {
+        if divisor != 1.0 {
+            b.div(c, dtype, divisor)?;
+        }
         let shards = b.reduce_scatter(GroupId::Intra, c, dtype)?;
         inter(b, shards.mine)?;
         b.allgather(GroupId::Intra, shards, c, dtype.size())?;

@@ -238,10 +238,17 @@ pub trait Backend {
         false
     }
     /// The 2D allreduce of `chunks` (consecutive spans of one buffer of
-    /// `dtype`): per chunk, a reduce-scatter inside the node, `inter` on
-    /// this rank's shard, an allgather inside the node. Backends that do
-    /// not pipeline call [`super::algo::two_d_in_order`].
-    fn two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &InterStep) -> Result<()>;
+    /// `dtype`), each element divided by `divisor` before it is summed: per
+    /// chunk, a reduce-scatter inside the node, `inter` on this rank's
+    /// shard, an allgather inside the node. Backends that do not pipeline
+    /// call [`super::algo::two_d_in_order`].
+    fn two_d(
+        &mut self,
+        dtype: DType,
+        divisor: f64,
+        chunks: &[Mem],
+        inter: &InterStep,
+    ) -> Result<()>;
     /// Scales float32 `buf` so that its L2 norm is at most `max_norm`: the
     /// sum of squares in float64, the norm rounded to float32, and when it
     /// is above `max_norm` (as float32) every element multiplied by

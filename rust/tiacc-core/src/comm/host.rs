@@ -17,7 +17,7 @@ use super::dtype::DType;
 use super::mapping::SharedBytes;
 use super::sparse;
 use super::timeline::{self, Args};
-use super::transport::{Aborter, Deadline, OpTag, Transport};
+use super::transport::{Aborter, Deadline, OpTag, Reduction, Transport};
 use super::turns::Turn;
 use crate::error::{Error, Result};
 
@@ -354,7 +354,13 @@ impl<G: GroupSet> HostBackend<G> {
     /// sees two ranks disagree), and a helper thread runs `inter` on each
     /// chunk's shard in chunk order once its reduce-scatter is done. The
     /// allgather of chunk `k` waits for chunk `k`'s inter-node step.
-    fn pipelined_two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &InterStep) -> Result<()> {
+    fn pipelined_two_d(
+        &mut self,
+        dtype: DType,
+        divisor: f64,
+        chunks: &[Mem],
+        inter: &InterStep,
+    ) -> Result<()> {
         for &c in chunks {
             self.mem.check(c)?;
         }
@@ -366,7 +372,7 @@ impl<G: GroupSet> HostBackend<G> {
             _ => None,
         };
         let Some((intra, inter_transport, layout)) = self.groups.split_two_d() else {
-            return two_d_in_order(self, dtype, chunks, inter);
+            return two_d_in_order(self, dtype, divisor, chunks, inter);
         };
         let abort_inter = inter_transport.aborter();
         // The link is crossed by the helper: it takes the turn (if not
@@ -432,7 +438,13 @@ impl<G: GroupSet> HostBackend<G> {
                 };
                 for (k, &c) in chunks.iter().enumerate() {
                     let scattered = timeline::span("reduce-scatter", intra_args(c, k));
-                    intra.reduce_scatter(unsafe { slice_of(c) }, dtype, deadline)?;
+                    // The division rides on the reduce-scatter's copies
+                    // (shared memory divides while it copies; TCP first).
+                    let how = Reduction {
+                        divisor,
+                        ..Reduction::sum(dtype, deadline)
+                    };
+                    intra.reduce_scatter_with(unsafe { slice_of(c) }, &how)?;
                     drop(scattered);
                     ready_tx.send(shard_of(c)?).map_err(|_| stage_stopped())?;
                     if k > 0 {
@@ -620,11 +632,17 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         true
     }
 
-    fn two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &InterStep) -> Result<()> {
+    fn two_d(
+        &mut self,
+        dtype: DType,
+        divisor: f64,
+        chunks: &[Mem],
+        inter: &InterStep,
+    ) -> Result<()> {
         if chunks.len() < 2 {
-            return two_d_in_order(self, dtype, chunks, inter);
+            return two_d_in_order(self, dtype, divisor, chunks, inter);
         }
-        self.pipelined_two_d(dtype, chunks, inter)
+        self.pipelined_two_d(dtype, divisor, chunks, inter)
     }
 
     fn clip_norm(&mut self, buf: Mem, max_norm: f64) -> Result<()> {

@@ -401,8 +401,14 @@ impl<K: Kernels> Backend for DeviceBackend<'_, K> {
 
     /// Stream-ordered: the chunks run one after another on the channel's
     /// stream (the algorithm hands over a single chunk, see `pipelines`).
-    fn two_d(&mut self, dtype: DType, chunks: &[Mem], inter: &InterStep) -> Result<()> {
-        two_d_in_order(self, dtype, chunks, inter)
+    fn two_d(
+        &mut self,
+        dtype: DType,
+        divisor: f64,
+        chunks: &[Mem],
+        inter: &InterStep,
+    ) -> Result<()> {
+        two_d_in_order(self, dtype, divisor, chunks, inter)
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<Mem> {
