@@ -221,7 +221,7 @@ def timeline_steps(prefix: Path) -> dict:
     keys = ("span_ms", "skew_ms", "tail_ms", "link_ms", "link_share")
     return {
         "steps": len(steps),
-        "files": f"{prefix}.rank*.json",
+        "files": f"{prefix.name}.rank*.json",  # under --timeline
         **{k: statistics.median(x[k] for x in steps) for k in keys if steps},
     }
 
