@@ -404,6 +404,34 @@ def test_ddp_on_a_sub_group_stays_native_with_one_warning_per_group(tmp_path: Pa
     assert not any(_engine_buckets(tiacc))
 
 
+def _compile_events(out: str) -> dict[str, int]:
+    """Graph breaks and recompilations dynamo logged (``TORCH_LOGS``), over every rank."""
+    return {
+        "graph breaks": len(re.findall(r"\bGraph break\b", out)),
+        "recompilations": len(re.findall(r"\bRecompiling function\b", out)),
+    }
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch._logging") is None
+    or not hasattr(getattr(torch, "compiler", None), "disable"),
+    reason="this torch has no torch.compile logging (torch._logging, torch.compiler.disable)",
+)
+@pytest.mark.parametrize("order", ["ddp-then-compile", "compile-then-ddp"])
+def test_torch_compile_gets_no_graph_break_and_no_recompilation_from_us(
+    tmp_path: Path, order: str
+) -> None:
+    # DDP's reducer calls the "tiacc" backend's collectives (Python) while a
+    # compiled frame is active, and a compiled DDP model's forward traces the
+    # forward hooks on it: both once added graph breaks and recompilations.
+    env = {"TORCH_LOGS": "graph_breaks,recompiles"}
+    tiacc, native = _compare(
+        tmp_path, "compile_ddp.py", lambda s: _torchrun(s, "--order", order), 2, env
+    )
+    ours, theirs = _compile_events(tiacc), _compile_events(native)
+    assert ours == theirs, (ours, theirs, tiacc[-6000:])
+
+
 @pytest.mark.skipif(
     not hasattr(getattr(torch, "_dynamo", None), "compiled_autograd"),
     reason="this torch has no compiled autograd",

@@ -47,6 +47,7 @@ from . import _backend_strings, _collectives
 from ._backend_strings import NAME, takes_device_strings
 from ._collectives import CpuCollectives, GroupArgs, GroupCollectives
 from ._device_collectives import DeviceCollectives
+from ._dynamo import eager
 from ._state import state
 
 # The forms, newest first.
@@ -510,6 +511,7 @@ class _Form:
         """Stops at once (torch's abort)."""
         self.shutdown()  # type: ignore[attr-defined]
 
+    @eager
     def barrier(self, opts: Any = None) -> Any:
         """``barrier``: returns once every rank has entered it."""
         if self.collectives is None:
@@ -553,9 +555,9 @@ class TiaccBackend(_Form, _C10dBackend):  # type: ignore[misc,valid-type]
 
 
 for _name, _ours in _methods.SERVED_BACKEND.items():
-    setattr(TiaccBackend, _name, _methods.served(_name, _ours, _c10d))
+    setattr(TiaccBackend, _name, eager(_methods.served(_name, _ours, _c10d)))
 for _name, (_op, _gloo) in _methods.GLOO_BACKEND.items():
-    setattr(TiaccBackend, _name, _methods.forwarded(_name, _op, _gloo))
+    setattr(TiaccBackend, _name, eager(_methods.forwarded(_name, _op, _gloo)))
 
 
 class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-type]
@@ -624,13 +626,11 @@ class TiaccProcessGroup(_Form, _C10dProcessGroup):  # type: ignore[misc,valid-ty
 
 
 for _name, _ours in _methods.SERVED_GROUP.items():
-    setattr(
-        TiaccProcessGroup, _name, _methods.by_device(_name, _methods.served(_name, _ours, _c10d))
-    )
+    _method = _methods.by_device(_name, _methods.served(_name, _ours, _c10d))
+    setattr(TiaccProcessGroup, _name, eager(_method))
 for _name, (_op, _gloo) in _methods.GLOO_GROUP.items():
-    setattr(
-        TiaccProcessGroup, _name, _methods.by_device(_name, _methods.forwarded(_name, _op, _gloo))
-    )
+    _method = _methods.by_device(_name, _methods.forwarded(_name, _op, _gloo))
+    setattr(TiaccProcessGroup, _name, eager(_method))
 
 
 def _nccl(group: GroupArgs) -> Any:

@@ -40,6 +40,7 @@ from tiacc_training import _engine
 
 from ._addresses import advertised_host, gloo_backend
 from ._config import current
+from ._dynamo import eager
 from ._engines import group_engine
 from ._state import add_counters
 
@@ -585,6 +586,7 @@ class EngineWork(_C10dWork):  # type: ignore[misc,valid-type]
         self._engine_future = engine_future
         self._future = future
 
+    @eager
     def wait(self, timeout: Any = None) -> bool:
         """Waits for the collective; raises the engine's error if it failed."""
         self._engine_future.wait()  # raises the engine's CommError as it is

@@ -27,6 +27,7 @@ from tiacc_training.errors import CommError
 
 from . import _engine_state, _perf, _waiting
 from ._cuda import unwrap
+from ._dynamo import compiling
 from ._runtime import cuda_path, ensure_group, world_engine
 from ._state import logger
 from ._state import state as runtime
@@ -255,7 +256,11 @@ def _watch_for_a_hook_that_never_runs(
         return
 
     def arm(module: Any, inputs: Any, output: Any) -> None:
+        if compiling():
+            return  # traced into a compiled forward: the check stays out of the graph
         # DDP's own condition for prepare_for_backward, at the same moment.
+        if not inside(ddp):
+            return  # the wrapped module called on its own, not through DDP's forward
         if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
             return
         if getattr(ddp, "_delay_all_reduce_all_params", False):
@@ -264,6 +269,8 @@ def _watch_for_a_hook_that_never_runs(
             hook_state.armed_at = hook_state.calls
 
     def count_backward(*_: Any) -> None:
+        if compiling():
+            return  # compiled autograd traces the backward
         with _counters:
             if hook_state.armed_at is None:
                 return
@@ -272,6 +279,8 @@ def _watch_for_a_hook_that_never_runs(
             hook_state.synced_backwards += 1
 
     def check(module: Any, inputs: Any) -> None:
+        if compiling() or not inside(ddp):
+            return
         with _counters:
             since = hook_state.pending_since
             if since is None:
@@ -299,8 +308,19 @@ def _watch_for_a_hook_that_never_runs(
         parameter.register_post_accumulate_grad_hook(count_backward)
     else:  # torch 2.0: the gradient as computed (autograd.grad counts too)
         parameter.register_hook(count_backward)
-    ddp.register_forward_hook(arm)
-    ddp.register_forward_pre_hook(check)
+    # On the wrapped module, which DDP's forward calls: hooks on the DDP
+    # model itself would make a compiled DDP model's forward break once more.
+    ddp.module.register_forward_hook(arm)
+    ddp.module.register_forward_pre_hook(check)
+
+
+def inside(ddp: DistributedDataParallel) -> bool:
+    """Whether ``ddp``'s forward is running (it marks itself active around its module's call).
+
+    A torch whose DDP does not mark itself counts every call of the wrapped
+    module as DDP's.
+    """
+    return getattr(DistributedDataParallel, "_active_ddp_module", ddp) is ddp
 
 
 def _tiacc_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
