@@ -8,7 +8,6 @@ loopback), torchrun-style variables, each node's link settings
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from _machine import REPO
+from _machine import REPO, last_result
 from netns_cluster import Node, link_stats
 
 # The start of the line rank 0 logs when TIACC_TRAINING_ALGORITHM=auto has
@@ -116,8 +115,9 @@ def run_job(
     ]
     if failed:
         raise RuntimeError(f"{' '.join(worker_args)} failed:\n" + "\n".join(failed))
-    line = next(x for x in outputs[0][0].splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT ") :])
+    result = last_result(outputs[0][0])
+    if result is None:
+        raise RuntimeError(f"{' '.join(worker_args)}: rank 0 printed no RESULT line")
     result["link_dropped_packets"] = after["dropped_packets"] - before["dropped_packets"]
     result["link_sent_bytes"] = after["sent_bytes"] - before["sent_bytes"]
     if stderr_prefixes:

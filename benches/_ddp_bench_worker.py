@@ -17,7 +17,6 @@ bytes that crossed between the nodes per step, in each direction.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import time
@@ -26,6 +25,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _machine import print_result
 from torch import nn
 
 MODELS = ("mlp", "dominant", "tiny")
@@ -425,32 +425,28 @@ def main() -> None:
     stats = model_stats(model)
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     if dist.get_rank() == 0:
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "step_s": times,
-                    # Each timed step's start to the end of its forward pass.
-                    "forward_s": forward_times,
-                    "optimizer": args.optimizer,
-                    "grad_bytes": stats["grad_bytes"],
-                    "bucket_bytes_cap": getattr(ddp, "bucket_bytes_cap", None),
-                    # Whether DDP kept the gradients in its buckets
-                    # (--grad-view); None without DDP.
-                    "gradient_as_bucket_view": getattr(ddp, "gradient_as_bucket_view", None),
-                    "checksum": checksum,
-                    "rank0_cpu_s_per_step": cpu_per_step,
-                    "link_bytes_per_step": tx_per_step + rx_per_step,
-                    "link_tx_bytes_per_step": tx_per_step,
-                    "link_rx_bytes_per_step": rx_per_step,
-                    # The share of the machine's CPU time that was busy
-                    # during the timed steps (1.0: every core saturated).
-                    "machine_cpu_busy": machine_busy,
-                    # Rank 0's CPU seconds a step per thread group.
-                    "rank0_thread_cpu_s_per_step": threads_per_step,
-                }
-            ),
-            flush=True,
+        print_result(
+            {
+                "step_s": times,
+                # Each timed step's start to the end of its forward pass.
+                "forward_s": forward_times,
+                "optimizer": args.optimizer,
+                "grad_bytes": stats["grad_bytes"],
+                "bucket_bytes_cap": getattr(ddp, "bucket_bytes_cap", None),
+                # Whether DDP kept the gradients in its buckets
+                # (--grad-view); None without DDP.
+                "gradient_as_bucket_view": getattr(ddp, "gradient_as_bucket_view", None),
+                "checksum": checksum,
+                "rank0_cpu_s_per_step": cpu_per_step,
+                "link_bytes_per_step": tx_per_step + rx_per_step,
+                "link_tx_bytes_per_step": tx_per_step,
+                "link_rx_bytes_per_step": rx_per_step,
+                # The share of the machine's CPU time that was busy
+                # during the timed steps (1.0: every core saturated).
+                "machine_cpu_busy": machine_busy,
+                # Rank 0's CPU seconds a step per thread group.
+                "rank0_thread_cpu_s_per_step": threads_per_step,
+            }
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -1,4 +1,10 @@
-"""What every benchmark records about the machine it ran on, and how it writes results."""
+"""What every benchmark records about the machine it ran on, and how its results travel.
+
+A worker process hands its result to the bench on a ``RESULT`` line
+(``print_result``, read back by ``last_result``); the bench writes its
+results file whole, with the machine's description (``machine_info``,
+``write_results``).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+# What starts a worker's result line on its standard output.
+RESULT_MARK = "RESULT "
 
 
 def _read(path: str) -> str:
@@ -58,6 +66,11 @@ def gpu_info() -> dict[str, Any]:
     return {"gpu": names, "cuda": torch.version.cuda, "nccl": nccl, "gpu_driver": driver}
 
 
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages now, to two decimals."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def machine_info(packages: Sequence[str] = ()) -> dict[str, Any]:
     """CPU, memory, GPU, OS, git state, and the versions of ``packages``."""
     cpuinfo = _read("/proc/cpuinfo").splitlines()
@@ -89,7 +102,7 @@ def machine_info(packages: Sequence[str] = ()) -> dict[str, Any]:
     info.update(gpu_info())
     info.update(
         {
-            "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+            "load_average_1_5_15": load_average(),
             "git_commit": _git("rev-parse", "--short", "HEAD"),
             "git_dirty": bool(status) if status is not None else None,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -100,8 +113,29 @@ def machine_info(packages: Sequence[str] = ()) -> dict[str, Any]:
 
 def write_json(path: Path, result: dict[str, Any]) -> None:
     """Writes ``result`` to ``path`` whole or not at all (a run stopped
-    midway leaves the previous file, never half of one)."""
+    midway leaves the previous file, never half of one).
+
+    Two-space indented JSON and a final newline; a value JSON has no type
+    for (a path) is written as its ``str``.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(result, indent=2) + "\n")
+    partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
     partial.replace(path)
+
+
+def write_results(path: Path, result: dict[str, Any]) -> None:
+    """Writes a bench's results file (see :func:`write_json`) and says where."""
+    write_json(path, result)
+    print(f"wrote {path}")
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """Prints a worker's result as its ``RESULT`` line, for the bench to read."""
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def last_result(stdout: str) -> dict[str, Any] | None:
+    """The last ``RESULT`` line of a worker's output, decoded (None: none)."""
+    lines = [x for x in stdout.splitlines() if x.startswith(RESULT_MARK)]
+    return json.loads(lines[-1].removeprefix(RESULT_MARK)) if lines else None

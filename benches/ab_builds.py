@@ -18,7 +18,6 @@ the engine's threads.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _cluster_jobs  # noqa: E402
-from _machine import REPO, machine_info  # noqa: E402
+from _machine import REPO, machine_info, write_results  # noqa: E402
 from netns_cluster import cluster  # noqa: E402
 
 
@@ -101,9 +100,7 @@ def main() -> None:
         "summary": summary,
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

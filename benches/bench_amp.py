@@ -80,7 +80,7 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _machine import REPO, machine_info, write_json  # noqa: E402
+from _machine import REPO, last_result, machine_info, print_result, write_json  # noqa: E402
 
 from tiacc_training.torch.tiacc_torch_warp import MixedPrecision_TrainingPolicy  # noqa: E402
 
@@ -380,13 +380,13 @@ def run_in_process(spec: dict[str, Any]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIACC_TRAINING_")}
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(spec["threads"])})
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
+    result = last_result(done.stdout)
+    if done.returncode != 0 or result is None:
         raise SystemExit(
             f"{spec['kind']} seed {spec['seed']} failed (exit {done.returncode}):\n"
             + done.stderr[-3000:]
         )
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return result
 
 
 def run_kinds(
@@ -611,7 +611,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Runs the parts asked for and writes the results file."""
     args = parse_args(argv)
     if args.worker:
-        print("RESULT " + json.dumps(train_run(json.loads(args.worker))), flush=True)
+        print_result(train_run(json.loads(args.worker)))
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")

@@ -156,9 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "environment": {k: v for k, v in os.environ.items() if k.startswith("TIACC_TRAINING_")},
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    _machine.write_results(args.out, result)
     return 0
 
 

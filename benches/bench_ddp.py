@@ -82,7 +82,6 @@ Writes benches/results/bench_ddp.json (one file, every model, with a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -94,7 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster_jobs import AUTO_PREFIXES, run_job  # noqa: E402
 from _ddp_bench_worker import MODELS, build_model, model_stats  # noqa: E402
-from _machine import REPO, machine_info  # noqa: E402
+from _machine import REPO, machine_info, write_results  # noqa: E402
 from netns_cluster import cluster  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
@@ -415,9 +414,7 @@ def main() -> None:
         },
         "machine": machine_info(["torch", "tiacc-training"]),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ and the commit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -72,7 +71,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _machine import REPO, machine_info, write_json  # noqa: E402
+from _machine import REPO, load_average, machine_info, print_result, write_json  # noqa: E402
 
 RESULTS = {
     "cpu": REPO / "benches" / "results" / "bench_fsdp.json",
@@ -231,7 +230,7 @@ def worker(args: argparse.Namespace) -> None:
             for (path, codec), row in _collectives.counters_in_process(device.type).items()
         }
     if rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
+        print_result(result)
     dist.destroy_process_group()
 
 
@@ -363,7 +362,7 @@ def main() -> None:
             sys.exit(f"bench_fsdp.py --device cuda {why}")
     from netns_cluster import cluster
 
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    load_before = load_average()
     started = time.monotonic()
     parts = {
         x: {row: [] for row in LAYOUTS[x][2] if row == "native" or not wanted or row in wanted}

@@ -34,7 +34,6 @@ average before and after, and the commit).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -45,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _machine import REPO, machine_info  # noqa: E402
+from _machine import REPO, load_average, machine_info, print_result, write_results  # noqa: E402
 
 RESULTS = REPO / "benches" / "results" / "bench_horovod.json"
 MODES = {
@@ -120,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
         result["engine_buckets"] = stats["buckets"]
         result["left_to_torch"] = stats["native"]
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
+        print_result(result)
     dist.barrier()
     if hvd is not None:
         hvd.shutdown()
@@ -215,7 +214,7 @@ def main() -> None:
         sys.exit("bench_horovod.py needs root (network namespaces and tc)")
     from netns_cluster import cluster
 
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    load_before = load_average()
     started = time.monotonic()
     parts: dict[str, dict[str, list[dict]]] = {x: {m: [] for m in MODES} for x in layouts}
     with cluster(args.rate_mbit) as nodes:
@@ -265,9 +264,7 @@ def main() -> None:
         "layouts": results,
         "machine": machine,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ It prints a table and writes the JSON (``machine``, ``config``, ``results``, ``v
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -451,31 +450,32 @@ def print_table(
     results: dict[str, dict[str, Any]], io_ref: dict[str, Any], verify: dict[str, Any]
 ) -> None:
     """Prints the packing, I/O reference and verification tables."""
-    print()
-    head = f"{'variant':<10} {'images/s (min-max)':>26} {'MB/s':>8} {'cpu s':>7} {'x python':>9}"
-    print(head)
-    print("-" * len(head))
+    rows = []
     for variant, r in results.items():
         span = f"{r['median_images_s']:.0f} ({r['min_images_s']:.0f}-{r['max_images_s']:.0f})"
-        print(
+        rows.append(
             f"{variant:<10} {span:>26} {r['median_mb_s']:>8.1f} "
             f"{r['median_cpu_seconds']:>7.2f} {r['ratio_images_s']:>8.2f}x"
         )
-    print()
-    head = f"{'I/O reference (plain Python)':<34} {'seconds':>10} {'images/s':>10}"
-    print(f"{head}   [{io_ref['bytes'] / 1e6:.1f} MB]")
-    print("-" * len(head))
+    _print_section(
+        f"{'variant':<10} {'images/s (min-max)':>26} {'MB/s':>8} {'cpu s':>7} {'x python':>9}",
+        "",
+        rows,
+    )
+    rows = []
     for key, label in (
         ("read_all", "read every image (page cache)"),
         ("write", "write that many bytes, no fsync"),
         ("write_fsync", "write that many bytes + fsync"),
     ):
         r = io_ref[key]
-        print(f"{label:<34} {r['median_seconds']:>10.3f} {r['images_s']:>10.0f}")
-    print()
-    head = f"{'verify (one shard)':<34} {'GB/s (min-max)':>22} {'x python':>9}"
-    print(f"{head}   [{verify['shard_mb']:.1f} MB, {verify['records']} records]")
-    print("-" * len(head))
+        rows.append(f"{label:<34} {r['median_seconds']:>10.3f} {r['images_s']:>10.0f}")
+    _print_section(
+        f"{'I/O reference (plain Python)':<34} {'seconds':>10} {'images/s':>10}",
+        f"[{io_ref['bytes'] / 1e6:.1f} MB]",
+        rows,
+    )
+    rows = []
     for key, label in (
         ("ours_crc", "ours verify_shard(check_examples=0)"),
         ("ours_crc_examples", "ours verify_shard(check_examples=1)"),
@@ -483,7 +483,21 @@ def print_table(
     ):
         v = verify[key]
         span = f"{v['median_gb_s']:.2f} ({v['min_gb_s']:.2f}-{v['max_gb_s']:.2f})"
-        print(f"{label:<34} {span:>22} {v['ratio_vs_python']:>8.2f}x")
+        rows.append(f"{label:<34} {span:>22} {v['ratio_vs_python']:>8.2f}x")
+    _print_section(
+        f"{'verify (one shard)':<34} {'GB/s (min-max)':>22} {'x python':>9}",
+        f"[{verify['shard_mb']:.1f} MB, {verify['records']} records]",
+        rows,
+    )
+
+
+def _print_section(head: str, note: str, rows: list[str]) -> None:
+    """Prints one table: a blank line, its header (then ``note``), a rule, its rows."""
+    print()
+    print(f"{head}   {note}" if note else head)
+    print("-" * len(head))
+    for row in rows:
+        print(row)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -532,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs_dir = workdir / "runs"
     shutil.rmtree(runs_dir, ignore_errors=True)
     runs_dir.mkdir()
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    load_before = _machine.load_average()
     try:
         print(f"packing, {args.repeats} alternating repeats:", flush=True)
         runs, compared = run_packers(
@@ -640,10 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{goals['verify_crc_gb_s']:.2f} GB/s (goal >= {GOAL_VERIFY_GBPS:g} GB/s: "
         f"{'met' if goals['verify_met'] else 'NOT met'})"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {out}")
+    _machine.write_results(Path(args.out), doc)
     return 0
 
 

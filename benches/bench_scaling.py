@@ -83,7 +83,7 @@ from _ddp_bench_worker import (  # noqa: E402
     build_model,
     model_stats,
 )
-from _machine import REPO, machine_info  # noqa: E402
+from _machine import REPO, machine_info, write_json  # noqa: E402
 from netns_cluster import cluster  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_ddp_bench_worker.py"
@@ -657,8 +657,7 @@ def write(
     result["rows"] = lines
     result["goals"] = goals(lines, args.models, rates) if lines else None
     result["runs"] = runs
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)
     return lines
 
 

@@ -15,8 +15,6 @@ every rank maps (as for DDP's buckets). Results:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import subprocess
@@ -78,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cwd=_machine.REPO,
         check=True,
     )
-    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    load_at_start = _machine.load_average()
     start = time.monotonic()
     rows = []
     for ranks, mib in CONFIGS:
@@ -114,9 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    _machine.write_results(args.out, result)
     return 0
 
 

@@ -56,7 +56,6 @@ Writes ``benches/results/bench_step_profile.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -68,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _launch import json_lines, run_ranks  # noqa: E402
-from _machine import REPO, machine_info, write_json  # noqa: E402
+from _machine import REPO, machine_info, print_result, write_results  # noqa: E402
 
 RESULTS = REPO / "benches" / "results" / "bench_step_profile.json"
 WORLD = 2
@@ -270,7 +269,7 @@ def worker(args: argparse.Namespace) -> None:
         else:
             for _ in range(args.profiled):
                 step()
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
     if args.mode != "none":
         dist.destroy_process_group()
 
@@ -462,8 +461,7 @@ def main() -> None:
         "load_after": os.getloadavg(),
         "machine": machine_info(["torchvision"]),
     }
-    write_json(args.out, out)
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

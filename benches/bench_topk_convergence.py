@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _launch import free_port  # noqa: E402
-from _machine import REPO, machine_info  # noqa: E402
+from _machine import REPO, machine_info, write_results  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_topk_convergence_worker.py"
 WORLD = 4
@@ -176,9 +176,7 @@ def main() -> None:
         "tasks": results,
         "machine": machine_info(["torch", "tiacc-training"]),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

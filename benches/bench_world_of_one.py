@@ -24,7 +24,6 @@ average before and after, and the commit).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _launch import free_port  # noqa: E402
-from _machine import REPO, machine_info  # noqa: E402
+from _machine import REPO, last_result, machine_info, print_result, write_results  # noqa: E402
 
 RESULTS = REPO / "benches" / "results" / "bench_world_of_one.json"
 ROWS = ("native", "tiacc")
@@ -76,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
         import tiacc_training.torch.distributed as tdist
 
         result["buckets"] = dict(tdist.stats()["buckets"])
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
     dist.destroy_process_group()
 
 
@@ -88,10 +87,10 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIACC_TRAINING_")}
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
+    result = last_result(done.stdout)
+    if done.returncode != 0 or result is None:
         raise SystemExit(f"{row} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return result
 
 
 def main() -> None:
@@ -146,9 +145,7 @@ def main() -> None:
         "load_before": load_before,
         "load_after": os.getloadavg(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 
+import _input_decoders  # noqa: E402
+import _input_training  # noqa: E402
 import bench_input  # noqa: E402
 
 
@@ -41,10 +43,10 @@ def _train(tmp_path: Path, workers: str, rates: list[float]) -> list[dict[str, A
     )
     saved: list[dict[str, Any]] = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench_input, "train_rate", stand_in)
+        mp.setattr(_input_training, "train_rate", stand_in)
         try:
             saved.append(
-                bench_input.train_part(
+                _input_training.train_part(
                     args, tmp_path, tmp_path / "x.index", lambda p: saved.append(copy.deepcopy(p))
                 )  # fmt: skip
             )
@@ -96,7 +98,7 @@ def test_several_worker_counts_in_one_run(tmp_path: Path) -> None:
 
 
 def test_the_plan_puts_the_goals_first() -> None:
-    keys = [r.key for r in bench_input.train_plan([15, 4, 8], nvimagecodec=True, alone=True)]
+    keys = [r.key for r in _input_training.train_plan([15, 4, 8], nvimagecodec=True, alone=True)]
     assert keys == [
         "synthetic",
         "dropin_decode_device_4", "stock_imagefolder_4", "dropin_nvimagecodec_4", "dropin_4",
@@ -106,7 +108,7 @@ def test_the_plan_puts_the_goals_first() -> None:
     ]  # fmt: skip
     # One count: the loaders' own names (as before several counts were taken);
     # GPU decode still on at most 4 threads.
-    plan = bench_input.train_plan([15], nvimagecodec=False, alone=True)
+    plan = _input_training.train_plan([15], nvimagecodec=False, alone=True)
     assert [r.key for r in plan] == [
         "synthetic", "dropin_decode_device", "stock_imagefolder", "dropin",
         "decode_device_alone", "fused_torch_loader", "dropin_device",
@@ -114,7 +116,7 @@ def test_the_plan_puts_the_goals_first() -> None:
     assert {r.key: r.workers for r in plan}["dropin_decode_device"] == 4
     assert all(r.alone == r.key.endswith("_alone") for r in plan)
     # --train-feeds: only those loaders, and synthetic data (their reference).
-    only = bench_input.train_plan([4, 8], False, False, feeds=["dropin", "stock_imagefolder"])
+    only = _input_training.train_plan([4, 8], False, False, feeds=["dropin", "stock_imagefolder"])
     assert [r.key for r in only] == [
         "synthetic", "stock_imagefolder_4", "dropin_4", "stock_imagefolder_8", "dropin_8"
     ]  # fmt: skip
@@ -179,7 +181,9 @@ def test_nvimagecodec_backend_is_the_first_that_decodes(
 ) -> None:
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", _FakeNvImageCodec(decodes))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    found = bench_input.nvimagecodec_backend([b"\xff\xd8a", b"\xff\xd8b"], torch.device("cuda", 0))
+    found = _input_decoders.nvimagecodec_backend(
+        [b"\xff\xd8a", b"\xff\xd8b"], torch.device("cuda", 0)
+    )
     assert found["backend"] == backend
     assert found["backend_basis"].startswith("inferred: nvImageCodec does not report it")
     per = found["backends"]
@@ -189,12 +193,12 @@ def test_nvimagecodec_backend_is_the_first_that_decodes(
 
 
 def test_backend_names() -> None:
-    assert bench_input._backend_name(64, 64, "CUDA") == "hardware"
-    assert bench_input._backend_name(0, 64, "CUDA") == "CUDA"
-    assert bench_input._backend_name(60, 64, "CUDA") == (
+    assert _input_decoders._backend_name(64, 64, "CUDA") == "hardware"
+    assert _input_decoders._backend_name(0, 64, "CUDA") == "CUDA"
+    assert _input_decoders._backend_name(60, 64, "CUDA") == (
         "hardware for 60 of 64 images, CUDA for the rest"
     )
-    assert bench_input._backend_name(0, 64, None) == "unknown"
+    assert _input_decoders._backend_name(0, 64, None) == "unknown"
 
 
 def test_nvjpeg_probe_answers_without_a_gpu(tmp_path: Path) -> None:
@@ -202,5 +206,5 @@ def test_nvjpeg_probe_answers_without_a_gpu(tmp_path: Path) -> None:
     without a GPU nvJPEG declines, and the probe says so rather than failing."""
     jpeg = tmp_path / "a.jpg"
     Image.new("RGB", (32, 24), (200, 10, 10)).save(jpeg, quality=90)
-    found = bench_input.nvjpeg_backend([jpeg.read_bytes()], torch.device("cpu"))
+    found = _input_decoders.nvjpeg_backend([jpeg.read_bytes()], torch.device("cpu"))
     assert isinstance(found["backend"], str) and found["backend_basis"]

@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO / "benches"))
 
+import _gpu_stage_run  # noqa: E402
+import _gpu_stages  # noqa: E402
+import _gpu_summary  # noqa: E402
 import gpu_check  # noqa: E402
 
 
@@ -137,7 +140,7 @@ def test_summary_reports_counts_skips_goals_and_versions(tmp_path: Path) -> None
     junit = _real_junit(tmp_path)
     out = junit.parent
     _write_sample(out)
-    summary = gpu_check.render_summary(out)
+    summary = _gpu_summary.render_summary(out)
 
     assert "3 tests: 1 passed, 1 failed, 0 errors, 1 skipped." in summary
     assert "needs two GPUs" in summary
@@ -147,7 +150,7 @@ def test_summary_reports_counts_skips_goals_and_versions(tmp_path: Path) -> None
     assert "| tests | failed (exit code 1) | 312.5 |" in summary
     assert "| gpu-tests | not run | - |" in summary and "| demo |" not in summary
 
-    measured = gpu_check.evaluate_goals(out, gpu_check.junit_counts(junit))
+    measured = _gpu_summary.evaluate_goals(out, _gpu_summary.junit_counts(junit))
     goals = {(g.name, g.target): g for g in measured}
     cluster = "2 x 2 cluster: "
     assert goals[(cluster + "gradients", ">= 100 MB")].met is True
@@ -202,7 +205,9 @@ def test_input_goals_of_a_file_from_before_several_worker_counts() -> None:
         "decode_device_alone": {"images_per_s": 9538.0, "workers": 4},
         "nvimagecodec_alone": {"images_per_s": 5608.0, "workers": 4},
     }
-    goals = {g.name: g for g in gpu_check.input_goals({"training": {"workers": 15, "rows": rows}})}
+    goals = {
+        g.name: g for g in _gpu_summary.input_goals({"training": {"workers": 15, "rows": rows}})
+    }
     assert goals["CPU decode, 15 threads: share of the GPU-bound rate"].measured == "95.4%"
     assert goals["GPU decode, 4 threads: share of the GPU-bound rate"].measured == "87.6%"
     stock = goals["GPU decode, 4 threads, vs stock ImageFolder with 4 workers"]
@@ -218,7 +223,7 @@ def test_missing_measurements_say_why(tmp_path: Path) -> None:
     (tmp_path / "bench_nccl.json").write_text(
         json.dumps({"cluster": {"skipped": "needs NCCL >= 2.30 for four ranks on one GPU"}})
     )
-    goals = gpu_check.evaluate_goals(tmp_path, None)
+    goals = _gpu_summary.evaluate_goals(tmp_path, None)
     cluster = [g for g in goals if g.name.startswith("2 x 2 cluster")]
     assert cluster and all(g.met is None for g in cluster)
     assert all("needs NCCL >= 2.30" in g.measured for g in cluster)
@@ -227,7 +232,7 @@ def test_missing_measurements_say_why(tmp_path: Path) -> None:
     assert len(fsdp) == 2 and all(g.measured == "not run" for g in fsdp)
     # nvImageCodec's rows appear only where it ran.
     assert not any("nvImageCodec" in g.name for g in goals)
-    summary = gpu_check.render_summary(tmp_path)
+    summary = _gpu_summary.render_summary(tmp_path)
     assert "No JUnit XML" in summary and "| met |" in summary
 
 
@@ -245,28 +250,28 @@ def test_stage_selection_and_commands(tmp_path: Path) -> None:
     # rows are written as they finish); the scaling sweep and FSDP2 over
     # NCCL and the mixed-precision bench, last, run where a larger budget
     # leaves them time.
-    plan, limits = gpu_check.PLAN, gpu_check.LIMITS
+    plan, limits = _gpu_stages.PLAN, _gpu_stages.LIMITS
     assert plan[-4:] == ("cluster", "scaling", "fsdp", "amp")
     fixed = sum(limits[s][0] for s in plan[:-4]) + limits["cluster"][1]
     assert fixed <= gpu_check.parse_args([]).budget
-    assert all(least < limit for limit, least in gpu_check.LIMITS.values())
-    gpu = gpu_check.stage_commands("gpu-tests", "py", tmp_path, 16)[0]
+    assert all(least < limit for limit, least in _gpu_stages.LIMITS.values())
+    gpu = _gpu_stages.stage_commands("gpu-tests", "py", tmp_path, 16)[0]
     assert gpu[:6] == ["py", "-m", "pytest", "tests", "-m", "gpu"] and "8" in gpu
-    cluster = gpu_check.stage_commands("cluster", "py", tmp_path, 16)[0]
+    cluster = _gpu_stages.stage_commands("cluster", "py", tmp_path, 16)[0]
     assert "--only" in cluster and str(tmp_path / "bench_nccl.json") in cluster
-    amp = gpu_check.stage_commands("amp", "py", tmp_path, 16)[0]
+    amp = _gpu_stages.stage_commands("amp", "py", tmp_path, 16)[0]
     assert amp[1] == "benches/bench_amp.py" and amp[amp.index("--device") + 1] == "cuda"
     assert str(tmp_path / "bench_amp_cuda.json") in amp and limits["amp"][0] <= 90
-    assert gpu_check.stage_env("tests", {}, tmp_path) == {
+    assert _gpu_stages.stage_env("tests", {}, tmp_path) == {
         "TIACC_TEST_OUTCOMES": str(tmp_path / "outcomes-tests.jsonl"),
-        "TIACC_TEST_FIRST": gpu_check.GPU_FIRST,
+        "TIACC_TEST_FIRST": _gpu_stages.GPU_FIRST,
     }
-    assert gpu_check.stage_env("one", {"A": "1"}, tmp_path) == {"A": "1"}
+    assert _gpu_stages.stage_env("one", {"A": "1"}, tmp_path) == {"A": "1"}
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--stage", "bench"])
     # The whole suite: the tests not marked gpu on every core, then the GPU
     # tests exactly as the gpu-tests stage runs them (at most 8 workers).
-    tests = gpu_check.stage_commands("tests", "py", tmp_path, 16)
+    tests = _gpu_stages.stage_commands("tests", "py", tmp_path, 16)
     assert tests == [
         ["py", "-m", "pytest", "tests", "-m", "not gpu", "-n", "16", "-ra",
          f"--junitxml={tmp_path / 'junit.xml'}"],
@@ -274,13 +279,13 @@ def test_stage_selection_and_commands(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert gpu == ["py", "-m", "pytest", "tests", "-m", "gpu", "-n", "8", "--dist", "loadgroup",
                    "-ra", f"--junitxml={tmp_path / 'junit-gpu.xml'}"]  # fmt: skip
-    demo = gpu_check.stage_commands("demo", "py", tmp_path, 16)[0]
+    demo = _gpu_stages.stage_commands("demo", "py", tmp_path, 16)[0]
     assert demo[:2] == ["make", "demo-run"] and "PY=py" in demo
     made = subprocess.run(
         ["make", "-n", "demo-run", "PY=py", "DEMO_DIR=d"], cwd=REPO, capture_output=True, text=True
     )
     assert "py demo/pack_demo.py --workdir d" in made.stdout
-    input_stage = gpu_check.stage_commands("input", "py", tmp_path, 16)[0]
+    input_stage = _gpu_stages.stage_commands("input", "py", tmp_path, 16)[0]
     assert str(tmp_path / "bench_input.json") in input_stage
     workers = input_stage[input_stage.index("--train-workers") + 1]
     assert workers == "4,8,15"  # a host with few CPUs per GPU, and the CPU-decode goal's 15
@@ -290,7 +295,8 @@ def test_stage_selection_and_commands(tmp_path: Path) -> None:
     # The rows its goals read, those at 4 workers first (and only those fit
     # its limit: torch's loader over the fused path and the device output
     # are left out).
-    rows = bench_input.train_plan(args.train_workers, True, True, args.train_feeds)
+    training = importlib.import_module("_input_training")
+    rows = training.train_plan(args.train_workers, True, True, args.train_feeds)
     assert [row.key for row in rows] == [
         "synthetic",
         "dropin_decode_device_4", "stock_imagefolder_4", "dropin_nvimagecodec_4", "dropin_4",
@@ -302,26 +308,26 @@ def test_stage_selection_and_commands(tmp_path: Path) -> None:
 def test_stage_environment_loads_the_given_nccl(tmp_path: Path) -> None:
     library = tmp_path / "libnccl.so.2"
     library.write_bytes(b"")
-    env = gpu_check.stage_environment(str(library), {"LD_PRELOAD": "/lib/other.so"})
+    env = _gpu_stages.stage_environment(str(library), {"LD_PRELOAD": "/lib/other.so"})
     assert env["TIACC_TRAINING_NCCL_LIBRARY"] == str(library)
     assert env["LD_PRELOAD"] == f"{library}:/lib/other.so"
     assert env["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
-    assert "TIACC_TRAINING_NCCL_LIBRARY" not in gpu_check.stage_environment(None, {})
+    assert "TIACC_TRAINING_NCCL_LIBRARY" not in _gpu_stages.stage_environment(None, {})
     with pytest.raises(SystemExit, match="no such file"):
-        gpu_check.stage_environment(str(tmp_path / "absent.so"), {})
+        _gpu_stages.stage_environment(str(tmp_path / "absent.so"), {})
 
 
 def test_a_stage_records_its_failure_and_the_summary_follows(tmp_path: Path) -> None:
-    ok = gpu_check.run_stage("demo", [[sys.executable, "-c", "print('hi')"]], {}, tmp_path, 60)
-    bad = gpu_check.run_stage(
+    ok = _gpu_stage_run.run_stage("demo", [[sys.executable, "-c", "print('hi')"]], {}, tmp_path, 60)
+    bad = _gpu_stage_run.run_stage(
         "nccl", [[sys.executable, "-c", "import sys; sys.exit(3)"]], {}, tmp_path, 60
     )
-    slow = gpu_check.run_stage(
+    slow = _gpu_stage_run.run_stage(
         "input", [[sys.executable, "-c", "import time; time.sleep(30)"]], {}, tmp_path, 0.5
     )
     assert (ok, bad, slow) == (True, False, False)
     assert "hi" in (tmp_path / "demo.log").read_text()
-    summary = gpu_check.render_summary(tmp_path)
+    summary = _gpu_summary.render_summary(tmp_path)
     assert "| nccl | failed (exit code 3) |" in summary
     assert "| input | timed out after 0 s |" in summary
 
@@ -343,7 +349,7 @@ def test_a_cut_off_test_stage_still_reports_each_finished_test(tmp_path: Path) -
     )
     out = tmp_path / "out"
     out.mkdir()
-    env = gpu_check.stage_env("gpu-tests", {**os.environ}, out)
+    env = _gpu_stages.stage_env("gpu-tests", {**os.environ}, out)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite),
                f"--junitxml={out / 'junit-gpu.xml'}"]  # fmt: skip
     ticks: list[str] = []
@@ -352,14 +358,14 @@ def test_a_cut_off_test_stage_still_reports_each_finished_test(tmp_path: Path) -
         gpu_check._summarize(folder)
         ticks.append((folder / "summary.md").read_text())
 
-    gpu_check.TICK = 1.0
+    _gpu_stage_run.TICK = 1.0
     try:
-        ok = gpu_check.run_stage("gpu-tests", [command], env, out, 20.0, tick=tick)
+        ok = _gpu_stage_run.run_stage("gpu-tests", [command], env, out, 20.0, tick=tick)
     finally:
-        gpu_check.TICK = 10.0
+        _gpu_stage_run.TICK = 10.0
     assert ok is False and not (out / "junit-gpu.xml").exists()
     assert ticks and "running (cut off here if nothing follows)" in ticks[0]
-    summary = gpu_check.render_summary(out)
+    summary = _gpu_summary.render_summary(out)
     assert "| gpu-tests | timed out after 20 s |" in summary
     assert "the stage did not finish" in summary
     assert "3 tests: 1 passed, 1 failed, 0 errors, 1 skipped." in summary
@@ -417,7 +423,7 @@ def test_the_gpu_stage_runs_its_telling_tests_first(tmp_path: Path) -> None:
         "test_a.py::test_two",
         "test_b.py::test_one",
     ], listed
-    assert "TIACC_TEST_FIRST" in gpu_check.stage_env("gpu-tests", {}, tmp_path)
+    assert "TIACC_TEST_FIRST" in _gpu_stages.stage_env("gpu-tests", {}, tmp_path)
 
 
 def _dead(pid: int) -> bool:
@@ -465,7 +471,7 @@ def test_a_timed_out_stage_stops_every_process_it_started(tmp_path: Path) -> Non
     script, pid_file = _spawner(tmp_path, "time.sleep(600)")
     start = time.monotonic()
     try:
-        ok = gpu_check.run_stage("one", [[sys.executable, str(script)]], {}, tmp_path, 2.0)
+        ok = _gpu_stage_run.run_stage("one", [[sys.executable, str(script)]], {}, tmp_path, 2.0)
         child = int(pid_file.read_text())
         assert ok is False
         assert _wait_dead(child), f"the stage's child {child} still runs"
@@ -484,8 +490,8 @@ def test_a_finished_stage_stops_what_it_left_running(tmp_path: Path, monkeypatch
     session, and those seen as its descendants while it ran (here a child
     in a session of its own), are stopped before the next command; a
     process that ignores SIGTERM gets SIGKILL after the grace period."""
-    monkeypatch.setattr(gpu_check, "TICK", 0.2)
-    monkeypatch.setattr(gpu_check, "GRACE", 1.0)
+    monkeypatch.setattr(_gpu_stage_run, "TICK", 0.2)
+    monkeypatch.setattr(_gpu_stage_run, "GRACE", 1.0)
     same_session = tmp_path / "same.pid"
     then = (
         "stubborn = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
@@ -495,7 +501,7 @@ def test_a_finished_stage_stops_what_it_left_running(tmp_path: Path, monkeypatch
     )
     script, pid_file = _spawner(tmp_path, then)
     try:
-        ok = gpu_check.run_stage("demo", [[sys.executable, str(script)]], {}, tmp_path, 60)
+        ok = _gpu_stage_run.run_stage("demo", [[sys.executable, str(script)]], {}, tmp_path, 60)
         left = [int(pid_file.read_text()), int(same_session.read_text())]
         assert ok is True
         assert all(_dead(pid) for pid in left), [p for p in left if not _dead(p)]
@@ -508,7 +514,7 @@ def test_a_finished_stage_stops_what_it_left_running(tmp_path: Path, monkeypatch
 
 
 def test_a_stage_that_leaves_nothing_running_logs_nothing_stopped(tmp_path: Path) -> None:
-    ok = gpu_check.run_stage("demo", [[sys.executable, "-c", "print('hi')"]], {}, tmp_path, 60)
+    ok = _gpu_stage_run.run_stage("demo", [[sys.executable, "-c", "print('hi')"]], {}, tmp_path, 60)
     assert ok is True and "stopped" not in (tmp_path / "demo.log").read_text()
 
 
@@ -520,9 +526,9 @@ def test_the_tests_stage_runs_its_gpu_part_after_the_first_part_fails(tmp_path: 
         [sys.executable, "-c", "import sys; sys.exit(1)"],
         [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
     ]
-    assert gpu_check.run_stage("demo", commands, {}, tmp_path, 60) is False
+    assert _gpu_stage_run.run_stage("demo", commands, {}, tmp_path, 60) is False
     assert not marker.exists()
-    assert gpu_check.run_stage("tests", commands, {}, tmp_path, 60) is False
+    assert _gpu_stage_run.run_stage("tests", commands, {}, tmp_path, 60) is False
     assert marker.exists()
     stages = json.loads((tmp_path / "stages.json").read_text())
     assert stages["tests"]["status"] == "failed (command 1: exit code 1)"
@@ -536,11 +542,11 @@ def test_the_tests_stage_counts_both_parts(tmp_path: Path) -> None:
     junit = _real_junit(tmp_path)
     out = junit.parent
     shutil.copyfile(junit, out / "junit-tests-gpu.xml")
-    found = gpu_check.test_counts(out, "tests")
+    found = _gpu_summary.test_counts(out, "tests")
     assert found is not None and found["complete"] is True
     assert (found["tests"], found["passed"], found["failed"], found["skipped"]) == (6, 2, 2, 2)
     assert len(found["failures"]) == 2 and len(found["skips"]) == 2
-    summary = gpu_check.render_summary(out)
+    summary = _gpu_summary.render_summary(out)
     assert "`tests` (JUnit XML): 6 tests: 2 passed, 2 failed, 0 errors, 2 skipped." in summary
 
     (out / "junit-tests-gpu.xml").unlink()
@@ -549,12 +555,12 @@ def test_the_tests_stage_counts_both_parts(tmp_path: Path) -> None:
         {"test": "tests/gpu/test_b.py::test_two", "outcome": "failed", "first_line": "oom"},
     ]
     (out / "outcomes-tests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    found = gpu_check.test_counts(out, "tests")
+    found = _gpu_summary.test_counts(out, "tests")
     assert found is not None and found["complete"] is False
     assert (found["tests"], found["passed"], found["failed"]) == (2, 1, 1)
 
     (out / "outcomes-tests.jsonl").unlink()
-    found = gpu_check.test_counts(out, "tests")
+    found = _gpu_summary.test_counts(out, "tests")
     assert found is not None and (found["tests"], found["complete"]) == (3, False)
 
 
@@ -563,17 +569,17 @@ def test_a_test_stage_starts_without_an_earlier_runs_results(tmp_path: Path) -> 
     JUnit XML or outcomes an earlier run left there."""
     for name in ("junit.xml", "junit-tests-gpu.xml", "outcomes-tests.jsonl"):
         (tmp_path / name).write_text("old")
-    gpu_check.run_stage("tests", [[sys.executable, "-c", "pass"]], {}, tmp_path, 60)
+    _gpu_stage_run.run_stage("tests", [[sys.executable, "-c", "pass"]], {}, tmp_path, 60)
     assert not any((tmp_path / name).exists() for name in ("junit.xml", "outcomes-tests.jsonl"))
-    assert gpu_check.test_counts(tmp_path, "tests") is None
+    assert _gpu_summary.test_counts(tmp_path, "tests") is None
 
 
 def test_every_benchmark_stage_command_is_accepted_by_its_script(tmp_path: Path) -> None:
     """Each stage's command line of a benchmark script passes that script's
     own argument checks (its ``parse_args``)."""
     checked = set()
-    for stage in gpu_check.STAGES:
-        for command in gpu_check.stage_commands(stage, sys.executable, tmp_path, 8):
+    for stage in _gpu_stages.STAGES:
+        for command in _gpu_stages.stage_commands(stage, sys.executable, tmp_path, 8):
             script = command[1] if len(command) > 1 else ""
             if not (script.startswith("benches/") and script.endswith(".py")):
                 continue
@@ -600,7 +606,7 @@ def test_a_cut_off_stage_names_the_error_lines_of_a_failure(tmp_path: Path) -> N
     }
     path = tmp_path / "outcomes-gpu-tests.jsonl"
     path.write_text(json.dumps(line) + "\n" + json.dumps({**line, "error_lines": []}) + "\n")
-    counts = gpu_check.outcome_counts(path)
+    counts = _gpu_summary.outcome_counts(path)
     assert counts["failures"] == [
         (line["test"], "AssertionError: --- rank 0 rc=3 after 38.6s / CASE flat-4 FAILED "
          "CommError: Cuda failure 2 'out of memory'"),
@@ -617,9 +623,10 @@ def test_bench_input_checks_the_image_count_only_where_it_matters() -> None:
     with pytest.raises(SystemExit):  # fewer images than one training batch
         bench_input.parse_args(["--images", "100", "--skip-loaders", "--train"])
     # A dataset smaller than the steps x the batch is read again, not ended.
-    assert list(itertools.islice(bench_input.cycle([1, 2]), 5)) == [1, 2, 1, 2, 1]
+    measure = importlib.import_module("_input_measure")
+    assert list(itertools.islice(measure.cycle([1, 2]), 5)) == [1, 2, 1, 2, 1]
     with pytest.raises(ValueError, match="no batch"):
-        next(bench_input.cycle([]))
+        next(measure.cycle([]))
     bench_nccl = importlib.import_module("bench_nccl")
     with pytest.raises(SystemExit):
         bench_nccl.parse_args(["--parts", "one,clusters"])
@@ -649,31 +656,31 @@ def test_a_stage_records_its_gpu_memory_peak_and_the_gpu_processes_before_it(
         "esac\n",
         monkeypatch,
     )
-    assert gpu_check.gpu_sample() == (1000, 81559, 2)
-    monkeypatch.setattr(gpu_check, "TICK", 0.2)
+    assert _gpu_stage_run.gpu_sample() == (1000, 81559, 2)
+    monkeypatch.setattr(_gpu_stage_run, "TICK", 0.2)
     work = (
         f"import time, pathlib; p = pathlib.Path({str(used)!r}); p.write_text('52000'); "
         "time.sleep(1.5); p.write_text('3000'); time.sleep(0.5)"
     )
-    assert gpu_check.run_stage("one", [[sys.executable, "-c", work]], {}, tmp_path, 60)
+    assert _gpu_stage_run.run_stage("one", [[sys.executable, "-c", work]], {}, tmp_path, 60)
     record = json.loads((tmp_path / "stages.json").read_text())["one"]
     assert record["gpu_memory_peak_mib"] == 52000
     assert record["gpu_memory_total_mib"] == 81559
     assert record["gpu_processes_at_start"] == 2
-    summary = gpu_check.render_summary(tmp_path)
+    summary = _gpu_summary.render_summary(tmp_path)
     assert "| GPU memory peak | GPU processes at start |" in summary
     assert "| 52000 of 81559 MiB | 2 |" in summary
 
 
 def test_a_failing_nvidia_smi_samples_nothing(tmp_path: Path, monkeypatch) -> None:
     _fake_nvidia_smi(tmp_path / "bin", "echo 'NVIDIA-SMI has failed' >&2\nexit 9\n", monkeypatch)
-    assert gpu_check.gpu_sample() is None
-    assert gpu_check.run_stage("one", [[sys.executable, "-c", "pass"]], {}, tmp_path, 60)
+    assert _gpu_stage_run.gpu_sample() is None
+    assert _gpu_stage_run.run_stage("one", [[sys.executable, "-c", "pass"]], {}, tmp_path, 60)
     record = json.loads((tmp_path / "stages.json").read_text())["one"]
     assert record["gpu_memory_peak_mib"] is None and record["gpu_processes_at_start"] is None
-    assert "| one | passed |" in gpu_check.render_summary(tmp_path)
+    assert "| one | passed |" in _gpu_summary.render_summary(tmp_path)
     assert (
-        gpu_check.render_summary(tmp_path)
+        _gpu_summary.render_summary(tmp_path)
         .split("| one | passed | ")[1]
         .split("\n")[0]
         .endswith("| - | - |")
@@ -681,7 +688,7 @@ def test_a_failing_nvidia_smi_samples_nothing(tmp_path: Path, monkeypatch) -> No
 
 
 def test_scaling_goals_read_the_sweep() -> None:
-    assert [g.met for g in gpu_check.scaling_goals(None)] == [None, None, None]
+    assert [g.met for g in _gpu_summary.scaling_goals(None)] == [None, None, None]
     result = {
         "goals": {
             "per_rate": [
@@ -692,11 +699,11 @@ def test_scaling_goals_read_the_sweep() -> None:
             ]
         }
     }  # fmt: skip
-    auto, bound, regime = gpu_check.scaling_goals(result)
+    auto, bound, regime = _gpu_summary.scaling_goals(result)
     assert not auto.met and "0.97x" in auto.measured and "25000" in auto.measured
     assert not bound.met and bound.measured == "88% (worst, at 25000 Mbit/s)"
     assert regime.met and regime.measured == "1.80x"
     # Results from before the bound: the goal says so instead of passing.
     for g in result["goals"]["per_rate"]:
         del g["auto_efficiency_vs_bound"]
-    assert gpu_check.scaling_goals(result)[1].measured == "no bound in the results"
+    assert _gpu_summary.scaling_goals(result)[1].measured == "no bound in the results"

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO / "tests"))
 
+import _gpu_stages  # noqa: E402
 import gpu_check  # noqa: E402
 from _launch import py_spy, run_ranks  # noqa: E402
 
@@ -36,15 +37,15 @@ def test_the_gpu_tests_keep_the_collected_order_where_xdist_can(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     junit = tmp_path / "junit.xml"
-    monkeypatch.setitem(gpu_check._pytest_options, "new", "  --no-loadscope-reorder\n  Disable")
-    monkeypatch.setitem(gpu_check._pytest_options, "old", "  --dist=distmode  ...\n")
-    assert gpu_check.gpu_tests_command("new", junit, 16)[-1] == "--no-loadscope-reorder"
-    assert "--no-loadscope-reorder" not in gpu_check.gpu_tests_command("old", junit, 16)
+    monkeypatch.setitem(_gpu_stages._pytest_options, "new", "  --no-loadscope-reorder\n  Disable")
+    monkeypatch.setitem(_gpu_stages._pytest_options, "old", "  --dist=distmode  ...\n")
+    assert _gpu_stages.gpu_tests_command("new", junit, 16)[-1] == "--no-loadscope-reorder"
+    assert "--no-loadscope-reorder" not in _gpu_stages.gpu_tests_command("old", junit, 16)
     # An option that only starts with the name is not the option.
-    monkeypatch.setitem(gpu_check._pytest_options, "other", " --no-loadscope-reorder-x\n")
-    assert "--no-loadscope-reorder" not in gpu_check.gpu_tests_command("other", junit, 16)
+    monkeypatch.setitem(_gpu_stages._pytest_options, "other", " --no-loadscope-reorder-x\n")
+    assert "--no-loadscope-reorder" not in _gpu_stages.gpu_tests_command("other", junit, 16)
     # The probe asks the given Python: one without pytest lists nothing.
-    assert not gpu_check._pytest_has_option(str(tmp_path / "no-python"), "--help")
+    assert not _gpu_stages._pytest_has_option(str(tmp_path / "no-python"), "--help")
 
 
 def _failed(text: str) -> SimpleNamespace:
