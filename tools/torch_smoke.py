@@ -43,7 +43,8 @@ import traceback
 from typing import Any, Callable
 
 # The tests' port allocator (a launch of two ranks, like theirs).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from _launch import free_port  # noqa: E402
 
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         import tiacc_training
 
         record["torch"] = torch.__version__
-        record["package"] = os.path.dirname(tiacc_training.__file__)
+        record["package"] = repo_relative(os.path.dirname(tiacc_training.__file__))
         record = {
             **record,
             **combine(args.release, torch.__version__, launch(args.world_size, args.timeout)),
@@ -467,6 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     record["seconds"] = round(time.monotonic() - start, 1)
     print(json.dumps(record, default=str), flush=True)
     return 0 if record.get("ok") else 1
+
+
+def repo_relative(path: str) -> str:
+    """``path`` relative to the repository root where it lies inside it.
+
+    The results file is committed: a path inside the checkout says where
+    the package came from without the build machine's own folders. A path
+    outside the checkout is kept as it is.
+    """
+    full = os.path.realpath(path)
+    root = os.path.realpath(REPO)
+    return os.path.relpath(full, root) if full.startswith(root + os.sep) else path
 
 
 if __name__ == "__main__":
