@@ -10,31 +10,11 @@
 use half::{bf16, f16};
 
 use super::dtype::{f16_bytes_to_f32, f32_to_f16_bytes, DType, F16_BLOCK};
-use crate::error::{Error, Result};
+pub use crate::config::Compression;
 
-/// What a bucket is cast to on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Compression {
-    None,
-    Fp16,
-    Bf16,
-}
-
+/// The wire type a compression setting casts a bucket to (the setting,
+/// its names and its parse are `config`'s).
 impl Compression {
-    /// Parses `none`, `fp16`/`float16`, `bf16`/`bfloat16`.
-    pub fn parse(variable: &str, value: &str) -> Result<Self> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "none" | "" | "fp32" | "off" => Ok(Compression::None),
-            "fp16" | "float16" | "half" => Ok(Compression::Fp16),
-            "bf16" | "bfloat16" => Ok(Compression::Bf16),
-            _ => Err(Error::Config {
-                variable: variable.to_string(),
-                value: value.to_string(),
-                expected: "one of none, fp16, bf16".to_string(),
-            }),
-        }
-    }
-
     /// The wire type for a bucket of `dtype`, or `None` to send it as is.
     pub fn wire_dtype(self, dtype: DType) -> Option<DType> {
         match (self, dtype) {
@@ -43,15 +23,6 @@ impl Compression {
             (_, d) if !d.is_float() => None,
             (Compression::Fp16, _) => Some(DType::F16),
             (Compression::Bf16, _) => Some(DType::BF16),
-        }
-    }
-
-    /// Lower-case name for logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Compression::None => "none",
-            Compression::Fp16 => "fp16",
-            Compression::Bf16 => "bf16",
         }
     }
 }

@@ -20,6 +20,7 @@ pub mod device;
 pub mod dtype;
 pub mod engine;
 pub mod failure;
+pub mod groups;
 pub mod host;
 pub mod mapping;
 pub mod nccl;

@@ -10,7 +10,6 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use super::setup::TcpPeers;
 use super::tcp::random_token;
 use crate::error::{Error, Result};
 
@@ -37,6 +36,19 @@ pub struct Rendezvous<'a> {
     pub prefix: &'a str,
     pub rank: usize,
     pub timeout: Duration,
+}
+
+/// What the ranks exchanged before their TCP rings form: every rank's
+/// world address (`ip:port`, indexed by rank), the job token, and with the
+/// 2D groups the members' intra-node and inter-node addresses (in
+/// [`crate::comm::algo::Layout::intra_members`] and
+/// [`crate::comm::algo::Layout::inter_members`] order).
+#[derive(Debug, Clone, Copy)]
+pub struct TcpPeers<'a> {
+    pub addresses: &'a [String],
+    pub token: &'a [u8],
+    pub intra_addresses: Option<&'a [String]>,
+    pub inter_addresses: Option<&'a [String]>,
 }
 
 /// What [`Rendezvous::tcp_peers`] collected: owns what a [`TcpPeers`]

@@ -1,12 +1,12 @@
 //! What each variable sets: its value, parsed, applied to a
 //! [`CommConfig`], and the setting recorded as set by it.
 
+use super::choices::Compression;
 use super::parse::{bad, parse_bool, parse_num_streams, parse_positive_u64, parse_seconds};
 use super::variables::*;
 use super::{
     AlgorithmChoice, CollectivesChoice, CommConfig, CudaCollectivesChoice, Setting, TransportChoice,
 };
-use crate::comm::codec::Compression;
 use crate::error::{Error, Result};
 
 impl CommConfig {

@@ -2,7 +2,7 @@
 //! variable's value (any case) and named back as parsed.
 
 use super::parse::bad;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// What serves torch.distributed's CPU collectives
 /// ([`COLLECTIVES`](super::COLLECTIVES)).
@@ -135,6 +135,39 @@ impl AlgorithmChoice {
             AlgorithmChoice::Auto => "auto",
             AlgorithmChoice::Flat => "flat",
             AlgorithmChoice::TwoD => "2d",
+        }
+    }
+}
+
+/// What a bucket is cast to on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    None,
+    Fp16,
+    Bf16,
+}
+
+impl Compression {
+    /// Parses `none`, `fp16`/`float16`, `bf16`/`bfloat16`.
+    pub fn parse(variable: &str, value: &str) -> Result<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "none" | "" | "fp32" | "off" => Ok(Compression::None),
+            "fp16" | "float16" | "half" => Ok(Compression::Fp16),
+            "bf16" | "bfloat16" => Ok(Compression::Bf16),
+            _ => Err(Error::Config {
+                variable: variable.to_string(),
+                value: value.to_string(),
+                expected: "one of none, fp16, bf16".to_string(),
+            }),
+        }
+    }
+
+    /// Lower-case name for logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::Fp16 => "fp16",
+            Compression::Bf16 => "bf16",
         }
     }
 }

@@ -16,7 +16,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::comm::codec::Compression;
 use crate::error::{Error, Result};
 
 mod apply;
@@ -29,7 +28,9 @@ mod shared;
 pub mod startup;
 mod variables;
 
-pub use choices::{AlgorithmChoice, CollectivesChoice, CudaCollectivesChoice, TransportChoice};
+pub use choices::{
+    AlgorithmChoice, CollectivesChoice, Compression, CudaCollectivesChoice, TransportChoice,
+};
 pub use iface::{outward_interface, system_interfaces, Interface};
 pub use launch::{launch_env, launch_env_from, LaunchEnv, OTHER_LAUNCHERS};
 use parse::read;

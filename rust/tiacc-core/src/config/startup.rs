@@ -2,12 +2,12 @@
 //! and exactly what applies to it, and a warning for every setting that
 //! cannot apply (never silently ignored).
 
+use super::choices::Compression;
 use super::{spans_nodes, AlgorithmChoice, CommConfig, Setting, TransportChoice};
 use super::{
     COMPRESSION, COMPRESSION_SCALE, COMPRESSION_SCOPE, HIERARCHICAL_THRESHOLD, INTRA_SIZE,
     NCCL_LIBRARY, TOPK, TOPK_FP16, TOPK_MOMENTUM, TOPK_MOMENTUM_MASKING, TOPK_OPTIONS, TWO_D,
 };
-use crate::comm::codec::Compression;
 
 /// What the job looks like when the report is written.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use super::ffi::{self, CudaStream, NcclComm, NcclDataType, NcclRedOp, NcclResult, NcclUniqueId};
 use super::library::{comm_error, NcclLibrary};
+use super::ready::{await_ready, Readiness};
 use super::trace;
-pub use super::watch::{await_ready, Readiness};
 use crate::comm::{DType, Deadline};
 use crate::error::{Error, Result};
 

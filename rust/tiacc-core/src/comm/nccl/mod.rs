@@ -6,9 +6,10 @@
 //! ffi.rs           nccl.h's types, enum values and function signatures
 //! communicator.rs  NcclCommunicator (collectives on raw device pointers and a
 //!                  raw CUDA stream)
-//! watch.rs         the bounded waits: await_ready (a non-blocking init or
-//!                  call) and watch() (every collective: deadline, NCCL's
-//!                  async errors, another rank's failure)
+//! ready.rs         await_ready: the bounded wait on a non-blocking init or
+//!                  call (a leaf: uses nothing else in nccl/)
+//! watch.rs         watch(): the bounded wait on every collective (deadline,
+//!                  NCCL's async errors, another rank's failure)
 //! watchdog.rs      the thread that waits for each enqueued collective
 //! trace.rs         TIACC_TRAINING_NCCL_TRACE: the waits on stderr
 //! ```
@@ -20,6 +21,7 @@
 pub mod communicator;
 pub mod ffi;
 pub mod library;
+pub mod ready;
 pub mod trace;
 pub mod watch;
 pub mod watchdog;

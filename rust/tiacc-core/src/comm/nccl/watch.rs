@@ -1,9 +1,8 @@
-//! The bounded waits on NCCL: [`await_ready`] polls a non-blocking
-//! initialisation (or call) until it completes or its deadline passes;
-//! [`watch`] waits for the work enqueued on communicators, polling for
-//! completion, NCCL's asynchronous errors, another rank's failure and the
-//! deadline, and aborts the communicators when one of the last three comes
-//! first ([`super::watchdog`] runs it on its thread).
+//! The bounded wait on NCCL collectives: [`watch`] waits for the work
+//! enqueued on communicators, polling for completion, NCCL's asynchronous
+//! errors, another rank's failure and the deadline, and aborts the
+//! communicators when one of the last three comes first
+//! ([`super::watchdog`] runs it on its thread).
 
 use std::time::Duration;
 
@@ -11,54 +10,6 @@ use super::communicator::{Group, NcclCommunicator};
 use super::trace;
 use crate::comm::Deadline;
 use crate::error::{Error, Result};
-
-/// What a poll of a non-blocking communicator found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Readiness {
-    /// `ncclSuccess`: the operation completed.
-    Ready,
-    /// `ncclInProgress`: not yet.
-    InProgress,
-}
-
-/// How often a non-blocking initialisation (or call) is polled.
-const READY_POLL: Duration = Duration::from_millis(2);
-
-/// Waits until `poll` says ready, fails with its error, or `deadline`
-/// passes: then `abort` runs and the error is a `CommTimeout` with `what`
-/// (as a test-visible function, so the deadline logic runs without a GPU).
-pub fn await_ready(
-    mut poll: impl FnMut() -> Result<Readiness>,
-    abort: impl FnOnce(),
-    deadline: Deadline,
-    rank: usize,
-    what: impl FnOnce() -> String,
-) -> Result<()> {
-    loop {
-        match poll() {
-            Ok(Readiness::Ready) => return Ok(()),
-            Ok(Readiness::InProgress) => {}
-            Err(err) => {
-                abort();
-                return Err(err);
-            }
-        }
-        let left = deadline.remaining();
-        if left.is_zero() {
-            abort();
-            return Err(Error::CommTimeout {
-                peer: rank,
-                message: format!(
-                    "{} did not complete within {:.1}s (a rank never joined, or the network \
-                     between ranks is down); it was aborted",
-                    what(),
-                    deadline.timeout.as_secs_f64()
-                ),
-            });
-        }
-        std::thread::sleep(READY_POLL.min(left));
-    }
-}
 
 /// What [`watch`] needs from a communicator (a trait so that the watchdog's
 /// logic is tested without a GPU).

@@ -24,10 +24,11 @@ use super::counters::Counters;
 use super::device::{Comms, DeviceChannels, Kernels, NcclIds};
 use super::engine::Engine;
 use super::failure::FailureBoard;
+use super::groups::GroupListeners;
 use super::host::Groups;
 use super::nccl::{NcclLibrary, NcclUniqueId};
-use super::store::{Rendezvous, TcpExchange};
-use super::tcp::{GroupListeners, TOKEN_LEN};
+use super::store::{Rendezvous, TcpExchange, TcpPeers};
+use super::tcp::TOKEN_LEN;
 use super::transport::Deadline;
 use crate::config::{self, AlgorithmChoice, CommConfig};
 use crate::error::{Error, Result};
@@ -162,18 +163,6 @@ impl EngineSetup {
         self.auto_choice = Some(decision.line);
         decision.two_d
     }
-}
-
-/// What the ranks exchanged before their TCP rings form: every rank's
-/// world address (`ip:port`, indexed by rank), the job token, and with the
-/// 2D groups the members' intra-node and inter-node addresses (in
-/// [`Layout::intra_members`] and [`Layout::inter_members`] order).
-#[derive(Debug, Clone, Copy)]
-pub struct TcpPeers<'a> {
-    pub addresses: &'a [String],
-    pub token: &'a [u8],
-    pub intra_addresses: Option<&'a [String]>,
-    pub inter_addresses: Option<&'a [String]>,
 }
 
 /// Listeners for a rank's TCP groups, before `connect`.

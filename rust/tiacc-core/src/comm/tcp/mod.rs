@@ -1,10 +1,8 @@
 //! The TCP transport: CPU tensors (and CUDA tensors staged through host
 //! memory) over plain sockets, one ring of connections per channel.
 
-mod groups;
 mod rendezvous;
 mod ring;
 
-pub use groups::{GroupAddresses, GroupListeners};
 pub use rendezvous::{local_addr_towards, random_token, RingListener, TOKEN_LEN};
 pub use ring::TcpRing;

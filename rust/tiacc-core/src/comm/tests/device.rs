@@ -544,7 +544,8 @@ fn device_channels_run_torch_s_collectives_over_the_2d_groups() {
 
 #[test]
 fn a_device_engine_over_tcp_connects_probes_and_adopts_the_same_choice_on_every_rank() {
-    use crate::comm::setup::{DeviceEngine, DeviceTransport, EngineSetup, TcpPeers};
+    use crate::comm::setup::{DeviceEngine, DeviceTransport, EngineSetup};
+    use crate::comm::store::TcpPeers;
     use crate::comm::tcp::random_token;
     use crate::config::{AlgorithmChoice, CommConfig};
     let config = CommConfig {

@@ -6,7 +6,7 @@ use super::*;
 
 #[test]
 fn a_non_blocking_init_is_polled_until_ready_and_aborted_at_its_deadline() {
-    use crate::comm::nccl::communicator::{await_ready, Readiness};
+    use crate::comm::nccl::ready::{await_ready, Readiness};
     use std::cell::Cell;
     use std::time::{Duration, Instant};
 

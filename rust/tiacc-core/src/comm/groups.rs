@@ -1,14 +1,15 @@
-//! The TCP groups of every channel: the world ring, and with the 2D
-//! allreduce the intra-node and inter-node rings.
+//! The groups of every channel: the world ring, and with the 2D allreduce
+//! the intra-node and inter-node rings, formed over TCP and moved to shared
+//! memory where they can be. Above both `tcp/` and `shm/` (it uses both,
+//! neither uses it).
 
 use std::net::{IpAddr, SocketAddr};
 
-use super::rendezvous::{RingListener, TOKEN_LEN};
-use super::ring::TcpRing;
-use crate::comm::algo::Layout;
-use crate::comm::host::{Groups, Hierarchy};
-use crate::comm::shm;
-use crate::comm::transport::{Deadline, Transport};
+use super::algo::Layout;
+use super::host::{Groups, Hierarchy};
+use super::shm;
+use super::tcp::{RingListener, TcpRing, TOKEN_LEN};
+use super::transport::{Deadline, Transport};
 use crate::error::{Error, Result};
 
 /// Bound listeners for one rank's groups, before the rings are formed.
