@@ -29,7 +29,8 @@ from ._handles import (
     submit,
     synchronize,
 )
-from ._negotiation import Agreement, Call, attempt, keyed, refuse, schedule
+from ._headers import Agreement, Call
+from ._negotiation import check_or_refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve, small_device
 
 __all__ = [
@@ -51,7 +52,7 @@ def start(
     call = Call(
         kind, name, named, process_set, flat, skip_first=True, payload=[t.shape[0] for t in flat]
     )
-    return keyed(schedule(call, lambda agreed: _issue(flat, process_set, name, agreed)), call)
+    return schedule(call, lambda agreed: _issue(flat, process_set, name, agreed))
 
 
 def _issue(
@@ -101,12 +102,13 @@ def _checked(kind: str, tensors: Any, name: str | None, process_set: ProcessSet)
     """The set, the label and the checked tensors (refused on every rank when wrong)."""
     process_set = resolve(process_set)
     label = name_of(kind, name)
-    checked, refusal = attempt(
-        lambda: check_list(tensors) if kind == "grouped_allgather" else [check_tensor(tensors)]
+    flat = check_or_refuse(
+        kind,
+        label,
+        process_set,
+        lambda: check_list(tensors) if kind == "grouped_allgather" else [check_tensor(tensors)],
     )
-    if refusal is not None:
-        refuse(kind, label, process_set, refusal)
-    return process_set, label, checked
+    return process_set, label, flat
 
 
 def allgather_async(
@@ -264,9 +266,7 @@ def sparse_allreduce_async(
             raise ValueError(f"sparse_allreduce_async takes Average or Sum, not {reduction!r}")
         return reduction
 
-    reduction, refusal = attempt(check)
-    if refusal is not None:
-        refuse("grouped_allgather", label, process_set, refusal)
+    reduction = check_or_refuse("grouped_allgather", label, process_set, check)
     indices = tensor._indices().t().contiguous()
     values = tensor._values().contiguous()
     pending = start([indices, values], process_set, label, name is not None, "grouped_allgather")

@@ -30,7 +30,8 @@ from ._common import (
 )
 from ._compression import compressed
 from ._handles import mark, name_of, register, single, synchronize
-from ._negotiation import Call, attempt, guard, keyed, refuse, schedule
+from ._headers import Call
+from ._negotiation import attempt, refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = [
@@ -121,7 +122,7 @@ def _start(
     )
     mark(label, "ALLREDUCE", "negotiate")
     call = Call(kind, label, name is not None, process_set, tensors, op=int(op))
-    guard(call, lambda: check_scales(prescale_factor, postscale_factor))
+    _, call.refusal = attempt(lambda: check_scales(prescale_factor, postscale_factor))
     if call.refusal is None:
         call.prescale, call.postscale = prescale_factor, postscale_factor
     if op == Adasum:
@@ -144,7 +145,6 @@ def _start(
         lambda agreed: _reduce.start(tensors, outputs, op, *scales, process_set, label, groups),
         defer=True,
     )
-    keyed(pending, call)
     return register(single(pending) if kind == "allreduce" else pending)
 
 

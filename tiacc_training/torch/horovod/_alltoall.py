@@ -16,7 +16,8 @@ import torch.distributed as dist
 from . import _basics
 from ._common import check_tensor
 from ._handles import Pending, mark, name_of, register, submit, synchronize
-from ._negotiation import Agreement, Call, attempt, keyed, refuse, schedule
+from ._headers import Agreement, Call
+from ._negotiation import attempt, check_or_refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = ["alltoall", "alltoall_async"]
@@ -68,9 +69,7 @@ def start(
         "alltoall", name, named, process_set, [tensor], skip_first=True, refusal=refusal,
         payload=send if refusal is None else [],
     )  # fmt: skip
-    return keyed(
-        schedule(call, lambda agreed: _issue(tensor, send, process_set, name, agreed)), call
-    )
+    return schedule(call, lambda agreed: _issue(tensor, send, process_set, name, agreed))
 
 
 def _issue(
@@ -133,9 +132,7 @@ def alltoall_async(
     """
     process_set = resolve(process_set)
     label = name_of("alltoall", name)
-    _, refusal = attempt(lambda: check_tensor(tensor))
-    if refusal is not None:
-        refuse("alltoall", label, process_set, refusal)
+    check_or_refuse("alltoall", label, process_set, lambda: check_tensor(tensor))
     return register(start(tensor, splits, process_set, label, name is not None))
 
 

@@ -17,7 +17,8 @@ from ._allgather import object_bytes
 from ._allreduce import allreduce_async
 from ._common import Average, check_root, check_tensor
 from ._handles import Pending, complete, mark, name_of, register, submit, synchronize
-from ._negotiation import Call, attempt, keyed, refuse, schedule
+from ._headers import Call
+from ._negotiation import check_or_refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve, small_device
 
 __all__ = ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object"]
@@ -34,9 +35,7 @@ def start(
     """Copies the root's ``tensor`` into ``output`` on every rank of the set."""
     mark(name, "BROADCAST", "negotiate")
     call = Call("broadcast", name, named, process_set, [tensor], root=root_rank)
-    return keyed(
-        schedule(call, lambda _: _issue(tensor, output, root_rank, process_set, name)), call
-    )
+    return schedule(call, lambda _: _issue(tensor, output, root_rank, process_set, name))
 
 
 def _issue(
@@ -65,9 +64,12 @@ def _async(
 ) -> int:
     process_set = resolve(process_set)
     label = name_of("broadcast", name)
-    _, refusal = attempt(lambda: (check_tensor(tensor), check_root(root_rank, process_set)))
-    if refusal is not None:
-        refuse("broadcast", label, process_set, refusal)
+    check_or_refuse(
+        "broadcast",
+        label,
+        process_set,
+        lambda: (check_tensor(tensor), check_root(root_rank, process_set)),
+    )
     output = tensor if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return register(start(tensor, output, root_rank, process_set, label, name is not None))
 
@@ -161,9 +163,7 @@ def broadcast_object(
     """
     process_set = resolve(process_set)
     label = name_of("broadcast_object", name)
-    _, refusal = attempt(lambda: check_root(root_rank, process_set))
-    if refusal is not None:
-        refuse("broadcast", label, process_set, refusal)
+    check_or_refuse("broadcast", label, process_set, lambda: check_root(root_rank, process_set))
     device = small_device(process_set)
     is_root = _basics.rank() == root_rank
     payload = object_bytes(obj, device) if is_root else None

@@ -9,6 +9,8 @@ so that the same ``except`` clauses work.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tiacc_training.errors import CommError
@@ -41,6 +43,25 @@ class HostsUpdatedInterrupt(RuntimeError):
         self.skip_sync = skip_sync
 
 
+@contextmanager
+def as_ours(what: str) -> Iterator[None]:
+    """Issuing or waiting for a collective: its failure raises :class:`HorovodInternalError`.
+
+    Args:
+        what: the operation, for the message.
+
+    Raises:
+        HorovodInternalError: the engine's ``CommError`` or torch's backend
+            error (its cause) was raised inside; ours passes through as it is.
+    """
+    try:
+        yield
+    except HorovodInternalError:
+        raise
+    except (CommError, RuntimeError) as error:
+        raise HorovodInternalError(f"{what} failed: {error}") from error
+
+
 def wait(work: Any, what: str) -> None:
     """Waits for a torch.distributed work; a failed collective raises ours.
 
@@ -60,14 +81,10 @@ def wait(work: Any, what: str) -> None:
         HorovodInternalError: the collective failed (its cause: the engine's
             ``CommError`` or torch's backend error).
     """
-    try:
+    with as_ours(what):
         if callable(work) and not hasattr(work, "wait"):
             work = work()
         work.wait()
-    except HorovodInternalError:
-        raise
-    except (CommError, RuntimeError) as error:
-        raise HorovodInternalError(f"{what} failed: {error}") from error
     try:
         future = work.get_future()
     except (AttributeError, RuntimeError):  # works without a future (send, recv)

@@ -8,7 +8,7 @@ does); :func:`synchronize` waits for it and returns the result, :func:`poll`
 says whether it is done.
 
 An operation's collectives are issued once every rank of its set has
-submitted it (:mod:`._negotiation`); until then its :class:`Pending` holds
+submitted it (:mod:`._cycles`); until then its :class:`Pending` holds
 no works, and :func:`synchronize` runs the ranks' exchanges until it is
 issued or failed.
 

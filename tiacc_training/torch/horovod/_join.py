@@ -1,7 +1,7 @@
 """``barrier`` and ``join``.
 
 A rank inside :func:`join` keeps taking part in the global set's cycles
-(:mod:`._negotiation`) as "joined", and in every allreduce the working
+(:mod:`._cycles`) as "joined", and in every allreduce the working
 ranks agree on with zeros, until every rank has joined.
 """
 
@@ -14,7 +14,8 @@ import torch.distributed as dist
 from . import _basics
 from ._exceptions import HorovodInternalError
 from ._handles import complete, mark, name_of, submit
-from ._negotiation import Call, exchange_joined, schedule
+from ._headers import Call
+from ._negotiation import exchange_joined, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = ["barrier", "join"]

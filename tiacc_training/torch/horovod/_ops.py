@@ -11,7 +11,9 @@ part lives:
   and :func:`poll`, the duplicate-name rule, the timeline's marks;
 * :mod:`._negotiation`: the header exchange every operation starts with,
   so that a mismatch raises the same error on every rank and the job stays
-  in step (and the zeros a rank reduces in an allreduce others issued);
+  in step: the headers in :mod:`._headers`, the verdicts in
+  :mod:`._verdicts`, the queues and cycles (and the zeros a rank reduces
+  in an allreduce others issued) in :mod:`._cycles`;
 * :mod:`._reduce`: an allreduce's data path, its fused buffers reduced and
   scaled (under both :mod:`._allreduce` and those zeros);
 * :mod:`._allreduce`, :mod:`._allgather` (with the sparse allreduce and
@@ -32,7 +34,7 @@ A collective that fails because a peer left or timed out raises
 
 from __future__ import annotations
 
-from . import _handles, _negotiation
+from . import _cycles, _handles
 from ._allgather import (
     allgather,
     allgather_async,
@@ -105,4 +107,4 @@ __all__ = [
 def forget_handles() -> None:
     """``shutdown()``: drops the handles, the names in flight and the headers agreed on."""
     _handles.forget()
-    _negotiation.forget()
+    _cycles.forget()

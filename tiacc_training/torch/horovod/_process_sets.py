@@ -25,21 +25,23 @@ the global set: ranks inside it serve the global set's allreduces only, so
 an operation on another set must not include a rank that has joined.
 
 The small exchange of integers among a set's ranks (:func:`gather_ints`,
-on the device :func:`small_device` picks) lives here too: the cycles that
-match every operation across ranks use it (:mod:`._negotiation`).
+or :func:`start_gather_ints` to wait later, on the device
+:func:`small_device` picks) lives here too: the cycles that match every
+operation across ranks use it (:mod:`._cycles`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _basics
-from ._exceptions import wait
+from ._exceptions import as_ours, wait
 
 __all__ = ["ProcessSet", "global_process_set", "remove_process_set"]
 
@@ -247,6 +249,47 @@ def small_device(process_set: ProcessSet, like: torch.Tensor | None = None) -> t
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@dataclass
+class Gathering:
+    """An allgather of every rank's integers, issued; :meth:`rows` waits for it."""
+
+    work: Any
+    out: torch.Tensor
+    shape: tuple[int, int]
+    what: str
+
+    def rows(self) -> list[list[int]]:
+        """Every rank's values, in set order.
+
+        Raises:
+            HorovodInternalError: the exchange failed (a peer left or timed out).
+        """
+        wait(self.work, self.what)
+        return self.out.view(*self.shape).tolist()
+
+
+def start_gather_ints(
+    values: list[int], process_set: ProcessSet, what: str, like: torch.Tensor | None = None
+) -> Gathering:
+    """Issues the allgather of every rank's ``values`` (the same length everywhere).
+
+    Args:
+        values: this rank's integers.
+        process_set: the ranks exchanging them (more than one).
+        what: the exchange, for the message of its error.
+        like: a tensor whose device a CUDA-only group's exchange uses.
+
+    Raises:
+        HorovodInternalError: the allgather could not be issued.
+    """
+    n = len(process_set.ranks)
+    mine = torch.tensor(values, dtype=torch.int64, device=small_device(process_set, like))
+    out = torch.empty(n * len(values), dtype=torch.int64, device=mine.device)
+    with as_ours(what):
+        work = dist.all_gather_into_tensor(out, mine, group=process_set.group, async_op=True)
+    return Gathering(work, out, (n, len(values)), what)
+
+
 def gather_ints(
     values: list[int], process_set: ProcessSet, like: torch.Tensor | None = None
 ) -> list[list[int]]:
@@ -255,13 +298,6 @@ def gather_ints(
     Raises:
         HorovodInternalError: the exchange failed (a peer left or timed out).
     """
-    n = len(process_set.ranks)
-    if n == 1:
+    if len(process_set.ranks) == 1:
         return [list(values)]
-    mine = torch.tensor(values, dtype=torch.int64, device=small_device(process_set, like))
-    out = torch.empty(n * len(values), dtype=torch.int64, device=mine.device)
-    wait(
-        lambda: dist.all_gather_into_tensor(out, mine, group=process_set.group, async_op=True),
-        "exchanging tensor shapes",
-    )
-    return out.view(n, len(values)).tolist()
+    return start_gather_ints(values, process_set, "exchanging tensor shapes", like).rows()

@@ -10,7 +10,7 @@ runs :mod:`._adasum`'s exchange.
 No header is exchanged here: :mod:`._allreduce` has the ranks agree on
 the call first (:mod:`._negotiation`), and a rank that takes part with
 zeros in an allreduce the others issued reduces them here directly
-(``_negotiation.serve_zeros``).
+(``_cycles.serve_zeros``).
 """
 
 from __future__ import annotations

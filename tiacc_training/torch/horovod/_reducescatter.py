@@ -35,7 +35,8 @@ from ._common import (
 from ._compression import compressed
 from ._exceptions import HorovodInternalError
 from ._handles import Pending, mark, name_of, register, single, submit, synchronize
-from ._negotiation import Call, attempt, keyed, refuse, schedule
+from ._headers import Call
+from ._negotiation import attempt, check_or_refuse, schedule
 from ._process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = [
@@ -73,7 +74,7 @@ def start(
     if refusal is None:
         call.prescale, call.postscale = prescale_factor, postscale_factor
     scales = (prescale_factor, postscale_factor)
-    return keyed(schedule(call, lambda _: _issue(tensors, op, scales, process_set, name)), call)
+    return schedule(call, lambda _: _issue(tensors, op, scales, process_set, name))
 
 
 def _issue(
@@ -145,17 +146,17 @@ def _async(
 ) -> Pending:
     process_set = resolve(process_set)
     label = name_of(kind, name)
-    values, refusal = attempt(
+    flat, reduction = check_or_refuse(
+        kind,
+        label,
+        process_set,
         lambda: (
             check_list(tensors) if kind == "grouped_reducescatter" else [check_tensor(tensors)],
             op_of(None, op),
-        )
+        ),
     )
-    if refusal is not None:
-        refuse(kind, label, process_set, refusal)
-    checked, reduction = values
     return start(
-        checked,
+        flat,
         reduction,
         prescale_factor,
         postscale_factor,
