@@ -8,7 +8,7 @@ PIP     := $(VENV)/bin/pip
 STAMPS  := .stamps
 # Python packages the build, tests, demo and benchmarks need (all from PyPI).
 PY_DEPS := torch torchvision numpy pillow tqdm pytest pytest-timeout maturin ruff==0.17.6 tfrecord \
-           accelerate pytorch-lightning
+           accelerate pytorch-lightning transformers 'ray[train]'
 DEMO_DIR ?= data/demo
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 

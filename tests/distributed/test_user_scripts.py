@@ -430,6 +430,10 @@ def test_torch_compile_gets_no_graph_break_and_no_recompilation_from_us(
     )
     ours, theirs = _compile_events(tiacc), _compile_events(native)
     assert ours == theirs, (ours, theirs, tiacc[-6000:])
+    # The start-up report gives the bucket cap of the model built, the
+    # script's own where it gave one.
+    cap = "1 MiB (the script's bucket_cap_mb)" if order == "compile-then-ddp" else "25 MiB ("
+    assert f"buckets of at most {cap}" in tiacc, tiacc[-6000:]
 
 
 @pytest.mark.skipif(
@@ -465,6 +469,68 @@ def test_an_mpirun_script_that_reads_ompi_variables(tmp_path: Path) -> None:
 
     tiacc, _ = _compare(tmp_path, "mpirun_ddp.py", command, 2, env)
     assert "launcher=mpirun" in tiacc
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (make setup installs it)",
+)
+def test_hugging_face_trainer_with_a_tiny_gpt2_under_torchrun(tmp_path: Path) -> None:
+    output = tmp_path / "trainer"
+    tiacc, _ = _compare(
+        tmp_path, "hf_trainer.py", lambda s: _torchrun(s, "--output", str(output)), 2
+    )
+    assert len(_losses(tiacc)) == 8, tiacc[-4000:]
+    assert (
+        "process group: made by init_process_group (called by the script or a framework)" in tiacc
+    )
+    assert "DDP model: " in tiacc and "CPU collectives: tiacc (the engine" in tiacc
+    assert all(n > 0 for n in _collectives(tiacc)), tiacc[-4000:]
+
+
+needs_ray = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed (make setup installs it)"
+)
+
+
+def _ray(tmp_path: Path, *args: str):
+    return lambda script: [sys.executable, str(script), "--storage", str(tmp_path / "ray"), *args]
+
+
+def _summary_line(out: str) -> str:
+    found = re.search(r"tiacc_training: summary: .*", out)
+    assert found, out[-6000:]
+    return found[0]
+
+
+@needs_ray
+def test_ray_train_with_the_two_lines_at_the_top_of_train_func(tmp_path: Path) -> None:
+    # Ray makes the group before train_func runs: DDP goes through the engine,
+    # the CPU collectives stay on the group's gloo and the start-up report
+    # says why in plain words; every line keeps its prefix; the summary comes
+    # when Ray destroys the group (its workers never run exit handlers).
+    tiacc, native = _both_ways(tmp_path, "ray_train.py", _ray(tmp_path))
+    _same_losses(tiacc, native)
+    assert STARTUP in tiacc and "launcher=ray " in tiacc, tiacc[-6000:]
+    assert "process group: made by Ray Train before init_tiacc_training()" in tiacc
+    assert "CPU collectives: gloo (the group was made before init_tiacc_training()" in tiacc
+    assert "worker_process_setup_hook" in tiacc
+    assert re.search(r"tiacc_training:   DDP model: .* MiB of gradients", tiacc), tiacc[-6000:]
+    summary = _summary_line(tiacc)
+    assert re.search(r"summary: [1-9]\d* backward pass\(es\); through the engine: [1-9]", summary)
+    assert "tiacc_training" not in native
+
+
+@needs_ray
+def test_ray_train_with_the_two_lines_as_worker_process_setup_hook(tmp_path: Path) -> None:
+    # Run before Ray makes the group, the two lines put its CPU collectives
+    # on the engine too.
+    out = _run(_ray(tmp_path, "--setup-hook")(_script(tmp_path, "ray_train.py", False)),
+               _env(tmp_path), tmp_path)  # fmt: skip
+    assert "process group: made by init_process_group (called by Ray Train)" in out, out[-6000:]
+    assert "CPU collectives: tiacc (the engine" in out
+    served = re.search(r"CPU collectives: (\d+) served by the engine", _summary_line(out))
+    assert served and int(served[1]) > 0, out[-6000:]
 
 
 needs_accelerate = pytest.mark.skipif(

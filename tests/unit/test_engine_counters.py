@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import tiacc_training.torch.distributed as tdist
+from tiacc_training.torch.distributed import _summary
 from tiacc_training.torch.distributed._hook import totals
 from tiacc_training.torch.distributed._state import state
 
@@ -96,7 +97,24 @@ def test_the_summary_line_says_bytes_on_the_wire(
     )
     state.logged, totals.steps = True, 60
     with caplog.at_level(logging.INFO, logger="tiacc_training"):
-        tdist._summary()
+        _summary.report()
     line = caplog.messages[-1]
     assert "ring/fp16: 120 buckets, 48.0 MiB in, 24.0 MiB on the wire" in line, line
     assert "2d/none: 2 buckets, 1.0 MiB in, 1.5 MiB on the wire (MiB: intra 1.0, inter 0.5)" in line
+
+
+def test_the_summary_is_said_once_per_change(
+    clean_state: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Said at the default group's destroy, then again at exit: once, unless
+    # something happened in between.
+    state.set_engine(Counting({("ring", "none"): row(4, 4000, 4000)}))
+    state.logged, totals.steps = True, 2
+    with caplog.at_level(logging.INFO, logger="tiacc_training"):
+        _summary.report()
+        _summary.report()
+        totals.steps = 3
+        _summary.report()
+    said = [m for m in caplog.messages if "summary: " in m]
+    assert len(said) == 2 and "summary: 3 backward pass(es)" in said[1], said
+    assert all(m.startswith("tiacc_training: ") for m in caplog.messages), caplog.messages

@@ -30,7 +30,7 @@ def main():
     if args.order == "ddp-then-compile":
         model = torch.compile(DDP(net), backend="aot_eager")
     else:
-        model = DDP(torch.compile(net, backend="aot_eager"))
+        model = DDP(torch.compile(net, backend="aot_eager"), bucket_cap_mb=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(6):
         g = torch.Generator().manual_seed(100 * step + rank)

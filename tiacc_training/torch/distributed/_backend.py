@@ -308,12 +308,16 @@ def form_of(group: Any = None) -> str | None:
     return None if collectives is None else collectives.form
 
 
-def describe_cpu_collectives(config: Any = None, group: Any = None) -> str:
+def describe_cpu_collectives(
+    config: Any = None, group: Any = None, made_before: bool = False
+) -> str:
     """One start-up line: what serves the default group's CPU collectives.
 
     Args:
         config: the engine configuration, or ``None`` for the environment's.
         group: the group (default: the default group).
+        made_before: the group was made before ``init_tiacc_training`` (its
+            backend was chosen without us).
 
     Returns:
         For example ``"CPU collectives: tiacc (the engine over shared
@@ -338,6 +342,12 @@ def describe_cpu_collectives(config: Any = None, group: Any = None) -> str:
         why = "TIACC_TRAINING_COLLECTIVES=gloo"
     elif not register():
         why = f"the {NAME} backend is unavailable: {_reason}"
+    elif made_before:
+        why = (
+            "the group was made before init_tiacc_training(), and torch cannot change an "
+            "existing group's backend: call it before the group is made (under Ray Train, "
+            "in ray.init's worker_process_setup_hook; see docs/frameworks.md)"
+        )
     else:
         why = "as the script's init_process_group asked"
     name = "none" if dist.is_initialized() and not _has_cpu(group) else "gloo"

@@ -56,7 +56,7 @@ def log_startup(
     """
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(message)s"))  # the prefix is in it
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     launch = launch or {}

@@ -138,14 +138,24 @@ def _patched_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> N
         if bound.arguments.get("process_group") is None:
             ensure_group()
             config = runtime.config  # the script's init may have set its timeout
+        source = "the script's bucket_cap_mb"
         if "bucket_cap_mb" not in bound.arguments:
             gradient_bytes = _gradient_bytes(bound.arguments["module"])
             kwargs["bucket_cap_mb"] = config.bucket_bytes(gradient_bytes) / _MIB
+            source = "fusion_threshold: the script gave no bucket_cap_mb"
+        cap = kwargs.get("bucket_cap_mb", bound.arguments.get("bucket_cap_mb"))
     _original_init(self, *args, **kwargs)
     if config is not None and getattr(self, "_use_python_reducer", False):
         _python_reducer_stays_native(config)
     elif config is not None and config.enabled:
         _attach(self, config)
+        if runtime.logged:  # rank 0, after its start-up report
+            logger.info(
+                "  DDP model: %.2f MiB of gradients in buckets of at most %s MiB (%s)",
+                _gradient_bytes(self.module) / _MIB,
+                f"{cap:g}" if isinstance(cap, (int, float)) else "torch's default",
+                source,
+            )
     elif config is not None:
         # The engine is off: torch's own allreduce, timed like the engine's.
         hook_state = HookState(None, self.process_group, native=True)

@@ -37,7 +37,7 @@ import functools
 import inspect
 import os
 import urllib.parse
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,9 @@ from ._startup import finish, later_warn
 from ._state import logger, state
 
 # -- the default group ---------------------------------------------------------
+
+# Called (rank 0's summary) before the default group's engines stop.
+before_world_destroyed: list[Callable[[], None]] = []
 
 _original_init = distributed_c10d.init_process_group
 _original_destroy = distributed_c10d.destroy_process_group
@@ -150,6 +153,13 @@ def _init_process_group(*args: Any, **kwargs: Any) -> None:
     ours = launch is not None
     if launch is None:  # the script's own call
         launch = _script_launch(arguments)
+        caller = "Ray Train" if launch.get("launcher") == "ray" else "the script or a framework"
+        launch = {**launch, "group": f"made by init_process_group (called by {caller})"}
+    else:
+        launch = {
+            **launch,
+            "group": f"made by tiacc_training from the {launch['launcher']} launcher's variables",
+        }
     requested = arguments.get("backend")
     if not ours and state.backend_arg is not None and requested is not None:
         if str(requested) != state.backend_arg:
@@ -262,6 +272,8 @@ def _explicit(value: Any, variable: str) -> int | None:
 @functools.wraps(_original_destroy)
 def _destroy_process_group(group: Any = None) -> None:
     if group is None or group is distributed_c10d.GroupMember.WORLD:
+        for callback in before_world_destroyed:
+            callback()
         close_all()
         state.create_on_use = False
         state.finished = False
@@ -270,8 +282,10 @@ def _destroy_process_group(group: Any = None) -> None:
 
 
 def user_launch() -> dict[str, Any]:
-    """The launcher's view of a group the script created before our call."""
-    return _script_launch({})
+    """The launcher's view of a group made before ``init_tiacc_training`` (or past its wrap)."""
+    launch = _script_launch({})
+    maker = "Ray Train" if launch.get("launcher") == "ray" else "the script or its launcher"
+    return {**launch, "group": f"made by {maker} before init_tiacc_training()", "before": True}
 
 
 def _script_launch(arguments: dict[str, Any]) -> dict[str, Any]:

@@ -62,7 +62,12 @@ def finish(launch: dict[str, Any], device_given: bool, check_round: bool = True)
             state.cuda_reason,
             version,
         )
-        logger.info("  %s", _backend.describe_cpu_collectives(config))
+        if launch.get("group"):
+            logger.info("  process group: %s (backend %s)", launch["group"], dist.get_backend())
+        logger.info(
+            "  %s",
+            _backend.describe_cpu_collectives(config, made_before=bool(launch.get("before"))),
+        )
         cuda = _backend.describe_cuda_collectives()
         if cuda:
             logger.info("  %s", cuda)

@@ -10,6 +10,24 @@ from typing import Any
 from tiacc_training import _engine
 
 logger = logging.getLogger("tiacc_training")
+PREFIX = "tiacc_training: "
+
+
+class _Prefixed(logging.Filter):
+    """Puts ``tiacc_training: `` in front of each of the package's log lines.
+
+    In the message itself, so that the lines keep it under any handler:
+    ours, the script's ``logging.basicConfig``, or a framework's that logs
+    the message alone (Ray's workers).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not record.msg.startswith(PREFIX):
+            record.msg = PREFIX + record.msg
+        return True
+
+
+logger.addFilter(_Prefixed())
 
 
 @dataclass

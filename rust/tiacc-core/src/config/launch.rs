@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 /// How the processes of this job were launched and where they rendezvous.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchEnv {
-    /// `torchrun`, `mpirun` or `slurm`.
+    /// `torchrun`, `ray`, `mpirun`, `slurm` or one of the [`OTHER_LAUNCHERS`].
     pub launcher: &'static str,
     pub rank: usize,
     pub world_size: usize,
@@ -49,7 +49,9 @@ pub const OTHER_LAUNCHERS: [(&str, &str, &str, &str, &str); 3] = [
 ];
 
 /// Detects the launcher from the environment: torchrun (`RANK`,
-/// `WORLD_SIZE`, `LOCAL_RANK`), Open MPI (`OMPI_COMM_WORLD_*`), SLURM
+/// `WORLD_SIZE`, `LOCAL_RANK`; named `ray` in a Ray worker, which Ray
+/// Train gives the same variables: `RAY_RAYLET_PID` set and no
+/// `TORCHELASTIC_RUN_ID`), Open MPI (`OMPI_COMM_WORLD_*`), SLURM
 /// (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`), then the
 /// [`OTHER_LAUNCHERS`] (horovodrun's rendezvous address,
 /// `HOROVOD_GLOO_RENDEZVOUS_ADDR` and `_PORT`, stands in for `MASTER_ADDR`
@@ -79,8 +81,9 @@ pub fn launch_env_from(
 
     let found = if let (Some(rank), Some(world)) = (count("RANK")?, count("WORLD_SIZE")?) {
         let local_rank = count("LOCAL_RANK")?.unwrap_or(0);
+        let ray = get("RAY_RAYLET_PID")?.is_some() && get("TORCHELASTIC_RUN_ID")?.is_none();
         Some((
-            "torchrun",
+            if ray { "ray" } else { "torchrun" },
             "RANK",
             rank,
             world,
@@ -223,6 +226,15 @@ mod tests {
             ("torchrun", 3, 4, 1)
         );
         assert_eq!(t.master_port, Some(29500));
+
+        // Ray Train sets torchrun's variables in its workers.
+        let ray = [("RANK", "1"), ("WORLD_SIZE", "2"), ("RAY_RAYLET_PID", "77")];
+        let r = launch_env_from(env(&ray)).unwrap().unwrap();
+        assert_eq!((r.launcher, r.rank, r.world_size), ("ray", 1, 2));
+        // torchrun started inside a Ray task is torchrun.
+        let nested = [&ray[..], &[("TORCHELASTIC_RUN_ID", "x")]].concat();
+        let n = launch_env_from(env(&nested)).unwrap().unwrap();
+        assert_eq!(n.launcher, "torchrun");
 
         let m = launch_env_from(env(&[
             ("OMPI_COMM_WORLD_RANK", "5"),

@@ -280,7 +280,7 @@ mod tests {
         assert!(
             line.contains(
                 "fusion_threshold=1/8 of each model's gradient bytes (from \
-                 PERSEUS_ALLREDUCE_FUSION)"
+                 PERSEUS_ALLREDUCE_FUSION; for DDP models built without bucket_cap_mb)"
             ),
             "{line}"
         );

@@ -113,15 +113,18 @@ impl CommConfig {
         }
     }
 
-    /// The bucket cap as the report gives it.
+    /// The bucket cap as the report gives it: what a DDP model built
+    /// without `bucket_cap_mb` gets (each model's own is logged when it is
+    /// built).
     fn fusion_text(&self) -> String {
         match self.fusion_fraction {
             Some(f) => format!(
-                "1/{f} of each model's gradient bytes (from {})",
+                "1/{f} of each model's gradient bytes (from {}; for DDP models built without \
+                 bucket_cap_mb)",
                 self.source(Setting::FusionThreshold).unwrap_or("")
             ),
             None => format!(
-                "{} bytes (bucket_cap_mb={:.2})",
+                "{} bytes (bucket_cap_mb={:.2} for DDP models built without one)",
                 self.fusion_threshold,
                 self.fusion_threshold as f64 / (1024.0 * 1024.0)
             ),
