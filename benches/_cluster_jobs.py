@@ -59,8 +59,12 @@ def run_job(
     ranks_per_node: int = 2,
     timeout: float = 900,
     stderr_prefixes: Sequence[str] = (),
+    import_root: Path = REPO,
 ) -> dict:
     """Runs ``worker`` on every rank and returns rank 0's ``RESULT`` JSON.
+
+    The ranks import the package from ``import_root`` first (another
+    build's tree, for ``ab_builds``).
 
     The result gains ``link_sent_bytes`` and ``link_dropped_packets``: what
     the two shapers saw during the whole job. With ``stderr_prefixes`` it
@@ -86,7 +90,7 @@ def run_job(
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1",
                 "PYTHONPATH": os.pathsep.join(
-                    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+                    p for p in (str(import_root), os.environ.get("PYTHONPATH", "")) if p
                 ),
                 **node.env(),
                 **env_extra,

@@ -57,11 +57,10 @@ def main() -> None:
     with cluster(args.rate) as nodes:
         for round_index in range(args.rounds):
             for name, tree in builds.items():
-                # The ranks import the package from this tree first.
-                _cluster_jobs.REPO = tree
                 result = _cluster_jobs.run_job(
-                    nodes, tree / "benches/_ddp_bench_worker.py", worker_args, env
-                )
+                    nodes, tree / "benches/_ddp_bench_worker.py", worker_args, env,
+                    import_root=tree,
+                )  # fmt: skip
                 threads = result["rank0_thread_cpu_s_per_step"]
                 runs.append(
                     {

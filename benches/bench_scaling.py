@@ -226,6 +226,24 @@ def timeline_steps(prefix: Path) -> dict:
     }
 
 
+# What a run keeps of rank 0's result: every run, and the rows over the link.
+MEASURED = (
+    "step_s",
+    "forward_s",
+    "rank0_cpu_s_per_step",
+    "machine_cpu_busy",
+    "rank0_thread_cpu_s_per_step",
+    "optimizer",
+)
+LINK_MEASURED = (
+    "link_bytes_per_step",
+    "link_tx_bytes_per_step",
+    "link_rx_bytes_per_step",
+    "link_dropped_packets",
+    "grad_bytes",
+)
+
+
 def run_row(
     nodes: tuple,
     model: str,
@@ -252,20 +270,7 @@ def run_row(
     run = {"model": model, "pipeline": row.label, "rate_mbit": rate}
     if timeline is not None:
         run["timeline"] = timeline_steps(timeline)
-    for key in (
-        "step_s",
-        "forward_s",
-        "link_bytes_per_step",
-        "link_tx_bytes_per_step",
-        "link_rx_bytes_per_step",
-        "rank0_cpu_s_per_step",
-        "machine_cpu_busy",
-        "rank0_thread_cpu_s_per_step",
-        "link_dropped_packets",
-        "grad_bytes",
-        "optimizer",
-    ):
-        run[key] = result[key]
+    run.update({key: result[key] for key in (*MEASURED, *LINK_MEASURED)})
     if auto:
         run["auto_choice"] = "; ".join(auto)
     median = statistics.median(result["step_s"]) * 1000
@@ -286,17 +291,8 @@ def run_reference(nodes: tuple, model: str, label: str, args: argparse.Namespace
     )
     median = statistics.median(result["step_s"]) * 1000
     print(f"  {model}: {label}: {median:.0f} ms", flush=True)
-    return {
-        "model": model,
-        "pipeline": label,
-        "rate_mbit": None,
-        "step_s": result["step_s"],
-        "forward_s": result["forward_s"],
-        "rank0_cpu_s_per_step": result["rank0_cpu_s_per_step"],
-        "machine_cpu_busy": result["machine_cpu_busy"],
-        "rank0_thread_cpu_s_per_step": result["rank0_thread_cpu_s_per_step"],
-        "optimizer": result["optimizer"],
-    }
+    run = {"model": model, "pipeline": label, "rate_mbit": None}
+    return {**run, **{key: result[key] for key in MEASURED}}
 
 
 def one_way_bytes(run: dict) -> float:
