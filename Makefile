@@ -189,6 +189,7 @@ lint: setup ## rustfmt, clippy -D warnings, ruff, the extension's stub against t
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) tools/gen_stub.py --check
+	$(PY) -m pytest -q tests/unit/test_layout.py
 
 docs-check: ## every figure in README.md and docs/performance.md against its benches/results file
 	$(or $(wildcard $(PY)),python3) tools/docs_numbers.py --check
