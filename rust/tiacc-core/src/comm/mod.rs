@@ -6,7 +6,7 @@
 //!                   auto probe and decide the algorithm (EngineSetup), then:
 //! CPU buckets:  Engine::submit(job) --bucket % channels--> channel thread (FIFO)
 //!                   Algorithm::allreduce over a HostBackend (TCP transports, Rust kernels)
-//! CUDA buckets: the bindings' device engine, on the hook's thread
+//! CUDA buckets: setup::DeviceEngine's DeviceChannels (device/), called on the hook's thread
 //!                   Algorithm::allreduce over a device backend (NCCL on a CUDA stream,
 //!                   torch kernels), then the NCCL watchdog bounds the wait
 //! ```
