@@ -33,6 +33,27 @@ import torch.distributed as dist
 from tiacc_training.torch.distributed._rendezvous import default_store, exchange
 from tiacc_training.torch.distributed._state import state
 
+# Settings of the algorithm variants the matrices share: the GPU suite's
+# (tests/gpu/test_nccl_algorithms.py), its CPU stand-in
+# (tests/distributed/test_device_engine.py) and the loop's own test
+# (tests/distributed/test_worker_cases.py). Flat is forced where auto would
+# time flat against 2D on each engine of its own and could pick either.
+FLAT = {"TIACC_TRAINING_ALGORITHM": "flat"}
+# Top-K 5% on every bucket (no size threshold), flat.
+TOP_K = {
+    **FLAT,
+    "LIGHT_TOPK_ALLREDUCE": "1",
+    "LIGHT_TOPK_RATIO": "0.05",
+    "LIGHT_TOPK_THRESHOLD": "0",
+}
+# Top-K with the momentum correction, a 2-step warm-up and clipping.
+TOP_K_DGC = {
+    **TOP_K,
+    "TIACC_TRAINING_TOPK_MOMENTUM": "0.9",
+    "TIACC_TRAINING_TOPK_WARMUP_STEPS": "2",
+    "TIACC_TRAINING_TOPK_CLIP_NORM": "20",
+}
+
 
 class Findings:
     """What one case's checks found wrong, raised together at its end.

@@ -216,16 +216,7 @@ def run_ranks(
     start = time.monotonic()
     for rank in range(world):
         rank_env = base_env(env)
-        rank_env.update(
-            {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(rank % (local_size or world)),
-                "LOCAL_WORLD_SIZE": str(local_size or world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-        )
+        rank_env.update(torchrun_variables(rank, world, port, local_size))
         procs.append(
             subprocess.Popen(
                 [*prefix, sys.executable, str(worker), *args],
@@ -235,6 +226,40 @@ def run_ranks(
                 text=True,
             )
         )
+    return wait_ranks(procs, timeout, start)
+
+
+def torchrun_variables(
+    rank: int,
+    world: int,
+    port: int,
+    local_size: int | None = None,
+    master_addr: str = "127.0.0.1",
+) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of ``world``: its rank and
+    local rank (``local_size`` ranks a node, all of them where ``None``) and
+    the rendezvous at ``master_addr:port``."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank % (local_size or world)),
+        "LOCAL_WORLD_SIZE": str(local_size or world),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(port),
+    }
+
+
+def wait_ranks(
+    procs: list[subprocess.Popen[str]], timeout: float, start: float | None = None
+) -> list[Rank]:
+    """Waits for every rank's process (started with piped output) and collects it.
+
+    ``timeout`` seconds from ``start`` (a ``time.monotonic()`` reading; now
+    where ``None``) are all the ranks get together: one still running then
+    is killed, its native stacks (:func:`native_stacks`) appended to its
+    output. Each :class:`Rank` says when, from ``start``, it was collected.
+    """
+    start = time.monotonic() if start is None else start
     results = []
     for rank, proc in enumerate(procs):
         left = max(1.0, timeout - (time.monotonic() - start))
@@ -298,6 +323,16 @@ def describe(ranks: list[Rank]) -> str:
         f"{r.stdout}\n{r.stderr[-3000:]}"
         for r in ranks
     )
+
+
+def assert_every_rank_failed(ranks: list[Rank], *needles: str) -> None:
+    """Every rank exited with a worker's error code (3, :func:`exit_failed`)
+    and printed each of ``needles`` on its standard output; fails showing
+    every rank's output."""
+    for r in ranks:
+        assert r.returncode == 3, describe(ranks)
+        for needle in needles:
+            assert needle in r.stdout, describe(ranks)
 
 
 def case_lines(stdout: str, case: str) -> list[str]:

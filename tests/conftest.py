@@ -150,6 +150,25 @@ def write_image(path: Path, width: int, height: int, seed: int, fmt: str = "JPEG
     Image.fromarray(pixels).save(path, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
 
 
+def coco_instances(
+    images: list[tuple[int, str, int, int]],
+    boxes: list[tuple[int, int, int, list[float], float, int]],
+    categories: dict[int, str],
+) -> dict:
+    """A COCO instances file's content: ``images`` as (id, file name, width,
+    height), ``boxes`` as annotations (id, image id, category id, ``[x, y,
+    width, height]`` in pixels, area, iscrowd), ``categories`` by id."""
+    return {
+        "images": [{"id": i, "file_name": f, "width": w, "height": h} for i, f, w, h in images],
+        "annotations": [
+            {"id": i, "image_id": image, "category_id": category, "bbox": bbox, "area": area,
+             "iscrowd": crowd}
+            for i, image, category, bbox, area, crowd in boxes
+        ],
+        "categories": [{"id": i, "name": name} for i, name in categories.items()],
+    }  # fmt: skip
+
+
 @pytest.fixture
 def image_folder(tmp_path: Path) -> Path:
     """An ImageFolder-style tree: 3 classes, 6 images each, JPEG and PNG mixed."""

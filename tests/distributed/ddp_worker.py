@@ -48,10 +48,12 @@ from tiacc_training.torch.distributed import _runtime
 MOMENTUM = 0.9
 
 
-def build_model(width: int = 96) -> nn.Module:
+def build_model(width: int = 96, hidden: int = 4) -> nn.Module:
+    """The workers' model, the same on every rank (seeded): 32 inputs,
+    ``hidden`` + 1 ReLU layers of ``width``, 10 outputs."""
     torch.manual_seed(1234)
     layers: list[nn.Module] = [nn.Linear(32, width), nn.ReLU()]
-    for _ in range(4):
+    for _ in range(hidden):
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers.append(nn.Linear(width, 10))
     return nn.Sequential(*layers)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 import torch
-from _launch import WORKER, base_env, describe, free_port, run_ranks
+from _launch import WORKER, assert_every_rank_failed, base_env, describe, free_port, run_ranks
 
 
 def load(out: Path, mode: str, rank: int) -> dict[str, torch.Tensor]:
@@ -291,25 +291,21 @@ def test_two_emulated_nodes_over_network_namespaces(tmp_path: Path) -> None:
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_torchrun_launch(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(WORKER),
-        "--out",
-        str(tmp_path),
-        "--modes",
-        "tiacc",
-        "--steps",
-        "5",
-    ]
-    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=240)
+def launched(launcher: list[str], out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A 5-step job of the tiacc mode, results under ``out``, started by
+    ``launcher`` (its command line up to the worker script's path); it
+    must succeed."""
+    worker = [str(WORKER), "--out", str(out), "--modes", "tiacc", "--steps", "5"]
+    proc = subprocess.run(
+        [*launcher, *worker], env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc
+
+
+def test_torchrun_launch(tmp_path: Path) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    proc = launched([*torchrun, "--master_port", str(free_port())], tmp_path, base_env())
     assert "CPU buckets: shared memory (one host);" in proc.stderr, proc.stderr
     assert "launcher=torchrun" in proc.stderr
     # And what the engine really connected says the same.
@@ -324,31 +320,21 @@ def test_mpirun_launch(tmp_path: Path) -> None:
             pytest.fail("mpirun is required here (install openmpi-bin: make setup)")
         pytest.skip("mpirun not installed (make setup installs openmpi-bin)")
     env = base_env({"MASTER_PORT": str(free_port()), "OMPI_MCA_plm_rsh_agent": ""})
-    cmd = [
-        mpirun,
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-np",
-        "2",
-        "-x",
-        "MASTER_PORT",
-        "-x",
-        "PYTHONPATH",
-        "-x",
-        "OMP_NUM_THREADS",
-        sys.executable,
-        str(WORKER),
-        "--out",
-        str(tmp_path),
-        "--modes",
-        "tiacc",
-        "--steps",
-        "5",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    exported = ["-x", "MASTER_PORT", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
+    command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", *exported]
+    proc = launched([*command, sys.executable], tmp_path, env)
     assert "launcher=mpirun" in proc.stderr
     assert_bitwise_identical_across_ranks(tmp_path, 2)
+
+
+def assert_tiacc_job_fails(
+    out: Path, world: int, args: list[str], env: dict[str, str], *needles: str
+) -> None:
+    """A ``world``-rank job of the tiacc mode alone (``args`` added, results
+    under ``out``) ends on every rank with a worker's error naming each of
+    ``needles``."""
+    ranks = run_ranks(world, ["--out", str(out), "--modes", "tiacc", *args], env=env, timeout=120)
+    assert_every_rank_failed(ranks, *needles)
 
 
 def final_losses(stdout: str) -> dict[str, float]:
@@ -406,16 +392,9 @@ def test_half_precision_compression_converges_like_native(
 
 
 def test_the_nan_check_names_the_rank_and_bucket(tmp_path: Path) -> None:
-    ranks = run_ranks(
-        2,
-        ["--out", str(tmp_path), "--modes", "tiacc", "--fault", "nan", "--fault-rank", "1"],
-        env={"TIACC_TRAINING_NAN_CHECK": "1", "TIACC_TRAINING_TIMEOUT": "60"},
-        timeout=120,
-    )
-    for r in ranks:
-        assert r.returncode == 3, describe(ranks)
-        assert "rank 1: bucket" in r.stdout, describe(ranks)
-        assert "non-finite gradient" in r.stdout, describe(ranks)
+    env = {"TIACC_TRAINING_NAN_CHECK": "1", "TIACC_TRAINING_TIMEOUT": "60"}
+    args = ["--fault", "nan", "--fault-rank", "1"]
+    assert_tiacc_job_fails(tmp_path, 2, args, env, "rank 1: bucket", "non-finite gradient")
 
 
 @pytest.mark.parametrize(
@@ -507,16 +486,19 @@ def test_auto_measures_flat_against_2d_and_says_why(tmp_path: Path, algorithm: s
 
 
 def test_two_d_refuses_a_world_that_does_not_split_into_nodes(tmp_path: Path) -> None:
-    ranks = run_ranks(
-        3,
-        ["--out", str(tmp_path), "--modes", "tiacc", "--steps", "2"],
-        env={"LIGHT_2D_ALLREDUCE": "1", "LIGHT_INTRA_SIZE": "2"},
-        timeout=120,
+    env = {"LIGHT_2D_ALLREDUCE": "1", "LIGHT_INTRA_SIZE": "2"}
+    assert_tiacc_job_fails(
+        tmp_path, 3, ["--steps", "2"], env, "WORKER_ERROR ConfigError", "LIGHT_INTRA_SIZE"
     )
-    for r in ranks:
-        assert r.returncode == 3, describe(ranks)
-        assert "WORKER_ERROR ConfigError" in r.stdout, describe(ranks)
-        assert "LIGHT_INTRA_SIZE" in r.stdout, describe(ranks)
+
+
+# Top-K on every bucket (no size threshold), 1% of each bucket's elements.
+TOP_K_1_PERCENT = {
+    "LIGHT_TOPK_ALLREDUCE": "1",
+    "LIGHT_TOPK_RATIO": "0.01",
+    "LIGHT_TOPK_THRESHOLD": "0",
+    "TIACC_TRAINING_TIMEOUT": "60",
+}
 
 
 @pytest.mark.parametrize(
@@ -533,13 +515,7 @@ def test_top_k_with_error_feedback_trains_identically_on_every_rank(
     about 1.16 against 0.41; after 1500: 0.159 against 0.123), so this checks
     learning, not parity with native.
     """
-    env = {
-        "LIGHT_TOPK_ALLREDUCE": "1",
-        "LIGHT_TOPK_RATIO": "0.01",
-        "LIGHT_TOPK_THRESHOLD": "0",
-        "TIACC_TRAINING_TIMEOUT": "60",
-        **extra,
-    }
+    env = {**TOP_K_1_PERCENT, **extra}
     args = ["--out", str(tmp_path), "--steps", "300", "--learnable", "--probe", "random"]
     ranks = run_ranks(4, args, env=env, local_size=2)
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
@@ -592,14 +568,8 @@ def test_top_k_momentum_correction_beats_plain_top_k_with_momentum(tmp_path: Pat
     the correction 0.924, native DDP 0.407. The runs are deterministic; the
     margin asked for here is half the measured one.
     """
-    env = {
-        "LIGHT_TOPK_ALLREDUCE": "1",
-        "LIGHT_TOPK_RATIO": "0.01",
-        "LIGHT_TOPK_THRESHOLD": "0",
-        "TIACC_TRAINING_TIMEOUT": "60",
-    }
     args = ["--out", str(tmp_path), "--steps", "300", "--learnable", "--bucket-cap-mb", "1"]
-    ranks = run_ranks(4, [*args, "--modes", "tiacc,dgc"], env=env)
+    ranks = run_ranks(4, [*args, "--modes", "tiacc,dgc"], env=TOP_K_1_PERCENT)
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     for rank in range(1, 4):
         for name, value in load(tmp_path, "dgc", 0).items():

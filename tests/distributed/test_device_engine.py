@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cases import FLAT, TOP_K, TOP_K_DGC
 from _launch import case_lines, case_report, describe, run_ranks
 
 WORKER = Path(__file__).resolve().parent / "device_engine_worker.py"
 
-# The flat variants force flat: on 2 x 2 ranks each engine's auto would time
-# flat against 2D on its own and could pick either (see the auto test).
-FLAT = {"TIACC_TRAINING_ALGORITHM": "flat"}
+# The flat variants force flat (FLAT): on 2 x 2 ranks each engine's auto
+# would time flat against 2D on its own and could pick either (see the auto
+# test).
 ALGORITHMS = {
     "flat": FLAT,
     "fp16": {**FLAT, "TIACC_TRAINING_COMPRESSION": "fp16", "TIACC_TRAINING_COMPRESSION_SCALE": "4"},
@@ -36,12 +37,7 @@ ALGORITHMS = {
         "TIACC_TRAINING_COMPRESSION_SCOPE": "inter",
     },
     "2d-fp16": {"LIGHT_2D_ALLREDUCE": "1", "PERSEUS_ALLREDUCE_DTYPE": "0"},
-    "topk": {
-        **FLAT,
-        "LIGHT_TOPK_ALLREDUCE": "1",
-        "LIGHT_TOPK_RATIO": "0.05",
-        "LIGHT_TOPK_THRESHOLD": "0",
-    },
+    "topk": TOP_K,
     "topk-2d-fp16-values": {
         "LIGHT_TOPK_ALLREDUCE": "1",
         "LIGHT_TOPK_THRESHOLD": "4000",
@@ -50,15 +46,7 @@ ALGORITHMS = {
     },
     # Momentum correction with the warm-up (densities 25%, 11%, 5%) and
     # clipping (the large buckets are clipped, the small ones not).
-    "topk-dgc": {
-        **FLAT,
-        "LIGHT_TOPK_ALLREDUCE": "1",
-        "LIGHT_TOPK_RATIO": "0.05",
-        "LIGHT_TOPK_THRESHOLD": "0",
-        "TIACC_TRAINING_TOPK_MOMENTUM": "0.9",
-        "TIACC_TRAINING_TOPK_WARMUP_STEPS": "2",
-        "TIACC_TRAINING_TOPK_CLIP_NORM": "20",
-    },
+    "topk-dgc": TOP_K_DGC,
     "topk-dgc-masking-2d-fp16-values": {
         "LIGHT_TOPK_ALLREDUCE": "1",
         "LIGHT_TOPK_THRESHOLD": "4000",

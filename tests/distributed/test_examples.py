@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from _launch import REPO, base_env, free_port, launcher_env
-from conftest import write_image
+from conftest import coco_instances, write_image
 
 EXAMPLES = REPO / "examples"
 TRAIN_ARGS = ["--arch", "tiny", "--epochs", "2", "--max-steps", "2", "--batch-size", "4",
@@ -134,19 +134,15 @@ def test_pack_coco(tmp_path):
     sizes = {3: (40, 30), 1: (32, 24), 2: (20, 20)}
     for image_id, (w, h) in sizes.items():
         write_image(images / f"{image_id:012d}.jpg", w, h, image_id)
-    coco = {
-        "images": [{"id": i, "file_name": f"{i:012d}.jpg", "width": w, "height": h}
-                   for i, (w, h) in sizes.items()],
-        "annotations": [
-            {"id": 10, "image_id": 1, "category_id": 18, "bbox": [4, 6, 10, 8], "area": 80,
-             "iscrowd": 0},
-            {"id": 11, "image_id": 1, "category_id": 1, "bbox": [0, 0, 16, 12], "area": 192,
-             "iscrowd": 0},
-            {"id": 12, "image_id": 3, "category_id": 1, "bbox": [5, 5, 0, 4], "area": 0,
-             "iscrowd": 0},
+    coco = coco_instances(
+        [(i, f"{i:012d}.jpg", w, h) for i, (w, h) in sizes.items()],
+        [
+            (10, 1, 18, [4, 6, 10, 8], 80, 0),
+            (11, 1, 1, [0, 0, 16, 12], 192, 0),
+            (12, 3, 1, [5, 5, 0, 4], 0, 0),
         ],
-        "categories": [{"id": 1, "name": "person"}, {"id": 18, "name": "dog"}],
-    }  # fmt: skip
+        {1: "person", 18: "dog"},
+    )
     annotations = tmp_path / "instances_val2017.json"
     annotations.write_text(json.dumps(coco))
     out = tmp_path / "packed"

@@ -30,6 +30,7 @@ from _launch import (
     run_ranks,
     tiacc_class,
     unmix,
+    wait_ranks,
 )
 
 from tiacc_training.errors import ConfigError
@@ -43,6 +44,9 @@ TORCHRUN_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+# Other launchers' rank variables (Open MPI's, Slurm's, MPICH's, PMIx's),
+# cleared so the engine's launch_env() sees only the ones a test sets.
+LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK", "PMIX_RANK")
 
 
 def engine_served(result: dict, names: tuple[str, ...]) -> None:
@@ -107,17 +111,7 @@ def launch_env_only(world: int, variables: dict[int, dict[str, str]], args: list
                 text=True,
             )
         )
-    from _launch import Rank
-
-    ranks = []
-    for rank, proc in enumerate(procs):
-        try:
-            out, err = proc.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        ranks.append(Rank(rank, proc.returncode, out, err, 0.0))
-    return ranks
+    return wait_ranks(procs, timeout=180)
 
 
 def test_horovodrun_variables_only() -> None:
@@ -217,15 +211,7 @@ def test_launcher_variables_become_torchrun_ones(
 ) -> None:
     from tiacc_training.torch.horovod import _init
 
-    _unset(
-        monkeypatch,
-        *TORCHRUN_VARIABLES,
-        "OMPI_COMM_WORLD_RANK",
-        "SLURM_PROCID",
-        "PMI_RANK",
-        "PMIX_RANK",
-        "HOROVOD_RANK",
-    )
+    _unset(monkeypatch, *TORCHRUN_VARIABLES, *LAUNCHER_RANKS, "HOROVOD_RANK")
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     launcher = _init.export_launcher_env()
@@ -239,14 +225,7 @@ def test_launcher_variables_become_torchrun_ones(
 def test_launcher_variables_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     from tiacc_training.torch.horovod import _init
 
-    _unset(
-        monkeypatch,
-        *TORCHRUN_VARIABLES,
-        "OMPI_COMM_WORLD_RANK",
-        "SLURM_PROCID",
-        "PMI_RANK",
-        "PMIX_RANK",
-    )
+    _unset(monkeypatch, *TORCHRUN_VARIABLES, *LAUNCHER_RANKS)
     monkeypatch.setenv("HOROVOD_RANK", "4")
     monkeypatch.setenv("HOROVOD_SIZE", "4")
     with pytest.raises(ConfigError, match="HOROVOD_RANK.*a rank below the world size 4"):

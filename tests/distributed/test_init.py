@@ -16,20 +16,27 @@ from tiacc_training.errors import ConfigError
 SCRIPT = Path(__file__).resolve().parent / "single_process_checks.py"
 
 
-def run_checks(scenario: str, env: dict[str, str] | None = None) -> str:
-    full_env = base_env(env)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full_env.pop(var, None)
-    full_env["PORT"] = str(free_port())
+def run_script(script: Path, scenario: str, env: dict[str, str]) -> str:
+    """Runs ``scenario`` of a checks script in a process of its own with
+    exactly ``env``; it must exit 0 having printed ``ALL_OK``. Returns its
+    standard output, then its standard error."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), scenario],
-        env=full_env,
+        [sys.executable, str(script), scenario],
+        env=env,
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert proc.returncode == 0 and "ALL_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
+
+
+def run_checks(scenario: str, env: dict[str, str] | None = None) -> str:
+    full_env = base_env(env)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(var, None)
+    full_env["PORT"] = str(free_port())
+    return run_script(SCRIPT, scenario, full_env)
 
 
 def test_plain_python_gets_a_world_of_one_and_the_patch() -> None:
@@ -67,15 +74,7 @@ HOOK_CHECKS = Path(__file__).resolve().parent / "hook_checks.py"
 def test_the_hook_never_steps_aside_in_silence(scenario: str, strict: str) -> None:
     env = base_env({"TIACC_TRAINING_STRICT": strict, "RANK": "0", "WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, str(HOOK_CHECKS), scenario],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "ALL_OK" in proc.stdout, out[-3000:]
+    out = run_script(HOOK_CHECKS, scenario, env)
     assert f"CHECK {scenario}_{'raised' if strict == '1' else 'reported'}" in out or (
         scenario == "fallback" and strict == "0" and "CHECK fallback_warned_once" in out
     ), out[-3000:]

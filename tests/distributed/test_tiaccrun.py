@@ -62,12 +62,14 @@ def _run(args, env=None, timeout=120, cwd=None):
     )
 
 
-def _envs(stdout: str) -> dict[int, dict]:
+def _tagged(stdout: str, tag: str) -> dict[int, dict]:
+    """Each rank's JSON from its ``[rank]<stdout>:<tag>...`` lines (the last
+    one a rank printed), by rank."""
     out = {}
     for line in stdout.splitlines():
         prefix, _, rest = line.partition("<stdout>:")
-        if rest.startswith("ENV "):
-            out[int(prefix.strip("[]"))] = json.loads(rest[4:])
+        if rest.startswith(tag):
+            out[int(prefix.strip("[]"))] = json.loads(rest[len(tag) :])
     return out
 
 
@@ -337,11 +339,7 @@ def test_two_ranks_train_a_torch_script(tmp_path):
         "[0]<stderr>:tiacc_training: DDP communication through the tiacc engine: "
         "world_size=2 launcher=torchrun" in result.stderr
     )
-    results = {}
-    for line in result.stdout.splitlines():
-        prefix, _, rest = line.partition("<stdout>:")
-        if rest.startswith("RESULT "):
-            results[int(prefix.strip("[]"))] = json.loads(rest[len("RESULT ") :])
+    results = _tagged(result.stdout, "RESULT ")
     assert sorted(results) == [0, 1]
     reference = _reference_weights()
     for rank, got in results.items():
@@ -421,7 +419,7 @@ def test_remote_ranks_over_ssh(tmp_path, fake_ssh):
         cwd=workdir,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    envs = _envs(result.stdout)
+    envs = _tagged(result.stdout, "ENV ")
     assert sorted(envs) == [0, 1, 2]
     port = envs[0]["MASTER_PORT"]
     for rank, seen in envs.items():
@@ -470,7 +468,7 @@ def test_rank_0_on_another_host_hosts_the_store_there(tmp_path, fake_ssh):
         env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    envs = _envs(result.stdout)
+    envs = _tagged(result.stdout, "ENV ")
     assert sorted(envs) == [0, 1]
     for seen in envs.values():
         assert seen["MASTER_ADDR"] == "127.0.0.2"
@@ -633,11 +631,7 @@ def test_horovod_script_and_its_timeline(tmp_path, fake_ssh):
         timeout=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    results = {}
-    for line in result.stdout.splitlines():
-        prefix, _, rest = line.partition("<stdout>:")
-        if rest.startswith("RESULT "):
-            results[int(prefix.strip("[]"))] = json.loads(rest[len("RESULT ") :])
+    results = _tagged(result.stdout, "RESULT ")
     assert sorted(results) == [0, 1]
     inputs = [torch.arange(6, dtype=torch.float32) * (r + 1) for r in range(2)]
     expected_sum = torch.stack(inputs).sum(0)

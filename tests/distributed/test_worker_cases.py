@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 
 import torch
+from _cases import FLAT
 from _launch import describe, run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "gpu" / "_nccl_worker.py"
 CPU = ["--device", "cpu", "--backend", "gloo", "--transport", "tcp", "--steps", "8"]
-FLAT = {"TIACC_TRAINING_ALGORITHM": "flat"}
 
 
 def _params(folder: Path, mode: str, rank: int) -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tools"))
 
-from _launch import WORKER, base_env, free_port  # noqa: E402
+from _launch import WORKER, base_env, free_port, torchrun_variables  # noqa: E402
 
 # Seconds the whole launch of one case may take before its ranks are killed
 # (start-up on a loaded 2-core machine is slow; the bounds that matter are
@@ -75,13 +75,19 @@ def describe(ranks: list[Ran]) -> str:
 
 class Job:
     """Ranks started with torchrun-style variables; output goes to files so
-    a test can watch it while the ranks run."""
+    a test can watch it while the ranks run.
+
+    ``timeout`` is the engine's timeout in seconds, every case's
+    ``TIACC_TRAINING_TIMEOUT`` (as ``str`` writes it); ``env`` adds other
+    variables.
+    """
 
     def __init__(
         self,
         world: int,
         args: list[str],
         out: Path,
+        timeout: float,
         env: dict[str, str] | None = None,
         rank_env: Callable[[int], dict[str, str]] | None = None,
         command: Callable[[int, list[str]], list[str]] | None = None,
@@ -93,17 +99,8 @@ class Job:
         self.procs: list[subprocess.Popen[str]] = []
         out.mkdir(parents=True, exist_ok=True)
         for rank in range(world):
-            variables = base_env(env)
-            variables.update(
-                {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": str(rank % (local_size or world)),
-                    "LOCAL_WORLD_SIZE": str(local_size or world),
-                    "MASTER_ADDR": master_addr,
-                    "MASTER_PORT": str(self.port),
-                }
-            )
+            variables = base_env({"TIACC_TRAINING_TIMEOUT": str(timeout), **(env or {})})
+            variables.update(torchrun_variables(rank, world, self.port, local_size, master_addr))
             variables.update(rank_env(rank) if rank_env else {})
             argv = [sys.executable, str(WORKER), "--out", str(out), *args]
             argv = command(rank, argv) if command else argv

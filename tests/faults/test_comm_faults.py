@@ -49,6 +49,30 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], wha
         assert torch.equal(a[name], b[name]), f"{what}: {name} differs"
 
 
+def failed_with(ranks: list[Ran], error: str, which: list[Ran] | None = None) -> list[Ran]:
+    """The ranks of ``which`` (every one of ``ranks`` where ``None``), each
+    checked to have exited 3 with a ``WORKER_ERROR`` of type ``error``;
+    fails showing every rank's output."""
+    chosen = ranks if which is None else which
+    for r in chosen:
+        assert r.returncode == 3, describe(ranks)
+        assert error_type(r) == error, describe(ranks)
+    return chosen
+
+
+def assert_timely_and_clean(
+    case: str, ranks: list[Ran], fault_rank: int, timeout: float, outcome: str
+) -> None:
+    """Every rank that could report an error did so within ``timeout`` +
+    ``SLACK`` of ``fault_rank``'s fault (each time printed as a
+    ``TIME_TO_ERROR`` line); then ``outcome`` is reported for ``case`` and
+    no process or socket of the job may be left."""
+    times = time_to_error(case, ranks, fault_rank=fault_rank)
+    assert all(0 <= t < timeout + SLACK for t in times), times
+    report(case, outcome=outcome)
+    assert_nothing_left(ranks)
+
+
 def test_a_rank_killed_in_the_middle_of_an_allreduce_is_named_with_its_host(
     tmp_path: Path,
 ) -> None:
@@ -58,18 +82,19 @@ def test_a_rank_killed_in_the_middle_of_an_allreduce_is_named_with_its_host(
         ["--modes", "tiacc", "--steps", "8", "--fault", "kill", "--fault-rank", "2"]
         + ["--width", "512", "--bucket-cap-mb", "1"],
         tmp_path,
-        env={"TIACC_TRAINING_TIMEOUT": str(timeout)},
+        timeout,
     )
     ranks = job.finish()
     assert ranks[2].returncode == -signal.SIGKILL, describe(ranks)
-    for r in ranks[:2]:
-        assert r.returncode == 3, describe(ranks)
-        assert error_type(r) == "CommError", describe(ranks)
+    for r in failed_with(ranks, "CommError", ranks[:2]):
         assert "rank 2 at 127.0.0.1" in r.error, describe(ranks)
-    times = time_to_error("kill9_mid_allreduce", ranks, fault_rank=2)
-    assert all(0 <= t < timeout + SLACK for t in times), times
-    report("kill9_mid_allreduce", outcome="CommError naming rank 2 at its host, on both others")
-    assert_nothing_left(ranks)
+    assert_timely_and_clean(
+        "kill9_mid_allreduce",
+        ranks,
+        2,
+        timeout,
+        "CommError naming rank 2 at its host, on both others",
+    )
 
 
 def test_a_stopped_rank_times_out_naming_it_and_where_everyone_was(tmp_path: Path) -> None:
@@ -81,14 +106,12 @@ def test_a_stopped_rank_times_out_naming_it_and_where_everyone_was(tmp_path: Pat
         ["--modes", "tiacc", "--steps", "8", "--fault", "stop", "--fault-rank", "1"]
         + ["--step-sleep", "0.3"],
         tmp_path,
-        env={"TIACC_TRAINING_TIMEOUT": str(timeout)},
+        timeout,
     )
     job.wait_for(1, "FAULT_AT")
     # The stopped rank stays stopped until the others are done; then it is killed.
     ranks = job.finish(kill=(1,))
-    for r in (ranks[0], ranks[2]):
-        assert r.returncode == 3, describe(ranks)
-        assert error_type(r) == "CommTimeoutError", describe(ranks)
+    for r in failed_with(ranks, "CommTimeoutError", [ranks[0], ranks[2]]):
         # Hang attribution: rank 1 never reached the bucket the others wait
         # in (steps count from 1, the fault is at the 4th).
         assert mentions(r.error, r"had not reached bucket \d+ of step 4: rank 1 \("), r.error
@@ -96,39 +119,33 @@ def test_a_stopped_rank_times_out_naming_it_and_where_everyone_was(tmp_path: Pat
         # step it reached): one of the steps before the stop.
         assert mentions(r.error, r"rank 1 \(last submitted bucket \d+ of step [123], "), r.error
         assert mentions(r.error, r"ranks? [02](, [02])? had reached it"), r.error
-    times = time_to_error("sigstop", ranks, fault_rank=1)
-    assert all(0 <= t < timeout + SLACK for t in times), times
-    report("sigstop", outcome="CommTimeoutError on both others, naming rank 1 as not at the bucket")
-    assert_nothing_left(ranks)
+    assert_timely_and_clean(
+        "sigstop",
+        ranks,
+        1,
+        timeout,
+        "CommTimeoutError on both others, naming rank 1 as not at the bucket",
+    )
 
 
 def test_mismatched_bucket_layouts_raise_instead_of_mixing_gradients(tmp_path: Path) -> None:
     timeout = 20.0
-    job = Job(
-        2,
-        ["--modes", "tiacc", "--fault", "layout", "--fault-rank", "1"],
-        tmp_path,
-        env={"TIACC_TRAINING_TIMEOUT": str(timeout)},
-    )
+    job = Job(2, ["--modes", "tiacc", "--fault", "layout", "--fault-rank", "1"], tmp_path, timeout)
     ranks = job.finish()
-    for r in ranks:
-        assert r.returncode == 3, describe(ranks)
-        assert error_type(r) == "CommError", describe(ranks)
+    for r in failed_with(ranks, "CommError"):
         assert "ranks disagree on the next collective" in r.error, describe(ranks)
         assert "rank 1 issued" in r.error, describe(ranks)
-    times = time_to_error("bucket_layout_mismatch", ranks, fault_rank=1)
-    assert all(0 <= t < timeout + SLACK for t in times), times
-    report("bucket_layout_mismatch", outcome="CommError on both, naming the rank and both layouts")
-    assert_nothing_left(ranks)
+    assert_timely_and_clean(
+        "bucket_layout_mismatch",
+        ranks,
+        1,
+        timeout,
+        "CommError on both, naming the rank and both layouts",
+    )
 
 
 def test_strangers_on_an_engine_port_are_refused_and_logged(tmp_path: Path) -> None:
-    job = Job(
-        2,
-        ["--steps", "3", "--fault", "strangers"],
-        tmp_path,
-        env={"TIACC_TRAINING_TIMEOUT": "60"},
-    )
+    job = Job(2, ["--steps", "3", "--fault", "strangers"], tmp_path, 60)
     ranks = job.finish()
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     refused = {
@@ -164,13 +181,11 @@ def test_a_rank_with_a_different_setting_is_a_config_error_on_every_rank(
         3,
         ["--modes", "tiacc", "--steps", "3"],
         tmp_path,
-        env={"TIACC_TRAINING_TIMEOUT": "60"},
+        60,
         rank_env=lambda rank: {variable: value} if rank == 1 else {},
     )
     ranks = job.finish()
-    for r in ranks:
-        assert r.returncode == 3, describe(ranks)
-        assert error_type(r) == "ConfigError", describe(ranks)
+    for r in failed_with(ranks, "ConfigError"):
         assert r.error.startswith(f"ConfigError: {variable}="), r.error
         assert f"ranks 0, 2 have {default} (the default)" in r.error, r.error
         assert f"rank 1 has {value} (set by {variable})" in r.error, r.error
@@ -185,7 +200,8 @@ def test_a_clearly_slower_rank_is_logged_on_rank_0(tmp_path: Path) -> None:
         ["--modes", "tiacc", "--steps", "13", "--fault", "slow", "--fault-rank", "2"]
         + ["--slow-seconds", "0.15"],
         tmp_path,
-        env={"TIACC_TRAINING_TIMEOUT": "60", "PERSEUS_PERF_CHECK_N_STEPS": "4"},
+        60,
+        env={"PERSEUS_PERF_CHECK_N_STEPS": "4"},
     )
     ranks = job.finish()
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
@@ -212,7 +228,7 @@ def _cluster_job(nodes: tuple[object, ...], out: Path, args: list[str], timeout:
         2,
         args,
         out,
-        env={"TIACC_TRAINING_TIMEOUT": str(timeout)},
+        timeout,
         rank_env=rank_env,
         command=lambda rank, argv: in_namespace(nodes[rank], argv),
         master_addr=nodes[0].address,  # type: ignore[attr-defined]
@@ -228,7 +244,7 @@ def test_packet_loss_and_delay_between_nodes_give_identical_results(tmp_path: Pa
     require_netem()
     args = ["--modes", "tiacc", "--steps", "6", "--bucket-cap-mb", "0.05"]
     # The same job on loopback: the reference, and the time without faults.
-    clean = Job(2, args, tmp_path / "clean", env={"TIACC_TRAINING_TIMEOUT": "60"}).finish()
+    clean = Job(2, args, tmp_path / "clean", 60).finish()
     assert all(r.returncode == 0 for r in clean), describe(clean)
     with two_nodes() as nodes:
         for node in nodes:

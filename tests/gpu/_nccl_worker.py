@@ -46,15 +46,7 @@ from torch import nn
 import tiacc_training.torch.distributed as tdist
 from tests._cases import run_cases
 from tests._launch import exit_failed
-
-
-def build_model(width: int) -> nn.Module:
-    torch.manual_seed(1234)
-    layers: list[nn.Module] = [nn.Linear(32, width), nn.ReLU()]
-    for _ in range(6):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, 10))
-    return nn.Sequential(*layers)
+from tests.distributed.ddp_worker import build_model
 
 
 def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, float, float, str]:
@@ -80,7 +72,7 @@ def train(args: argparse.Namespace, out: Path, channels: int) -> tuple[str, floa
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    model = build_model(args.width).to(device)
+    model = build_model(args.width, hidden=6).to(device)
     ddp = nn.parallel.DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cases import FLAT, TOP_K, TOP_K_DGC
 from _gpu_env import ranks_env
 from _launch import case_lines, case_report, describe, run_ranks
 
@@ -39,10 +40,9 @@ TESTS = Path(__file__).resolve().parents[1]
 DDP_WORKER = Path(__file__).resolve().parent / "_nccl_worker.py"
 DEVICE_WORKER = TESTS / "distributed" / "device_engine_worker.py"
 
-# Flat variants force flat: on 2 x 2 ranks auto times flat against 2D at
-# start-up (the host engine and NCCL each on their own) and may take either;
-# the "auto" variant checks that path.
-FLAT = {"TIACC_TRAINING_ALGORITHM": "flat"}
+# Flat variants force flat (FLAT): on 2 x 2 ranks auto times flat against 2D
+# at start-up (the host engine and NCCL each on their own) and may take
+# either; the "auto" variant checks that path.
 ALGORITHMS = {
     "auto": {"TIACC_TRAINING_ALGORITHM": "auto"},
     "flat": FLAT,
@@ -54,27 +54,14 @@ ALGORITHMS = {
         "TIACC_TRAINING_COMPRESSION": "fp16",
         "TIACC_TRAINING_COMPRESSION_SCOPE": "inter",
     },
-    "topk": {
-        **FLAT,
-        "LIGHT_TOPK_ALLREDUCE": "1",
-        "LIGHT_TOPK_RATIO": "0.05",
-        "LIGHT_TOPK_THRESHOLD": "0",
-    },
+    "topk": TOP_K,
     "topk-2d-fp16-values": {
         "LIGHT_TOPK_ALLREDUCE": "1",
         "LIGHT_TOPK_THRESHOLD": "0",
         "LIGHT_TOPK_FP16": "1",
         "LIGHT_2D_ALLREDUCE": "1",
     },
-    "topk-dgc": {
-        **FLAT,
-        "LIGHT_TOPK_ALLREDUCE": "1",
-        "LIGHT_TOPK_RATIO": "0.05",
-        "LIGHT_TOPK_THRESHOLD": "0",
-        "TIACC_TRAINING_TOPK_MOMENTUM": "0.9",
-        "TIACC_TRAINING_TOPK_WARMUP_STEPS": "2",
-        "TIACC_TRAINING_TOPK_CLIP_NORM": "20",
-    },
+    "topk-dgc": TOP_K_DGC,
 }
 
 

@@ -66,6 +66,15 @@ def cpu_engine(config: Any, rank: int = 0) -> Any:
     return engine
 
 
+def current_cpu_engine(config: Any, ran: int) -> Any:
+    """A CPU engine (rank 0 of 1) that allreduced every bucket of steps 0 to
+    ``ran``, set as the job's current engine (``state.engine``)."""
+    engine = cpu_engine(config)
+    steps(engine, 0, ran)
+    state.engine = engine
+    return engine
+
+
 def device_engine(config: Any) -> Any:
     kernels = TorchKernels(torch.device("cpu"))
     engine = _engine.DeviceEngine(config, 0, 1, kernels, "tcp", host="127.0.0.1")
@@ -141,9 +150,7 @@ def test_fresh_engines_continue_bit_for_bit_from_a_saved_state(
 def test_a_state_loaded_before_its_engine_is_held_then_applied(
     config: Any, clean_state: None
 ) -> None:
-    first = cpu_engine(config)
-    steps(first, 0, 2)
-    state.engine = first
+    first = current_cpu_engine(config, ran=2)
     saved = saved_and_loaded(tdist.state_dict())
     first.shutdown()
     state.engine = None
@@ -168,9 +175,7 @@ def test_a_state_loaded_before_its_engine_is_held_then_applied(
 def test_loading_replaces_an_engine_s_state_and_an_empty_state_resets_it(
     config: Any, clean_state: None
 ) -> None:
-    engine = cpu_engine(config)
-    steps(engine, 0, 2)
-    state.engine = engine
+    engine = current_cpu_engine(config, ran=2)
     empty = {"format": 1, "rank": 0, "world_size": 1, "engines": {}}
     tdist.load_state_dict(empty)
     assert engine.state()["buckets"] == {}
@@ -306,9 +311,7 @@ def test_an_engine_built_later_checks_the_rank_and_the_fit(config: Any, clean_st
     assert "rank: expected rank 0 (this engine's), found rank 1" in str(caught.value)
     assert caught.value.key == "rank"
     # A bucket whose buffers do not go together, and a setting of another value.
-    first = cpu_engine(config)
-    steps(first, 0, 1)
-    state.engine = first
+    first = current_cpu_engine(config, ran=1)
     saved = tdist.state_dict()
     bucket = saved["engines"]["cpu"]["buckets"][1]
     bucket["velocity"] = bucket["velocity"][:-1]

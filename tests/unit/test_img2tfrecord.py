@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.conftest import REPO, run_tool, write_image
+from tests.conftest import REPO, coco_instances, run_tool, write_image
 from tiacc_training import tfrecord
 from tiacc_training.tools import general_image_list as gil
 from tiacc_training.tools import img2tfrecord
@@ -251,24 +251,20 @@ def coco_fixture(tmp_path: Path) -> tuple[Path, Path, dict]:
     write_image(folder / "000000000009.jpg", 40, 30, 1)
     write_image(folder / "000000000025.jpg", 20, 50, 2)
     write_image(folder / "000000000030.png", 16, 16, 3, fmt="PNG")
-    data = {
-        "images": [
-            {"id": 25, "file_name": "000000000025.jpg", "width": 20, "height": 50},
-            {"id": 9, "file_name": "000000000009.jpg", "width": 40, "height": 30},
-            {"id": 30, "file_name": "000000000030.png", "width": 16, "height": 16},
+    data = coco_instances(
+        [
+            (25, "000000000025.jpg", 20, 50),
+            (9, "000000000009.jpg", 40, 30),
+            (30, "000000000030.png", 16, 16),
         ],
-        "annotations": [
-            {"id": 1, "image_id": 9, "category_id": 3, "bbox": [4, 3, 20, 15], "area": 300,
-             "iscrowd": 0},
-            {"id": 2, "image_id": 9, "category_id": 1, "bbox": [0, 0, 0, 5], "area": 0,
-             "iscrowd": 0},
-            {"id": 3, "image_id": 25, "category_id": 1, "bbox": [10, 40, 15, 20], "area": 300,
-             "iscrowd": 1},
-            {"id": 4, "image_id": 25, "category_id": 3, "bbox": [1, 1, 5, -2], "area": 0,
-             "iscrowd": 0},
+        [
+            (1, 9, 3, [4, 3, 20, 15], 300, 0),
+            (2, 9, 1, [0, 0, 0, 5], 0, 0),
+            (3, 25, 1, [10, 40, 15, 20], 300, 1),
+            (4, 25, 3, [1, 1, 5, -2], 0, 0),
         ],
-        "categories": [{"id": 1, "name": "person"}, {"id": 3, "name": "car"}],
-    }  # fmt: skip
+        {1: "person", 3: "car"},
+    )
     ann = tmp_path / "instances_val.json"
     ann.write_text(json.dumps(data))
     return folder, ann, data

@@ -23,6 +23,14 @@ def verify(path: Path, *extra: str):
     return run_tool("tfrecord_verify", str(path), *extra)
 
 
+def assert_rejected(path: Path, *problems: str) -> None:
+    """``tfrecord_verify path`` exits 1 and its standard error names each of ``problems``."""
+    result = verify(path)
+    assert result.returncode == 1, result.stderr
+    for problem in problems:
+        assert problem in result.stderr, result.stderr
+
+
 def test_good_dataset_directory_index_and_shard(dataset):
     for target in [dataset, dataset / "ds.index", dataset / "ds-00001.tfrecord"]:
         result = verify(target)
@@ -38,18 +46,15 @@ def test_payload_corruption_reports_shard_and_offset(dataset):
     data[offsets[2] + 20] ^= 0xFF
     shard.write_bytes(bytes(data))
     for target in [dataset, dataset / "ds.index", shard]:
-        result = verify(target)
-        assert result.returncode == 1
-        assert f"{shard}: corrupt record at offset {offsets[2]}: payload CRC mismatch" in (
-            result.stderr
+        assert_rejected(
+            target, f"{shard}: corrupt record at offset {offsets[2]}: payload CRC mismatch"
         )
 
 
 def test_truncated_shard(dataset):
     shard = dataset / "ds-00002.tfrecord"
     shard.write_bytes(shard.read_bytes()[:-3])
-    result = verify(dataset)
-    assert result.returncode == 1 and "ds-00002.tfrecord: corrupt record at offset" in result.stderr
+    assert_rejected(dataset, "ds-00002.tfrecord: corrupt record at offset")
 
 
 def test_index_line_not_at_record_boundary(dataset):
@@ -58,38 +63,31 @@ def test_index_line_not_at_record_boundary(dataset):
     name, shard, offset, label = lines[5].split("\t")
     lines[5] = "\t".join([name, shard, str(int(offset) + 3), label])
     index.write_text("\n".join(lines) + "\n")
-    result = verify(index)
-    assert result.returncode == 1
-    assert "ds.index:6:" in result.stderr and "not a record boundary" in result.stderr
+    assert_rejected(index, "ds.index:6:", "not a record boundary")
 
 
 def test_index_line_past_end_of_shard(dataset):
     index = dataset / "ds.index"
     index.write_text(index.read_text() + "ds-00000.tfrecord\t0\t999999\t0\n")
-    result = verify(index)
-    assert result.returncode == 1
-    assert "ds.index:11:" in result.stderr and "past the end" in result.stderr
+    assert_rejected(index, "ds.index:11:", "past the end")
 
 
 def test_malformed_index_line(dataset):
     index = dataset / "ds.index"
     index.write_text(index.read_text() + "garbage line\n")
-    result = verify(dataset)
-    assert result.returncode == 1 and "ds.index:11:" in result.stderr
+    assert_rejected(dataset, "ds.index:11:")
 
 
 def test_bad_dali_idx(dataset):
     (dataset / "ds-00000.tfrecord.idx").write_text("0 5\n")
-    result = verify(dataset / "ds-00000.tfrecord")
-    assert result.returncode == 1 and "ds-00000.tfrecord.idx:1:" in result.stderr
+    assert_rejected(dataset / "ds-00000.tfrecord", "ds-00000.tfrecord.idx:1:")
 
 
 def test_malformed_example_and_opt_out(tmp_path):
     path = tmp_path / "raw.tfrecord"
     with tfrecord.TFRecordWriter(path) as w:
         w.write(b"\x0a\x05\x01")
-    result = verify(path)
-    assert result.returncode == 1 and "malformed tf.train.Example" in result.stderr
+    assert_rejected(path, "malformed tf.train.Example")
     assert verify(path, "--no-check-examples").returncode == 0
 
 
