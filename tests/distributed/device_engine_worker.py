@@ -371,9 +371,7 @@ def check_case(
                 "tcp",
                 board=_rendezvous.FailureBoard(store, prefix),
                 local_size=launch["local_size"],
-                local_rank=launch["local_rank"],
-                store=store,
-                prefix=prefix,
+                intra_size=_rendezvous.node_intra_size(config, launch, store, prefix, rank, world),
                 host="127.0.0.1",
             )
             device.connect_store(store, prefix, config.timeout)
