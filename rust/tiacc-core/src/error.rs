@@ -133,6 +133,36 @@ pub enum Error {
         expected: String,
         found: String,
     },
+
+    /// A collective called by a name, reduction or buffer its engine does
+    /// not take ([`crate::comm::collective`]).
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+}
+
+/// What is wrong with a collective's call ([`crate::comm::collective`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CollectiveError {
+    /// A name the engine does not run; `expected` lists those it does.
+    #[error("unknown collective {name:?}: expected {expected}")]
+    Unknown { name: String, expected: String },
+    /// A reduction other than sum or avg on the device engine.
+    #[error("the device engine reduces with sum or avg, not {0:?}")]
+    DeviceReduce(String),
+    /// A broadcast's root that is not one of the ranks.
+    #[error("root {root} is not a rank of a group of {size}")]
+    NotARank { root: usize, size: usize },
+    /// A buffer that does not hold one equal block per rank.
+    #[error("{collective}: {elements} {dtype} elements do not split into {size} equal blocks")]
+    UnequalBlocks {
+        collective: &'static str,
+        elements: usize,
+        dtype: &'static str,
+        size: usize,
+    },
+    /// An average of an element type that has none (bool).
+    #[error("allreduce: an average of {dtype} elements has no meaning")]
+    NoAverage { dtype: &'static str },
 }
 
 /// What exactly is wrong with a corrupt record.

@@ -286,7 +286,9 @@ pub fn to_pyerr(err: Error) -> PyErr {
                     ("index", any(py, *index)),
                 ],
             ),
-            Error::InvalidArgument(_) => (PyValueError::new_err(message), vec![]),
+            Error::InvalidArgument(_) | Error::Collective(_) => {
+                (PyValueError::new_err(message), vec![])
+            }
             Error::Config { variable, .. } => (
                 ConfigError::new_err(message),
                 vec![("variable", any(py, variable.as_str()))],

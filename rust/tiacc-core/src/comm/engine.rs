@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use super::algo::{AlgoSettings, Algorithm, Bucket};
 use super::backend::Backend;
 use super::codec::Compression;
+use super::collective::{check_average, Collective};
 use super::counters::{wire_of, wire_since, Counters, Path};
 use super::dtype::{DType, ReduceOp};
 use super::failure::{FailureBoard, Failures};
@@ -34,7 +35,7 @@ use super::progress::{self, Position, Progress, Recorder};
 use super::sharded::{self, ReduceScatterPlan};
 use super::state::{self, BucketState, EngineState};
 use super::timeline::{self, Args};
-use super::transport::{Deadline, OpKind, OpTag, Reduction, Transport};
+use super::transport::{Deadline, OpTag, Reduction, Transport};
 use super::turns::LinkTurns;
 use crate::error::{Error, Result};
 
@@ -75,55 +76,6 @@ impl RawBuf {
         }
         // SAFETY: `RawBuf::new`'s contract: valid, exclusive, `len` bytes.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-/// What a job does with its buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Collective {
-    /// Sum over ranks; divide by the world size first when `average`
-    /// (DDP's gradient averaging, done before the sum so half types
-    /// cannot overflow).
-    Allreduce { average: bool },
-    /// Copy `root`'s buffer to every rank.
-    Broadcast { root: usize },
-    /// Wait for every rank (the buffer is ignored).
-    Barrier,
-    /// torch.distributed's allreduce: `op` over the world transport alone
-    /// (no compression, Top-K or 2D: exact results), in the ring's order;
-    /// with `mean`, the sum is then divided by the world size (integers
-    /// round the quotient toward zero).
-    AllreduceOp { op: ReduceOp, mean: bool },
-    /// Reduce with `op` into this rank's equal shard of the buffer (the
-    /// rest is scratch): torch's reduce-scatter when the buffer holds one
-    /// block per rank. With `mean`, this rank's shard is then divided by
-    /// the world size, as `AllreduceOp`'s is.
-    ReduceScatter { op: ReduceOp, mean: bool },
-    /// Every rank's equal shard of the buffer to every rank.
-    Allgather,
-    /// Block `j` of every rank's buffer to rank `j` (equal blocks).
-    AllToAll,
-}
-
-impl Collective {
-    fn kind(self) -> OpKind {
-        match self {
-            Collective::Allreduce { .. } | Collective::AllreduceOp { .. } => OpKind::Allreduce,
-            Collective::Broadcast { .. } => OpKind::Broadcast,
-            Collective::Barrier => OpKind::Barrier,
-            Collective::ReduceScatter { .. } => OpKind::ReduceScatter,
-            Collective::Allgather => OpKind::Allgather,
-            Collective::AllToAll => OpKind::AllToAll,
-        }
-    }
-
-    /// The reduction, for collectives that reduce.
-    fn reduce_op(self) -> Option<ReduceOp> {
-        match self {
-            Collective::Allreduce { .. } => Some(ReduceOp::Sum),
-            Collective::AllreduceOp { op, .. } | Collective::ReduceScatter { op, .. } => Some(op),
-            _ => None,
-        }
     }
 }
 
@@ -654,15 +606,12 @@ fn run_job(
     };
     let before = wire_of(backend);
     let sharded_plan = sharded_plan(&job.op, algorithm, backend.hierarchical(), dtype, size);
-    let result = if matches!(
+    let mean = matches!(
         job.op,
         Collective::AllreduceOp { mean: true, .. } | Collective::ReduceScatter { mean: true, .. }
-    ) && !dtype.averages()
-    {
-        Err(Error::InvalidArgument(format!(
-            "an average of {} elements has no meaning",
-            dtype.name()
-        )))
+    );
+    let result = if let Err(e) = check_average(mean, dtype) {
+        Err(e)
     } else if typed && buf.len() % dtype.size() != 0 {
         Err(Error::InvalidArgument(format!(
             "bucket {}: {} bytes is not a whole number of {} elements",

@@ -15,6 +15,7 @@ pub mod algo;
 pub mod auto;
 pub mod backend;
 pub mod codec;
+pub mod collective;
 pub mod counters;
 pub mod device;
 pub mod dtype;
@@ -38,9 +39,12 @@ pub mod turns;
 
 pub use algo::{AlgoSettings, Algorithm, Bucket, Layout};
 pub use backend::{Backend, GroupId, Mem, Shards};
+pub use collective::{
+    Collective, CollectiveCall, CollectiveName, DeviceCollective, Reduce, Runner,
+};
 pub use counters::{CounterRow, Counters, Path};
 pub use dtype::{DType, ReduceOp};
-pub use engine::{Collective, Completion, Engine, Job, RawBuf};
+pub use engine::{Completion, Engine, Job, RawBuf};
 pub use failure::{FailureBoard, Failures};
 pub use mapping::SharedBytes;
 pub use state::{BucketState, EngineState};

@@ -5,9 +5,10 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::algo::AlgoSettings;
+use super::collective::Collective;
 use super::dtype::tests::{decode, encode};
 use super::dtype::{shard_range, DType, ReduceOp};
-use super::engine::{Collective, Engine};
+use super::engine::Engine;
 use super::host::Groups;
 use super::tcp::{random_token, RingListener, TcpRing};
 use super::transport::{Deadline, OpKind, OpTag, Reduction, Transport};

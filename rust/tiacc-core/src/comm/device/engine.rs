@@ -25,6 +25,7 @@ use crate::comm::algo::{AlgoSettings, Algorithm, Bucket, Layout};
 use crate::comm::auto::{self, Probe};
 use crate::comm::backend::{Backend, GroupId, GroupSum, Shards};
 use crate::comm::codec::Compression;
+use crate::comm::collective::DeviceCollective;
 use crate::comm::counters::{wire_of, wire_since, Counters, Path};
 use crate::comm::dtype::DType;
 use crate::comm::engine::channel_of;
@@ -38,18 +39,6 @@ use crate::comm::sharded;
 use crate::comm::state::{self, EngineState};
 use crate::comm::transport::{Aborter, Deadline, OpKind, OpTag};
 use crate::error::{Error, Result};
-
-/// torch.distributed's collectives the device engine runs
-/// ([`DeviceChannels::collective`]); the rest stay with NCCL.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceCollective {
-    /// A sum over every rank, divided by the world size with `mean`.
-    Allreduce { mean: bool },
-    /// This rank's block of the sum, divided with `mean`.
-    ReduceScatter { mean: bool },
-    /// Every rank's block to every rank.
-    Allgather,
-}
 
 /// How often the watchdog checks a pending bucket.
 pub const WATCH_POLL: Duration = Duration::from_millis(5);

@@ -10,5 +10,5 @@ pub mod engine;
 pub mod kernels;
 
 pub use backend::{Comms, DeviceBackend, NcclGroups, Slot, PROBE_BUCKET};
-pub use engine::{DeviceChannels, DeviceCollective, NcclIds, WATCH_POLL};
+pub use engine::{DeviceChannels, NcclIds, WATCH_POLL};
 pub use kernels::{KernelError, KernelResult, Kernels, Span};
