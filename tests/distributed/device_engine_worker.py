@@ -371,7 +371,9 @@ def check_case(
                 "tcp",
                 board=_rendezvous.FailureBoard(store, prefix),
                 local_size=launch["local_size"],
-                intra_size=_rendezvous.node_intra_size(config, launch, store, prefix, rank, world),
+                local_rank=launch["local_rank"],
+                store=store,
+                prefix=prefix,
                 host="127.0.0.1",
             )
             device.connect_store(store, prefix, config.timeout)

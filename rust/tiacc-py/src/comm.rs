@@ -15,14 +15,13 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use tiacc_core::comm::collective::check_root;
 use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
 use tiacc_core::comm::setup::{self, EngineSetup, TcpSetup};
 use tiacc_core::comm::tcp;
 use tiacc_core::comm::{
-    Collective, CollectiveCall, Completion, Counters, DType, Engine, FailureBoard, Job, Layout,
-    RawBuf, Reduce, Runner, SharedBytes,
+    Collective, Completion, Counters, DType, Engine, FailureBoard, Job, Layout, RawBuf, ReduceOp,
+    SharedBytes,
 };
 use tiacc_core::config;
 
@@ -161,7 +160,9 @@ pub fn collective_dtypes() -> Vec<&'static str> {
 #[pyfunction]
 #[pyo3(text_signature = "() -> list[str]")]
 pub fn collective_ops() -> Vec<&'static str> {
-    Reduce::names()
+    let mut ops: Vec<&'static str> = ReduceOp::ALL.iter().map(|op| op.name()).collect();
+    ops.push("avg");
+    ops
 }
 
 /// The job's failure board, a Python object with `publish(message) -> str |
@@ -316,6 +317,13 @@ macro_rules! engine_getters {
                 self.setup().auto_choice().map(str::to_string)
             }
 
+            /// Optional[str]: The line rank 0 logs when a group (`group=True`)
+            /// runs flat because its ranks do not form whole nodes, else `None`.
+            #[getter]
+            fn layout_note(&self) -> Option<String> {
+                self.setup().layout_note().map(str::to_string)
+            }
+
             /// Optional[tuple[list[int], list[int]]]: World ranks of this rank's
             /// node and of its inter-node group, when the 2D groups are connected.
             #[getter]
@@ -371,9 +379,10 @@ impl SharedResult {
 /// One process's communication engine for CPU buckets over TCP.
 ///
 /// Created from the configuration, the rank and world size, the address to
-/// listen on and (with the 2D allreduce) the ranks per node; it listens at
-/// once (`address`). After every rank's address and the job token have been
-/// exchanged, `connect` forms the rings and starts the channel threads.
+/// listen on and (for the 2D groups) the store and prefix under which the
+/// ranks agree their node layout; it listens at once (`address`). After
+/// every rank's address and the job token have been exchanged, `connect`
+/// forms the rings and starts the channel threads.
 #[pyclass(module = "tiacc_training._engine")]
 pub struct CommEngine {
     /// The configuration object it was built from (the `config` getter).
@@ -387,9 +396,13 @@ impl CommEngine {
     /// torch.distributed backend runs its collectives in order on one).
     #[new]
     #[pyo3(
-        signature = (config, rank, size, host, board=None, local_size=None, intra_size=None, channels=None),
+        signature = (
+            config, rank, size, host, board=None, local_size=None, local_rank=None,
+            store=None, prefix=None, group=false, channels=None
+        ),
         text_signature = "(config: CommConfig, rank: int, size: int, host: str, board: Any = None, \
-            local_size: Optional[int] = None, intra_size: Optional[int] = None, \
+            local_size: Optional[int] = None, local_rank: Optional[int] = None, \
+            store: Any = None, prefix: Optional[str] = None, group: bool = False, \
             channels: Optional[int] = None)"
     )]
     #[allow(clippy::too_many_arguments)]
@@ -400,11 +413,26 @@ impl CommEngine {
         host: &str,
         board: Option<Py<PyAny>>,
         local_size: Option<usize>,
-        intra_size: Option<usize>,
+        local_rank: Option<usize>,
+        store: Option<Py<PyAny>>,
+        prefix: Option<&str>,
+        group: bool,
         channels: Option<usize>,
     ) -> PyResult<Self> {
-        let mut engine_setup =
-            EngineSetup::new(&config.get().inner, rank, size, local_size, intra_size).py()?;
+        let placement = setup::Placement {
+            local_size,
+            local_rank,
+        };
+        let mut engine_setup = crate::store::engine_setup(
+            config.py(),
+            &config.get().inner,
+            rank,
+            size,
+            placement,
+            store,
+            prefix,
+            group,
+        )?;
         if let Some(n) = channels {
             engine_setup = engine_setup.with_channels(n).py()?;
         }
@@ -537,11 +565,48 @@ impl CommEngine {
     ) -> PyResult<()> {
         let engine = self.engine()?;
         let dtype = DType::parse(dtype).py()?;
-        let call = CollectiveCall::parse(Runner::Host, collective, reduce).py()?;
+        let (op, mean) = match reduce.trim().to_ascii_lowercase().as_str() {
+            "avg" | "mean" | "average" => (ReduceOp::Sum, true),
+            other => (ReduceOp::parse(other).py()?, false),
+        };
         let size = self.core.setup().size();
-        let op = call.job(root, size).py()?;
+        let op = match collective {
+            "allreduce" => Collective::AllreduceOp { op, mean },
+            "reduce_scatter" => Collective::ReduceScatter { op, mean },
+            "allgather" => Collective::Allgather,
+            "alltoall" => Collective::AllToAll,
+            "broadcast" if root < size => Collective::Broadcast { root },
+            "broadcast" => {
+                return Err(PyValueError::new_err(format!(
+                    "root {root} is not a rank of a group of {size}"
+                )))
+            }
+            "barrier" => Collective::Barrier,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown collective {other:?}: expected allreduce, reduce_scatter, \
+                     allgather, alltoall, broadcast or barrier"
+                )))
+            }
+        };
         check_buffer(ptr, nbytes, Some(dtype))?;
-        call.check(dtype, nbytes, size).py()?;
+        let sharded = matches!(
+            op,
+            Collective::ReduceScatter { .. } | Collective::Allgather | Collective::AllToAll
+        );
+        if sharded && (nbytes / dtype.size()) % size != 0 {
+            return Err(PyValueError::new_err(format!(
+                "{collective}: {} {} elements do not split into {size} equal blocks",
+                nbytes / dtype.size(),
+                dtype.name()
+            )));
+        }
+        if mean && !dtype.averages() {
+            return Err(PyValueError::new_err(format!(
+                "allreduce: an average of {} elements has no meaning",
+                dtype.name()
+            )));
+        }
         let done = completion(tensor, future);
         // SAFETY: the Python shim passes a live tensor's data pointer and
         // byte size; `tensor` is moved into the completion, so its storage
@@ -599,7 +664,12 @@ impl CommEngine {
         root: usize,
         bucket: u64,
     ) -> PyResult<()> {
-        check_root(root, self.core.setup().size()).py()?;
+        let size = self.core.setup().size();
+        if root >= size {
+            return Err(PyValueError::new_err(format!(
+                "root {root} is not a rank of a group of {size}"
+            )));
+        }
         // Bytes travel as-is; the dtype is not used.
         self.run_blocking(
             py,

@@ -252,20 +252,6 @@ impl PyCommConfig {
         self.inner.algorithm.name()
     }
 
-    /// Whether an engine of a `world`-rank job with `local_size` ranks per
-    /// node connects the 2D groups (forced, or for `auto` to measure).
-    #[pyo3(text_signature = "(self, world: int, local_size: Optional[int]) -> bool")]
-    fn two_d_groups(&self, world: usize, local_size: Option<usize>) -> bool {
-        self.inner.two_d_groups(world, local_size)
-    }
-
-    /// Ranks per node for the 2D allreduce: `LIGHT_INTRA_SIZE`, else the
-    /// launcher's `local_size`; `ConfigError` when neither says.
-    #[pyo3(text_signature = "(self, local_size: Optional[int]) -> int")]
-    fn intra_size_for(&self, local_size: Option<usize>) -> PyResult<usize> {
-        self.inner.intra_size_for(local_size).py()
-    }
-
     /// Whether Top-K sparsifies a bucket of `dtype` (`"torch.float32"`,
     /// ...) and `nbytes` bytes under these settings; the others go dense.
     #[pyo3(text_signature = "(self, dtype: str, nbytes: int) -> bool")]

@@ -15,9 +15,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use tiacc_core::comm::backend::{Mem, TopKBlock};
-use tiacc_core::comm::device::{KernelError, KernelResult, Kernels, Slot, Span};
+use tiacc_core::comm::device::{DeviceCollective, KernelError, KernelResult, Kernels, Slot, Span};
 use tiacc_core::comm::setup::{self, DeviceTransport, EngineSetup, TcpSetup};
-use tiacc_core::comm::{CollectiveCall, DType, Runner};
+use tiacc_core::comm::DType;
 use tiacc_core::Error;
 
 use crate::comm::{counters_dict, engine_getters, PyBoard};
@@ -61,17 +61,19 @@ impl DeviceEngine {
     /// `kernels` provides the torch operations (on the tensors' device);
     /// `transport` is `nccl` (CUDA tensors) or `tcp` (CPU tensors, which
     /// needs `host` to listen on); `board` is the job's failure board;
-    /// `intra_size` turns the 2D groups on when the configuration asks for
-    /// them.
+    /// `store` and `prefix` are where the ranks agree the 2D layout when the
+    /// configuration asks for the 2D groups (`group`: a group of the "tiacc"
+    /// backend, which runs flat where its ranks do not form whole nodes).
     #[new]
     #[pyo3(
         signature = (
             config, rank, size, kernels, transport="nccl", board=None,
-            local_size=None, intra_size=None, host=None
+            local_size=None, local_rank=None, store=None, prefix=None, group=false, host=None
         ),
         text_signature = "(config: CommConfig, rank: int, size: int, kernels: Any, \
             transport: str = 'nccl', board: Any = None, local_size: Optional[int] = None, \
-            intra_size: Optional[int] = None, host: Optional[str] = None)"
+            local_rank: Optional[int] = None, store: Any = None, prefix: Optional[str] = None, \
+            group: bool = False, host: Optional[str] = None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -82,20 +84,40 @@ impl DeviceEngine {
         transport: &str,
         board: Option<Py<PyAny>>,
         local_size: Option<usize>,
-        intra_size: Option<usize>,
+        local_rank: Option<usize>,
+        store: Option<Py<PyAny>>,
+        prefix: Option<&str>,
+        group: bool,
         host: Option<&str>,
     ) -> PyResult<Self> {
         let py = config.py();
-        let engine_setup =
-            EngineSetup::new(&config.get().inner, rank, size, local_size, intra_size).py()?;
-        // The tensors' device type (`cpu`, `cuda`): the core decides what
-        // each transport takes.
-        let device: String = kernels
-            .bind(py)
-            .getattr("device")?
-            .getattr("type")?
-            .extract()?;
-        let transport = DeviceTransport::parse_for(transport, host, &device).py()?;
+        let placement = setup::Placement {
+            local_size,
+            local_rank,
+        };
+        let engine_setup = crate::store::engine_setup(
+            py,
+            &config.get().inner,
+            rank,
+            size,
+            placement,
+            store,
+            prefix,
+            group,
+        )?;
+        let transport = DeviceTransport::parse(transport, host).py()?;
+        if let DeviceTransport::Tcp { .. } = transport {
+            // TCP collectives read and write the tensors' memory from the
+            // host: only CPU tensors qualify.
+            let device = kernels.bind(py).getattr("device")?;
+            let kind: String = device.getattr("type")?.extract()?;
+            if kind != "cpu" {
+                return Err(PyValueError::new_err(format!(
+                    "transport 'tcp' runs on CPU tensors, but the kernels are on {kind}; \
+                     CUDA tensors go over TCP through host staging"
+                )));
+            }
+        }
         let core = setup::DeviceEngine::new(engine_setup, transport, PyBoard::wrap(board)).py()?;
         Ok(DeviceEngine {
             config: config.unbind(),
@@ -212,11 +234,33 @@ impl DeviceEngine {
         stream: usize,
     ) -> PyResult<()> {
         let dtype = DType::parse(dtype).py()?;
-        let call = CollectiveCall::parse(Runner::Device, collective, reduce).py()?;
-        let op = call.device().py()?;
+        let mean = match reduce.trim().to_ascii_lowercase().as_str() {
+            "sum" => false,
+            "avg" | "mean" | "average" => true,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "the device engine reduces with sum or avg, not {other:?}"
+                )))
+            }
+        };
+        let op = match collective {
+            "allreduce" => DeviceCollective::Allreduce { mean },
+            "reduce_scatter" => DeviceCollective::ReduceScatter { mean },
+            "allgather" => DeviceCollective::Allgather,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown collective {other:?}: expected allreduce, reduce_scatter or allgather"
+                )))
+            }
+        };
         let mem = tensor_mem(&buf)?;
-        call.check(dtype, mem.bytes, self.core.setup().size())
-            .py()?;
+        let size = self.core.setup().size();
+        if op != (DeviceCollective::Allreduce { mean }) && (mem.bytes / dtype.size()) % size != 0 {
+            return Err(PyValueError::new_err(format!(
+                "{collective}: {} elements do not split into {size} equal blocks",
+                mem.bytes / dtype.size()
+            )));
+        }
         let ops = torch_ops(py, &self.kernels);
         let slot = Slot {
             buffer: buf.unbind(),

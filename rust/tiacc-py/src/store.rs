@@ -7,10 +7,12 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+use tiacc_core::comm::setup::{EngineSetup, Placement, Scope};
 use tiacc_core::comm::{Rendezvous, Store};
+use tiacc_core::config::CommConfig;
 use tiacc_core::Error;
 
-use crate::errors::to_pyerr;
+use crate::errors::{to_pyerr, ResultExt};
 use crate::nccl::seconds;
 
 /// A c10d store (`set`, `get`, `wait`, `check`), called with the interpreter
@@ -121,6 +123,38 @@ impl Store for PyStore {
                 .unwrap_or(false)
         })
     }
+}
+
+/// An engine's set-up for `rank` of `size`, the 2D layout agreed with the
+/// other ranks through `store` (a c10d store) under `prefix`, waiting at
+/// most the configuration's timeout (GIL released while the store waits);
+/// `group`: for a group of the "tiacc" backend. Without `store`, no 2D
+/// groups.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn engine_setup(
+    py: Python<'_>,
+    config: &CommConfig,
+    rank: usize,
+    size: usize,
+    placement: Placement,
+    store: Option<Py<PyAny>>,
+    prefix: Option<&str>,
+    group: bool,
+) -> PyResult<EngineSetup> {
+    let (store, prefix) = match (store, prefix) {
+        (None, _) => return EngineSetup::new(config, rank, size, placement, None).py(),
+        (Some(store), Some(prefix)) => (store, prefix),
+        (Some(_), None) => {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "a store needs the prefix of its keys",
+            ))
+        }
+    };
+    let scope = if group { Scope::Group } else { Scope::World };
+    let timeout = config.timeout.as_secs_f64();
+    PyStore::through(py, store, prefix, rank, timeout, |rendezvous| {
+        py.detach(|| EngineSetup::new(config, rank, size, placement, Some((rendezvous, scope))))
+    })
 }
 
 /// Waits for `keys` in `store` (`owners[i]` publishes `keys[i]`), at most

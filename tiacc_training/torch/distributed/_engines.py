@@ -15,18 +15,11 @@ from typing import Any
 import torch
 
 from tiacc_training import _engine
-from tiacc_training.errors import ConfigError
 
 from ._addresses import advertised_host
 from ._kernels import TorchKernels
 from ._nccl import nccl_search_dirs
-from ._rendezvous import (
-    FailureBoard,
-    board_store,
-    default_store,
-    exchange,
-    node_intra_size,
-)
+from ._rendezvous import FailureBoard, board_store, default_store
 from ._state import logger, state
 
 
@@ -65,13 +58,14 @@ def nccl_engine(
         store: where its rendezvous goes (default: the default group's
             store, under a new prefix).
         prefix: the key prefix of that rendezvous.
-        shared: what :func:`_engine_arguments` gave for that rendezvous.
+        shared: what :func:`engine_arguments` gave for that rendezvous.
     """
     if store is None or prefix is None:
         store, prefix = default_store(), next_prefix("nccl")
     if shared is None:
-        shared = engine_arguments(config, store, prefix, rank, world)
+        shared = engine_arguments(store, prefix)
     engine = _engine.DeviceEngine(config, rank, world, TorchKernels(device), "nccl", **shared)
+    say_layout(engine, rank)
     with torch.cuda.device(device):
         engine.connect_store(
             store,
@@ -105,15 +99,7 @@ def group_engine(
             the device engine on it, over NCCL for a CUDA device, over TCP
             for the CPU (how the tests run the CUDA side's code).
     """
-    # The 2D groups only when every rank of the group asks for them: a rank
-    # alone asking would wait for peers that never join. Settings that
-    # differ are init_tiacc_training's ConfigError, after the group exists.
-    launch = job_launch()
-    mine = "1" if config.two_d_groups(size, launch.get("local_size")) else "0"
-    wanted = exchange(store, f"{prefix}/two-d", rank, size, mine, config.timeout)
-    shared = engine_arguments(
-        config, store, prefix, rank, size, group=True, two_d=all(w == "1" for w in wanted)
-    )
+    shared = engine_arguments(store, prefix, group=True)
     if device is not None and torch.device(device).type == "cuda":
         return nccl_engine(config, torch.device(device), rank, size, store, prefix, shared)
     host = advertised_host(config, store)
@@ -122,40 +108,36 @@ def group_engine(
     else:
         kernels = TorchKernels(torch.device(device))
         engine = _engine.DeviceEngine(config, rank, size, kernels, "tcp", host=host, **shared)
+    say_layout(engine, rank)
     engine.connect_store(store, "tiacc", max(config.timeout, 60.0))
     return engine
 
 
-def engine_arguments(
-    config: Any,
-    store: Any,
-    prefix: str,
-    rank: int,
-    world: int,
-    group: bool = False,
-    two_d: bool = True,
-) -> dict[str, Any]:
+def engine_arguments(store: Any, prefix: str, group: bool = False) -> dict[str, Any]:
     """What every engine is built with, besides its own.
 
-    Its failure board (a store client under ``prefix``), the launcher's
-    local size and the ranks per node (a store exchange under ``prefix``,
-    so every rank calls this in the same order). A backend's ``group``
-    whose ranks do not form whole nodes (a subgroup across hosts) runs
-    flat, where the default group's engines raise: every member reaches
-    the same verdict from the same hosts, and rank 0 says why.
+    Its failure board (a store client under ``prefix``), where the launcher
+    put this rank, and the store and prefix under which the engine's
+    constructor agrees the 2D layout with the other ranks (so every rank
+    builds its engines in the same order). A backend's ``group`` whose
+    ranks do not form whole nodes (a subgroup across hosts) runs flat,
+    where the default group's engines raise ``ConfigError``: every member
+    reaches the same verdict from the same hosts, and rank 0 says why
+    (:func:`say_layout`).
     """
     client, address = board_store(store)
     launch = job_launch()
-    try:
-        intra_size = node_intra_size(config, launch, store, prefix, rank, world) if two_d else None
-    except ConfigError as err:
-        if not group:
-            raise
-        if rank == 0:
-            logger.info("  a group of %d ranks runs its collectives flat: %s", world, err)
-        intra_size = None
     return {
         "board": FailureBoard(client, prefix, address),
         "local_size": launch.get("local_size"),
-        "intra_size": intra_size,
+        "local_rank": launch.get("local_rank"),
+        "store": store,
+        "prefix": prefix,
+        "group": group,
     }
+
+
+def say_layout(engine: Any, rank: int) -> None:
+    """Rank 0 logs why a group runs flat where its configuration asked for 2D."""
+    if rank == 0 and engine.layout_note is not None:
+        logger.info("%s", engine.layout_note)

@@ -1,9 +1,10 @@
 """Everything ranks exchange through the default group's c10d store.
 
 TCP addresses and the job token, NCCL unique ids, where every rank runs
-(for the 2D node layout and the one-GPU-per-rank check), and the job's
-failure board. DDP construction is collective, so every rank reaches these
-exchanges in the same order; ``prefix`` keeps successive ones apart.
+(for the one-GPU-per-rank check), and the job's failure board; the 2D node
+layout is agreed by the engines' constructors (the core's rendezvous).
+DDP construction is collective, so every rank reaches these exchanges in
+the same order; ``prefix`` keeps successive ones apart.
 """
 
 from __future__ import annotations
@@ -334,46 +335,3 @@ class FailureBoard:
         except Exception:  # the store may be gone with rank 0, or out of reach
             self.unreachable = True
             return None
-
-
-def node_intra_size(
-    config: Any,
-    launch: dict[str, Any],
-    store: Any,
-    prefix: str,
-    rank: int,
-    world: int,
-) -> int | None:
-    """Ranks per node for the 2D allreduce, checked against every rank's host.
-
-    ``LIGHT_INTRA_SIZE`` if set, else the launcher's local world size. Ranks
-    ``n * size .. (n + 1) * size`` form node ``n``; each rank publishes its
-    host name and local rank, and a node whose ranks are on different hosts
-    (or out of local-rank order) is a ``ConfigError``.
-
-    Args:
-        config: the engine configuration.
-        launch: the launcher's view (``local_size``, ``local_rank``).
-        store: the c10d store the ranks exchange host names through.
-        prefix: the store key prefix of this engine.
-        rank: this rank.
-        world: the number of ranks.
-
-    Returns:
-        The ranks per node, or ``None`` when the engine connects no 2D groups
-        (neither forced nor, under ``TIACC_TRAINING_ALGORITHM=auto``, a job
-        of whole nodes of several ranks for the start-up probe to measure).
-    """
-    if not config.two_d_groups(world, launch.get("local_size")):
-        return None
-    size = config.intra_size_for(launch.get("local_size"))
-    # Every rank can tell a world that does not split into nodes: raise
-    # before the exchange, not while peers wait on it.
-    _engine.node_layout(rank, world, size)
-    mine = json.dumps([socket.gethostname(), launch.get("local_rank")])
-    hosts = [
-        tuple(json.loads(v))
-        for v in exchange(store, f"{prefix}/host", rank, world, mine, config.timeout)
-    ]
-    _engine.node_layout(rank, world, size, hosts)
-    return size

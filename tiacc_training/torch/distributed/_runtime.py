@@ -348,7 +348,7 @@ def world_engine(config: Any) -> Any:
     rank, world = dist.get_rank(), dist.get_world_size()
     store, prefix = default_store(), next_prefix("engine")
     host = advertised_host(config)
-    shared = engine_arguments(config, store, prefix, rank, world)
+    shared = engine_arguments(store, prefix)
     engine = _engine.CommEngine(config, rank, world, host, **shared)
     engine.connect_store(store, prefix, config.timeout)
     if rank == 0:

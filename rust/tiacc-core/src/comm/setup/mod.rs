@@ -5,7 +5,8 @@
 //! training process runs, from the moment they listen to their shutdown:
 //! [`CommEngine`] (CPU buckets on the channel threads of an [`Engine`]) and
 //! [`DeviceEngine`] (buckets in a framework's buffers through
-//! [`DeviceChannels`], over NCCL or TCP).
+//! [`DeviceChannels`], over NCCL or TCP). The 2D layout is agreed through
+//! the rendezvous first ([`layout`]).
 //!
 //! The algorithm is decided here and nowhere else: flat, or 2D when the 2D
 //! groups are connected; under `TIACC_TRAINING_ALGORITHM=auto` the probe
@@ -33,6 +34,10 @@ use super::transport::Deadline;
 use crate::config::{self, AlgorithmChoice, CommConfig};
 use crate::error::{Error, Result};
 
+mod layout;
+
+pub use layout::{host_name, Placement, Scope, TwoD};
+
 /// What every engine is built from: this rank's place in the job, the
 /// configuration, and the algorithm settings derived from them.
 #[derive(Debug, Clone)]
@@ -43,7 +48,7 @@ pub struct EngineSetup {
     num_channels: usize,
     config: CommConfig,
     settings: AlgoSettings,
-    /// The 2D layout, when `intra_size` was given.
+    /// The 2D layout, when the 2D groups connect.
     layout: Option<Layout>,
     /// Whether the job spans nodes (unknown counts as yes).
     spans_nodes: bool,
@@ -51,24 +56,42 @@ pub struct EngineSetup {
     local_size: Option<usize>,
     /// What `TIACC_TRAINING_ALGORITHM=auto` measured and chose, once it ran.
     auto_choice: Option<String>,
+    /// Why a group runs flat where its configuration asked for 2D.
+    layout_note: Option<String>,
 }
 
 impl EngineSetup {
-    /// Checks the rank and derives the settings (`intra_size` turns the 2D
-    /// groups on; `local_size` is the launcher's ranks per node).
+    /// Checks the rank, agrees the 2D layout through `rendezvous` under
+    /// `scope` ([`Rendezvous::two_d_layout`]; without one, no 2D groups)
+    /// and derives the settings (`placement`: where the launcher put this
+    /// rank).
     pub fn new(
         config: &CommConfig,
         rank: usize,
         size: usize,
-        local_size: Option<usize>,
-        intra_size: Option<usize>,
+        placement: Placement,
+        rendezvous: Option<(&Rendezvous<'_>, Scope)>,
     ) -> Result<Self> {
-        if size == 0 || rank >= size {
-            return Err(Error::InvalidArgument(format!(
-                "rank {rank} is not a rank of a group of {size}"
-            )));
-        }
-        let layout = intra_size.map(|n| Layout::new(rank, size, n)).transpose()?;
+        check_rank(rank, size)?;
+        let two_d = match rendezvous {
+            Some((rendezvous, scope)) => rendezvous.two_d_layout(config, size, placement, scope)?,
+            None => TwoD::default(),
+        };
+        let mut setup = Self::with_layout(config, rank, size, placement.local_size, two_d.layout)?;
+        setup.layout_note = two_d.note;
+        Ok(setup)
+    }
+
+    /// [`EngineSetup::new`] with `layout` as agreed already (`local_size`
+    /// is the launcher's ranks per node).
+    pub(crate) fn with_layout(
+        config: &CommConfig,
+        rank: usize,
+        size: usize,
+        local_size: Option<usize>,
+        layout: Option<Layout>,
+    ) -> Result<Self> {
+        check_rank(rank, size)?;
         Ok(EngineSetup {
             rank,
             size,
@@ -79,6 +102,7 @@ impl EngineSetup {
             spans_nodes: config::spans_nodes(size, local_size),
             local_size,
             auto_choice: None,
+            layout_note: None,
             config: config.clone(),
         })
     }
@@ -135,6 +159,12 @@ impl EngineSetup {
     /// and chose, once it ran.
     pub fn auto_choice(&self) -> Option<&str> {
         self.auto_choice.as_deref()
+    }
+
+    /// The line rank 0 logs when a group of the "tiacc" backend runs flat
+    /// because its ranks do not form whole nodes ([`Scope::Group`]).
+    pub fn layout_note(&self) -> Option<&str> {
+        self.layout_note.as_deref()
     }
 
     /// World ranks of this rank's node and of its inter-node group, with
@@ -260,6 +290,15 @@ impl TcpSetup {
             Deadline::after(timeout),
         )
     }
+}
+
+fn check_rank(rank: usize, size: usize) -> Result<()> {
+    if size == 0 || rank >= size {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank} is not a rank of a group of {size}"
+        )));
+    }
+    Ok(())
 }
 
 fn already_connected() -> Error {
@@ -421,22 +460,6 @@ impl DeviceTransport {
                 "transport must be 'nccl' or 'tcp', got {other:?}"
             ))),
         }
-    }
-
-    /// [`parse`](Self::parse) for tensors on `device` (torch's device type:
-    /// `cpu`, `cuda`, ...): TCP collectives read and write the tensors'
-    /// memory from the host, so `tcp` takes only CPU tensors.
-    pub fn parse_for(transport: &str, host: Option<&str>, device: &str) -> Result<Self> {
-        let parsed = Self::parse(transport, host)?;
-        if let DeviceTransport::Tcp { .. } = parsed {
-            if device != "cpu" {
-                return Err(Error::InvalidArgument(format!(
-                    "transport 'tcp' runs on CPU tensors, but the kernels are on {device}; \
-                     CUDA tensors go over TCP through host staging"
-                )));
-            }
-        }
-        Ok(parsed)
     }
 }
 

@@ -25,7 +25,8 @@ fn two_by_two(
 ) -> Vec<(Option<String>, bool, Vec<f32>)> {
     let engines: Vec<CommEngine> = (0..4)
         .map(|rank| {
-            let setup = EngineSetup::new(&config, rank, 4, Some(2), intra_size).unwrap();
+            let layout = intra_size.map(|n| Layout::new(rank, 4, n).unwrap());
+            let setup = EngineSetup::with_layout(&config, rank, 4, Some(2), layout).unwrap();
             CommEngine::new(setup, "127.0.0.1", None).unwrap()
         })
         .collect();
@@ -132,9 +133,9 @@ fn bad_arguments_are_invalid_arguments() {
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("accepted"),
     };
-    let err = EngineSetup::new(&c, 4, 4, None, None).unwrap_err();
+    let err = EngineSetup::new(&c, 4, 4, Placement::default(), None).unwrap_err();
     assert_eq!(err.to_string(), "rank 4 is not a rank of a group of 4");
-    let one = EngineSetup::new(&c, 0, 1, None, None).unwrap();
+    let one = EngineSetup::new(&c, 0, 1, Placement::default(), None).unwrap();
     let err = one.clone().with_channels(0).unwrap_err();
     assert_eq!(err.to_string(), "channels must be at least 1");
     assert_eq!(one.clone().with_channels(3).unwrap().num_channels(), 3);
@@ -186,23 +187,6 @@ fn bad_arguments_are_invalid_arguments() {
     );
     assert_eq!(
         DeviceTransport::parse("nccl", None).unwrap(),
-        DeviceTransport::Nccl
-    );
-    assert_eq!(
-        DeviceTransport::parse_for("tcp", Some("127.0.0.1"), "cuda")
-            .unwrap_err()
-            .to_string(),
-        "transport 'tcp' runs on CPU tensors, but the kernels are on cuda; \
-         CUDA tensors go over TCP through host staging"
-    );
-    assert_eq!(
-        DeviceTransport::parse_for("tcp", Some("127.0.0.1"), "cpu").unwrap(),
-        DeviceTransport::Tcp {
-            host: "127.0.0.1".into()
-        }
-    );
-    assert_eq!(
-        DeviceTransport::parse_for("nccl", None, "cuda").unwrap(),
         DeviceTransport::Nccl
     );
 }

@@ -450,9 +450,8 @@ fn device_channels_probe_open_and_reduce_buckets_without_a_framework() {
 
 #[test]
 fn device_channels_run_torch_s_collectives_over_the_2d_groups() {
-    use crate::comm::collective::DeviceCollective;
     use crate::comm::counters::Path;
-    use crate::comm::device::DeviceChannels;
+    use crate::comm::device::{DeviceChannels, DeviceCollective};
     const BLOCK: usize = 257;
     let handles: Vec<_> = two_by_two_groups()
         .into_iter()
@@ -559,7 +558,8 @@ fn a_device_engine_over_tcp_connects_probes_and_adopts_the_same_choice_on_every_
     };
     let engines: Vec<DeviceEngine<Shared>> = (0..4)
         .map(|rank| {
-            let setup = EngineSetup::new(&config, rank, 4, Some(2), Some(2)).unwrap();
+            let layout = crate::comm::Layout::new(rank, 4, 2).unwrap();
+            let setup = EngineSetup::with_layout(&config, rank, 4, Some(2), Some(layout)).unwrap();
             let tcp = DeviceTransport::parse("tcp", Some("127.0.0.1")).unwrap();
             DeviceEngine::new(setup, tcp, None).unwrap()
         })
