@@ -15,13 +15,14 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use tiacc_core::comm::collective::check_root;
 use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
 use tiacc_core::comm::setup::{self, EngineSetup, TcpSetup};
 use tiacc_core::comm::tcp;
 use tiacc_core::comm::{
-    Collective, Completion, Counters, DType, Engine, FailureBoard, Job, Layout, RawBuf, ReduceOp,
-    SharedBytes,
+    Collective, CollectiveCall, Completion, Counters, DType, Engine, FailureBoard, Job, Layout,
+    RawBuf, Reduce, Runner, SharedBytes,
 };
 use tiacc_core::config;
 
@@ -160,9 +161,7 @@ pub fn collective_dtypes() -> Vec<&'static str> {
 #[pyfunction]
 #[pyo3(text_signature = "() -> list[str]")]
 pub fn collective_ops() -> Vec<&'static str> {
-    let mut ops: Vec<&'static str> = ReduceOp::ALL.iter().map(|op| op.name()).collect();
-    ops.push("avg");
-    ops
+    Reduce::names()
 }
 
 /// The job's failure board, a Python object with `publish(message) -> str |
@@ -565,48 +564,11 @@ impl CommEngine {
     ) -> PyResult<()> {
         let engine = self.engine()?;
         let dtype = DType::parse(dtype).py()?;
-        let (op, mean) = match reduce.trim().to_ascii_lowercase().as_str() {
-            "avg" | "mean" | "average" => (ReduceOp::Sum, true),
-            other => (ReduceOp::parse(other).py()?, false),
-        };
+        let call = CollectiveCall::parse(Runner::Host, collective, reduce).py()?;
         let size = self.core.setup().size();
-        let op = match collective {
-            "allreduce" => Collective::AllreduceOp { op, mean },
-            "reduce_scatter" => Collective::ReduceScatter { op, mean },
-            "allgather" => Collective::Allgather,
-            "alltoall" => Collective::AllToAll,
-            "broadcast" if root < size => Collective::Broadcast { root },
-            "broadcast" => {
-                return Err(PyValueError::new_err(format!(
-                    "root {root} is not a rank of a group of {size}"
-                )))
-            }
-            "barrier" => Collective::Barrier,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "unknown collective {other:?}: expected allreduce, reduce_scatter, \
-                     allgather, alltoall, broadcast or barrier"
-                )))
-            }
-        };
+        let op = call.job(root, size).py()?;
         check_buffer(ptr, nbytes, Some(dtype))?;
-        let sharded = matches!(
-            op,
-            Collective::ReduceScatter { .. } | Collective::Allgather | Collective::AllToAll
-        );
-        if sharded && (nbytes / dtype.size()) % size != 0 {
-            return Err(PyValueError::new_err(format!(
-                "{collective}: {} {} elements do not split into {size} equal blocks",
-                nbytes / dtype.size(),
-                dtype.name()
-            )));
-        }
-        if mean && !dtype.averages() {
-            return Err(PyValueError::new_err(format!(
-                "allreduce: an average of {} elements has no meaning",
-                dtype.name()
-            )));
-        }
+        call.check(dtype, nbytes, size).py()?;
         let done = completion(tensor, future);
         // SAFETY: the Python shim passes a live tensor's data pointer and
         // byte size; `tensor` is moved into the completion, so its storage
@@ -664,12 +626,7 @@ impl CommEngine {
         root: usize,
         bucket: u64,
     ) -> PyResult<()> {
-        let size = self.core.setup().size();
-        if root >= size {
-            return Err(PyValueError::new_err(format!(
-                "root {root} is not a rank of a group of {size}"
-            )));
-        }
+        check_root(root, self.core.setup().size()).py()?;
         // Bytes travel as-is; the dtype is not used.
         self.run_blocking(
             py,

@@ -15,9 +15,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use tiacc_core::comm::backend::{Mem, TopKBlock};
-use tiacc_core::comm::device::{DeviceCollective, KernelError, KernelResult, Kernels, Slot, Span};
+use tiacc_core::comm::device::{KernelError, KernelResult, Kernels, Slot, Span};
 use tiacc_core::comm::setup::{self, DeviceTransport, EngineSetup, TcpSetup};
-use tiacc_core::comm::DType;
+use tiacc_core::comm::{CollectiveCall, DType, Runner};
 use tiacc_core::Error;
 
 use crate::comm::{counters_dict, engine_getters, PyBoard};
@@ -105,19 +105,14 @@ impl DeviceEngine {
             prefix,
             group,
         )?;
-        let transport = DeviceTransport::parse(transport, host).py()?;
-        if let DeviceTransport::Tcp { .. } = transport {
-            // TCP collectives read and write the tensors' memory from the
-            // host: only CPU tensors qualify.
-            let device = kernels.bind(py).getattr("device")?;
-            let kind: String = device.getattr("type")?.extract()?;
-            if kind != "cpu" {
-                return Err(PyValueError::new_err(format!(
-                    "transport 'tcp' runs on CPU tensors, but the kernels are on {kind}; \
-                     CUDA tensors go over TCP through host staging"
-                )));
-            }
-        }
+        // The tensors' device type (`cpu`, `cuda`): the core decides what
+        // each transport takes.
+        let device: String = kernels
+            .bind(py)
+            .getattr("device")?
+            .getattr("type")?
+            .extract()?;
+        let transport = DeviceTransport::parse_for(transport, host, &device).py()?;
         let core = setup::DeviceEngine::new(engine_setup, transport, PyBoard::wrap(board)).py()?;
         Ok(DeviceEngine {
             config: config.unbind(),
@@ -234,33 +229,11 @@ impl DeviceEngine {
         stream: usize,
     ) -> PyResult<()> {
         let dtype = DType::parse(dtype).py()?;
-        let mean = match reduce.trim().to_ascii_lowercase().as_str() {
-            "sum" => false,
-            "avg" | "mean" | "average" => true,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "the device engine reduces with sum or avg, not {other:?}"
-                )))
-            }
-        };
-        let op = match collective {
-            "allreduce" => DeviceCollective::Allreduce { mean },
-            "reduce_scatter" => DeviceCollective::ReduceScatter { mean },
-            "allgather" => DeviceCollective::Allgather,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "unknown collective {other:?}: expected allreduce, reduce_scatter or allgather"
-                )))
-            }
-        };
+        let call = CollectiveCall::parse(Runner::Device, collective, reduce).py()?;
+        let op = call.device().py()?;
         let mem = tensor_mem(&buf)?;
-        let size = self.core.setup().size();
-        if op != (DeviceCollective::Allreduce { mean }) && (mem.bytes / dtype.size()) % size != 0 {
-            return Err(PyValueError::new_err(format!(
-                "{collective}: {} elements do not split into {size} equal blocks",
-                mem.bytes / dtype.size()
-            )));
-        }
+        call.check(dtype, mem.bytes, self.core.setup().size())
+            .py()?;
         let ops = torch_ops(py, &self.kernels);
         let slot = Slot {
             buffer: buf.unbind(),

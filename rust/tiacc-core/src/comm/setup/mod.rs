@@ -461,6 +461,22 @@ impl DeviceTransport {
             ))),
         }
     }
+
+    /// [`parse`](Self::parse) for tensors on `device` (torch's device type:
+    /// `cpu`, `cuda`, ...): TCP collectives read and write the tensors'
+    /// memory from the host, so `tcp` takes only CPU tensors.
+    pub fn parse_for(transport: &str, host: Option<&str>, device: &str) -> Result<Self> {
+        let parsed = Self::parse(transport, host)?;
+        if let DeviceTransport::Tcp { .. } = parsed {
+            if device != "cpu" {
+                return Err(Error::InvalidArgument(format!(
+                    "transport 'tcp' runs on CPU tensors, but the kernels are on {device}; \
+                     CUDA tensors go over TCP through host staging"
+                )));
+            }
+        }
+        Ok(parsed)
+    }
 }
 
 /// The NCCL unique ids a rank joins with, as the rendezvous handed them

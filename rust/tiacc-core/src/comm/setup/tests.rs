@@ -189,4 +189,21 @@ fn bad_arguments_are_invalid_arguments() {
         DeviceTransport::parse("nccl", None).unwrap(),
         DeviceTransport::Nccl
     );
+    assert_eq!(
+        DeviceTransport::parse_for("tcp", Some("127.0.0.1"), "cuda")
+            .unwrap_err()
+            .to_string(),
+        "transport 'tcp' runs on CPU tensors, but the kernels are on cuda; \
+         CUDA tensors go over TCP through host staging"
+    );
+    assert_eq!(
+        DeviceTransport::parse_for("tcp", Some("127.0.0.1"), "cpu").unwrap(),
+        DeviceTransport::Tcp {
+            host: "127.0.0.1".into()
+        }
+    );
+    assert_eq!(
+        DeviceTransport::parse_for("nccl", None, "cuda").unwrap(),
+        DeviceTransport::Nccl
+    );
 }

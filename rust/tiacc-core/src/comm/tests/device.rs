@@ -450,8 +450,9 @@ fn device_channels_probe_open_and_reduce_buckets_without_a_framework() {
 
 #[test]
 fn device_channels_run_torch_s_collectives_over_the_2d_groups() {
+    use crate::comm::collective::DeviceCollective;
     use crate::comm::counters::Path;
-    use crate::comm::device::{DeviceChannels, DeviceCollective};
+    use crate::comm::device::DeviceChannels;
     const BLOCK: usize = 257;
     let handles: Vec<_> = two_by_two_groups()
         .into_iter()
