@@ -359,7 +359,8 @@ def check_case(
     try:
         if args.device == "cuda":
             gpu = torch.device("cuda", torch.cuda.current_device())
-            device = _engines.nccl_engine(config, gpu, rank, world)
+            prefix = _runtime.next_prefix("nccl")
+            device = _engines.nccl_engine(config, gpu, rank, world, store, prefix)
         else:
             gpu = torch.device("cpu")
             prefix = f"tiacc_training/device-check/{tag}"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tiacc_training.errors import CommError, CommTimeoutError, TiaccError
 from tiacc_training.torch.distributed import _config, _launch, _nccl, _rendezvous
-from tiacc_training.torch.distributed._state import logger, state
+from tiacc_training.torch.distributed._state import logger
 
 
 def test_ranks_sharing_groups_equal_identities_in_rank_order() -> None:
@@ -62,7 +62,12 @@ def test_the_failure_board_keeps_the_first_failure() -> None:
 
 @pytest.fixture
 def placement(monkeypatch: pytest.MonkeyPatch):
-    """Rank 0 of two, whose peer already published ``peer``; returns a runner."""
+    """Rank 0 of two, whose peer already published ``peer``; returns a runner.
+
+    The runner answers the transport CUDA buckets then take, as
+    ``_runtime.cuda_path`` adopts it: ``"tcp"`` when the check returns the
+    ranks sharing a GPU (kept in ``reasons``), else ``"nccl"``.
+    """
 
     def run(
         transport: str,
@@ -72,8 +77,8 @@ def placement(monkeypatch: pytest.MonkeyPatch):
         multi_rank: bool = False,
     ) -> str:
         store = dist.HashStore()
-        round_ = state.placement_round + 1
-        store.set(f"tiacc_training/gpu{round_}/1", peer)
+        prefix = "tiacc_training/gpu1"
+        store.set(f"{prefix}/1", peer)
         if multi_rank:
             monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
         else:
@@ -81,12 +86,13 @@ def placement(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(_nccl, "default_store", lambda: store)
         monkeypatch.setattr(_nccl, "gpu_identity", lambda device: mine)
         monkeypatch.setattr(_nccl, "nccl_version", lambda library=None: version)
-        monkeypatch.setattr(state, "cuda_transport", "nccl")
-        monkeypatch.setattr(state, "cuda_reason", None)
         config = _config.effective_config(timeout=5, transport=transport)
-        _nccl.check_gpu_placement(config, None, 0, 2)  # type: ignore[arg-type]
-        return state.cuda_transport
+        reason = _nccl.check_gpu_placement(config, None, 0, 2, prefix)  # type: ignore[arg-type]
+        reasons.append(reason)
+        return "nccl" if reason is None else "tcp"
 
+    reasons: list[str | None] = []
+    run.reasons = reasons  # type: ignore[attr-defined]
     return run
 
 
@@ -100,14 +106,14 @@ def test_auto_falls_back_to_tcp_staging_naming_the_ranks(placement, caplog) -> N
         assert placement("auto", "node1/GPU a", "node1/GPU a") == "tcp"
     assert "ranks 0, 1 share node1/GPU a" in caplog.text
     assert "host staging" in caplog.text and "NCCL 2.28.9" in caplog.text
-    assert state.cuda_reason == "ranks 0, 1 share node1/GPU a"
+    assert placement.reasons == ["ranks 0, 1 share node1/GPU a"]
 
 
 def test_explicit_nccl_with_a_shared_gpu_is_a_comm_error(placement) -> None:
     with pytest.raises(CommError, match="one GPU per rank .*ranks 0, 1 share node1/GPU a") as e:
         placement("nccl", "node1/GPU a", "node1/GPU a")
     assert isinstance(e.value, TiaccError)
-    assert state.cuda_transport == "nccl"
+    assert placement.reasons == []  # raised: nothing for the runtime to adopt
 
 
 def test_nccl_2_30_with_its_switch_lets_ranks_share_a_gpu(placement) -> None:

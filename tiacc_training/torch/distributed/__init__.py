@@ -54,15 +54,13 @@ from . import (
     _config,
     _device_collectives,
     _hook,
-    _launch,
     _runtime,
-    _startup,
     _summary,
     _waiting,
 )
 from ._engine_state import load_state_dict, state_dict
 from ._hook import patch_ddp
-from ._nccl import nccl_search_dirs, nccl_version, resolve_cuda_transport
+from ._nccl import nccl_search_dirs, nccl_version
 from ._state import logger, state
 from ._summary import engine_counters
 
@@ -192,22 +190,9 @@ def init_tiacc_training(
     with state.lock:
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this PyTorch build")
-        state.config = config
-        state.backend_arg = backend
-        if dist.is_initialized():
-            launch = state.launch if state.finished else _runtime.user_launch()
-            _startup.finish(launch, device_given=False)
-        else:
-            # The script (or Lightning, Accelerate, mp.spawn's children)
-            # creates the group later; a bad launcher variable or a transport
-            # that cannot work is an error now, before any group exists.
-            launch = _launch.launch_env()
-            state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
-            state.launch = launch
-            state.create_on_use = not state.finished
-        _runtime.install()
+        _runtime.configure(config, backend)
         patch_ddp()
-        state.initialized = True
+        _runtime.mark_initialized()
 
 
 def cuda_transport() -> str:

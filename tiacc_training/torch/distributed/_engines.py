@@ -19,7 +19,7 @@ from tiacc_training import _engine
 from ._addresses import advertised_host
 from ._kernels import TorchKernels
 from ._nccl import nccl_search_dirs
-from ._rendezvous import FailureBoard, board_store, default_store
+from ._rendezvous import FailureBoard, board_store
 from ._state import logger, state
 
 
@@ -28,24 +28,19 @@ def job_launch() -> dict[str, Any]:
     return state.launch or {}
 
 
-def next_prefix(kind: str) -> str:
-    state.generation += 1
-    return f"tiacc_training/{kind}{state.generation}"
-
-
 def nccl_engine(
     config: Any,
     device: torch.device,
     rank: int,
     world: int,
-    store: Any = None,
-    prefix: str | None = None,
+    store: Any,
+    prefix: str,
     shared: dict[str, Any] | None = None,
 ) -> Any:
     """A device engine over NCCL for ``device``.
 
-    The unique ids go through the store (by default the default group's),
-    then every communicator is joined on ``device``. Under
+    The unique ids go through ``store`` under ``prefix``, then every
+    communicator is joined on ``device``. Under
     ``TIACC_TRAINING_ALGORITHM=auto`` on whole nodes of several ranks the
     2D communicators are joined too, and the engine keeps whichever of
     flat and 2D its start-up probe measured faster (rank 0 logs the line).
@@ -55,13 +50,12 @@ def nccl_engine(
         device: the CUDA device its communicators live on.
         rank: this rank in the group.
         world: the group's size.
-        store: where its rendezvous goes (default: the default group's
-            store, under a new prefix).
-        prefix: the key prefix of that rendezvous.
+        store: where its rendezvous goes (the default group's store, or a
+            "tiacc" group's own).
+        prefix: the key prefix of that rendezvous (``_runtime.next_prefix``
+            for the default group's).
         shared: what :func:`engine_arguments` gave for that rendezvous.
     """
-    if store is None or prefix is None:
-        store, prefix = default_store(), next_prefix("nccl")
     if shared is None:
         shared = engine_arguments(store, prefix)
     engine = _engine.DeviceEngine(config, rank, world, TorchKernels(device), "nccl", **shared)

@@ -229,6 +229,11 @@ def _attach(ddp: DistributedDataParallel, config: Any) -> None:
     _watch_for_a_hook_that_never_runs(ddp, hook_state, config)
 
 
+# The reasons a model or bucket was left to torch, each warned about once
+# per process.
+_warned: set[str] = set()
+
+
 def _step_aside(config: Any, what: str, fix: str, warn: bool = True) -> None:
     """A model or bucket left to torch: one warning per reason, or an error.
 
@@ -237,8 +242,8 @@ def _step_aside(config: Any, what: str, fix: str, warn: bool = True) -> None:
     """
     if config is not None and config.strict:
         raise CommError(f"{what}; {fix} (TIACC_TRAINING_STRICT=1 makes this an error)")
-    if warn and what not in runtime.warned:
-        runtime.warned.add(what)
+    if warn and what not in _warned:
+        _warned.add(what)
         warnings.warn(f"tiacc_training: {what}; {fix}", RuntimeWarning, stacklevel=4)
 
 

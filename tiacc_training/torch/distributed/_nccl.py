@@ -21,7 +21,7 @@ from tiacc_training import _engine
 from tiacc_training.errors import CommError
 
 from ._rendezvous import default_store, exchange
-from ._state import logger, state
+from ._state import logger
 
 _SINCE = ".".join(map(str, _engine.NCCL_MULTI_RANK_GPU_SINCE[:2]))
 _SHARED_GPU_HOW = f"NCCL >= {_SINCE} with NCCL_MULTI_RANK_GPU_ENABLE=1"
@@ -165,26 +165,31 @@ def ranks_sharing(identities: list[str]) -> list[list[int]]:
     return sorted(ranks for ranks in by_identity.values() if len(ranks) > 1)
 
 
-def check_gpu_placement(config: Any, device: torch.device, rank: int, world: int) -> None:
+def check_gpu_placement(
+    config: Any, device: torch.device, rank: int, world: int, prefix: str
+) -> str | None:
     """Makes sure NCCL can run with the GPUs the ranks actually use.
 
     Run when the first CUDA model is wrapped: every rank publishes its host
-    and its GPU's UUID, so every rank sees the same list and takes the same
-    branch. Ranks sharing a GPU are fine when NCCL allows it; otherwise
-    ``auto`` turns to TCP host staging (with a warning naming the ranks) and
-    an explicit ``nccl`` is a ``CommError`` naming them.
+    and its GPU's UUID under ``prefix``, so every rank sees the same list
+    and takes the same branch. Ranks sharing a GPU are fine when NCCL
+    allows it; otherwise ``auto`` turns to TCP host staging (with a warning
+    naming the ranks) and an explicit ``nccl`` is a ``CommError`` naming
+    them.
+
+    Returns:
+        ``None`` when NCCL can run; under ``auto``, which ranks share which
+        GPU (the reason CUDA buckets go over TCP, for ``_runtime`` to adopt).
     """
-    state.placement_round += 1
-    prefix = f"tiacc_training/gpu{state.placement_round}"
     identities = exchange(
         default_store(), prefix, rank, world, gpu_identity(device), config.timeout
     )
     shared = ranks_sharing(identities)
     if not shared:
-        return
+        return None
     version = nccl_version(config.nccl_library)
     if config.nccl_allows_shared_gpu(version):
-        return
+        return None
     where = "; ".join(
         f"ranks {', '.join(map(str, ranks))} share {identities[ranks[0]]}" for ranks in shared
     )
@@ -200,5 +205,4 @@ def check_gpu_placement(config: Any, device: torch.device, rank: int, world: int
         _SHARED_GPU_HOW,
         where,
     )
-    state.cuda_transport = "tcp"
-    state.cuda_reason = where
+    return where

@@ -24,6 +24,9 @@ functions and finishes its set-up when the group appears:
   ``dist.is_initialized()`` stays ``False`` until then, which is what
   Lightning and Accelerate check before their own init.
 
+The one writer of the group state (``_state.state``): every other module
+reads it, or calls a function here that writes it.
+
 The engines, built on first use. DDP construction is collective, so every
 rank reaches :func:`world_engine` and :func:`cuda_path` in the same order
 and their rendezvous pair up. An engine is kept while the configuration
@@ -46,14 +49,80 @@ from torch.distributed import distributed_c10d
 from tiacc_training import _engine
 from tiacc_training.errors import ConfigError
 
-from . import _backend, _engine_state, _launch
+from . import _backend, _engine_state, _launch, _perf, _startup
 from ._addresses import advertised_host, loopback_hint
 from ._cuda import HostStaging, NcclChannels
-from ._engines import engine_arguments, nccl_engine, next_prefix
-from ._nccl import check_gpu_placement
-from ._rendezvous import attempt_prefix, default_store, elastic_agent_store
-from ._startup import finish, later_warn
+from ._engines import engine_arguments, nccl_engine
+from ._nccl import check_gpu_placement, resolve_cuda_transport
+from ._rendezvous import attempt_prefix, check_same_config, default_store, elastic_agent_store
+from ._startup import later_warn
 from ._state import logger, state
+
+# -- the set-up ---------------------------------------------------------------
+
+
+def configure(config: Any, backend: str | None) -> None:
+    """``init_tiacc_training``'s set-up (under ``state.lock``).
+
+    With a group already there the set-up finishes at once; otherwise the
+    script (or Lightning, Accelerate, mp.spawn's children) creates the
+    group later, and a bad launcher variable or a transport that cannot
+    work is an error now, before any group exists. The wraps are installed
+    either way.
+    """
+    state.config = config
+    state.backend_arg = backend
+    if dist.is_initialized():
+        launch = state.launch if state.finished else user_launch()
+        finish(launch, device_given=False)
+    else:
+        launch = _launch.launch_env()
+        state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
+        state.launch = launch
+        state.create_on_use = not state.finished
+    install()
+
+
+def mark_initialized() -> None:
+    """``init_tiacc_training`` has run in this process."""
+    state.initialized = True
+
+
+def finish(launch: dict[str, Any], device_given: bool, check_round: bool = True) -> None:
+    """The set-up that needs the group: agreement, device, report.
+
+    Args:
+        launch: how the job was launched (``launch_env``'s dict, or the
+            script's own call's view).
+        device_given: the script chose the CUDA device (``device_id=``).
+        check_round: compare the settings every rank must share (every
+            rank finishes the same number of times, so the rounds pair up).
+    """
+    config = state.config
+    state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
+    state.launch = launch
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world > 1 and check_round:
+        # Every rank takes part in every call, so the rounds pair up.
+        state.config_round += 1
+        prefix = f"tiacc_training/config{state.config_round}"
+        check_same_config(config, default_store(), prefix, rank, world)
+    _perf.start(config, rank, world)
+    local_rank = launch.get("local_rank")
+    if torch.cuda.is_available() and local_rank is not None and not device_given:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    state.finished = True
+    _startup.give_warnings(rank)
+    if not state.logged and rank == 0:
+        state.logged = True
+        _startup.report(config, world, launch)
+
+
+def next_prefix(kind: str) -> str:
+    """A store key prefix of the default group's next rendezvous of ``kind``."""
+    state.generation += 1
+    return f"tiacc_training/{kind}{state.generation}"
+
 
 # -- the default group ---------------------------------------------------------
 
@@ -71,7 +140,7 @@ def install() -> None:
 
     Called by ``init_tiacc_training`` once its configuration is in
     ``state``: from then on, the group's appearance finishes the set-up
-    (``_startup.finish``).
+    (:func:`finish`).
     """
     if state.group_patched:
         return
@@ -370,7 +439,11 @@ def cuda_path(config: Any, device: torch.device) -> Any:
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if state.cuda_transport == "nccl":
-        check_gpu_placement(config, device, rank, world)
+        state.placement_round += 1
+        prefix = f"tiacc_training/gpu{state.placement_round}"
+        shared = check_gpu_placement(config, device, rank, world, prefix)
+        if shared is not None:
+            state.cuda_transport, state.cuda_reason = "tcp", shared
     existing = state.cuda
     nccl = state.cuda_transport == "nccl"
     if nccl:
@@ -384,7 +457,8 @@ def cuda_path(config: Any, device: torch.device) -> Any:
         existing.close()
         state.set_cuda(None)
     if nccl:
-        state.set_cuda(NcclChannels(nccl_engine(config, device, rank, world), device))
+        engine = nccl_engine(config, device, rank, world, default_store(), next_prefix("nccl"))
+        state.set_cuda(NcclChannels(engine, device))
         _engine_state.apply_held("cuda", state.cuda)
     else:
         state.set_cuda(HostStaging(engine, device))

@@ -1,12 +1,10 @@
-"""The set-up that needs the default group, and the warnings it gives.
+"""What the set-up says once the default group exists: the report and the warnings.
 
-``init_tiacc_training`` configures; the set-up finishes here once the
-default group exists (at once when it already does, else when the
-script's ``init_process_group`` or the launcher's group creates it,
-through ``_runtime``'s wraps): the ranks' settings are compared, the CUDA
-device is chosen, the slow-rank check starts, and rank 0 logs the start-up
-report. Conflicts the script's own call met (its backend, timeout or ranks
-against ours) wait here for rank 0 to warn once the group exists.
+``_runtime.finish`` finishes the set-up (the settings compared, the CUDA
+device chosen, the slow-rank check started), then rank 0 logs the start-up
+report here (:func:`report`). Conflicts the script's own call met (its
+backend, timeout or ranks against ours) wait here for rank 0 to warn once
+the group exists; each is warned about once per process.
 """
 
 from __future__ import annotations
@@ -15,64 +13,37 @@ import os
 import warnings
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from . import _backend, _config, _perf
-from ._nccl import nccl_version, resolve_cuda_transport
-from ._rendezvous import check_same_config, default_store
+from . import _backend, _config
+from ._nccl import nccl_version
 from ._state import logger, state
 
 
-def finish(launch: dict[str, Any], device_given: bool, check_round: bool = True) -> None:
-    """The set-up that needs the group: agreement, device, report.
-
-    Args:
-        launch: how the job was launched (``launch_env``'s dict, or the
-            script's own call's view).
-        device_given: the script chose the CUDA device (``device_id=``).
-        check_round: compare the settings every rank must share (every
-            rank finishes the same number of times, so the rounds pair up).
-    """
-    config = state.config
-    state.cuda_transport, state.cuda_reason = resolve_cuda_transport(config, launch)
-    state.launch = launch
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world > 1 and check_round:
-        # Every rank takes part in every call, so the rounds pair up.
-        state.config_round += 1
-        prefix = f"tiacc_training/config{state.config_round}"
-        check_same_config(config, default_store(), prefix, rank, world)
-    _perf.start(config, rank, world)
-    local_rank = launch.get("local_rank")
-    if torch.cuda.is_available() and local_rank is not None and not device_given:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    state.finished = True
-    give_warnings(rank)
-    if not state.logged and rank == 0:
-        state.logged = True
-        version = None
-        if state.cuda_transport == "nccl":
-            version = nccl_version(config.nccl_library)
-        _config.log_startup(
-            config,
-            world,
-            launch,
-            state.cuda_transport,
-            state.cuda_reason,
-            version,
-        )
-        if launch.get("group"):
-            logger.info("  process group: %s (backend %s)", launch["group"], dist.get_backend())
-        logger.info(
-            "  %s",
-            _backend.describe_cpu_collectives(config, made_before=bool(launch.get("before"))),
-        )
-        cuda = _backend.describe_cuda_collectives()
-        if cuda:
-            logger.info("  %s", cuda)
-        if attempt_text():
-            logger.info("  %s", attempt_text())
+def report(config: Any, world: int, launch: dict[str, Any]) -> None:
+    """Rank 0's start-up report: settings, transports, group, collectives, attempt."""
+    version = None
+    if state.cuda_transport == "nccl":
+        version = nccl_version(config.nccl_library)
+    _config.log_startup(
+        config,
+        world,
+        launch,
+        state.cuda_transport,
+        state.cuda_reason,
+        version,
+    )
+    if launch.get("group"):
+        logger.info("  process group: %s (backend %s)", launch["group"], dist.get_backend())
+    logger.info(
+        "  %s",
+        _backend.describe_cpu_collectives(config, made_before=bool(launch.get("before"))),
+    )
+    cuda = _backend.describe_cuda_collectives()
+    if cuda:
+        logger.info("  %s", cuda)
+    if attempt_text():
+        logger.info("  %s", attempt_text())
 
 
 def attempt_text() -> str | None:
@@ -95,18 +66,25 @@ def attempt_text() -> str | None:
     return text
 
 
+# Conflicts between the script's init_process_group and our settings,
+# waiting for rank 0 to warn; the ones warned about (once per process).
+_conflicts: list[str] = []
+_warned: set[str] = set()
+
+
 def later_warn(message: str) -> None:
     """Queues a warning for rank 0 to give once the group exists."""
-    if message not in state.conflicts:
-        state.conflicts.append(message)
+    if message not in _conflicts:
+        _conflicts.append(message)
 
 
 def give_warnings(rank: int) -> None:
     """Rank 0 warns once per job about each conflict the script's call met."""
-    messages, state.conflicts = state.conflicts, []
+    messages = list(_conflicts)
+    _conflicts.clear()
     if rank != 0:
         return
     for message in messages:
-        if message not in state.warned:
-            state.warned.add(message)
+        if message not in _warned:
+            _warned.add(message)
             warnings.warn(f"tiacc_training: {message}", RuntimeWarning, stacklevel=2)

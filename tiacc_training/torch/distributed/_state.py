@@ -1,4 +1,10 @@
-"""The integration's process-wide state (one training process, one state)."""
+"""The integration's process-wide state (one training process, one state).
+
+``_runtime`` is its one writer: every other module reads it, or calls a
+``_runtime`` function that writes it (the one exception: the engine state
+``_engine_state`` holds for an engine not yet built). Warnings queued and
+given live where they are used (``_startup``, ``_hook``).
+"""
 
 from __future__ import annotations
 
@@ -32,7 +38,10 @@ logger.addFilter(_Prefixed())
 
 @dataclass
 class State:
-    """What ``init_tiacc_training`` set up, and the engines built since."""
+    """What ``init_tiacc_training`` set up, and the engines built since.
+
+    Written by ``_runtime`` alone (tests set fields in their fixtures).
+    """
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     initialized: bool = False
@@ -48,11 +57,13 @@ class State:
     cuda_reason: str | None = None
     # CUDA buckets: ``_cuda.NcclChannels`` or ``_cuda.HostStaging``.
     cuda: Any = None
-    # Counters that keep store keys of successive rendezvous apart.
+    # Counters that keep the store keys of successive rendezvous of the
+    # default group apart (engines, GPU placement checks, configuration
+    # checks); they start again with a new elastic round's group.
     generation: int = 0
     placement_round: int = 0
-    # Counts start-up configuration checks (keeps their store keys apart).
     config_round: int = 0
+    # Whether rank 0 gave its start-up report.
     logged: bool = False
     # The default group (``_runtime``): torch.distributed's functions wrapped;
     # whether the set-up finished for the current group; whether the group
@@ -67,11 +78,6 @@ class State:
     # The generation the ranks of this torchrun attempt agreed on, where
     # the group's store is one every attempt shares (``_runtime``).
     attempt: str | None = None
-    # Conflicts between the script's init_process_group and our settings,
-    # waiting for rank 0 to warn; the warnings given (once per process, by
-    # the runtime and the DDP hook).
-    conflicts: list[str] = field(default_factory=list)
-    warned: set[str] = field(default_factory=set)
     # What the engines stopped or replaced so far counted themselves, per
     # (path, codec) (``stats()["engine"]`` adds the engines in use): an
     # engine's counters are folded in here when ``set_engine`` or
