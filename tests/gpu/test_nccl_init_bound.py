@@ -5,6 +5,9 @@ deadline, then aborted: the caller gets ``CommTimeoutError`` within the
 timeout plus 5 s, never a hang. Needs a CUDA device (``@pytest.mark.gpu``);
 the deadline logic itself is tested without one in the engine's Rust tests
 (``a_non_blocking_init_is_polled_until_ready_and_aborted_at_its_deadline``).
+It drives ``_engine.NcclCommunicator``, built only with the cargo feature
+``nccl-communicator`` (``maturin develop --release --features
+nccl-communicator``): skipped without it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from tiacc_training import _engine
 from tiacc_training.errors import CommTimeoutError
 from tiacc_training.torch.distributed import nccl_search_dirs
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not hasattr(_engine, "NcclCommunicator"),
+        reason="_engine.NcclCommunicator is built only with the cargo feature nccl-communicator",
+    ),
+]
 
 TIMEOUT = 4.0
 

@@ -1,7 +1,11 @@
 """Loading NCCL at run time, from Python, without a GPU.
 
 Loading the library, ncclGetVersion and ncclGetUniqueId are host-only
-calls; ncclCommInitRank must fail cleanly (a CommError) with no GPU.
+calls; ncclCommInitRank must fail cleanly (a CommError) with no GPU. The
+communicator's tests need ``_engine.NcclCommunicator``, built only with the
+cargo feature ``nccl-communicator`` (``maturin develop --release --features
+nccl-communicator``); they skip without it (the Rust tests in
+``rust/tiacc-core/src/comm/nccl/tests.rs`` cover the same rules).
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ import torch
 import tiacc_training.torch.distributed as tdist
 from tiacc_training import _engine
 from tiacc_training.errors import CommError, ConfigError, TiaccError
+
+needs_communicator = pytest.mark.skipif(
+    not hasattr(_engine, "NcclCommunicator"),
+    reason="_engine.NcclCommunicator is built only with the cargo feature nccl-communicator",
+)
 
 
 @pytest.fixture
@@ -64,6 +73,7 @@ def test_unique_ids_are_128_bytes_and_differ(nccl_dirs: list[str]) -> None:
     assert isinstance(a, bytes) and len(a) == 128 and a != b
 
 
+@needs_communicator
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without a GPU")
 def test_a_communicator_without_a_gpu_is_a_comm_error(nccl_dirs: list[str]) -> None:
     uid = _engine.nccl_unique_id(nccl_dirs)
@@ -72,6 +82,7 @@ def test_a_communicator_without_a_gpu_is_a_comm_error(nccl_dirs: list[str]) -> N
     assert "world communicator, rank 0 of 1" in str(info.value)
 
 
+@needs_communicator
 def test_communicator_argument_mistakes_are_value_errors() -> None:
     with pytest.raises(ValueError, match="128 bytes"):
         _engine.NcclCommunicator(b"short", 0, 1)

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::image::decode::{decode_rgb, RgbImage};
 use crate::image::fused::{render, Geometry, Output, OutputSlice};
 use crate::image::probe::probe_image;
+use crate::image::sampling::{sample_reproduced, Sampler, TorchCpuRng};
 use crate::pool;
 use crate::tfrecord::example::{Example, Kind};
 use crate::tfrecord::index::{read_index_numbered, shard_path};
@@ -287,6 +288,39 @@ impl IndexedDataset {
         pool::pool(threads)?.install(run)
     }
 
+    /// A whole batch in one call: reads `indices`, draws each image's
+    /// geometry with `sampler` from `rng` (a reproduction of torch's CPU
+    /// generator, left where torch's own draws would have left it) and
+    /// renders them into `out` (of [`sampled_batch_shape`]) as
+    /// [`Self::render_images`] does. An image the reproduction cannot decide
+    /// is drawn by `from_torch(width, height, before)` (the generator's
+    /// state before its draws), which returns its geometry and the
+    /// generator after them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_batch(
+        &self,
+        indices: &[usize],
+        sampler: &Sampler,
+        rng: &mut TorchCpuRng,
+        mut from_torch: impl FnMut(u32, u32, &TorchCpuRng) -> Result<(Geometry, TorchCpuRng)>,
+        downscale: bool,
+        output: Output,
+        out: BatchOut<'_>,
+        threads: usize,
+    ) -> Result<()> {
+        let images = self.read_images(indices, threads)?;
+        let geometries = sample_reproduced(sampler, images.sizes(), rng, |k, before| {
+            let (width, height) = images.sizes()[k];
+            from_torch(width, height, before)
+        })?;
+        let how = Rendering {
+            geometries: &geometries,
+            downscale,
+            output,
+        };
+        self.render_images(&images, &how, out, threads)
+    }
+
     /// Reads the encoded images of `indices` in parallel.
     pub fn image_bytes_batch(&self, indices: &[usize], threads: usize) -> Result<Vec<Bytes>> {
         map_batch(indices, threads, |i| self.image_bytes(i))
@@ -342,6 +376,41 @@ pub struct Rendering<'a> {
     pub output: Output,
 }
 
+/// The shape `(N, 3, H, W)` of a batch rendered through `geometries`: at
+/// least one, every one with the same window.
+pub fn batch_shape(geometries: &[Geometry]) -> Result<[usize; 4]> {
+    let (_, _, ww, wh) = geometries
+        .first()
+        .map(|g| g.window)
+        .ok_or_else(|| Error::InvalidArgument("render_batch needs at least one index".into()))?;
+    if geometries
+        .iter()
+        .any(|g| (g.window.2, g.window.3) != (ww, wh))
+    {
+        return Err(Error::InvalidArgument(
+            "every geometry must output the same window size".into(),
+        ));
+    }
+    Ok([geometries.len(), 3, wh as usize, ww as usize])
+}
+
+/// The shape `(N, 3, H, W)` of a batch of `n` images placed by `sampler`
+/// ([`IndexedDataset::load_batch`]): its output size must not vary, and
+/// `n` must be at least one.
+pub fn sampled_batch_shape(sampler: &Sampler, n: usize) -> Result<[usize; 4]> {
+    let (h, w) = sampler.output_size().ok_or_else(|| {
+        Error::InvalidArgument(
+            "this sampler's output size differs per image: it cannot batch".into(),
+        )
+    })?;
+    if n == 0 {
+        return Err(Error::InvalidArgument(
+            "load_batch needs at least one index".into(),
+        ));
+    }
+    Ok([n, 3, h as usize, w as usize])
+}
+
 /// What [`IndexedDataset::render`] renders: image `k` is record
 /// `indices[k]`, rendered as `how` says.
 struct RenderJob<'a> {
@@ -372,6 +441,25 @@ impl EncodedImages {
     /// The encoded bytes of each image, in order.
     pub fn data(&self) -> &[Bytes] {
         &self.data
+    }
+
+    /// Every image's bytes one after another, the offsets where each
+    /// starts (and the end: one more than the images), and whether each is
+    /// a JPEG: what a device decoder takes as slices.
+    pub fn packed(&self) -> (Vec<u8>, Vec<usize>, Vec<bool>) {
+        let mut offsets = Vec::with_capacity(self.data.len() + 1);
+        let mut bytes = Vec::with_capacity(self.data.iter().map(|d| d.len()).sum());
+        for d in &self.data {
+            offsets.push(bytes.len());
+            bytes.extend_from_slice(d);
+        }
+        offsets.push(bytes.len());
+        let jpeg = self
+            .data
+            .iter()
+            .map(|d| d.starts_with(b"\xff\xd8\xff"))
+            .collect();
+        (bytes, offsets, jpeg)
     }
 
     /// The images at positions `positions`, in that order (no copy of the
@@ -554,5 +642,25 @@ mod tests {
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         let msg = ds.read_images(&[0, 7], 1).err().unwrap().to_string();
         assert!(msg.contains("(dataset index 7)"), "{msg}");
+    }
+
+    #[test]
+    fn a_batch_is_shaped_by_one_window_and_needs_an_image() {
+        let at = |w, h| Geometry {
+            crop: (0, 0, 8, 8),
+            resize: (8, 8),
+            window: (0, 0, w, h),
+            flip: false,
+        };
+        assert_eq!(batch_shape(&[at(4, 3), at(4, 3)]).unwrap(), [2, 3, 3, 4]);
+        let message = |r: Result<[usize; 4]>| r.unwrap_err().to_string();
+        assert_eq!(
+            message(batch_shape(&[at(4, 3), at(3, 4)])),
+            "every geometry must output the same window size"
+        );
+        assert_eq!(
+            message(batch_shape(&[])),
+            "render_batch needs at least one index"
+        );
     }
 }

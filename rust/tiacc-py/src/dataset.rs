@@ -13,7 +13,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 use tiacc_core::dataset::{
-    BatchOut, EncodedImages as CoreImages, IndexedDataset as CoreDataset, Rendering,
+    batch_shape, sampled_batch_shape, BatchOut, EncodedImages as CoreImages,
+    IndexedDataset as CoreDataset, Rendering,
 };
 use tiacc_core::image::decode::RgbImage;
 use tiacc_core::image::fused::{Geometry, Output};
@@ -97,21 +98,7 @@ impl EncodedImages {
     /// takes as slices, without a copy per image.
     #[pyo3(text_signature = "(self) -> tuple[Any, list[int], list[bool]]")]
     fn packed<'py>(&self, py: Python<'py>) -> (Bound<'py, PyArray1<u8>>, Vec<usize>, Vec<bool>) {
-        let data = self.inner.data();
-        let (bytes, offsets) = released(py, || {
-            let mut offsets = Vec::with_capacity(data.len() + 1);
-            let mut bytes = Vec::with_capacity(data.iter().map(|d| d.len()).sum());
-            for d in data {
-                offsets.push(bytes.len());
-                bytes.extend_from_slice(d);
-            }
-            offsets.push(bytes.len());
-            (bytes, offsets)
-        });
-        let jpeg = data
-            .iter()
-            .map(|d| d.starts_with(b"\xff\xd8\xff"))
-            .collect();
+        let (bytes, offsets, jpeg) = released(py, || self.inner.packed());
         (PyArray1::from_vec(py, bytes), offsets, jpeg)
     }
 
@@ -325,10 +312,7 @@ impl IndexedDataset {
         downscale: bool,
         threads: usize,
     ) -> PyResult<()> {
-        let (h, w) = sampler.output()?;
-        if indices.is_empty() {
-            return Err(PyValueError::new_err("load_batch needs at least one index"));
-        }
+        let shape = sampled_batch_shape(&sampler.inner, indices.len()).py()?;
         let mut state = state.try_readwrite()?;
         let state = state.as_slice_mut()?;
         let mut rng = TorchCpuRng::from_state(state, fused_multiply_add).py()?;
@@ -337,28 +321,18 @@ impl IndexedDataset {
             draws: draws.clone().unbind(),
             fused_multiply_add,
         };
-        let shape = [indices.len(), 3, h as usize, w as usize];
-        let core = sampler.inner;
+        let core = &sampler.inner;
         let mut failed: Option<PyErr> = None;
         let result = with_out(py, out, shape, mean, std, |output, buf| {
-            let images = self.inner.read_images(&indices, threads)?;
-            let geometries = sample_reproduced(&core, images.sizes(), &mut rng, |k, before| {
-                let (width, height) = images.sizes()[k];
-                Python::attach(|py| source.draw_one(py, &core, width, height, before)).map_err(
-                    |e| {
-                        failed = Some(e);
-                        tiacc_core::error::Error::InvalidArgument(
-                            "drawing from torch failed".into(),
-                        )
-                    },
-                )
-            })?;
-            let how = Rendering {
-                geometries: &geometries,
-                downscale,
-                output,
+            let from_torch = |width, height, before: &TorchCpuRng| {
+                Python::attach(|py| source.draw_one(py, core, width, height, before)).map_err(|e| {
+                    failed = Some(e);
+                    tiacc_core::error::Error::InvalidArgument("drawing from torch failed".into())
+                })
             };
-            self.inner.render_images(&images, &how, buf, threads)?;
+            self.inner.load_batch(
+                &indices, core, &mut rng, from_torch, downscale, output, buf, threads,
+            )?;
             state.copy_from_slice(&rng.state());
             Ok(())
         });
@@ -435,20 +409,7 @@ fn render_into(
             flip,
         })
         .collect();
-    let n = geometries.len();
-    let (_, _, ww, wh) = geometries
-        .first()
-        .map(|g| g.window)
-        .ok_or_else(|| PyValueError::new_err("render_batch needs at least one index"))?;
-    if geometries
-        .iter()
-        .any(|g| (g.window.2, g.window.3) != (ww, wh))
-    {
-        return Err(PyValueError::new_err(
-            "every geometry must output the same window size",
-        ));
-    }
-    let shape = [n, 3, wh as usize, ww as usize];
+    let shape = batch_shape(&geometries).py()?;
     with_out(py, out, shape, mean, std, |output, buf| {
         let how = Rendering {
             geometries: &geometries,
@@ -503,14 +464,6 @@ fn with_out(
 #[pyclass(module = "tiacc_training._engine", frozen)]
 pub struct Sampler {
     inner: CoreSampler,
-}
-
-impl Sampler {
-    fn output(&self) -> PyResult<(u32, u32)> {
-        self.inner.output_size().ok_or_else(|| {
-            PyValueError::new_err("this sampler's output size differs per image: it cannot batch")
-        })
-    }
 }
 
 /// Draws that call torch: an object with `uniform(low, high)`,

@@ -13,6 +13,8 @@ mod device;
 mod errors;
 mod features;
 mod nccl;
+#[cfg(feature = "nccl-communicator")]
+mod nccl_communicator;
 mod pack;
 mod records;
 mod state;
@@ -74,6 +76,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nccl::nccl_version, m)?)?;
     m.add_function(wrap_pyfunction!(nccl::nccl_library_path, m)?)?;
     m.add_function(wrap_pyfunction!(nccl::nccl_unique_id, m)?)?;
-    m.add_class::<nccl::NcclCommunicator>()?;
+    #[cfg(feature = "nccl-communicator")]
+    m.add_class::<nccl_communicator::NcclCommunicator>()?;
     Ok(())
 }
