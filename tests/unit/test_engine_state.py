@@ -46,17 +46,19 @@ def config(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.fixture
 def clean_state() -> Iterator[None]:
-    keys = ("engine", "cuda", "retired_counters", "pending_engine_state", "launch")
+    keys = ("engine", "cuda", "retired_counters", "launch")
     saved = {k: state.__dict__[k] for k in keys}
-    state.__dict__.update(
-        engine=None, cuda=None, retired_counters={}, pending_engine_state={}, launch=None
-    )
+    pending = dict(_engine_state.pending)
+    state.__dict__.update(engine=None, cuda=None, retired_counters={}, launch=None)
     _engine_state.expected_sizes.clear()
+    _engine_state.pending.clear()
     try:
         yield
     finally:
         state.__dict__.update(saved)
         _engine_state.expected_sizes.clear()
+        _engine_state.pending.clear()
+        _engine_state.pending.update(pending)
 
 
 def cpu_engine(config: Any, rank: int = 0) -> Any:
@@ -156,7 +158,7 @@ def test_a_state_loaded_before_its_engine_is_held_then_applied(
     state.engine = None
 
     tdist.load_state_dict(saved)
-    assert set(state.pending_engine_state) == {"cpu"}
+    assert set(_engine_state.pending) == {"cpu"}
     # Held, it is what state_dict() returns.
     again = tdist.state_dict()
     held = again["engines"]["cpu"]["buckets"][0]
@@ -166,7 +168,7 @@ def test_a_state_loaded_before_its_engine_is_held_then_applied(
     engine = cpu_engine(config)
     state.set_engine(engine)
     _engine_state.apply_held("cpu", engine)  # as _runtime does once it built it
-    assert state.pending_engine_state == {}
+    assert _engine_state.pending == {}
     applied = engine.state()
     assert applied["buckets"][2]["steps"] == 2
     engine.shutdown()
@@ -278,7 +280,7 @@ def test_a_malformed_state_names_its_key(
     with pytest.raises(error) as caught:
         tdist.load_state_dict(broken(change))
     assert names in str(caught.value)
-    assert state.pending_engine_state == {}
+    assert _engine_state.pending == {}
 
 
 def test_another_rank_s_state_names_both_ranks(
@@ -296,7 +298,7 @@ def test_another_rank_s_state_names_both_ranks(
     s["world_size"] = 4
     with pytest.raises(ValueError, match="world of 4 ranks; this one has 2"):
         tdist.load_state_dict(s)
-    assert state.pending_engine_state == {}
+    assert _engine_state.pending == {}
 
 
 def test_an_engine_built_later_checks_the_rank_and_the_fit(config: Any, clean_state: None) -> None:

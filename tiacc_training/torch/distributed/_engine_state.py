@@ -46,6 +46,11 @@ BUFFERS = ("residual", "velocity", "previous_sum")
 # another size means DDP's buckets are not the checkpoint's
 # (:func:`check_bucket`).
 expected_sizes: dict[int, int] = {}
+# Engine state loaded by ``load_state_dict`` before its engine was built,
+# per kind (``"cpu"``, ``"cuda"``), as the engines' ``load_state`` takes it:
+# ``_runtime`` applies it to the engine it builds next (:func:`apply_held`).
+# This module's own, not the group's: it outlives the group's engines.
+pending: dict[str, Any] = {}
 
 
 def state_dict() -> dict[str, Any]:
@@ -69,10 +74,10 @@ def state_dict() -> dict[str, Any]:
     exported = {kind: engine.state() for kind, engine in _engines()}
     for kind, entry in exported.items():
         engines[kind] = _to_torch(entry)
-    for kind, held in state.pending_engine_state.items():
+    for kind, held in pending.items():
         engines.setdefault(kind, _to_torch(held))
     # The engines know their own rank and world: ask them first.
-    rank, world = _place({**state.pending_engine_state, **exported})
+    rank, world = _place({**pending, **exported})
     return {"format": FORMAT, "rank": rank, "world_size": world, "engines": engines}
 
 
@@ -124,7 +129,8 @@ def load_state_dict(state_dict: Mapping[str, Any]) -> None:
     for kind, engine in live.items():
         entry = converted.get(kind, _empty(rank, world))
         _apply(kind, engine if kind == "cpu" else state.cuda, entry)
-    state.pending_engine_state = {k: v for k, v in converted.items() if k not in live}
+    pending.clear()
+    pending.update({k: v for k, v in converted.items() if k not in live})
     expected_sizes.clear()
     for entry in converted.values():
         watch_sizes(entry)
@@ -143,7 +149,7 @@ def apply_held(kind: str, carrier: Any) -> None:
     """
     if kind == "cuda" and not hasattr(carrier, "load_engine_state"):
         return
-    held = state.pending_engine_state.pop(kind, None)
+    held = pending.pop(kind, None)
     if held is not None:
         _apply(kind, carrier, held)
 

@@ -1,9 +1,9 @@
 """The integration's process-wide state (one training process, one state).
 
 ``_runtime`` is its one writer: every other module reads it, or calls a
-``_runtime`` function that writes it (the one exception: the engine state
-``_engine_state`` holds for an engine not yet built). Warnings queued and
-given live where they are used (``_startup``, ``_hook``).
+``_runtime`` function that writes it. What belongs to one module lives
+there: warnings queued and given (``_startup``, ``_hook``), the engine
+state held for an engine not yet built (``_engine_state.pending``).
 """
 
 from __future__ import annotations
@@ -84,11 +84,6 @@ class State:
     # ``set_cuda`` replaces it, so the summary at exit still has them after
     # ``destroy_process_group``.
     retired_counters: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    # Engine state loaded by ``load_state_dict`` before its engine was built,
-    # per kind (``"cpu"``, ``"cuda"``), as the engines' ``load_state`` takes
-    # it: ``_runtime`` applies it to the engine it builds next
-    # (``_engine_state.apply_held``).
-    pending_engine_state: dict[str, Any] = field(default_factory=dict)
 
     def set_engine(self, engine: Any) -> None:
         """Makes ``engine`` the CPU engine; the one it replaces is retired."""
