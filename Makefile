@@ -90,7 +90,10 @@ GPU_PY ?= python3
 OUT ?= gpu-check-out
 STAGE ?= plan
 BUDGET ?= 420
-gpu-kit: wheel ## the wheel plus the small wheels a GPU machine may lack (.gpu-kit/wheels)
+gpu-kit: $(STAMPS)/venv ## the wheel (with the GPU tests' NCCL communicator) plus the small wheels a GPU machine may lack (.gpu-kit/wheels)
+	@# The GPU tests drive one NCCL communicator from Python (test_nccl_init_bound):
+	@# the kit's wheel has that test-only class; the shipped wheel (make wheel) does not.
+	$(VENV)/bin/maturin build --release -q -o dist --features nccl-communicator
 	@mkdir -p .gpu-kit/wheels
 	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu-kit/wheels pytest-timeout pyroute2 py-spy
 
