@@ -30,7 +30,8 @@ built-in hook) replaces the engine for that model.
 The package's modules, one job each: ``_config`` (the effective
 configuration and the start-up report), ``_runtime`` (the process's default
 group, the script's own ``init_process_group`` wrapped or ours on first
-use, and the engines built for it: the one place that builds either),
+use, and the one writer of the process's state), ``_engines`` (the
+engines built for a group),
 ``_launch`` (launcher to process group arguments), ``_nccl`` (which NCCL,
 and whether CUDA buckets use it), ``_rendezvous`` (exchanges through the
 store), ``_hook`` (the DDP patch and hook), ``_cuda`` (streams and futures

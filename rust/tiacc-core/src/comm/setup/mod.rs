@@ -8,10 +8,10 @@
 //! [`DeviceChannels`], over NCCL or TCP). The 2D layout is agreed through
 //! the rendezvous first ([`layout`]).
 //!
-//! The algorithm is decided here and nowhere else: flat, or 2D when the 2D
-//! groups are connected; under `TIACC_TRAINING_ALGORITHM=auto` the probe
-//! ([`auto`]) then times both once the groups are up, and its verdict is
-//! what every channel runs. Every call that waits on peers blocks: a
+//! The engine's algorithm is adopted here: flat, or 2D when the 2D groups
+//! are connected (the layout agreed in [`layout`]); under
+//! `TIACC_TRAINING_ALGORITHM=auto` the probe ([`auto`]) then times both
+//! once the groups are up, and its verdict is what every channel runs. Every call that waits on peers blocks: a
 //! framework releases its own lock around them (the device engine's calls
 //! do so through [`Kernels::unlocked`]).
 
