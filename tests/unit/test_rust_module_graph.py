@@ -49,6 +49,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _graph_cycles import cycles
+
 REPO = Path(__file__).resolve().parents[2]
 CRATES = [REPO / "rust" / "tiacc-core" / "src", REPO / "rust" / "tiacc-py" / "src"]
 
@@ -305,43 +307,6 @@ class Crate:
                     if target != module.file:
                         graph[module.file].setdefault(target, []).append("::".join(segs))
         return graph
-
-
-def cycles(graph: dict) -> list[list]:
-    """The strongly connected components with more than one node (Tarjan)."""
-    index: dict = {}
-    low: dict = {}
-    stack: list = []
-    on: set = set()
-    found: list[list] = []
-    counter = [0]
-
-    def visit(node) -> None:
-        index[node] = low[node] = counter[0]
-        counter[0] += 1
-        stack.append(node)
-        on.add(node)
-        for nxt in graph.get(node, {}):
-            if nxt not in index:
-                visit(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in on:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            comp = []
-            while True:
-                top = stack.pop()
-                on.discard(top)
-                comp.append(top)
-                if top == node:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp, key=str))
-
-    for node in sorted(graph, key=str):
-        if node not in index:
-            visit(node)
-    return found
 
 
 def downward(src: Path, graph: dict[Path, dict[Path, list[str]]]) -> dict:
