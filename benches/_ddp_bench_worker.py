@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _machine import print_result
+from _models import conv_classifier
 from torch import nn
 
 MODELS = ("mlp", "dominant", "tiny")
@@ -157,22 +158,7 @@ def build_model(
             f"{layers} x Linear({width}, {width}) + ReLU",
         )
     if name == "dominant":
-        model = nn.Sequential(
-            nn.Conv2d(3, 16, 3, stride=2, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(32, 64, 3, stride=2, padding=1),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(64 * 4 * 4, 3072),
-            nn.ReLU(),
-            nn.Linear(3072, 512),
-            nn.ReLU(),
-            nn.Linear(512, 256),
-            nn.ReLU(),
-            nn.Linear(256, 10),
-        )
+        model = conv_classifier(3, [(16, 2), (32, 2), (64, 2)], [64 * 4 * 4, 3072, 512, 256, 10])
         description = (
             "Conv2d 3->16->32->64 (3x3, stride 2) on 32x32 images, "
             "Linear 1024->3072->512->256->10, ReLU"

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _models import conv_classifier
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -66,18 +67,7 @@ def cnn_task(rank: int) -> tuple[nn.Module, Callable[[], Batch], Batch, float, f
     templates = nn.functional.avg_pool2d(noise, 5, stride=1)
     templates = templates / templates.flatten(1).std(dim=1).view(10, 1, 1, 1)
     torch.manual_seed(4321)
-    model = nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(64, 64, 3, stride=2, padding=1),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(64 * 4 * 4, 128),
-        nn.ReLU(),
-        nn.Linear(128, 10),
-    )
+    model = conv_classifier(1, [(32, 1), (64, 2), (64, 2)], [64 * 4 * 4, 128, 10])
     gen = torch.Generator().manual_seed(200 + rank)
     held = _images(torch.Generator().manual_seed(999), templates, 2048)
     return model, lambda: _images(gen, templates, 32), held, 0.02, 0.25
