@@ -14,7 +14,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use tiacc_core::comm::backend::{Mem, TopKBlock};
+use tiacc_core::comm::backend::{Mem, Momentum, TopKBlock};
 use tiacc_core::comm::device::{KernelError, KernelResult, Kernels, Slot, Span};
 use tiacc_core::comm::setup::{self, DeviceTransport, EngineSetup, TcpSetup};
 use tiacc_core::comm::{CollectiveCall, DType, Runner};
@@ -471,14 +471,15 @@ impl Kernels for TorchOps<'_, '_> {
         self.call("clip_norm", (t, o, n / 4, max_norm)).map(drop)
     }
 
-    fn momentum_step(
+    fn momentum(
         &self,
-        velocity: Span<'_, Py<PyAny>>,
-        data: Span<'_, Py<PyAny>>,
+        op: Momentum,
+        first: Span<'_, Py<PyAny>>,
+        second: Span<'_, Py<PyAny>>,
         momentum: f64,
     ) -> KernelResult<()> {
-        let ((u, uo, n), (d, dof, _)) = (self.arg(velocity), self.arg(data));
-        self.call("momentum_step", (u, uo, d, dof, n / 4, momentum))
+        let ((a, ao, n), (b, bo, _)) = (self.arg(first), self.arg(second));
+        self.call(op.name(), (a, ao, b, bo, n / 4, momentum))
             .map(drop)
     }
 
@@ -490,17 +491,6 @@ impl Kernels for TorchOps<'_, '_> {
     ) -> KernelResult<()> {
         let ((b, bo, _), (t, to, n)) = (self.arg(block), self.arg(buf));
         self.call("topk_mask", (b, bo, layout.k, t, to, n / 4))
-            .map(drop)
-    }
-
-    fn momentum_correct(
-        &self,
-        data: Span<'_, Py<PyAny>>,
-        previous: Span<'_, Py<PyAny>>,
-        momentum: f64,
-    ) -> KernelResult<()> {
-        let ((d, dof, n), (p, po, _)) = (self.arg(data), self.arg(previous));
-        self.call("momentum_correct", (d, dof, p, po, n / 4, momentum))
             .map(drop)
     }
 

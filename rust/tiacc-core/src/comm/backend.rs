@@ -254,15 +254,11 @@ pub trait Backend {
     /// is above `max_norm` (as float32) every element multiplied by
     /// `max_norm / norm` (float32).
     fn clip_norm(&mut self, buf: Mem, max_norm: f64) -> Result<()>;
-    /// `velocity = (float32) momentum * velocity + data`, float32, rounding
-    /// the product and the sum separately (no fused multiply-add).
-    fn momentum_step(&mut self, velocity: Mem, data: Mem, momentum: f64) -> Result<()>;
+    /// Runs momentum kernel `op` on `first` and `second` (of one length).
+    fn momentum(&mut self, op: Momentum, first: Mem, second: Mem, momentum: f64) -> Result<()>;
     /// Zeroes the float32 entries of `buf` at the indices of `block`, one
     /// rank's block laid out as `layout` says (momentum factor masking).
     fn topk_mask(&mut self, block: Mem, layout: TopKBlock, buf: Mem) -> Result<()>;
-    /// `(data, previous) = (data - (float32) momentum * previous, data)`,
-    /// float32, the product and the difference rounded separately.
-    fn momentum_correct(&mut self, data: Mem, previous: Mem, momentum: f64) -> Result<()>;
 }
 
 #[cfg(test)]
@@ -286,6 +282,29 @@ mod tests {
 /// What the 2D allreduce does to each chunk's shard between the intra-node
 /// reduce-scatter and allgather (it may run on another thread).
 pub type InterStep<'a> = dyn Fn(&mut dyn Backend, Mem) -> Result<()> + Sync + 'a;
+
+/// The two element-wise momentum kernels of DGC's momentum correction, on
+/// two float32 buffers of one length (`first`, `second`), each product and
+/// sum or difference rounded to float32 separately (no fused multiply-add).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Momentum {
+    /// `velocity = (float32) momentum * velocity + data` (first: the
+    /// velocity, second: the data).
+    Step,
+    /// `(data, previous) = (data - (float32) momentum * previous, data)`
+    /// (first: the data, second: the previous sum).
+    Correct,
+}
+
+impl Momentum {
+    /// The kernel's name (the device kernels' method, a failure's subject).
+    pub fn name(self) -> &'static str {
+        match self {
+            Momentum::Step => "momentum_step",
+            Momentum::Correct => "momentum_correct",
+        }
+    }
+}
 
 /// One rank's block of (index, value) pairs in the allgathered buffer: `k`
 /// indices (u32), then `k` values (float32 or float16), little-endian,

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::mpsc;
 
 use super::algo::{two_d_in_order, Layout};
-use super::backend::{Backend, GroupId, GroupSum, InterStep, Mem, Shards, TopKBlock};
+use super::backend::{Backend, GroupId, GroupSum, InterStep, Mem, Momentum, Shards, TopKBlock};
 use super::codec;
 use super::dtype::DType;
 use super::mapping::SharedBytes;
@@ -650,10 +650,10 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         Ok(())
     }
 
-    fn momentum_step(&mut self, velocity: Mem, data: Mem, momentum: f64) -> Result<()> {
-        same_length(velocity, data)?;
-        let (d, u) = self.mem.pair(data, velocity)?;
-        sparse::momentum_step(u, d, momentum);
+    fn momentum(&mut self, op: Momentum, first: Mem, second: Mem, momentum: f64) -> Result<()> {
+        same_length(first, second)?;
+        let (a, b) = self.mem.pair_mut(first, second)?;
+        sparse::momentum(op, a, b, momentum);
         Ok(())
     }
 
@@ -665,13 +665,6 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         }
         let (k, b) = self.mem.pair(block, buf)?;
         sparse::mask_sent(k, layout, b);
-        Ok(())
-    }
-
-    fn momentum_correct(&mut self, data: Mem, previous: Mem, momentum: f64) -> Result<()> {
-        same_length(data, previous)?;
-        let (d, p) = self.mem.pair_mut(data, previous)?;
-        sparse::momentum_correct(d, p, momentum);
         Ok(())
     }
 }

@@ -247,53 +247,65 @@ fn seconds_text(timeout: Duration) -> String {
     }
 }
 
+/// A store in memory that threads standing for the ranks share (the tests'
+/// stand-in for a c10d store): `get` waits for its key as c10d's does.
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct MemoryStore {
+    keys: std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>,
+    changed: std::sync::Condvar,
+}
+
+#[cfg(test)]
+impl MemoryStore {
+    /// The keys set so far, sorted.
+    pub(crate) fn keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self.keys.lock().unwrap().keys().cloned().collect();
+        keys.sort();
+        keys
+    }
+}
+
+#[cfg(test)]
+impl Store for MemoryStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.keys.lock().unwrap().insert(key.into(), value.into());
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn get(&self, key: &str) -> Result<Vec<u8>> {
+        self.wait(&[key.to_string()], Duration::from_secs(5))?;
+        Ok(self.keys.lock().unwrap()[key].clone())
+    }
+
+    fn wait(&self, keys: &[String], timeout: Duration) -> Result<()> {
+        let guard = self.keys.lock().unwrap();
+        let (_guard, result) = self
+            .changed
+            .wait_timeout_while(guard, timeout, |k| {
+                keys.iter().any(|key| !k.contains_key(key))
+            })
+            .unwrap();
+        if result.timed_out() {
+            return Err(Error::Comm {
+                peer: None,
+                message: "the store's own timeout".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check(&self, key: &str) -> bool {
+        self.keys.lock().unwrap().contains_key(key)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
-    use std::sync::{Arc, Condvar, Mutex};
+    use std::sync::{Arc, Mutex};
     use std::thread;
-
-    /// A store in memory, shared by threads standing for the ranks.
-    #[derive(Default)]
-    struct MemoryStore {
-        keys: Mutex<HashMap<String, Vec<u8>>>,
-        changed: Condvar,
-    }
-
-    impl Store for MemoryStore {
-        fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-            self.keys.lock().unwrap().insert(key.into(), value.into());
-            self.changed.notify_all();
-            Ok(())
-        }
-
-        fn get(&self, key: &str) -> Result<Vec<u8>> {
-            self.wait(&[key.to_string()], Duration::from_secs(5))?;
-            Ok(self.keys.lock().unwrap()[key].clone())
-        }
-
-        fn wait(&self, keys: &[String], timeout: Duration) -> Result<()> {
-            let guard = self.keys.lock().unwrap();
-            let (_guard, result) = self
-                .changed
-                .wait_timeout_while(guard, timeout, |k| {
-                    keys.iter().any(|key| !k.contains_key(key))
-                })
-                .unwrap();
-            if result.timed_out() {
-                return Err(Error::Comm {
-                    peer: None,
-                    message: "the store's own timeout".into(),
-                });
-            }
-            Ok(())
-        }
-
-        fn check(&self, key: &str) -> bool {
-            self.keys.lock().unwrap().contains_key(key)
-        }
-    }
 
     fn rendezvous(store: &MemoryStore, rank: usize, seconds: f64) -> Rendezvous<'_> {
         Rendezvous {

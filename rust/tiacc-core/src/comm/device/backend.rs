@@ -10,7 +10,9 @@ use std::sync::Arc;
 use super::kernels::{KernelError, Kernels, Span};
 use crate::comm::algo::two_d_in_order;
 use crate::comm::auto::Probing;
-use crate::comm::backend::{Backend, GroupId, GroupSum, InterStep, Mem, Shards, TopKBlock};
+use crate::comm::backend::{
+    Backend, GroupId, GroupSum, InterStep, Mem, Momentum, Shards, TopKBlock,
+};
 use crate::comm::dtype::{shard_range, DType};
 use crate::comm::host::Groups;
 use crate::comm::nccl::{DevicePtr, NcclCommunicator, ReduceOp};
@@ -494,12 +496,12 @@ impl<K: Kernels> Backend for DeviceBackend<'_, K> {
             .map_err(|e| self.failed("clip_norm", e))
     }
 
-    fn momentum_step(&mut self, velocity: Mem, data: Mem, momentum: f64) -> Result<()> {
-        same_length(velocity.bytes, data.bytes)?;
-        let (u, d) = (self.arg(velocity)?, self.arg(data)?);
+    fn momentum(&mut self, op: Momentum, first: Mem, second: Mem, momentum: f64) -> Result<()> {
+        same_length(first.bytes, second.bytes)?;
+        let (a, b) = (self.arg(first)?, self.arg(second)?);
         self.kernels
-            .momentum_step(u, d, momentum)
-            .map_err(|e| self.failed("momentum_step", e))
+            .momentum(op, a, b, momentum)
+            .map_err(|e| self.failed(op.name(), e))
     }
 
     fn topk_mask(&mut self, block: Mem, layout: TopKBlock, buf: Mem) -> Result<()> {
@@ -512,14 +514,6 @@ impl<K: Kernels> Backend for DeviceBackend<'_, K> {
         self.kernels
             .topk_mask(k, layout, b)
             .map_err(|e| self.failed("topk_mask", e))
-    }
-
-    fn momentum_correct(&mut self, data: Mem, previous: Mem, momentum: f64) -> Result<()> {
-        same_length(data.bytes, previous.bytes)?;
-        let (d, p) = (self.arg(data)?, self.arg(previous)?);
-        self.kernels
-            .momentum_correct(d, p, momentum)
-            .map_err(|e| self.failed("momentum_correct", e))
     }
 }
 

@@ -6,7 +6,7 @@
 //! tensors (CUDA tensors in training, CPU tensors in the bindings' tests);
 //! this crate's tests implement it over host memory.
 
-use crate::comm::backend::{Mem, TopKBlock};
+use crate::comm::backend::{Mem, Momentum, TopKBlock};
 use crate::comm::dtype::DType;
 
 /// Bytes `offset .. offset + bytes` of one buffer, as a kernel takes them.
@@ -82,11 +82,12 @@ pub trait Kernels {
     ) -> KernelResult<()>;
     /// Scales float32 `buf` to an L2 norm of at most `max_norm`.
     fn clip_norm(&self, buf: Span<'_, Self::Buffer>, max_norm: f64) -> KernelResult<()>;
-    /// `velocity = momentum * velocity + data`, float32.
-    fn momentum_step(
+    /// Momentum kernel `op` on `first` and `second` (see [`Momentum`]).
+    fn momentum(
         &self,
-        velocity: Span<'_, Self::Buffer>,
-        data: Span<'_, Self::Buffer>,
+        op: Momentum,
+        first: Span<'_, Self::Buffer>,
+        second: Span<'_, Self::Buffer>,
         momentum: f64,
     ) -> KernelResult<()>;
     /// Zeroes `buf`'s float32 entries at the indices of `block`, one
@@ -96,13 +97,6 @@ pub trait Kernels {
         block: Span<'_, Self::Buffer>,
         layout: TopKBlock,
         buf: Span<'_, Self::Buffer>,
-    ) -> KernelResult<()>;
-    /// `(data, previous) = (data - momentum * previous, data)`, float32.
-    fn momentum_correct(
-        &self,
-        data: Span<'_, Self::Buffer>,
-        previous: Span<'_, Self::Buffer>,
-        momentum: f64,
     ) -> KernelResult<()>;
     /// Copies host bytes into `dst`.
     fn load(&self, dst: Span<'_, Self::Buffer>, data: &[u8]) -> KernelResult<()>;

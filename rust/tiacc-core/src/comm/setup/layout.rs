@@ -205,51 +205,10 @@ fn parse_host_entry(text: &str) -> Option<(String, Option<usize>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::store::Store;
+    use crate::comm::store::MemoryStore;
     use crate::config::AlgorithmChoice;
-    use std::collections::HashMap;
-    use std::sync::{Arc, Condvar, Mutex};
+    use std::sync::Arc;
     use std::time::Duration;
-
-    /// A store in memory, shared by threads standing for the ranks.
-    #[derive(Default)]
-    struct MemoryStore {
-        keys: Mutex<HashMap<String, Vec<u8>>>,
-        changed: Condvar,
-    }
-
-    impl Store for MemoryStore {
-        fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-            self.keys.lock().unwrap().insert(key.into(), value.into());
-            self.changed.notify_all();
-            Ok(())
-        }
-
-        fn get(&self, key: &str) -> Result<Vec<u8>> {
-            Ok(self.keys.lock().unwrap()[key].clone())
-        }
-
-        fn wait(&self, keys: &[String], timeout: Duration) -> Result<()> {
-            let guard = self.keys.lock().unwrap();
-            let (_guard, result) = self
-                .changed
-                .wait_timeout_while(guard, timeout, |k| {
-                    keys.iter().any(|key| !k.contains_key(key))
-                })
-                .unwrap();
-            match result.timed_out() {
-                true => Err(Error::Comm {
-                    peer: None,
-                    message: "the store's own timeout".into(),
-                }),
-                false => Ok(()),
-            }
-        }
-
-        fn check(&self, key: &str) -> bool {
-            self.keys.lock().unwrap().contains_key(key)
-        }
-    }
 
     /// What each of 4 ranks (2 per node, all on this host) agrees, rank `r`
     /// with `configs[r]`, local rank `local_rank(r)`, under `scope`; also
@@ -283,9 +242,7 @@ mod tests {
             .into_iter()
             .map(|h| h.join().unwrap())
             .collect();
-        let mut keys: Vec<String> = store.keys.lock().unwrap().keys().cloned().collect();
-        keys.sort();
-        (results, keys)
+        (results, store.keys())
     }
 
     fn algorithm(algorithm: AlgorithmChoice) -> CommConfig {

@@ -2,7 +2,7 @@
 //! velocity step, masking what was sent and the correction.
 
 use super::f32_at;
-use crate::comm::backend::TopKBlock;
+use crate::comm::backend::{Momentum, TopKBlock};
 
 /// Host kernel of [`Backend::clip_norm`](crate::comm::Backend::clip_norm): scales float32 `buf` by
 /// `max_norm / norm` when its L2 norm is above `max_norm`. The sum of
@@ -25,8 +25,17 @@ pub fn clip_norm(buf: &mut [u8], max_norm: f64) {
     }
 }
 
-/// Host kernel of [`Backend::momentum_step`](crate::comm::Backend::momentum_step): `velocity = momentum *
-/// velocity + data` (float32, each operation rounded).
+/// Host kernel of [`Backend::momentum`](crate::comm::Backend::momentum):
+/// runs `op` on `first` and `second`.
+pub fn momentum(op: Momentum, first: &mut [u8], second: &mut [u8], momentum: f64) {
+    match op {
+        Momentum::Step => momentum_step(first, second, momentum),
+        Momentum::Correct => momentum_correct(first, second, momentum),
+    }
+}
+
+/// [`Momentum::Step`]: `velocity = momentum * velocity + data` (float32,
+/// each operation rounded).
 pub fn momentum_step(velocity: &mut [u8], data: &[u8], momentum: f64) {
     let m = momentum as f32;
     for (u, d) in velocity.chunks_exact_mut(4).zip(data.chunks_exact(4)) {
@@ -47,8 +56,8 @@ pub fn mask_sent(block: &[u8], layout: TopKBlock, buf: &mut [u8]) {
     }
 }
 
-/// Host kernel of [`Backend::momentum_correct`](crate::comm::Backend::momentum_correct): `(data, previous) =
-/// (data - momentum * previous, data)` (float32, each operation rounded).
+/// [`Momentum::Correct`]: `(data, previous) = (data - momentum * previous,
+/// data)` (float32, each operation rounded).
 pub fn momentum_correct(data: &mut [u8], previous: &mut [u8], momentum: f64) {
     let m = momentum as f32;
     for (d, p) in data.chunks_exact_mut(4).zip(previous.chunks_exact_mut(4)) {

@@ -33,13 +33,13 @@ mod select;
 #[cfg(test)]
 mod tests;
 
-pub use dgc::{clip_norm, mask_sent, momentum_correct, momentum_step};
+pub use dgc::{clip_norm, mask_sent, momentum, momentum_correct, momentum_step};
 pub use pack::{pack, sum};
 pub use select::top_k;
 
 use std::collections::HashMap;
 
-use super::backend::{Backend, GroupId, Mem, Shards, TopKBlock};
+use super::backend::{Backend, GroupId, Mem, Momentum, Shards, TopKBlock};
 use super::dtype::DType;
 use crate::config::CommConfig;
 use crate::error::{Error, Result};
@@ -217,7 +217,7 @@ pub fn sparse_allreduce(
         b.topk_pack(data, residual, layout, shards.mine)?;
     } else {
         let velocity = b.residual(StateBuf::Velocity.key(bucket)?, n * 4)?;
-        b.momentum_step(velocity, data, dgc.momentum)?;
+        b.momentum(Momentum::Step, velocity, data, dgc.momentum)?;
         b.topk_pack(velocity, residual, layout, shards.mine)?;
         if dgc.masking {
             b.topk_mask(shards.mine, layout, velocity)?;
@@ -227,7 +227,7 @@ pub fn sparse_allreduce(
     b.topk_sum(gathered, layout, data, group, bucket)?;
     if momentum {
         let previous = b.residual(StateBuf::PreviousSum.key(bucket)?, n * 4)?;
-        b.momentum_correct(data, previous, dgc.momentum)?;
+        b.momentum(Momentum::Correct, data, previous, dgc.momentum)?;
     }
     Ok(())
 }

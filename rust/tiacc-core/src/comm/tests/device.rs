@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use super::*;
 use crate::comm::algo::{Algorithm, Bucket};
-use crate::comm::backend::{Mem, TopKBlock};
+use crate::comm::backend::{Mem, Momentum, TopKBlock};
 use crate::comm::codec::{self, Compression};
 use crate::comm::device::{Comms, DeviceBackend, KernelResult, Kernels, Slot, Span};
 use crate::comm::sharded::{self, ReduceScatterPlan};
@@ -152,14 +152,15 @@ impl Kernels for HostKernels {
         Ok(())
     }
 
-    fn momentum_step(
+    fn momentum(
         &self,
-        velocity: Span<'_, Shared>,
-        data: Span<'_, Shared>,
+        op: Momentum,
+        first: Span<'_, Shared>,
+        second: Span<'_, Shared>,
         momentum: f64,
     ) -> KernelResult<()> {
         // SAFETY: the backend's spans of one kernel do not overlap.
-        unsafe { sparse::momentum_step(bytes(velocity), bytes(data), momentum) };
+        unsafe { sparse::momentum(op, bytes(first), bytes(second), momentum) };
         Ok(())
     }
 
@@ -171,17 +172,6 @@ impl Kernels for HostKernels {
     ) -> KernelResult<()> {
         // SAFETY: the backend's spans of one kernel do not overlap.
         unsafe { sparse::mask_sent(bytes(block), layout, bytes(buf)) };
-        Ok(())
-    }
-
-    fn momentum_correct(
-        &self,
-        data: Span<'_, Shared>,
-        previous: Span<'_, Shared>,
-        momentum: f64,
-    ) -> KernelResult<()> {
-        // SAFETY: the backend's spans of one kernel do not overlap.
-        unsafe { sparse::momentum_correct(bytes(data), bytes(previous), momentum) };
         Ok(())
     }
 
