@@ -8,7 +8,7 @@
 //! optionally Top-K sparse. The CPU path (TCP) and the CUDA path (NCCL) run
 //! this same code; only their [`Backend`]s differ.
 
-use super::backend::{Backend, GroupId, GroupSum, InterStep, Mem};
+use super::backend::{Backend, GroupId, GroupSum, Mem, TwoDJob};
 use std::sync::Arc;
 
 use super::codec::Compression;
@@ -325,7 +325,13 @@ impl Algorithm {
         let scale = self.settings.scale;
         let step = move |b: &mut dyn Backend, mine: Mem| inter_dense(b, mine, dtype, wire, scale);
         let chunks = pipeline_chunks(buf, dtype, b.pipelines())?;
-        b.two_d(dtype, divisor, &chunks, &step)?;
+        let job = TwoDJob {
+            dtype,
+            divisor,
+            chunks: &chunks,
+            inter: &step,
+        };
+        b.two_d(job)?;
         Ok((Path::TwoD, codec, None))
     }
 }
@@ -390,25 +396,19 @@ pub fn pipeline_chunks(buf: Mem, dtype: DType, pipelines: bool) -> Result<Vec<Me
         .collect()
 }
 
-/// The 2D allreduce of `chunks`, one after another: for each, its
-/// division by `divisor`, the reduce-scatter inside the node, `inter` on
+/// The 2D allreduce `job`, one chunk after another: for each, its
+/// division, the reduce-scatter inside the node, the inter-node step on
 /// this rank's shard, the allgather inside the node. Backends that cannot
 /// overlap the steps run this; the host backend pipelines the same steps
 /// (and divides while its reduce-scatter copies).
-pub fn two_d_in_order(
-    b: &mut dyn Backend,
-    dtype: DType,
-    divisor: f64,
-    chunks: &[Mem],
-    inter: &InterStep,
-) -> Result<()> {
-    for &c in chunks {
-        if divisor != 1.0 {
-            b.div(c, dtype, divisor)?;
+pub fn two_d_in_order(b: &mut dyn Backend, job: TwoDJob<'_>) -> Result<()> {
+    for &c in job.chunks {
+        if job.divisor != 1.0 {
+            b.div(c, job.dtype, job.divisor)?;
         }
-        let shards = b.reduce_scatter(GroupId::Intra, c, dtype)?;
-        inter(b, shards.mine)?;
-        b.allgather(GroupId::Intra, shards, c, dtype.size())?;
+        let shards = b.reduce_scatter(GroupId::Intra, c, job.dtype)?;
+        (job.inter)(b, shards.mine)?;
+        b.allgather(GroupId::Intra, shards, c, job.dtype.size())?;
     }
     Ok(())
 }

@@ -237,18 +237,11 @@ pub trait Backend {
     fn pipelines(&self) -> bool {
         false
     }
-    /// The 2D allreduce of `chunks` (consecutive spans of one buffer of
-    /// `dtype`), each element divided by `divisor` before it is summed: per
-    /// chunk, a reduce-scatter inside the node, `inter` on this rank's
-    /// shard, an allgather inside the node. Backends that do not pipeline
-    /// call [`super::algo::two_d_in_order`].
-    fn two_d(
-        &mut self,
-        dtype: DType,
-        divisor: f64,
-        chunks: &[Mem],
-        inter: &InterStep,
-    ) -> Result<()>;
+    /// The 2D allreduce `job`: per chunk, its division, a reduce-scatter
+    /// inside the node, the inter-node step on this rank's shard, an
+    /// allgather inside the node. Backends that do not pipeline call
+    /// [`super::algo::two_d_in_order`].
+    fn two_d(&mut self, job: TwoDJob<'_>) -> Result<()>;
     /// Scales float32 `buf` so that its L2 norm is at most `max_norm`: the
     /// sum of squares in float64, the norm rounded to float32, and when it
     /// is above `max_norm` (as float32) every element multiplied by
@@ -282,6 +275,18 @@ mod tests {
 /// What the 2D allreduce does to each chunk's shard between the intra-node
 /// reduce-scatter and allgather (it may run on another thread).
 pub type InterStep<'a> = dyn Fn(&mut dyn Backend, Mem) -> Result<()> + Sync + 'a;
+
+/// A 2D allreduce as the algorithm hands it to [`Backend::two_d`]: the
+/// chunks (consecutive spans of one buffer of `dtype`), the divisor each
+/// element is divided by before it is summed, and the inter-node step run
+/// on each chunk's shard.
+#[derive(Clone, Copy)]
+pub struct TwoDJob<'a> {
+    pub dtype: DType,
+    pub divisor: f64,
+    pub chunks: &'a [Mem],
+    pub inter: &'a InterStep<'a>,
+}
 
 /// The two element-wise momentum kernels of DGC's momentum correction, on
 /// two float32 buffers of one length (`first`, `second`), each product and

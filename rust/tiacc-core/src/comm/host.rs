@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::mpsc;
 
 use super::algo::{two_d_in_order, Layout};
-use super::backend::{Backend, GroupId, GroupSum, InterStep, Mem, Momentum, Shards, TopKBlock};
+use super::backend::{Backend, GroupId, GroupSum, Mem, Momentum, Shards, TopKBlock, TwoDJob};
 use super::codec;
 use super::dtype::DType;
 use super::mapping::SharedBytes;
@@ -354,13 +354,13 @@ impl<G: GroupSet> HostBackend<G> {
     /// sees two ranks disagree), and a helper thread runs `inter` on each
     /// chunk's shard in chunk order once its reduce-scatter is done. The
     /// allgather of chunk `k` waits for chunk `k`'s inter-node step.
-    fn pipelined_two_d(
-        &mut self,
-        dtype: DType,
-        divisor: f64,
-        chunks: &[Mem],
-        inter: &InterStep,
-    ) -> Result<()> {
+    fn pipelined_two_d(&mut self, job: TwoDJob<'_>) -> Result<()> {
+        let TwoDJob {
+            dtype,
+            divisor,
+            chunks,
+            inter,
+        } = job;
         for &c in chunks {
             self.mem.check(c)?;
         }
@@ -372,7 +372,7 @@ impl<G: GroupSet> HostBackend<G> {
             _ => None,
         };
         let Some((intra, inter_transport, layout)) = self.groups.split_two_d() else {
-            return two_d_in_order(self, dtype, divisor, chunks, inter);
+            return two_d_in_order(self, job);
         };
         let abort_inter = inter_transport.aborter();
         // The link is crossed by the helper: it takes the turn (if not
@@ -632,17 +632,11 @@ impl<G: GroupSet> Backend for HostBackend<G> {
         true
     }
 
-    fn two_d(
-        &mut self,
-        dtype: DType,
-        divisor: f64,
-        chunks: &[Mem],
-        inter: &InterStep,
-    ) -> Result<()> {
-        if chunks.len() < 2 {
-            return two_d_in_order(self, dtype, divisor, chunks, inter);
+    fn two_d(&mut self, job: TwoDJob<'_>) -> Result<()> {
+        if job.chunks.len() < 2 {
+            return two_d_in_order(self, job);
         }
-        self.pipelined_two_d(dtype, divisor, chunks, inter)
+        self.pipelined_two_d(job)
     }
 
     fn clip_norm(&mut self, buf: Mem, max_norm: f64) -> Result<()> {

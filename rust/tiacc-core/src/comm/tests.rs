@@ -296,6 +296,22 @@ fn counted_two_by_two_groups() -> (Vec<Groups>, Vec<(Moves, Moves)>) {
 }
 
 /// 2 nodes x 2 ranks: groups per world rank, each with a 2D hierarchy.
+/// Runs `f` on a thread for each rank of [`two_by_two_groups`], with its
+/// rank and groups; what each returned, in rank order.
+fn on_two_by_two<T: Send + 'static>(
+    f: impl Fn(usize, Groups) -> T + Send + Clone + 'static,
+) -> Vec<T> {
+    let handles: Vec<_> = two_by_two_groups()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, groups)| {
+            let f = f.clone();
+            std::thread::spawn(move || f(rank, groups))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 fn two_by_two_groups() -> Vec<Groups> {
     use super::algo::Layout;
     use super::host::Hierarchy;

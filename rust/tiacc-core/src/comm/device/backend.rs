@@ -10,9 +10,7 @@ use std::sync::Arc;
 use super::kernels::{KernelError, Kernels, Span};
 use crate::comm::algo::two_d_in_order;
 use crate::comm::auto::Probing;
-use crate::comm::backend::{
-    Backend, GroupId, GroupSum, InterStep, Mem, Momentum, Shards, TopKBlock,
-};
+use crate::comm::backend::{Backend, GroupId, GroupSum, Mem, Momentum, Shards, TopKBlock, TwoDJob};
 use crate::comm::dtype::{shard_range, DType};
 use crate::comm::host::Groups;
 use crate::comm::nccl::{DevicePtr, NcclCommunicator, ReduceOp};
@@ -403,14 +401,8 @@ impl<K: Kernels> Backend for DeviceBackend<'_, K> {
 
     /// Stream-ordered: the chunks run one after another on the channel's
     /// stream (the algorithm hands over a single chunk, see `pipelines`).
-    fn two_d(
-        &mut self,
-        dtype: DType,
-        divisor: f64,
-        chunks: &[Mem],
-        inter: &InterStep,
-    ) -> Result<()> {
-        two_d_in_order(self, dtype, divisor, chunks, inter)
+    fn two_d(&mut self, job: TwoDJob<'_>) -> Result<()> {
+        two_d_in_order(self, job)
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<Mem> {

@@ -9,7 +9,9 @@ use super::*;
 use crate::comm::algo::{Algorithm, Bucket};
 use crate::comm::backend::{Mem, Momentum, TopKBlock};
 use crate::comm::codec::{self, Compression};
-use crate::comm::device::{Comms, DeviceBackend, KernelResult, Kernels, Slot, Span};
+use crate::comm::device::{
+    Comms, DeviceBackend, DeviceChannels, KernelResult, Kernels, Slot, Span,
+};
 use crate::comm::sharded::{self, ReduceScatterPlan};
 use crate::comm::sparse::{self, TopKOptions};
 
@@ -58,6 +60,14 @@ pub(super) type Shared = std::sync::Arc<HostBuffer>;
 
 /// [`Kernels`] over host memory: the host backend's own kernels.
 pub(super) struct HostKernels;
+
+/// Device channels of rank `rank` of four whose watchdog watches the TCP
+/// `groups` they are to be opened on.
+pub(super) fn watched_channels(rank: usize, groups: &Groups) -> DeviceChannels<Shared> {
+    let engine = DeviceChannels::<Shared>::new(rank, 4, Duration::from_secs(20), None).unwrap();
+    engine.watch_tcp(std::slice::from_ref(groups));
+    engine
+}
 
 /// `span`'s bytes.
 ///
@@ -386,46 +396,36 @@ fn the_device_backend_runs_the_sharded_collectives_over_the_2d_groups() {
 
 #[test]
 fn device_channels_probe_open_and_reduce_buckets_without_a_framework() {
-    use crate::comm::device::DeviceChannels;
     let len = 4096;
-    let handles: Vec<_> = two_by_two_groups()
-        .into_iter()
-        .enumerate()
-        .map(|(rank, groups)| {
-            std::thread::spawn(move || {
-                let mut engine =
-                    DeviceChannels::<Shared>::new(rank, 4, Duration::from_secs(20), None).unwrap();
-                engine.watch_tcp(std::slice::from_ref(&groups));
-                let mut comms = vec![Comms::Tcp(groups)];
-                // The auto probe through the device backend: every rank
-                // measures the same numbers (they are exchanged).
-                let probe = engine.probe(&HostKernels, &mut comms[0], 1 << 16, 0);
-                let two_d = probe.unwrap().decide(1, false).two_d;
-                let settings = AlgoSettings {
-                    hierarchical_threshold: two_d.then_some(u64::MAX),
-                    ..Default::default()
-                };
-                engine.open(comms, settings);
-                assert!(engine.connected());
-                let mut results = Vec::new();
-                for bucket in 0..2u64 {
-                    let values: Vec<f64> = (0..len)
-                        .map(|i| two_d_value(rank, i + bucket as usize))
-                        .collect();
-                    let got = through_host_slot(&values, |slot| {
-                        engine
-                            .allreduce(&HostKernels, slot, DType::F32, bucket, false, 0)
-                            .unwrap_or_else(|e| panic!("rank {rank} bucket {bucket}: {e}"));
-                    });
-                    results.push(got);
-                }
-                engine.shutdown(&HostKernels);
-                assert!(!engine.connected());
-                (two_d, results)
-            })
-        })
-        .collect();
-    let outcomes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let outcomes = on_two_by_two(move |rank, groups| {
+        let mut engine = watched_channels(rank, &groups);
+        let mut comms = vec![Comms::Tcp(groups)];
+        // The auto probe through the device backend: every rank
+        // measures the same numbers (they are exchanged).
+        let probe = engine.probe(&HostKernels, &mut comms[0], 1 << 16, 0);
+        let two_d = probe.unwrap().decide(1, false).two_d;
+        let settings = AlgoSettings {
+            hierarchical_threshold: two_d.then_some(u64::MAX),
+            ..Default::default()
+        };
+        engine.open(comms, settings);
+        assert!(engine.connected());
+        let mut results = Vec::new();
+        for bucket in 0..2u64 {
+            let values: Vec<f64> = (0..len)
+                .map(|i| two_d_value(rank, i + bucket as usize))
+                .collect();
+            let got = through_host_slot(&values, |slot| {
+                engine
+                    .allreduce(&HostKernels, slot, DType::F32, bucket, false, 0)
+                    .unwrap_or_else(|e| panic!("rank {rank} bucket {bucket}: {e}"));
+            });
+            results.push(got);
+        }
+        engine.shutdown(&HostKernels);
+        assert!(!engine.connected());
+        (two_d, results)
+    });
     // Every rank chose the same algorithm and holds the exact sums.
     assert!(outcomes.iter().all(|o| o.0 == outcomes[0].0));
     for (rank, (_, buckets)) in outcomes.iter().enumerate() {
@@ -442,69 +442,60 @@ fn device_channels_probe_open_and_reduce_buckets_without_a_framework() {
 fn device_channels_run_torch_s_collectives_over_the_2d_groups() {
     use crate::comm::collective::DeviceCollective;
     use crate::comm::counters::Path;
-    use crate::comm::device::DeviceChannels;
     const BLOCK: usize = 257;
-    let handles: Vec<_> = two_by_two_groups()
-        .into_iter()
-        .enumerate()
-        .map(|(rank, groups)| {
-            std::thread::spawn(move || {
-                let mut engine =
-                    DeviceChannels::<Shared>::new(rank, 4, Duration::from_secs(20), None).unwrap();
-                engine.watch_tcp(std::slice::from_ref(&groups));
-                let settings = AlgoSettings {
-                    hierarchical_threshold: Some(u64::MAX),
-                    ..Default::default()
-                };
-                engine.open(vec![Comms::Tcp(groups)], settings);
-                let run = |op: DeviceCollective, values: Vec<f64>, bucket: u64| {
-                    through_host_slot(&values, |slot| {
-                        engine
-                            .collective(&HostKernels, op, slot, DType::F32, bucket, 0)
-                            .unwrap_or_else(|e| panic!("rank {rank} {op:?}: {e}"));
-                    })
-                };
-                let input: Vec<f64> = (0..4 * BLOCK).map(|i| two_d_value(rank, i)).collect();
-                let scattered = run(
-                    DeviceCollective::ReduceScatter { mean: true },
-                    input.clone(),
-                    0,
-                );
-                let own: Vec<f64> = (0..4 * BLOCK)
-                    .map(|i| {
-                        if i / BLOCK == rank {
-                            two_d_value(rank, i)
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect();
-                let gathered = run(DeviceCollective::Allgather, own, 1);
-                let summed = run(DeviceCollective::Allreduce { mean: false }, input, 2);
-                let ints = engine.collective(
-                    &HostKernels,
-                    DeviceCollective::Allreduce { mean: true },
-                    Slot {
-                        buffer: HostKernels.empty(8).unwrap().0,
-                        mem: Mem::new(0, 0),
-                    },
-                    DType::I32,
-                    3,
-                    0,
-                );
-                let paths: Vec<Path> = engine
-                    .counters()
-                    .snapshot()
-                    .iter()
-                    .map(|r| r.path)
-                    .collect();
-                engine.shutdown(&HostKernels);
-                (scattered, gathered, summed, ints.is_err(), paths)
+    let outcomes = on_two_by_two(move |rank, groups| {
+        let mut engine = watched_channels(rank, &groups);
+        let settings = AlgoSettings {
+            hierarchical_threshold: Some(u64::MAX),
+            ..Default::default()
+        };
+        engine.open(vec![Comms::Tcp(groups)], settings);
+        let run = |op: DeviceCollective, values: Vec<f64>, bucket: u64| {
+            through_host_slot(&values, |slot| {
+                engine
+                    .collective(&HostKernels, op, slot, DType::F32, bucket, 0)
+                    .unwrap_or_else(|e| panic!("rank {rank} {op:?}: {e}"));
             })
-        })
-        .collect();
-    for (rank, h) in handles.into_iter().enumerate() {
-        let (scattered, gathered, summed, int_mean_refused, paths) = h.join().unwrap();
+        };
+        let input: Vec<f64> = (0..4 * BLOCK).map(|i| two_d_value(rank, i)).collect();
+        let scattered = run(
+            DeviceCollective::ReduceScatter { mean: true },
+            input.clone(),
+            0,
+        );
+        let own: Vec<f64> = (0..4 * BLOCK)
+            .map(|i| {
+                if i / BLOCK == rank {
+                    two_d_value(rank, i)
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let gathered = run(DeviceCollective::Allgather, own, 1);
+        let summed = run(DeviceCollective::Allreduce { mean: false }, input, 2);
+        let ints = engine.collective(
+            &HostKernels,
+            DeviceCollective::Allreduce { mean: true },
+            Slot {
+                buffer: HostKernels.empty(8).unwrap().0,
+                mem: Mem::new(0, 0),
+            },
+            DType::I32,
+            3,
+            0,
+        );
+        let paths: Vec<Path> = engine
+            .counters()
+            .snapshot()
+            .iter()
+            .map(|r| r.path)
+            .collect();
+        engine.shutdown(&HostKernels);
+        (scattered, gathered, summed, ints.is_err(), paths)
+    });
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        let (scattered, gathered, summed, int_mean_refused, paths) = outcome;
         for i in 0..4 * BLOCK {
             let sum: f64 = (0..4).map(|r| two_d_value(r, i)).sum();
             if i / BLOCK == rank {

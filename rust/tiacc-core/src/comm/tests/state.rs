@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::device::{HostKernels, Shared};
+use super::device::{watched_channels, HostKernels, Shared};
 use super::*;
 use crate::comm::device::{Comms, DeviceChannels, Kernels, Slot, Span};
 use crate::comm::sparse::{DgcOptions, TopKOptions};
@@ -215,8 +215,7 @@ fn device_steps(
     steps: std::ops::Range<usize>,
 ) -> (Vec<Vec<u8>>, EngineState) {
     let kernels = HostKernels;
-    let mut engine = DeviceChannels::<Shared>::new(rank, 4, Duration::from_secs(20), None).unwrap();
-    engine.watch_tcp(std::slice::from_ref(&groups));
+    let mut engine = watched_channels(rank, &groups);
     engine.open(vec![Comms::Tcp(groups)], settings);
     if let Some(s) = state {
         engine.import_state(&kernels, &s, None).unwrap();
