@@ -43,7 +43,7 @@ import textwrap
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = ROOT / "tiacc_training" / "_engine.pyi"
@@ -65,6 +65,7 @@ IMPORTS = {
     "Literal": "typing",
     "Optional": "typing",
     "Union": "typing",
+    "type_check_only": "typing",
     "Callable": "collections.abc",
     "Iterable": "collections.abc",
     "Iterator": "collections.abc",
@@ -376,6 +377,48 @@ def rust_files() -> dict[str, Path]:
     return found
 
 
+@dataclass
+class Share:
+    """Members that one bindings macro defines on several classes.
+
+    Attributes:
+        base: The stub-only base class that holds them (`_EngineSetupView` for
+            `engine_setup_view!`), declared with `typing.type_check_only`: at
+            run time the classes have no common base.
+        classes: The classes the macro is invoked for, in order.
+        members: The names of the methods and getters the macro defines.
+    """
+
+    base: str
+    classes: list[str]
+    members: set[str]
+
+
+def macro_shares() -> list[Share]:
+    """The members a bindings macro gives two or more classes.
+
+    A `macro_rules!` of the bindings whose body holds a `#[pymethods]` block
+    defines the same methods on every class it is invoked for
+    (`engine_setup_view!(CommEngine);`); the stub writes them once, in a base.
+
+    Returns:
+        One `Share` for each such macro invoked for two classes or more.
+    """
+    texts = [p.read_text(encoding="utf-8") for p in sorted(BINDINGS.glob("*.rs"))]
+    shares = []
+    for text in texts:
+        for m in re.finditer(r"macro_rules!\s+(\w+)\s*\{(.*?)\n\}", text, re.S):
+            name, body = m.groups()
+            if "#[pymethods]" not in body:
+                continue
+            classes = [c for t in texts for c in re.findall(rf"\b{name}!\(\s*(\w+)\s*\)", t)]
+            if len(classes) < 2:
+                continue
+            base = "_" + "".join(word.capitalize() for word in name.split("_"))
+            shares.append(Share(base, classes, set(re.findall(r"\bfn\s+(\w+)\s*\(", body))))
+    return shares
+
+
 def section_title(path: Path) -> str:
     """The comment naming a Rust file: its path and the first sentence of its docs.
 
@@ -422,6 +465,11 @@ class Generator:
             (name, parse_type(text, f"alias {name}", self.names), what)
             for name, text, what in entries
         ]
+        self.shares = macro_shares()
+        for share in self.shares:
+            missing = [c for c in share.classes if c not in classes]
+            if missing:
+                raise StubError(f"{share.base}: no class {', '.join(missing)} in the module")
 
     def constant(self, name: str, value: object) -> list[str]:
         """The stub of a module constant, typed by its value."""
@@ -468,35 +516,28 @@ class Generator:
             return [f"class {name}({bases}): ..."]
         return [f"class {name}({bases}):", *body]
 
-    def klass(self, name: str, cls: type) -> list[str]:
-        """The stub of a class: constructor, special methods, properties, methods."""
-        bases = [b.__name__ for b in cls.__bases__ if b is not object]
-        body: list[str] = []
-        yields = doc_section(cls.__doc__, "Yields")
-        if yields:
-            m = re.match(r"(.+?): ", yields[0] + " ")
-            assert m is not None
-            item = parse_type(m.group(1), f"{name} (Yields)", self.names)
-            self.names.used.add("Iterator")
-            bases.insert(0, f"Iterator[{item}]")
-            if "__next__" not in vars(cls):
-                raise StubError(f"{name}: documents what it yields but has no __next__")
-            body += def_lines(INDENT, "__next__", ["self"], item)
-        elif "__next__" in vars(cls) or "__iter__" in vars(cls):
-            raise StubError(f"{name}: an iterator needs a 'Yields:' section in its doc")
-        init = text_signature(cls, name)
-        if init is not None:
-            sig = parse_signature(init, f"{name}.__init__", self.names, first=None)
-            if sig.returns is not None:
-                raise StubError(f"{name}: a constructor's text signature has no return type")
-            body[:0] = def_lines(INDENT, "__init__", ["self", *sig.params], "None")
+    def members(
+        self, name: str, cls: type, keep: Callable[[str], bool]
+    ) -> tuple[list[str], list[str]]:
+        """The stubs of the attributes of `cls` that `keep` accepts.
+
+        Args:
+            name: The class's name (for errors).
+            cls: The class.
+            keep: Whether an attribute's stub is wanted, by its name.
+
+        Returns:
+            The special methods' and properties' lines, and the methods'.
+        """
         properties: list[str] = []
         methods: list[str] = []
         for attr in sorted(vars(cls)):
+            if not keep(attr):
+                continue
             value = inspect.getattr_static(cls, attr)
             where = f"{name}.{attr}"
             if attr in SPECIAL:
-                body += def_lines(INDENT, attr, ["self"], SPECIAL[attr])
+                properties += def_lines(INDENT, attr, ["self"], SPECIAL[attr])
             elif attr in SKIPPED:
                 continue
             elif attr.startswith("__"):
@@ -518,6 +559,54 @@ class Generator:
                 methods += self.function(attr, value, INDENT, "self", where)
             else:
                 raise StubError(f"{where}: no stub for a {type(value).__name__}")
+        return properties, methods
+
+    def shared_base(self, share: Share) -> list[str]:
+        """The stub-only base holding what `share`'s macro defines.
+
+        Every class must have the members, with the same stub.
+        """
+        stubs = []
+        for name in share.classes:
+            cls = getattr(self.module, name)
+            absent = sorted(m for m in share.members if m not in vars(cls))
+            if absent:
+                raise StubError(f"{name}: {share.base} members {', '.join(absent)} missing")
+            properties, methods = self.members(name, cls, share.members.__contains__)
+            stubs.append(properties + methods)
+        if any(other != stubs[0] for other in stubs[1:]):
+            raise StubError(f"{share.base}: the classes {share.classes} type its members apart")
+        self.names.used.add("type_check_only")
+        return ["@type_check_only", f"class {share.base}:", *stubs[0]]
+
+    def klass(self, name: str, cls: type) -> list[str]:
+        """The stub of a class: constructor, special methods, properties, methods."""
+        bases = [b.__name__ for b in cls.__bases__ if b is not object]
+        shared: set[str] = set()
+        for share in self.shares:
+            if name in share.classes:
+                bases.append(share.base)
+                shared |= share.members
+        body: list[str] = []
+        yields = doc_section(cls.__doc__, "Yields")
+        if yields:
+            m = re.match(r"(.+?): ", yields[0] + " ")
+            assert m is not None
+            item = parse_type(m.group(1), f"{name} (Yields)", self.names)
+            self.names.used.add("Iterator")
+            bases.insert(0, f"Iterator[{item}]")
+            if "__next__" not in vars(cls):
+                raise StubError(f"{name}: documents what it yields but has no __next__")
+            body += def_lines(INDENT, "__next__", ["self"], item)
+        elif "__next__" in vars(cls) or "__iter__" in vars(cls):
+            raise StubError(f"{name}: an iterator needs a 'Yields:' section in its doc")
+        init = text_signature(cls, name)
+        if init is not None:
+            sig = parse_signature(init, f"{name}.__init__", self.names, first=None)
+            if sig.returns is not None:
+                raise StubError(f"{name}: a constructor's text signature has no return type")
+            body[:0] = def_lines(INDENT, "__init__", ["self", *sig.params], "None")
+        properties, methods = self.members(name, cls, lambda attr: attr not in shared)
         body += properties + methods
         head = f"class {name}({', '.join(bases)})" if bases else f"class {name}"
         return [f"{head}:", *body] if body else [f"{head}: ..."]
@@ -530,6 +619,7 @@ class Generator:
         for name in self.all:
             sections.setdefault(files.get(name, lib), []).append(name)
         blocks: list[list[str]] = []
+        emitted: set[str] = set()
         for path, section in sections.items():
             objs = {n: getattr(self.module, n) for n in section}
             consts = [n for n in section if not callable(objs[n])]
@@ -550,6 +640,11 @@ class Generator:
             for cls in classes:
                 lines = comment(section_title(path)) if first else []
                 first = False
+                for share in self.shares:
+                    if cls.__name__ in share.classes and share.base not in emitted:
+                        emitted.add(share.base)
+                        blocks.append(lines + self.shared_base(share))
+                        lines = []
                 if issubclass(cls, BaseException):
                     lines += self.exception(cls.__name__, cls)
                 else:

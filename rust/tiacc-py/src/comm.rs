@@ -16,7 +16,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use tiacc_core::comm::collective::check_root;
-use tiacc_core::comm::engine::channel_of;
 use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
 use tiacc_core::comm::setup::{self, EngineSetup, TcpSetup};
 use tiacc_core::comm::tcp;
@@ -28,7 +27,7 @@ use tiacc_core::config;
 
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
-use crate::store::PyStore;
+use crate::store::{engine_setup, PyStore};
 
 /// How this process was launched (`tiacc_core::config::launch_env`: torchrun,
 /// mpirun, SLURM, horovodrun, MPICH, PMIx) as a dict, or
@@ -249,12 +248,12 @@ pub(crate) fn counters_dict<'py>(
     Ok(out)
 }
 
-/// The getters both engines (`CommEngine`, `DeviceEngine`) share: the
+/// What both engines (`CommEngine`, `DeviceEngine`) show of their set-up: the
 /// configuration object they were built from (field `config`), what their
 /// core engine's [`EngineSetup`] holds and their listeners' addresses (from
 /// inherent `fn setup(&self) -> &EngineSetup` and `fn tcp_setup(&self) ->
-/// Option<&TcpSetup>`).
-macro_rules! engine_getters {
+/// Option<&TcpSetup>`), and the channel a bucket runs on.
+macro_rules! engine_setup_view {
     ($engine:ty) => {
         #[pymethods]
         impl $engine {
@@ -280,6 +279,12 @@ macro_rules! engine_getters {
             #[getter]
             fn num_channels(&self) -> usize {
                 self.setup().num_channels()
+            }
+
+            /// The channel (with NCCL, the CUDA stream) bucket `bucket` runs on.
+            #[pyo3(text_signature = "(self, bucket: int) -> int")]
+            fn channel_of(&self, bucket: u64) -> usize {
+                tiacc_core::comm::engine::channel_of(bucket, self.setup().num_channels())
             }
 
             /// float: The per-collective timeout in seconds.
@@ -346,7 +351,7 @@ macro_rules! engine_getters {
         }
     };
 }
-pub(crate) use engine_getters;
+pub(crate) use engine_setup_view;
 
 /// An allreduce's result left in memory the ranks of one host share
 /// (`CommEngine.allreduce_async(..., share=True)`): `ptr` and `nbytes`
@@ -422,20 +427,11 @@ impl CommEngine {
             local_size,
             local_rank,
         };
-        let mut engine_setup = crate::store::engine_setup(
-            config.py(),
-            &config.get().inner,
-            rank,
-            size,
-            placement,
-            store,
-            prefix,
-            group,
-        )?;
+        let mut agreed = engine_setup(&config, rank, size, placement, store, prefix, group)?;
         if let Some(n) = channels {
-            engine_setup = engine_setup.with_channels(n).py()?;
+            agreed = agreed.with_channels(n).py()?;
         }
-        let core = setup::CommEngine::new(engine_setup, host, PyBoard::wrap(board)).py()?;
+        let core = setup::CommEngine::new(agreed, host, PyBoard::wrap(board)).py()?;
         Ok(CommEngine {
             config: config.unbind(),
             core,
@@ -446,12 +442,6 @@ impl CommEngine {
     #[getter]
     fn connected(&self) -> bool {
         self.core.connected()
-    }
-
-    /// The channel bucket `bucket` runs on.
-    #[pyo3(text_signature = "(self, bucket: int) -> int")]
-    fn channel_of(&self, bucket: u64) -> usize {
-        channel_of(bucket, self.core.setup().num_channels())
     }
 
     /// dict[str, str]: What carries each group's bytes, once connected:
@@ -696,7 +686,7 @@ impl CommEngine {
     }
 }
 
-engine_getters!(CommEngine);
+engine_setup_view!(CommEngine);
 
 impl CommEngine {
     fn setup(&self) -> &EngineSetup {

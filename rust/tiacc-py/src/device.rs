@@ -20,11 +20,11 @@ use tiacc_core::comm::setup::{self, DeviceTransport, EngineSetup, TcpSetup};
 use tiacc_core::comm::{CollectiveCall, DType, Runner};
 use tiacc_core::Error;
 
-use crate::comm::{counters_dict, engine_getters, PyBoard};
+use crate::comm::{counters_dict, engine_setup_view, PyBoard};
 use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
 use crate::nccl::load;
-use crate::store::PyStore;
+use crate::store::{engine_setup, PyStore};
 
 /// The device engine of one process (see the module docs): the core's
 /// [`setup::DeviceEngine`] over torch tensors, and the torch kernels.
@@ -52,6 +52,15 @@ fn tensor_mem(tensor: &Bound<'_, PyAny>) -> PyResult<Mem> {
         ));
     }
     Ok(Mem::new(addr, bytes))
+}
+
+/// A flat uint8 tensor as the slot a device collective runs on.
+fn tensor_slot(tensor: Bound<'_, PyAny>) -> PyResult<Slot<Py<PyAny>>> {
+    let mem = tensor_mem(&tensor)?;
+    Ok(Slot {
+        buffer: tensor.unbind(),
+        mem,
+    })
 }
 
 #[pymethods]
@@ -95,16 +104,7 @@ impl DeviceEngine {
             local_size,
             local_rank,
         };
-        let engine_setup = crate::store::engine_setup(
-            py,
-            &config.get().inner,
-            rank,
-            size,
-            placement,
-            store,
-            prefix,
-            group,
-        )?;
+        let agreed = engine_setup(&config, rank, size, placement, store, prefix, group)?;
         // The tensors' device type (`cpu`, `cuda`): the core decides what
         // each transport takes.
         let device: String = kernels
@@ -113,7 +113,7 @@ impl DeviceEngine {
             .getattr("type")?
             .extract()?;
         let transport = DeviceTransport::parse_for(transport, host, &device).py()?;
-        let core = setup::DeviceEngine::new(engine_setup, transport, PyBoard::wrap(board)).py()?;
+        let core = setup::DeviceEngine::new(agreed, transport, PyBoard::wrap(board)).py()?;
         Ok(DeviceEngine {
             config: config.unbind(),
             kernels,
@@ -166,12 +166,6 @@ impl DeviceEngine {
         })
     }
 
-    /// The channel (and so the CUDA stream) bucket `bucket` runs on.
-    #[pyo3(text_signature = "(self, bucket: int) -> int")]
-    fn channel_of(&self, bucket: u64) -> usize {
-        tiacc_core::comm::engine::channel_of(bucket, self.core.setup().num_channels())
-    }
-
     /// Runs the allreduce of a bucket: `buf` is its bytes (a flat uint8
     /// view), `dtype` its element type. With NCCL every step is enqueued on
     /// `stream` (the channel's; the caller runs this inside that stream's
@@ -192,12 +186,8 @@ impl DeviceEngine {
         stream: usize,
     ) -> PyResult<()> {
         let dtype = DType::parse(dtype).py()?;
-        let mem = tensor_mem(&buf)?;
+        let slot = tensor_slot(buf)?;
         let ops = torch_ops(py, &self.kernels);
-        let slot = Slot {
-            buffer: buf.unbind(),
-            mem,
-        };
         self.core
             .channels()
             .allreduce(&ops, slot, dtype, bucket, average, stream)
@@ -231,14 +221,10 @@ impl DeviceEngine {
         let dtype = DType::parse(dtype).py()?;
         let call = CollectiveCall::parse(Runner::Device, collective, reduce).py()?;
         let op = call.device().py()?;
-        let mem = tensor_mem(&buf)?;
-        call.check(dtype, mem.bytes, self.core.setup().size())
+        let slot = tensor_slot(buf)?;
+        call.check(dtype, slot.mem.bytes, self.core.setup().size())
             .py()?;
         let ops = torch_ops(py, &self.kernels);
-        let slot = Slot {
-            buffer: buf.unbind(),
-            mem,
-        };
         self.core
             .channels()
             .collective(&ops, op, slot, dtype, bucket, stream)
@@ -330,7 +316,7 @@ impl DeviceEngine {
     }
 }
 
-engine_getters!(DeviceEngine);
+engine_setup_view!(DeviceEngine);
 
 impl DeviceEngine {
     fn setup(&self) -> &EngineSetup {

@@ -9,9 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use tiacc_core::comm::setup::{EngineSetup, Placement, Scope};
 use tiacc_core::comm::{Rendezvous, Store};
-use tiacc_core::config::CommConfig;
 use tiacc_core::Error;
 
+use crate::config::PyCommConfig;
 use crate::errors::{to_pyerr, ResultExt};
 use crate::nccl::seconds;
 
@@ -132,8 +132,7 @@ impl Store for PyStore {
 /// groups.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn engine_setup(
-    py: Python<'_>,
-    config: &CommConfig,
+    config: &Bound<'_, PyCommConfig>,
     rank: usize,
     size: usize,
     placement: Placement,
@@ -141,6 +140,7 @@ pub(crate) fn engine_setup(
     prefix: Option<&str>,
     group: bool,
 ) -> PyResult<EngineSetup> {
+    let (py, config) = (config.py(), &config.get().inner);
     let (store, prefix) = match (store, prefix) {
         (None, _) => return EngineSetup::new(config, rank, size, placement, None).py(),
         (Some(store), Some(prefix)) => (store, prefix),
