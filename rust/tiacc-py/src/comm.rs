@@ -20,8 +20,8 @@ use tiacc_core::comm::progress::{self, RankTimes, StepTimes};
 use tiacc_core::comm::setup::{self, EngineSetup, TcpSetup};
 use tiacc_core::comm::tcp;
 use tiacc_core::comm::{
-    Collective, CollectiveCall, Completion, Counters, DType, Engine, FailureBoard, Job, Layout,
-    RawBuf, Reduce, Runner, SharedBytes,
+    Collective, CollectiveCall, Completion, Counters, DType, Engine, FailureBoard, Job, RawBuf,
+    Reduce, Runner, SharedBytes,
 };
 use tiacc_core::config;
 
@@ -86,38 +86,6 @@ pub fn outward_interface() -> PyResult<Option<(String, String)>> {
     let interfaces = config::system_interfaces().py()?;
     Ok(config::outward_interface(&interfaces)
         .and_then(|i| i.ipv4.map(|ip| (i.name.clone(), ip.to_string()))))
-}
-
-/// This rank's node layout for the 2D allreduce: `world` ranks in nodes of
-/// `intra_size`, checked against where every rank runs when `hosts` is
-/// given (`hosts[r]` is rank `r`'s `(host name, local rank or None)`).
-/// Returns `(intra_members, inter_members)` (world ranks); raises
-/// `ConfigError` naming `LIGHT_INTRA_SIZE` when the ranks do not form whole
-/// nodes in order.
-#[pyfunction]
-#[pyo3(
-    signature = (rank, world, intra_size, hosts=None),
-    text_signature = "(rank: int, world: int, intra_size: int, \
-        hosts: Optional[list[tuple[str, Optional[int]]]] = None) -> tuple[list[int], list[int]]"
-)]
-pub fn node_layout(
-    rank: usize,
-    world: usize,
-    intra_size: usize,
-    hosts: Option<Vec<(String, Option<usize>)>>,
-) -> PyResult<(Vec<usize>, Vec<usize>)> {
-    let layout = match hosts {
-        None => Layout::new(rank, world, intra_size),
-        Some(hosts) if hosts.len() == world => Layout::from_hosts(rank, intra_size, &hosts),
-        Some(hosts) => {
-            return Err(PyValueError::new_err(format!(
-                "expected the hosts of {world} ranks, got {}",
-                hosts.len()
-            )))
-        }
-    }
-    .py()?;
-    Ok((layout.intra_members(), layout.inter_members()))
 }
 
 /// The lines rank 0 logs about clearly slow ranks (empty: none), from every

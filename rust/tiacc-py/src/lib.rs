@@ -58,7 +58,6 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(comm::local_addr_towards, m)?)?;
     m.add_function(wrap_pyfunction!(comm::network_interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(comm::outward_interface, m)?)?;
-    m.add_function(wrap_pyfunction!(comm::node_layout, m)?)?;
     m.add_function(wrap_pyfunction!(comm::slow_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(comm::collective_dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(comm::collective_ops, m)?)?;
