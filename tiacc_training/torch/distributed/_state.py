@@ -9,6 +9,7 @@ state held for an engine not yet built (``_engine_state.pending``).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,17 +20,40 @@ logger = logging.getLogger("tiacc_training")
 PREFIX = "tiacc_training: "
 
 
+_NAME_FIELD = re.compile(r"%\(name\)|\{name[}!:]|\$\{?name\b")
+
+
+def _shows_name(handler: logging.Handler) -> bool:
+    """Whether ``handler``'s format puts the logger's name on each line."""
+    style = getattr(handler.formatter, "_style", None)
+    return bool(_NAME_FIELD.search(getattr(style, "_fmt", None) or ""))
+
+
+def _reached(from_logger: logging.Logger) -> list[logging.Handler]:
+    """The handlers a record of ``from_logger`` reaches, as logging walks them."""
+    handlers: list[logging.Handler] = []
+    current: logging.Logger | None = from_logger
+    while current is not None:
+        handlers += current.handlers
+        current = current.parent if current.propagate else None
+    return handlers
+
+
 class _Prefixed(logging.Filter):
     """Puts ``tiacc_training: `` in front of each of the package's log lines.
 
     In the message itself, so that the lines keep it under any handler:
-    ours, the script's ``logging.basicConfig``, or a framework's that logs
-    the message alone (Ray's workers).
+    ours, one that logs the message alone (Ray's workers, logging's last
+    resort). Not where every handler the line reaches already shows the
+    logger's name (``logging.basicConfig()``'s default format), which
+    would say it twice.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and not record.msg.startswith(PREFIX):
-            record.msg = PREFIX + record.msg
+            handlers = _reached(logging.getLogger(record.name))
+            if not handlers or not all(_shows_name(h) for h in handlers):
+                record.msg = PREFIX + record.msg
         return True
 
 
